@@ -1,0 +1,294 @@
+"""``zerocc.compile``: a model and its optimizer in, one callable training step out."""
+from __future__ import annotations
+
+import collections
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from . import graph as g
+from . import plans
+from .capture import Captured, capture, named_tensors
+from .context import CompileContext
+from .errors import ConfigError
+from .optimizer_step import hyperparameter_signature, live_hyperparameters
+from .pipeline import GraphSnapshot, default_pipeline, run_pipeline
+from .runtime import slots as slot_store
+from .runtime.process_group import Ranks, resolve
+from .runtime.program import Program
+from .tracing import make_fake_mode
+
+# Target bucket size. Small enough that a 5M-parameter model gets several
+# buckets to overlap, large enough that biases and norms ride along.
+DEFAULT_BUCKET_BYTES = 4 * 1024 * 1024
+
+STAGES = (0, 1, 2, 3)
+
+
+def compile(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    stage: int = 3,
+    *,
+    loss_fn: Callable | None = None,
+    num_targets: int | None = None,
+    group=None,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+) -> "CompiledStep":
+    """Compile one training step of ``model`` with ``optimizer`` under ZeRO ``stage`` (0-3).
+
+    The returned step is called with one batch (this rank's slice of the
+    global batch): ``loss = step(*inputs)``. It runs forward, loss, backward
+    and the optimizer update. The loss is the model's output if it is a scalar
+    tensor, its ``loss`` entry (Hugging Face style), or
+    ``loss_fn(model(*inputs[:-num_targets]), *inputs[-num_targets:])``.
+    Gradients are averaged over the ranks of ``group`` (default: the default
+    process group, initialized from torchrun's environment if needed; world
+    size 1 without one).
+    """
+    if stage not in STAGES:
+        raise ConfigError(f"stage={stage!r} is not a ZeRO stage; use 0 (plain data parallel), 1, 2 or 3")
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ConfigError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
+        raise ConfigError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
+    if num_targets is None:
+        num_targets = 1 if loss_fn is not None else 0
+    return CompiledStep(model, optimizer, stage, loss_fn, num_targets, group, bucket_bytes)
+
+
+class CompiledStep:
+    """A compiled training step and the sharded state it keeps between calls.
+
+    Compilation happens at the first call (it needs an example batch) and again
+    when the batch's shapes, the optimizer state's structure (the first step
+    creates it) or a baked-in hyper-parameter change. The learning rate is read
+    at every call.
+    """
+
+    def __init__(self, model, optimizer, stage, loss_fn, num_targets, group, bucket_bytes):
+        self.model = model
+        self.optimizer = optimizer
+        self.stage = stage
+        self.loss_fn = loss_fn
+        self.num_targets = num_targets
+        self.bucket_bytes = bucket_bytes
+        device = next(model.parameters()).device
+        self.ranks: Ranks = resolve(group, device)
+        self._programs: dict[Any, tuple[Program, CompileContext, list[GraphSnapshot]]] = {}
+        self._slots: dict[str, torch.Tensor] | None = None
+        self._plan: plans.ShardPlan | None = None
+        self._captured: Captured | None = None
+        self._state_signature: list[dict[str, tuple[bool, torch.dtype]]] | None = None
+        self._released_shapes: dict[str, tuple[int, ...]] = {}
+        self._last: tuple[Program, CompileContext, list[GraphSnapshot]] | None = None
+        self.compile_seconds = 0.0
+        if self.ranks.world_size > 1:
+            self._sync_initial_state()
+
+    # -- the step ----------------------------------------------------------------
+    def __call__(self, *inputs):
+        program, ctx, _ = self._program_for(inputs)
+        for group_index, value in enumerate(live_hyperparameters(self.optimizer)):
+            self._slots[plans.lr_slot(group_index)] = value
+        batch = list(inputs)
+        loss = program.run(self._slots, batch)
+        self._after_step(ctx)
+        return loss
+
+    def _program_for(self, inputs):
+        key = (self._input_signature(inputs), self._state_key(), hyperparameter_signature(self.optimizer))
+        found = self._programs.get(key)
+        if found is None:
+            started = time.perf_counter()
+            found = self._compile(inputs)
+            self.compile_seconds += time.perf_counter() - started
+            self._programs[key] = found
+        self._last = found
+        return found
+
+    def _compile(self, inputs):
+        fake_mode = make_fake_mode()
+        optimizer_state = None
+        if self._state_signature is not None:
+            optimizer_state = self._fake_state(fake_mode)
+        captured = capture(self.model, self.optimizer, inputs, loss_fn=self.loss_fn, num_targets=self.num_targets,
+                           fake_mode=fake_mode, optimizer_state=optimizer_state,
+                           check_update_elementwise=self.stage != 0,
+                           parameter_shapes=self._released_shapes)
+        state_signature = _state_signature_of(captured)
+        ctx = CompileContext(self.stage, self.ranks.world_size, self.ranks.rank, self.ranks.group_name,
+                             self.optimizer, captured, fake_mode, self.bucket_bytes, previous_plan=self._plan)
+        gm, history = run_pipeline(captured.gm, ctx, default_pipeline(self.stage))
+        program = Program.from_graph(gm)
+        if self._slots is None:
+            self._captured = captured
+            self._plan = ctx.shard_plan
+            self._slots = slot_store.initial_slots(ctx.shard_plan, captured, self.model, self.optimizer)
+            self.optimizer.state.clear()   # the step owns the (sharded) optimizer state from now on
+            self._release_model_parameters()
+        self._state_signature = state_signature
+        return program, ctx, history
+
+    def _after_step(self, ctx: CompileContext) -> None:
+        """Keep the user's module usable at stages 0-2: its parameters view the new buckets."""
+        if self.stage == 3:
+            return
+        views = slot_store.parameter_views(self._plan, self._captured, {
+            b.index: self._slots[plans.bucket_slot(b.index)] for b in self._plan.buckets})
+        tensors = {names[0]: t for names, t in named_tensors(self.model, "param")}
+        for index, view in views.items():
+            tensors[self._captured.params[index].name].data = view
+        buffers = {names[0]: t for names, t in named_tensors(self.model, "buffer")}
+        for info in self._captured.buffers:
+            buffers[info.name].data = self._slots[plans.buffer_slot(info.name)]
+
+    def _release_model_parameters(self) -> None:
+        if self.stage == 3:
+            tensors = {names[0]: t for names, t in named_tensors(self.model, "param")}
+            for index in self._plan_param_indices():
+                info = self._captured.params[index]
+                param = tensors[info.name]
+                self._released_shapes[info.name] = info.shape
+                param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+        else:
+            self._after_step(None)
+
+    def _plan_param_indices(self):
+        return [s.param for b in self._plan.buckets for s in b.segments]
+
+    def _sync_initial_state(self) -> None:
+        """Every rank starts from rank 0's parameters and buffers, as DDP does."""
+        with torch.no_grad():
+            for tensor in [*self.model.parameters(), *self.model.buffers()]:
+                dist.broadcast(tensor.data, src=0, group=self.ranks.group)
+
+    def _input_signature(self, inputs) -> tuple:
+        signature = []
+        for value in inputs:
+            if isinstance(value, torch.Tensor):
+                signature.append((tuple(value.shape), value.dtype, str(value.device), value.requires_grad))
+            else:
+                signature.append(("python", type(value).__name__, repr(value)))
+        return tuple(signature)
+
+    def _state_key(self) -> tuple:
+        if self._slots is None:
+            return ("initial",)
+        return tuple(sorted(s for s in self._slots if s.startswith("state:")))
+
+    def _fake_state(self, fake_mode) -> list[dict[str, torch.Tensor]]:
+        states = []
+        params = {names[0]: t for names, t in named_tensors(self.model, "param")}
+        for info, signature in zip(self._captured.params, self._state_signature):
+            state = {}
+            with fake_mode:
+                for key, (scalar, dtype) in signature.items():
+                    shape = () if scalar else info.shape
+                    state[key] = torch.zeros(shape, dtype=dtype, device=params[info.name].device)
+            states.append(state)
+        return states
+
+    # -- reading it back --------------------------------------------------------
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Unsharded parameters and buffers, keyed as ``model.state_dict()`` (a collective at stage 3)."""
+        if self._slots is None:
+            return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        buckets = slot_store.full_buckets(self._plan, self._slots, self.ranks.group)
+        views = slot_store.parameter_views(self._plan, self._captured, buckets)
+        by_name: dict[str, torch.Tensor] = {}
+        for index, info in enumerate(self._captured.params):
+            value = views[index] if index in views else self._slots[plans.param_slot(info.name)]
+            for name in info.names:
+                by_name[name] = value.clone()
+        for info in self._captured.frozen:
+            for name in info.names:
+                by_name[name] = self._slots[plans.frozen_slot(info.name)].clone()
+        for info in self._captured.buffers:
+            for name in info.names:
+                by_name[name] = self._slots[plans.buffer_slot(info.name)].clone()
+        return {key: by_name[key] for key in self.model.state_dict().keys() if key in by_name}
+
+    @property
+    def passes(self) -> list[str]:
+        return ["capture", *[p.name for p in default_pipeline(self.stage)]]
+
+    def graph(self, name: str = "insert_collectives") -> GraphSnapshot:
+        """The program after pass ``name`` (of the plan the last call ran), printable as Python."""
+        history = self._require_compiled()[2]
+        for snapshot in history:
+            if snapshot.name == name:
+                return snapshot
+        raise ConfigError(f"no pass named {name!r}; the passes are: {', '.join(s.name for s in history)}")
+
+    @property
+    def shard_plan(self) -> plans.ShardPlan:
+        return self._require_compiled()[1].shard_plan
+
+    def _require_compiled(self):
+        if self._last is None:
+            raise ConfigError("the step has not been compiled yet: call it once with a batch first")
+        return self._last
+
+    def report(self) -> dict:
+        """What the current plan does per step and holds per rank, from the compiler's own accounting."""
+        program, ctx, _ = self._require_compiled()
+        plan = ctx.shard_plan
+        comm = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0, "broadcast": 0}
+        counts = collections.Counter()
+        for node in program.gm.graph.nodes:
+            if g.is_all_gather(node):
+                comm["all_gather"] += g.nbytes(node)
+                counts["all_gather"] += 1
+            elif g.is_reduce_scatter(node):
+                comm["reduce_scatter"] += g.nbytes(node.args[0])
+                counts["reduce_scatter"] += 1
+            elif g.is_all_reduce(node):
+                comm["all_reduce"] += 2 * g.nbytes(node)
+                counts["all_reduce"] += 1
+            elif g.is_broadcast(node):
+                comm["broadcast"] += g.nbytes(node)
+                counts["broadcast"] += 1
+        held = {"params": 0, "grads": 0, "optimizer": 0}
+        for node in g.placeholders(program.gm):
+            role = node.meta[g.ROLE]
+            if role in (g.ROLE_PARAM, g.ROLE_FROZEN):
+                held["params"] += g.nbytes(node)
+            elif role == g.ROLE_STATE:
+                held["optimizer"] += g.nbytes(node)
+        for bucket in plan.buckets:
+            reduced_early = self.stage >= 2
+            held["grads"] += bucket.shard_numel * bucket.dtype.itemsize if reduced_early else bucket.nbytes
+        param_count = sum(info.numel for info in self._captured.params) + sum(i.numel for i in self._captured.frozen)
+        return {
+            "stage": self.stage,
+            "world_size": self.ranks.world_size,
+            "rank": self.ranks.rank,
+            "param_count": param_count,
+            "param_bytes": sum(i.numel * i.dtype.itemsize for i in [*self._captured.params, *self._captured.frozen]),
+            "buckets": len(plan.buckets),
+            "padding_elements": plan.padding_elements,
+            "comm_bytes_per_step": comm,
+            "collectives_per_step": dict(counts),
+            "model_state_bytes_per_rank": held,
+            "compile_seconds": round(self.compile_seconds, 3),
+        }
+
+
+def _state_signature_of(captured: Captured) -> list[dict[str, tuple[bool, torch.dtype]]]:
+    """Per trained parameter: its optimizer state after this step, as (is scalar, dtype) by key."""
+    output = g.output_node(captured.gm).args[0]
+    by_slot = dict(zip(captured.gm.meta[g.OUTPUT_SLOTS], output[1:]))
+    signature = []
+    for info, keys in zip(captured.params, captured.new_state_keys):
+        entry = {}
+        for key in keys:
+            value = by_slot[plans.state_slot(info.name, key)].meta[g.VAL]
+            entry[key] = (value.dim() == 0, value.dtype)
+        signature.append(entry)
+    return signature

@@ -1,0 +1,298 @@
+"""Capture: one whole training step -> one functional aten FX graph.
+
+First stage of the pipeline (see ``zerocc/pipeline.py``). The graph computes
+
+    loss, new params, new buffers, new optimizer state
+        = step(params, frozen params, buffers, optimizer state, learning rates, inputs)
+
+and every placeholder is tagged with its role (``graph.ROLE``), every node
+with its phase (``graph.PHASE``): forward, backward or optimizer. Gradient
+nodes carry ``GRAD_OF`` (the index of their parameter). Python control flow
+is specialized on the example batch; what cannot be traced fails here with
+the user's source line.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch._subclasses.fake_tensor import DynamicOutputShapeException, DataDependentOutputException
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+from . import graph as g
+from . import plans
+from .errors import CaptureError, ConfigError, user_frame
+from .optimizer_step import optimizer_update, check_elementwise
+from .tracing import trace_functional, fakeify
+
+GRAD_OF = "zerocc_grad_of"   # meta key on gradient nodes: index of the parameter
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+    """One parameter or buffer of the model, by every name it has (tied weights have several)."""
+    names: tuple[str, ...]
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    group: int = -1          # optimizer param group, -1 if not trained
+
+    @property
+    def name(self) -> str:
+        return self.names[0]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+@dataclasses.dataclass
+class Captured:
+    """The captured graph and what its placeholders and outputs mean."""
+    gm: fx.GraphModule
+    params: list[TensorInfo]            # trained parameters (ROLE_PARAM placeholders, in order)
+    frozen: list[TensorInfo]            # parameters not trained in this step
+    buffers: list[TensorInfo]
+    state_keys: list[tuple[str, ...]]   # per trained param: its optimizer-state tensors, in placeholder order
+    num_groups: int
+    num_inputs: int
+    # output layout: [loss, *new params, *new buffers, *new states (flattened in state_keys order)]
+    new_state_keys: list[tuple[str, ...]] = dataclasses.field(default_factory=list)
+
+
+def named_tensors(model: nn.Module, kind: str) -> list[tuple[tuple[str, ...], torch.Tensor]]:
+    """(names, tensor) for each distinct parameter or buffer; tied tensors keep all their names."""
+    getter = model.named_parameters if kind == "param" else model.named_buffers
+    by_id: dict[int, tuple[list[str], torch.Tensor]] = {}
+    for name, tensor in getter(remove_duplicate=False):
+        by_id.setdefault(id(tensor), ([], tensor))[0].append(name)
+    return [(tuple(names), tensor) for names, tensor in by_id.values()]
+
+
+def extract_loss(output: Any, targets: Sequence[Any], loss_fn: Callable | None) -> torch.Tensor:
+    if loss_fn is not None:
+        loss = loss_fn(output, *targets)
+    elif isinstance(output, torch.Tensor):
+        loss = output
+    elif isinstance(output, dict) and "loss" in output:
+        loss = output["loss"]
+    elif hasattr(output, "loss"):
+        loss = output.loss
+    else:
+        raise CaptureError(
+            f"the model returned {type(output).__name__}, not a scalar loss or an object with a 'loss' entry; "
+            "pass loss_fn=... to zerocc.compile (it is called as loss_fn(output, *targets))"
+        )
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise CaptureError(f"the loss must be a scalar tensor, got {shape}; reduce it (e.g. .mean()) in the model or loss_fn")
+    return loss
+
+
+def capture(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    inputs: Sequence[Any],
+    *,
+    loss_fn: Callable | None,
+    num_targets: int,
+    fake_mode,
+    optimizer_state: Sequence[dict[str, torch.Tensor]] | None = None,
+    check_update_elementwise: bool = True,
+    parameter_shapes: dict[str, tuple[int, ...]] | None = None,
+) -> Captured:
+    """Trace one training step of ``model`` and ``optimizer`` on ``inputs``.
+
+    ``parameter_shapes`` gives the true shapes of parameters whose storage the
+    runtime released (stage 3). ``optimizer_state`` gives, per trained parameter, the state tensors to trace
+    with (defaults to ``optimizer.state``); empty dicts mean "first step": the
+    optimizer initializes its state inside the graph the way it always does.
+    """
+    params_all = named_tensors(model, "param")
+    buffers_all = named_tensors(model, "buffer")
+    group_of_id = {}
+    for index, group in enumerate(optimizer.param_groups):
+        for p in group["params"]:
+            group_of_id[id(p)] = index
+    model_ids = {id(t) for _, t in params_all}
+    strays = [i for i, group in enumerate(optimizer.param_groups) for p in group["params"] if id(p) not in model_ids]
+    if strays:
+        raise ConfigError(
+            f"the optimizer holds {len(strays)} tensor(s) that are not parameters of the model "
+            f"(in param group(s) {sorted(set(strays))}); build the optimizer from model.parameters()"
+        )
+
+    trained = [(names, t) for names, t in params_all if t.requires_grad and id(t) in group_of_id]
+    frozen = [(names, t) for names, t in params_all if not (t.requires_grad and id(t) in group_of_id)]
+    if not trained:
+        raise ConfigError("the model has no parameter that both requires grad and is in the optimizer")
+    parameter_shapes = parameter_shapes or {}
+
+    def shape_of(names, tensor):
+        return tuple(parameter_shapes.get(names[0], tensor.shape))
+
+    param_infos = [TensorInfo(n, shape_of(n, t), t.dtype, group_of_id[id(t)]) for n, t in trained]
+    frozen_infos = [TensorInfo(n, shape_of(n, t), t.dtype) for n, t in frozen]
+    buffer_infos = [TensorInfo(n, tuple(t.shape), t.dtype) for n, t in buffers_all]
+
+    if optimizer_state is None:
+        optimizer_state = [
+            {k: v for k, v in optimizer.state.get(t, {}).items() if isinstance(v, torch.Tensor)} for _, t in trained
+        ]
+    state_keys = [tuple(sorted(s)) for s in optimizer_state]
+    from .optimizer_step import live_hyperparameters
+    learning_rates = live_hyperparameters(optimizer)
+    num_model_inputs = len(inputs) - num_targets
+    if num_model_inputs < 0:
+        raise ConfigError(f"the step got {len(inputs)} argument(s) but {num_targets} target(s) were declared")
+    group_of = [info.group for info in param_infos]
+
+    def whole_step(params, frozen_params, buffers, states, lrs, batch):
+        tensors = {}
+        for info, value in zip(param_infos, params):
+            tensors[info.name] = value
+        for info, value in zip(frozen_infos, frozen_params):
+            tensors[info.name] = value
+        for info, value in zip(buffer_infos, buffers):
+            tensors[info.name] = value
+        with torch.enable_grad():
+            output = torch.func.functional_call(model, tensors, tuple(batch[:num_model_inputs]), tie_weights=True, strict=False)
+            loss = extract_loss(output, batch[num_model_inputs:], loss_fn)
+            grads = torch.autograd.grad(loss, params, allow_unused=True)
+        used = [i for i, grad in enumerate(grads) if grad is not None]
+        stepped, new_states = optimizer_update(
+            optimizer,
+            [params[i] for i in used], [grads[i] for i in used], [dict(states[i]) for i in used],
+            [group_of[i] for i in used], lrs,
+        )
+        new_params = list(params)
+        all_states = [dict(s) for s in states]
+        for position, i in enumerate(used):
+            new_params[i] = stepped[position]
+            all_states[i] = new_states[position]
+        return loss.detach(), grads, new_params, list(buffers), all_states
+
+    real_args = (
+        [t for _, t in trained], [t for _, t in frozen], [t for _, t in buffers_all],
+        [dict(s) for s in optimizer_state], learning_rates, list(inputs),
+    )
+    fake_args = fakeify(fake_mode, real_args)
+    with fake_mode:   # parameters released by the runtime: fakes of their true shape
+        for position, (names, tensor) in enumerate(trained):
+            if names[0] in parameter_shapes:
+                fake_args[0][position] = torch.empty(parameter_shapes[names[0]], dtype=tensor.dtype,
+                                                     device=tensor.device).requires_grad_(True)
+    try:
+        gm, out_spec = trace_functional(whole_step, fake_args, fake_mode)
+    except (GuardOnDataDependentSymNode, DynamicOutputShapeException, DataDependentOutputException) as error:
+        where = user_frame(error.__traceback__) or "(no user frame found)"
+        raise CaptureError(
+            f"the step cannot be traced at {where}\n"
+            f"  why: it depends on the values in a tensor (data-dependent control flow or output shape: {type(error).__name__}), "
+            "which one graph cannot represent.\n"
+            "  fix: compute it with tensor ops (torch.where, masking) instead of Python control flow, "
+            "or move it out of the model."
+        ) from error
+    except CaptureError:
+        raise
+    except Exception as error:
+        if isinstance(error, (ConfigError,)):
+            raise
+        where = user_frame(error.__traceback__) or "(no user frame found)"
+        raise CaptureError(f"tracing the training step failed at {where}: {type(error).__name__}: {error}") from error
+
+    leaves = _placeholder_layout(fake_args)
+    _tag_placeholders(gm, leaves, param_infos, frozen_infos, buffer_infos, state_keys)
+    # outputs: loss, grads (None for unused), params, buffers, states
+    out_nodes = list(g.output_node(gm).args[0])
+    import torch.utils._pytree as pytree
+    structured = pytree.tree_unflatten(out_nodes, out_spec)
+    loss_node, grad_nodes, new_param_nodes, new_buffer_nodes, new_state_dicts = structured
+    new_state_keys = [tuple(sorted(d)) for d in new_state_dicts]
+    unused = [i for i, grad in enumerate(grad_nodes) if grad is None]
+    for i, grad in enumerate(grad_nodes):
+        if grad is not None:
+            grad.meta[GRAD_OF] = i
+    flat_states = [d[k] for d, keys in zip(new_state_dicts, new_state_keys) for k in keys]
+    output = g.output_node(gm)
+    output.args = ([loss_node, *new_param_nodes, *new_buffer_nodes, *flat_states],)
+    gm.meta[g.OUTPUT_SLOTS] = (
+        [plans.param_slot(info.name) for info in param_infos]
+        + [plans.buffer_slot(info.name) for info in buffer_infos]
+        + [plans.state_slot(param_infos[i].name, key) for i, keys in enumerate(new_state_keys) for key in keys]
+    )
+    gm.graph.eliminate_dead_code()
+    _tag_phases(gm, loss_node, [x for x in grad_nodes if x is not None], new_buffer_nodes)
+    for i in unused:   # a parameter the loss does not reach: not trained in this step
+        placeholder = g.placeholders(gm, g.ROLE_PARAM)[i]
+        placeholder.meta["zerocc_unused"] = True
+    if check_update_elementwise:
+        check_elementwise([n for n in gm.graph.nodes if n.meta.get(g.PHASE) == g.OPTIMIZER], optimizer)
+    gm.recompile()
+    return Captured(gm, param_infos, frozen_infos, buffer_infos, state_keys, len(optimizer.param_groups),
+                    len(inputs), new_state_keys)
+
+
+def _placeholder_layout(fake_args) -> list[tuple[str, int, str]]:
+    """(role, index within role, readable name) for each flattened leaf, in placeholder order."""
+    params, frozen, buffers, states, lrs, batch = fake_args
+    layout = []
+    layout += [(g.ROLE_PARAM, i, "") for i in range(len(params))]
+    layout += [(g.ROLE_FROZEN, i, "") for i in range(len(frozen))]
+    layout += [(g.ROLE_BUFFER, i, "") for i in range(len(buffers))]
+    for i, state in enumerate(states):
+        layout += [(g.ROLE_STATE, i, key) for key in sorted(state)]
+    layout += [(g.ROLE_HYPER, i, "lr") for i in range(len(lrs))]
+    import torch.utils._pytree as pytree
+    for i, leaf in enumerate(pytree.tree_leaves(batch)):
+        layout.append((g.ROLE_INPUT, i, ""))
+    return layout
+
+
+def readable(name: str) -> str:
+    return name.replace(".", "_")
+
+
+def _tag_placeholders(gm, layout, param_infos, frozen_infos, buffer_infos, state_keys) -> None:
+    nodes = g.placeholders(gm)
+    assert len(nodes) == len(layout), (len(nodes), len(layout))
+    infos = {g.ROLE_PARAM: param_infos, g.ROLE_FROZEN: frozen_infos, g.ROLE_BUFFER: buffer_infos}
+    for node, (role, index, key) in zip(nodes, layout):
+        node.meta[g.ROLE] = role
+        node.meta[g.INDEX] = index
+        slot = None
+        if role in infos:
+            name = infos[role][index].name
+            base = readable(name)
+            slot = {g.ROLE_PARAM: plans.param_slot, g.ROLE_FROZEN: plans.frozen_slot, g.ROLE_BUFFER: plans.buffer_slot}[role](name)
+        elif role == g.ROLE_STATE:
+            base = f"state_{readable(param_infos[index].name)}_{key}"
+            node.meta["zerocc_state_key"] = key
+            slot = plans.state_slot(param_infos[index].name, key)
+        elif role == g.ROLE_HYPER:
+            base = f"lr_group{index}"
+            slot = plans.lr_slot(index)
+        else:
+            base = f"input{index}"
+        node.meta[g.SLOT] = slot
+        node._rename(base)
+        node.target = node.name
+
+
+def _tag_phases(gm, loss, grads, new_buffers) -> None:
+    forward = g.ancestors([loss, *[b for b in new_buffers if b.op != "placeholder"]])
+    backward = g.ancestors(grads) - forward
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output", "get_attr"):
+            continue
+        if node in forward:
+            node.meta[g.PHASE] = g.FORWARD
+        elif node in backward:
+            node.meta[g.PHASE] = g.BACKWARD
+        else:
+            node.meta[g.PHASE] = g.OPTIMIZER

@@ -1,0 +1,31 @@
+"""What every pass receives besides the graph: the inputs of compilation and the plans decided so far."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from .capture import Captured
+from .plans import ShardPlan
+
+
+@dataclasses.dataclass
+class CompileContext:
+    """Shared, plain-data state of one compilation.
+
+    Inputs (set before the pipeline runs) come first; each pass fills in the
+    plan it decides and leaves the others alone.
+    """
+    stage: int
+    world_size: int
+    rank: int
+    group_name: str | None          # process group of the collectives (None at world size 1)
+    optimizer: torch.optim.Optimizer
+    captured: Captured
+    fake_mode: Any
+    bucket_bytes: int
+    previous_plan: ShardPlan | None = None   # buckets of an earlier compilation, kept so slots stay valid
+    # decided by passes
+    shard_plan: ShardPlan | None = None
+    notes: dict[str, Any] = dataclasses.field(default_factory=dict)   # one line of counts per pass

@@ -1,0 +1,133 @@
+"""Names and predicates for the FX graphs every pass reads and writes.
+
+All ``node.meta`` keys zerocc uses are constants here, so a reader can find
+every producer and consumer of a tag with one search.
+"""
+from __future__ import annotations
+
+import collections
+from typing import Iterable
+
+import torch
+import torch.fx as fx
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+
+# node.meta keys -------------------------------------------------------------
+ROLE = "zerocc_role"          # placeholders: one of the ROLE_* values below
+PHASE = "zerocc_phase"        # every compute node: forward / backward / optimizer / communication
+INDEX = "zerocc_index"        # placeholders: index into the list of their role
+BUCKET = "zerocc_bucket"      # nodes created for one bucket: its index
+SLOT = "zerocc_slot"          # placeholders: the runtime's persistent tensor they read (None for inputs)
+OUTPUT_SLOTS = "zerocc_output_slots"  # gm.meta: for each output after the loss, the slot it replaces
+VAL = "val"                   # FakeTensor (or SymFloat) of the node's value, as make_fx writes it
+
+# placeholder roles
+ROLE_PARAM = "param"                  # a trainable parameter (before shard) or a flat bucket (after)
+ROLE_FROZEN = "frozen"                # a parameter that is not trained in this step
+ROLE_BUFFER = "buffer"                # a module buffer (BatchNorm running stats, ...)
+ROLE_STATE = "optimizer_state"        # one tensor of optimizer state
+ROLE_HYPER = "hyperparameter"         # a per-param-group scalar read each step (the learning rate)
+ROLE_INPUT = "input"                  # the user's batch
+
+# phases
+FORWARD = "forward"
+BACKWARD = "backward"
+OPTIMIZER = "optimizer"
+COMMUNICATION = "communication"
+
+
+def placeholders(gm: fx.GraphModule, role: str | None = None) -> list[fx.Node]:
+    nodes = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if role is not None:
+        nodes = [n for n in nodes if n.meta.get(ROLE) == role]
+    return nodes
+
+
+def output_node(gm: fx.GraphModule) -> fx.Node:
+    return next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+
+
+def is_all_gather(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target is c10d.all_gather_into_tensor.default
+
+
+def is_reduce_scatter(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target is c10d.reduce_scatter_tensor.default
+
+
+def is_all_reduce(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target is c10d.all_reduce.default
+
+
+def is_broadcast(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target is c10d.broadcast.default
+
+
+def is_wait(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target is c10d.wait_tensor.default
+
+
+def is_collective(node: fx.Node) -> bool:
+    return is_all_gather(node) or is_reduce_scatter(node) or is_all_reduce(node) or is_broadcast(node)
+
+
+def tensor_meta(node: fx.Node) -> torch.Tensor | None:
+    value = node.meta.get(VAL)
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def nbytes(node: fx.Node) -> int:
+    value = tensor_meta(node)
+    return 0 if value is None else value.numel() * value.element_size()
+
+
+def ancestors(roots: Iterable[fx.Node]) -> set[fx.Node]:
+    """Every node the roots depend on, the roots included."""
+    seen: set[fx.Node] = set()
+    stack = [r for r in roots if isinstance(r, fx.Node)]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        stack.extend(node.all_input_nodes)
+    return seen
+
+
+def count_targets(gm: fx.GraphModule) -> collections.Counter:
+    """How many call_function nodes call each target, by a short name ('all_gather_into_tensor')."""
+    counts: collections.Counter = collections.Counter()
+    for node in gm.graph.nodes:
+        if node.op == "call_function":
+            counts[short_name(node.target)] += 1
+    return counts
+
+
+def short_name(target) -> str:
+    if isinstance(target, torch._ops.OpOverload):
+        return target._opname
+    return getattr(target, "__name__", str(target))
+
+
+def set_val(node: fx.Node, value) -> fx.Node:
+    node.meta[VAL] = value
+    return node
+
+
+def call(graph: fx.Graph, fake_mode, target, *args, **kwargs) -> fx.Node:
+    """Add ``target(*args, **kwargs)`` at the graph's insertion point, with its fake value in meta."""
+    def value_of(arg):
+        return arg.meta[VAL] if isinstance(arg, fx.Node) else arg
+    import torch.utils._pytree as pytree
+    fake_args, fake_kwargs = pytree.tree_map(value_of, (args, kwargs))
+    with fake_mode:
+        value = target(*fake_args, **fake_kwargs)
+    node = graph.call_function(target, args, kwargs)
+    node.meta[VAL] = value
+    return node
+
+
+def topological_index(gm: fx.GraphModule) -> dict[fx.Node, int]:
+    return {node: i for i, node in enumerate(gm.graph.nodes)}

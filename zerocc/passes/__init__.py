@@ -1,0 +1,1 @@
+"""One pass per file; zerocc/pipeline.py lists them in order."""

@@ -1,0 +1,176 @@
+"""insert_collectives: the communication the shard plan needs, as functional collectives.
+
+Requires: ``shard`` (its ``ops.unshard`` / ``ops.reduce_gradient`` markers).
+Establishes: no markers left. At world size N > 1 each marker becomes a
+``torch.ops._c10d_functional`` collective and its ``wait_tensor``:
+
+  unshard          -> all_gather_into_tensor. At stage 3 a bucket is gathered
+                      twice: before its first forward use and again before its
+                      first backward use, and views of the parameter that
+                      backward reads are re-derived from the second gather, so
+                      nothing keeps the forward copy alive through backward.
+  reduce_gradient  -> reduce_scatter_tensor (or all_reduce at stage 0) of the
+                      sum, divided by N: gradients are averaged as DDP does.
+  buffers the step updates (BatchNorm statistics) are broadcast from rank 0 at
+  the start of the step, as DDP does before every forward.
+
+At world size 1 every marker is replaced by its input: there is nothing to
+communicate. Collectives are waited right away here; ``schedule`` moves waits.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from .. import graph as g
+from .. import ops
+from ..context import CompileContext
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+
+
+def insert_collectives(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
+    """Replace the shard pass's markers with collectives and waits (nothing at world size 1)."""
+    graph = gm.graph
+    markers = [n for n in graph.nodes if n.op == "call_function" and n.target in (ops.unshard, ops.reduce_gradient)]
+    if ctx.world_size == 1:
+        for node in markers:
+            node.replace_all_uses_with(node.args[0])
+            graph.erase_node(node)
+        gm.recompile()
+        ctx.notes["insert_collectives"] = "world size 1: no collectives"
+        return gm
+
+    counts = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0, "broadcast": 0}
+    for node in markers:
+        if node.target is ops.reduce_gradient:
+            _lower_reduce(gm, ctx, node)
+            counts["reduce_scatter" if node.args[2] else "all_reduce"] += 1
+        elif ctx.stage == 3 and node.args[0].op == "placeholder":
+            counts["all_gather"] += _lower_parameter_gather(gm, ctx, node)
+        else:
+            _replace_with_gather(gm, ctx, node)
+            counts["all_gather"] += 1
+    counts["broadcast"] = _broadcast_updated_buffers(gm, ctx)
+    graph.lint()
+    gm.recompile()
+    ctx.notes["insert_collectives"] = ", ".join(f"+{v} {k}" for k, v in counts.items() if v)
+    return gm
+
+
+def _collective(graph, ctx, target, args, value, bucket) -> fx.Node:
+    """A collective and its wait, inserted at the current point; returns the wait."""
+    started = graph.call_function(target, args)
+    started.meta.update({g.VAL: value, g.PHASE: g.COMMUNICATION, g.BUCKET: bucket})
+    waited = graph.call_function(c10d.wait_tensor.default, (started,))
+    waited.meta.update({g.VAL: value, g.PHASE: g.COMMUNICATION, g.BUCKET: bucket})
+    return waited
+
+
+def _gather(graph, ctx, shard: fx.Node, value, bucket) -> fx.Node:
+    return _collective(graph, ctx, c10d.all_gather_into_tensor.default,
+                       (shard, ctx.world_size, ctx.group_name), value, bucket)
+
+
+def _replace_with_gather(gm, ctx, marker) -> None:
+    with gm.graph.inserting_before(marker):
+        waited = _gather(gm.graph, ctx, marker.args[0], marker.meta[g.VAL], marker.meta.get(g.BUCKET))
+    marker.replace_all_uses_with(waited)
+    gm.graph.erase_node(marker)
+
+
+def _lower_reduce(gm, ctx, marker) -> None:
+    graph = gm.graph
+    flat, world_size, scatter = marker.args
+    bucket = marker.meta.get(g.BUCKET)
+    with graph.inserting_before(marker):
+        if scatter:
+            waited = _collective(graph, ctx, c10d.reduce_scatter_tensor.default,
+                                 (flat, "sum", world_size, ctx.group_name), marker.meta[g.VAL], bucket)
+        else:
+            waited = _collective(graph, ctx, c10d.all_reduce.default,
+                                 (flat, "sum", ctx.group_name), marker.meta[g.VAL], bucket)
+        average = g.call(graph, ctx.fake_mode, aten.div.Tensor, waited, world_size)
+        average.meta.update({g.PHASE: g.COMMUNICATION, g.BUCKET: bucket})
+    marker.replace_all_uses_with(average)
+    graph.erase_node(marker)
+
+
+def _is_alias(node: fx.Node) -> bool:
+    """Does the node's output share storage with its input (a view, a detach, a getitem of split)?"""
+    if node.op != "call_function":
+        return False
+    if node.target is operator.getitem:
+        return True
+    if node.target is aten._unsafe_view.default:
+        return True
+    if isinstance(node.target, torch._ops.OpOverload):
+        returns = node.target._schema.returns
+        return bool(returns) and returns[0].alias_info is not None and not returns[0].alias_info.is_write
+    return False
+
+
+def _lower_parameter_gather(gm, ctx, marker) -> int:
+    """Stage 3: gather for forward, gather again for backward; returns how many gathers."""
+    graph = gm.graph
+    shard, bucket = marker.args[0], marker.meta.get(g.BUCKET)
+    # views of the gathered bucket: everything reachable from it through aliasing ops
+    views, stack = {marker}, [marker]
+    while stack:
+        for user in stack.pop().users:
+            if user not in views and _is_alias(user):
+                views.add(user)
+                stack.append(user)
+    backward_uses = [(user, view) for view in views for user in view.users
+                     if user not in views and user.meta.get(g.PHASE) not in (g.FORWARD, None) and user.op != "output"]
+
+    with graph.inserting_before(marker):
+        forward = _gather(graph, ctx, shard, marker.meta[g.VAL], bucket)
+    marker.replace_all_uses_with(forward)
+    graph.erase_node(marker)
+    views.discard(marker)
+    if not backward_uses:
+        return 1
+
+    order = g.topological_index(gm)
+    first = min((user for user, _ in backward_uses), key=order.get)
+    copies: dict[fx.Node, fx.Node] = {}
+
+    def copy_of(node: fx.Node) -> fx.Node:
+        if node is forward:
+            return backward
+        if node not in views:
+            return node
+        if node not in copies:
+            for source in node.all_input_nodes:
+                copy_of(source)
+            copied = graph.node_copy(node, copy_of)
+            copied.meta[g.PHASE] = g.BACKWARD
+            copies[node] = copied
+        return copies[node]
+
+    with graph.inserting_before(first):
+        backward = _gather(graph, ctx, shard, forward.meta[g.VAL], bucket)
+        for user, view in backward_uses:
+            user.replace_input_with(view, copy_of(view))
+    return 2
+
+
+def _broadcast_updated_buffers(gm, ctx) -> int:
+    """DDP semantics for buffers: every rank starts the step with rank 0's values."""
+    graph = gm.graph
+    updated = set(gm.meta[g.OUTPUT_SLOTS])
+    buffers = [n for n in g.placeholders(gm, g.ROLE_BUFFER) if n.meta[g.SLOT] in updated]
+    if not buffers:
+        return 0
+    first_compute = next(n for n in graph.nodes if n.op != "placeholder")
+    for node in buffers:
+        with graph.inserting_before(first_compute):
+            synced = _collective(graph, ctx, c10d.broadcast.default, (node, 0, ctx.group_name), node.meta[g.VAL], None)
+        for user in list(node.users):
+            if user is not synced.args[0]:
+                user.replace_input_with(node, synced)
+    return len(buffers)

@@ -1,0 +1,302 @@
+"""shard: parameters, gradients and optimizer state become flat buckets, 1/N per rank.
+
+Requires: the captured graph (per-parameter placeholders, ``GRAD_OF`` on
+gradient nodes, phases tagged).
+Establishes: a ``ShardPlan`` on ``ctx``; one ``ROLE_PARAM`` placeholder per
+bucket (the full flat bucket at stages 0-2, this rank's shard at stage 3);
+parameters read as views of the bucket's full value (``ops.unshard`` of the
+shard at stage 3); each bucket's gradients concatenated and reduced with
+``ops.reduce_gradient``; the optimizer's own ``step()`` re-traced over the
+pieces of parameters this rank owns, with one state placeholder per piece;
+the new bucket written back (``ops.unshard`` of the new shard at stages 1-2).
+The collectives themselves are left to ``insert_collectives``.
+
+Stage by stage (N ranks, a bucket of B elements):
+  stage 0: every rank updates all of B; gradients all-reduced.
+  stage 1: every rank keeps all gradients until backward ends, then reduce-scatters
+           them and updates its B/N; new parameters all-gathered.
+  stage 2: as stage 1, but each bucket's gradients are reduce-scattered as soon
+           as they are final, so only B/N of them outlive backward.
+  stage 3: as stage 2, and parameters are kept as B/N shards, gathered for use.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.fx as fx
+
+from .. import graph as g
+from .. import ops, plans
+from ..capture import GRAD_OF
+from ..context import CompileContext
+from ..optimizer_step import optimizer_update
+from ..tracing import trace_functional
+
+aten = torch.ops.aten
+
+
+def shard(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
+    """Lay out parameters, gradients and optimizer state in flat per-rank buckets."""
+    graph = gm.graph
+    old_params = g.placeholders(gm, g.ROLE_PARAM)
+    trained = [p for p in old_params if not p.meta.get("zerocc_unused")]
+    plan = choose_buckets(gm, ctx, trained)
+    ctx.shard_plan = plan
+    param_node = {p.meta[g.INDEX]: p for p in old_params}
+    grad_node = {n.meta[GRAD_OF]: n for n in graph.nodes if GRAD_OF in n.meta}
+    old_state = {}
+    for node in g.placeholders(gm, g.ROLE_STATE):
+        old_state.setdefault(node.meta[g.INDEX], {})[node.meta["zerocc_state_key"]] = node
+    lr_nodes = g.placeholders(gm, g.ROLE_HYPER)
+    order = g.topological_index(gm)
+    output = g.output_node(gm)
+    new_outputs: list[tuple[str, fx.Node]] = []
+    device = trained[0].meta[g.VAL].device
+
+    piece_inputs = []   # (bucket, piece number, piece, param piece node, grad piece node)
+    for bucket in plan.buckets:
+        local_numel = bucket.shard_numel if ctx.stage == 3 else bucket.numel
+        placeholder = _bucket_placeholder(gm, ctx, bucket, local_numel, device)
+
+        # parameters: views of the bucket's full value, made just before the first use
+        users = [u for i in bucket.params for u in param_node[i].users]
+        first_user = min(users, key=order.get)
+        with graph.inserting_before(first_user):
+            if ctx.stage == 3:
+                full = graph.call_function(ops.unshard, (placeholder, plan.world_size))
+                full.meta[g.VAL] = _empty(ctx, bucket.numel, bucket.dtype, device)
+                full.meta[g.PHASE] = g.COMMUNICATION
+                full.meta[g.BUCKET] = bucket.index
+            else:
+                full = placeholder
+            for segment in bucket.segments:
+                old = param_node[segment.param]
+                flat = g.call(graph, ctx.fake_mode, aten.slice.Tensor, full, 0, segment.offset, segment.offset + segment.numel)
+                view = g.call(graph, ctx.fake_mode, aten.view.default, flat, list(old.meta[g.VAL].shape))
+                for node in (flat, view):
+                    node.meta[g.PHASE] = first_user.meta.get(g.PHASE, g.FORWARD)
+                    node.meta[g.BUCKET] = bucket.index
+                old.replace_all_uses_with(view)
+
+        # gradients: one flat tensor per bucket, reduced where they are final
+        grads = [grad_node[i] for i in bucket.params]
+        last_grad = max(grads, key=order.get)
+        with graph.inserting_before(last_grad.next):
+            parts, cursor = [], 0
+            for segment in bucket.segments:
+                if segment.offset > cursor:
+                    parts.append(_zeros(graph, ctx, segment.offset - cursor, bucket.dtype, device))
+                parts.append(g.call(graph, ctx.fake_mode, aten.reshape.default, grad_node[segment.param], [-1]))
+                cursor = segment.offset + segment.numel
+            if bucket.numel > cursor:
+                parts.append(_zeros(graph, ctx, bucket.numel - cursor, bucket.dtype, device))
+            flat_grad = g.call(graph, ctx.fake_mode, aten.cat.default, parts)
+            for node in [*parts, flat_grad]:
+                node.meta[g.PHASE] = g.BACKWARD
+                node.meta[g.BUCKET] = bucket.index
+        # stage 1 holds every full gradient until backward ends (the old update, still
+        # in the graph before the output, is dead code); the others reduce at once
+        scatter = ctx.stage >= 1
+        with graph.inserting_before(output) if ctx.stage == 1 else graph.inserting_after(flat_grad):
+            reduced = graph.call_function(ops.reduce_gradient, (flat_grad, plan.world_size, scatter))
+            reduced.meta[g.VAL] = _empty(ctx, bucket.shard_numel if scatter else bucket.numel, bucket.dtype, device)
+            reduced.meta[g.PHASE] = g.COMMUNICATION
+            reduced.meta[g.BUCKET] = bucket.index
+
+        # this rank's pieces, as inputs of the optimizer update
+        base = 0 if ctx.stage == 3 else plan.rank * bucket.shard_numel if bucket.shards > 1 else 0
+        grad_base = 0 if scatter else base
+        with graph.inserting_before(output):
+            for number, piece in enumerate(bucket.pieces(plan.rank if bucket.shards > 1 else 0)):
+                start = piece.shard_offset
+                param_piece = g.call(graph, ctx.fake_mode, aten.slice.Tensor, placeholder, 0, base + start, base + start + piece.numel)
+                grad_piece = g.call(graph, ctx.fake_mode, aten.slice.Tensor, reduced, 0, grad_base + start, grad_base + start + piece.numel)
+                for node in (param_piece, grad_piece):
+                    node.meta[g.PHASE] = g.OPTIMIZER
+                piece_inputs.append((bucket, number, piece, param_piece, grad_piece))
+
+    # one trace of the real optimizer over every piece this rank owns
+    state_nodes = []
+    for bucket, number, piece, _, _ in piece_inputs:
+        states = {}
+        for key, old in sorted(old_state.get(piece.param, {}).items()):
+            value = old.meta[g.VAL]
+            shape = [] if value.dim() == 0 else [piece.numel]
+            states[key] = _state_placeholder(gm, ctx, plans.state_slot(plans.piece_owner(bucket.index, number), key),
+                                             key, shape, value.dtype, value.device)
+        state_nodes.append(states)
+    new_pieces, new_states = _inline_optimizer(gm, ctx, piece_inputs, state_nodes, lr_nodes)
+
+    # new buckets from the new pieces
+    with graph.inserting_before(output):
+        for bucket in plan.buckets:
+            parts, cursor = [], 0
+            for (b, number, piece, _, _), new in zip(piece_inputs, new_pieces):
+                if b is not bucket:
+                    continue
+                if piece.shard_offset > cursor:
+                    parts.append(_zeros(graph, ctx, piece.shard_offset - cursor, bucket.dtype, device))
+                parts.append(new)
+                cursor = piece.shard_offset + piece.numel
+            if bucket.shard_numel > cursor and ctx.stage != 0:
+                parts.append(_zeros(graph, ctx, bucket.shard_numel - cursor, bucket.dtype, device))
+            if ctx.stage == 0 and bucket.numel > cursor:
+                parts.append(_zeros(graph, ctx, bucket.numel - cursor, bucket.dtype, device))
+            new_shard = g.call(graph, ctx.fake_mode, aten.cat.default, parts)
+            for node in [*parts, new_shard]:
+                node.meta[g.PHASE] = g.OPTIMIZER
+            new_value = new_shard
+            if ctx.stage in (1, 2):
+                new_value = graph.call_function(ops.unshard, (new_shard, plan.world_size))
+                new_value.meta[g.VAL] = _empty(ctx, bucket.numel, bucket.dtype, device)
+                new_value.meta[g.PHASE] = g.COMMUNICATION
+                new_value.meta[g.BUCKET] = bucket.index
+            new_outputs.append((plans.bucket_slot(bucket.index), new_value))
+    for (bucket, number, piece, _, _), states in zip(piece_inputs, new_states):
+        for key, node in sorted(states.items()):
+            new_outputs.append((plans.state_slot(plans.piece_owner(bucket.index, number), key), node))
+
+    # keep outputs of slots the pass did not take over (buffers); drop the per-parameter ones
+    trained_names = {ctx.captured.params[p.meta[g.INDEX]].name for p in trained}
+    loss, *old_outputs = output.args[0]
+    for slot, node in zip(gm.meta[g.OUTPUT_SLOTS], old_outputs):
+        kind, owner = slot.split(":")[:2]
+        if kind in ("param", "state") and owner in trained_names:
+            continue
+        if node.op == "placeholder" and node.meta.get(g.SLOT) == slot:
+            continue   # unchanged
+        new_outputs.append((slot, node))
+    output.args = ([loss, *[node for _, node in new_outputs]],)
+    gm.meta[g.OUTPUT_SLOTS] = [slot for slot, _ in new_outputs]
+
+    graph.eliminate_dead_code()
+    for node in [*trained, *[n for states in old_state.values() for n in states.values()]]:
+        if not node.users:
+            graph.erase_node(node)
+    graph.lint()
+    gm.recompile()
+    ctx.notes["shard"] = (f"{len(plan.buckets)} buckets for {len(trained)} params, "
+                          f"{sum(1 for _ in plan.owned_pieces())} pieces on rank {plan.rank}, "
+                          f"{plan.padding_elements} padding elements")
+    return gm
+
+
+def choose_buckets(gm: fx.GraphModule, ctx: CompileContext, trained: list[fx.Node]) -> plans.ShardPlan:
+    """Group parameters into buckets in order of first use, up to ``ctx.bucket_bytes`` each.
+
+    A bucket never mixes optimizer param groups or dtypes. Parameter offsets are
+    aligned (``plans.ALIGNMENT_BYTES``); the bucket is padded to a multiple of
+    the number of shards.
+    """
+    if ctx.previous_plan is not None:
+        return dataclasses.replace(ctx.previous_plan, rank=ctx.rank)
+    order = g.topological_index(gm)
+    first_use = {p: min((order[u] for u in p.users), default=len(order)) for p in trained}
+    ordered = sorted(trained, key=lambda p: (first_use[p], p.meta[g.INDEX]))
+    shards = 1 if ctx.stage == 0 else ctx.world_size
+    buckets: list[plans.Bucket] = []
+    current: list[plans.Segment] = []
+    key = None
+    cursor = 0
+
+    def close():
+        nonlocal current, cursor
+        if current:
+            dtype = key[1]
+            numel = -(-max(cursor, 1) // shards) * shards
+            buckets.append(plans.Bucket(len(buckets), key[0], dtype, tuple(current), numel, shards))
+        current, cursor = [], 0
+
+    for node in ordered:
+        info = ctx.captured.params[node.meta[g.INDEX]]
+        node_key = (info.group, info.dtype)
+        start = plans.aligned(cursor, info.dtype)
+        if current and (node_key != key or (start + info.numel) * info.dtype.itemsize > ctx.bucket_bytes):
+            close()
+            start = 0
+        key = node_key
+        current.append(plans.Segment(node.meta[g.INDEX], start, info.numel))
+        cursor = start + info.numel
+    close()
+    return plans.ShardPlan(ctx.stage, ctx.world_size, ctx.rank, tuple(buckets), ctx.bucket_bytes)
+
+
+def _empty(ctx: CompileContext, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
+    with ctx.fake_mode:
+        return torch.empty(numel, dtype=dtype, device=device)
+
+
+def _zeros(graph: fx.Graph, ctx: CompileContext, numel: int, dtype, device) -> fx.Node:
+    return g.call(graph, ctx.fake_mode, aten.zeros.default, [numel], dtype=dtype, device=device)
+
+
+def _bucket_placeholder(gm, ctx, bucket, numel, device) -> fx.Node:
+    first = g.placeholders(gm)[0]
+    with gm.graph.inserting_before(first):
+        node = gm.graph.placeholder(f"bucket{bucket.index}")
+    node.meta.update({g.ROLE: g.ROLE_PARAM, g.INDEX: bucket.index, g.BUCKET: bucket.index,
+                      g.SLOT: plans.bucket_slot(bucket.index), g.VAL: _empty(ctx, numel, bucket.dtype, device)})
+    return node
+
+
+def _state_placeholder(gm, ctx, slot, key, shape, dtype, device) -> fx.Node:
+    last = g.placeholders(gm)[-1]
+    with gm.graph.inserting_after(last):
+        node = gm.graph.placeholder(slot.replace(":", "_").replace(".", "_"))
+    with ctx.fake_mode:
+        value = torch.empty(shape, dtype=dtype, device=device)
+    node.meta.update({g.ROLE: g.ROLE_STATE, g.SLOT: slot, "zerocc_state_key": key, g.VAL: value})
+    return node
+
+
+def _inline_optimizer(gm, ctx, piece_inputs, state_nodes, lr_nodes):
+    """Trace ``optimizer.step()`` over the pieces and splice it in before the output."""
+    graph = gm.graph
+    group_of = [bucket.group for bucket, *_ in piece_inputs]
+
+    def fresh(node):
+        value = node.meta[g.VAL]
+        with ctx.fake_mode:
+            return torch.empty(value.shape, dtype=value.dtype, device=value.device)
+
+    params = [fresh(p) for *_, p, _ in piece_inputs]
+    grads = [fresh(gr) for *_, gr in piece_inputs]
+    states = [{key: fresh(node) for key, node in sorted(s.items())} for s in state_nodes]
+    lrs = [fresh(node) for node in lr_nodes]
+
+    def update(params, grads, states, lrs):
+        return optimizer_update(ctx.optimizer, params, grads, states, group_of, lrs)
+
+    sub, out_spec = trace_functional(update, (params, grads, states, lrs), ctx.fake_mode)
+    import torch.utils._pytree as pytree
+    sources = [*[p for *_, p, _ in piece_inputs], *[gr for *_, gr in piece_inputs],
+               *[node for s in state_nodes for _, node in sorted(s.items())], *lr_nodes]
+    env = dict(zip(g.placeholders(sub), sources))
+    output = g.output_node(gm)
+    with graph.inserting_before(output):
+        for node in sub.graph.nodes:
+            if node.op == "placeholder":
+                continue
+            if node.op == "output":
+                results = [env[n] for n in node.args[0]]
+                break
+            if node.op == "get_attr":
+                name = _unique_attr(gm, node.target)
+                gm.register_buffer(name, getattr(sub, node.target))
+                copied = graph.get_attr(name)
+                copied.meta.update(node.meta)
+            else:
+                copied = graph.node_copy(node, lambda n: env[n])
+            copied.meta[g.PHASE] = g.OPTIMIZER
+            env[node] = copied
+    new_params, new_states = pytree.tree_unflatten(results, out_spec)
+    return new_params, new_states
+
+
+def _unique_attr(gm, base: str) -> str:
+    name, i = f"opt{base}", 0
+    while hasattr(gm, name):
+        i += 1
+        name = f"opt{base}_{i}"
+    return name

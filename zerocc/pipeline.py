@@ -1,0 +1,81 @@
+"""The pipeline, top to bottom. Capture produces the graph; each pass rewrites it.
+
+    capture              zerocc/capture.py       whole step -> one functional aten graph, nodes tagged
+    shard                passes/shard.py         flat buckets, 1/N per rank; optimizer re-traced on the shards
+    insert_collectives   passes/insert_collectives.py   all_gather / reduce_scatter / all_reduce + waits
+
+Every pass is ``(gm, ctx) -> gm`` and writes its decisions onto ``ctx``.
+The runner keeps the program after every pass so users can read it
+(``step.graph(name)``) and re-raises a failure naming the pass.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Callable
+
+import torch.fx as fx
+
+from . import graph as g
+from .context import CompileContext
+from .errors import PassError
+from .passes.insert_collectives import insert_collectives
+from .passes.shard import shard
+
+PassFn = Callable[[fx.GraphModule, CompileContext], fx.GraphModule]
+
+
+@dataclasses.dataclass(frozen=True)
+class Pass:
+    name: str
+    run: PassFn
+
+
+def default_pipeline(stage: int) -> list[Pass]:
+    """The passes for ``stage``, in order. The same list for every stage: the plan differs, not the passes."""
+    return [
+        Pass("shard", shard),                              # parameters, gradients, optimizer state -> flat per-rank buckets
+        Pass("insert_collectives", insert_collectives),    # the communication the buckets need
+    ]
+
+
+@dataclasses.dataclass
+class GraphSnapshot:
+    """The program after one pass, printable as Python, with what the pass changed."""
+    index: int
+    name: str
+    code: str
+    node_counts: collections.Counter
+    changes: dict[str, int]
+    note: str = ""
+
+    def __str__(self) -> str:
+        changed = ", ".join(f"{'+' if v > 0 else ''}{v} {k}" for k, v in sorted(self.changes.items())) or "no node changes"
+        header = f"# after pass {self.index:02d} '{self.name}': {changed}"
+        if self.note:
+            header += f"\n# {self.note}"
+        return header + "\n" + self.code
+
+
+def snapshot(index: int, name: str, gm: fx.GraphModule, before: collections.Counter | None, note: str = "") -> GraphSnapshot:
+    counts = g.count_targets(gm)
+    changes = {}
+    if before is not None:
+        for key in set(counts) | set(before):
+            delta = counts[key] - before[key]
+            if delta:
+                changes[key] = delta
+    return GraphSnapshot(index, name, gm.code, counts, changes, note)
+
+
+def run_pipeline(gm: fx.GraphModule, ctx: CompileContext, passes: list[Pass]) -> tuple[fx.GraphModule, list[GraphSnapshot]]:
+    history = [snapshot(0, "capture", gm, None, f"{len(gm.graph.nodes)} nodes")]
+    for index, step in enumerate(passes, start=1):
+        try:
+            gm = step.run(gm, ctx)
+        except Exception as error:
+            done = ", ".join(p.name for p in passes[: index - 1]) or "none"
+            raise PassError(f"pass '{step.name}' failed (passes run before it: capture, {done}): "
+                            f"{type(error).__name__}: {error}") from error
+        history.append(snapshot(index, step.name, gm, history[-1].node_counts, ctx.notes.get(step.name, "")))
+    return gm, history

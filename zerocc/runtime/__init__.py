@@ -1,0 +1,1 @@
+"""What the emitted program calls and the state it keeps between steps."""

@@ -1,0 +1,30 @@
+"""Which ranks take part: the default process group, one given by the user, or none (world size 1)."""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+import torch.distributed as dist
+
+
+@dataclasses.dataclass(frozen=True)
+class Ranks:
+    world_size: int
+    rank: int
+    group: object | None           # a ProcessGroup, or None at world size 1 without one
+    group_name: str | None
+
+
+def resolve(group=None, device: torch.device | None = None) -> Ranks:
+    """The ranks of ``group``; initializes the default group from torchrun's environment if needed."""
+    if group is None:
+        if not dist.is_initialized() and "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
+            backend = "nccl" if device is not None and device.type == "cuda" else "gloo"
+            dist.init_process_group(backend=backend)
+        if not dist.is_initialized():
+            return Ranks(1, 0, None, None)
+        group = dist.group.WORLD
+    world_size = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    return Ranks(world_size, rank, group, group.group_name)

@@ -1,0 +1,82 @@
+"""The runtime's persistent tensors ("slots"): built from the model and optimizer, read back out.
+
+A slot is named by ``plans.*_slot``; placeholders say which slot they read
+and the graph's outputs which slots they replace. This module turns the
+user's model and optimizer into slots for a ``ShardPlan`` and back.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .. import plans
+from ..capture import Captured, named_tensors
+from ..plans import ShardPlan
+
+
+def initial_slots(plan: ShardPlan, captured: Captured, model: torch.nn.Module,
+                  optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """Every persistent tensor this rank holds, laid out as ``plan`` says."""
+    tensors = {names[0]: t for names, t in named_tensors(model, "param")}
+    tensors.update({names[0]: t for names, t in named_tensors(model, "buffer")})
+    slots: dict[str, torch.Tensor] = {}
+    bucketed = set()
+    for bucket in plan.buckets:
+        device = tensors[captured.params[bucket.segments[0].param].name].device
+        full = torch.zeros(bucket.numel, dtype=bucket.dtype, device=device)
+        for segment in bucket.segments:
+            info = captured.params[segment.param]
+            full[segment.offset: segment.offset + segment.numel] = tensors[info.name].detach().reshape(-1)
+            bucketed.add(segment.param)
+        if plan.stage == 3:
+            start = plan.rank * bucket.shard_numel
+            slots[plans.bucket_slot(bucket.index)] = full[start: start + bucket.shard_numel].clone()
+        else:
+            slots[plans.bucket_slot(bucket.index)] = full
+    for bucket, number, piece in plan.owned_pieces():
+        param = tensors[captured.params[piece.param].name]
+        for key, value in optimizer.state.get(param, {}).items():
+            if not isinstance(value, torch.Tensor):
+                continue
+            if value.dim() == 0:
+                slots[plans.state_slot(plans.piece_owner(bucket.index, number), key)] = value.detach().clone()
+            else:
+                flat = value.detach().reshape(-1)[piece.param_offset: piece.param_offset + piece.numel]
+                slots[plans.state_slot(plans.piece_owner(bucket.index, number), key)] = flat.clone()
+    for index, info in enumerate(captured.params):
+        if index not in bucketed:
+            param = tensors[info.name]
+            slots[plans.param_slot(info.name)] = param.detach()
+            for key, value in optimizer.state.get(param, {}).items():
+                if isinstance(value, torch.Tensor):
+                    slots[plans.state_slot(info.name, key)] = value.detach()
+    for info in captured.frozen:
+        slots[plans.frozen_slot(info.name)] = tensors[info.name].detach()
+    for info in captured.buffers:
+        slots[plans.buffer_slot(info.name)] = tensors[info.name].detach()
+    return slots
+
+
+def full_buckets(plan: ShardPlan, slots: dict[str, torch.Tensor], group) -> dict[int, torch.Tensor]:
+    """Each bucket's full flat tensor; at stage 3 gathered from every rank's shard (a collective)."""
+    result = {}
+    for bucket in plan.buckets:
+        local = slots[plans.bucket_slot(bucket.index)]
+        if plan.stage == 3 and plan.world_size > 1:
+            full = torch.empty(bucket.numel, dtype=local.dtype, device=local.device)
+            dist.all_gather_into_tensor(full, local.contiguous(), group=group)
+            result[bucket.index] = full
+        else:
+            result[bucket.index] = local
+    return result
+
+
+def parameter_views(plan: ShardPlan, captured: Captured, buckets: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+    """Each bucketed parameter, by index, as a view of its full bucket."""
+    views = {}
+    for bucket in plan.buckets:
+        full = buckets[bucket.index]
+        for segment in bucket.segments:
+            info = captured.params[segment.param]
+            views[segment.param] = full[segment.offset: segment.offset + segment.numel].view(info.shape)
+    return views

@@ -1,0 +1,126 @@
+"""Tracing helpers shared by capture and the passes that trace subgraphs.
+
+``trace_functional`` turns a Python function over (pytrees of) fake tensors
+into a flat, functional aten graph: every in-place update becomes an
+out-of-place op whose result is returned, so passes see pure dataflow.
+
+It traces twice. The first trace runs autograd and records in-place ops as
+they happen (functionalization cannot sit under autograd's
+``requires_grad`` leaves); the second replays that graph under
+``torch.func.functionalize`` and removes the mutations. Scalars read with
+``.item()`` (the optimizer's step count, the learning rate) become symbolic
+floats whose arithmetic is recorded as Python operators, so at run time they
+are computed in double precision exactly as eager PyTorch does.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+import torch.fx.traceback as fx_traceback
+import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+from .ops import batch_norm_with_stats
+
+aten = torch.ops.aten
+
+
+# Nodes that only profile and would keep the graph impure.
+_PROFILER_OPS = {
+    torch.ops.profiler._record_function_enter_new.default,
+    torch.ops.profiler._record_function_exit._RecordFunction,
+}
+
+
+def make_fake_mode() -> FakeTensorMode:
+    """A fake mode whose ``.item()`` yields symbolic scalars instead of failing."""
+    return FakeTensorMode(shape_env=ShapeEnv(allow_scalar_outputs=True), allow_non_fake_inputs=True)
+
+
+def fakeify(fake_mode: FakeTensorMode, tree: Any) -> Any:
+    """Fake copies of every tensor in a pytree (requires_grad kept, shapes static)."""
+    def convert(value):
+        if isinstance(value, FakeTensor):
+            return value
+        if isinstance(value, torch.Tensor):
+            return fake_mode.from_tensor(value, static_shapes=True)
+        return value
+    return pytree.tree_map(convert, tree)
+
+
+def trace_functional(fn: Callable[..., Any], args: tuple, fake_mode: FakeTensorMode) -> tuple[fx.GraphModule, pytree.TreeSpec]:
+    """Trace ``fn(*args)`` into a flat functional graph; returns it and the output tree spec.
+
+    The graph's placeholders are ``pytree.tree_leaves(args)`` in order; its
+    output is the flat list of ``fn``'s output leaves.
+    """
+    flat_args, in_spec = pytree.tree_flatten(args)
+    out_spec_box: list[pytree.TreeSpec] = []
+
+    def flat_fn(*leaves):
+        out = fn(*pytree.tree_unflatten(list(leaves), in_spec))
+        flat_out, spec = pytree.tree_flatten(out)
+        out_spec_box.append(spec)
+        return flat_out
+
+    with fake_mode:
+        first = make_fx(flat_fn, record_stack_traces=True)(*flat_args)
+
+    def replay(*leaves):
+        with fx_traceback.preserve_node_meta():
+            return _VisibleMutations(first).run(*leaves)
+
+    detached = [a.detach() if isinstance(a, torch.Tensor) else a for a in flat_args]
+    with fake_mode:
+        gm = make_fx(torch.func.functionalize(replay, remove="mutations"))(*detached)
+    _remove_trailing_input_copies(gm)
+    _remove_profiler_nodes(gm)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return gm, out_spec_box[0]
+
+
+def _remove_trailing_input_copies(gm: fx.GraphModule) -> None:
+    """Drop the ``copy_(input, new)`` write-backs functionalize appends.
+
+    Our traced functions return every value they update, so the write-back
+    into the placeholder is redundant: the runtime rebinds to the output.
+    """
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is aten.copy_.default and node.args[0].op == "placeholder":
+            assert not node.users, "a write-back copy_ is used"
+            gm.graph.erase_node(node)
+
+
+def _remove_profiler_nodes(gm: fx.GraphModule) -> None:
+    for node in reversed(list(gm.graph.nodes)):
+        if node.op == "call_function" and node.target in _PROFILER_OPS:
+            for user in list(node.users):
+                if user.op == "call_function" and user.target in _PROFILER_OPS:
+                    gm.graph.erase_node(user)
+            if not node.users:
+                gm.graph.erase_node(node)
+
+
+class _VisibleMutations(fx.Interpreter):
+    """Replays a graph, rewriting ops whose schema hides an in-place update.
+
+    ``native_batch_norm`` updates its running statistics in place although its
+    schema does not say so; replayed as ``batch_norm_with_stats`` plus an
+    explicit ``copy_``, functionalization sees the update and returns it.
+    """
+
+    def call_function(self, target, args, kwargs):
+        if target is aten.native_batch_norm.default and args[3] is not None and args[4] is not None:
+            input, weight, bias, running_mean, running_var, training, momentum, eps = args
+            out, save_mean, save_invstd, new_mean, new_var = batch_norm_with_stats(
+                input, weight, bias, running_mean, running_var, training, momentum, eps
+            )
+            running_mean.copy_(new_mean)
+            running_var.copy_(new_var)
+            return out, save_mean, save_invstd
+        return super().call_function(target, args, kwargs)
