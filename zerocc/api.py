@@ -99,6 +99,8 @@ class CompiledStep:
         batch = list(inputs)
         loss = program.run(self._slots, batch)
         self._after_step(ctx)
+        # the step ran the optimizer's update; tell LR schedulers so, as optimizer.step() would
+        self.optimizer._opt_called = True
         return loss
 
     def _program_for(self, inputs):

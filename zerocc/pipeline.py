@@ -65,7 +65,8 @@ def snapshot(index: int, name: str, gm: fx.GraphModule, before: collections.Coun
             delta = counts[key] - before[key]
             if delta:
                 changes[key] = delta
-    return GraphSnapshot(index, name, gm.code, counts, changes, note)
+    code = gm.print_readable(print_output=False, include_stride=False, include_device=False, colored=False)
+    return GraphSnapshot(index, name, code, counts, changes, note)
 
 
 def run_pipeline(gm: fx.GraphModule, ctx: CompileContext, passes: list[Pass]) -> tuple[fx.GraphModule, list[GraphSnapshot]]:

@@ -1,0 +1,110 @@
+"""The contract: the compiled step trains exactly like eager PyTorch.
+
+World size 1: every stage equals eager bit for bit (torch.equal), losses and
+parameters, for several steps. World size N: every stage matches DDP on the
+same global batch within float tolerance.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+import zerocc
+from tests import distributed
+from tests.models import batches, build, eager_step
+
+STAGES = (0, 1, 2, 3)
+STEPS = 3
+
+
+def adamw(model):
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("name", ["mlp", "gpt", "cnn"])
+def test_world_size_1_equals_eager_bit_for_bit(name, stage):
+    reference, _, loss_fn = build(name)
+    reference_optimizer = adamw(reference)
+    model, _, _ = build(name)
+    step = zerocc.compile(model, adamw(model), stage=stage, loss_fn=loss_fn)
+    for batch in batches(name, STEPS, 8):
+        expected = eager_step(reference, reference_optimizer, loss_fn, batch)
+        assert torch.equal(step(*batch), expected)
+    full = step.full_state_dict()
+    assert full.keys() == reference.state_dict().keys()
+    for key, value in reference.state_dict().items():
+        assert torch.equal(full[key], value), key
+
+
+OPTIMIZERS = {
+    "sgd_momentum": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3),
+    "adam_amsgrad": lambda p: torch.optim.Adam(p, lr=1e-2, amsgrad=True),
+    "adagrad": lambda p: torch.optim.Adagrad(p, lr=0.05),
+    "rmsprop": lambda p: torch.optim.RMSprop(p, lr=1e-3, momentum=0.5, centered=True),
+    "adamw_foreach": lambda p: torch.optim.AdamW(p, lr=1e-2, foreach=True),
+}
+
+
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+def test_any_elementwise_optimizer_bit_for_bit(optimizer):
+    reference, _, loss_fn = build("mlp")
+    reference_optimizer = OPTIMIZERS[optimizer](reference.parameters())
+    model, _, _ = build("mlp")
+    step = zerocc.compile(model, OPTIMIZERS[optimizer](model.parameters()), stage=3, loss_fn=loss_fn)
+    for batch in batches("mlp", STEPS, 8):
+        assert torch.equal(step(*batch), eager_step(reference, reference_optimizer, loss_fn, batch))
+    full = step.full_state_dict()
+    for key, value in reference.state_dict().items():
+        assert torch.equal(full[key], value), key
+
+
+def test_learning_rate_schedule_is_read_every_step():
+    reference, _, loss_fn = build("mlp")
+    reference_optimizer = adamw(reference)
+    reference_schedule = torch.optim.lr_scheduler.StepLR(reference_optimizer, step_size=1, gamma=0.5)
+    model, _, _ = build("mlp")
+    optimizer = adamw(model)
+    schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    step = zerocc.compile(model, optimizer, stage=3, loss_fn=loss_fn)
+    for batch in batches("mlp", 4, 8):
+        assert torch.equal(step(*batch), eager_step(reference, reference_optimizer, loss_fn, batch))
+        reference_schedule.step()
+        schedule.step()
+    assert len(step._programs) == 2   # first step (state created) and steady state; no recompile per lr
+    for key, value in reference.state_dict().items():
+        assert torch.equal(step.full_state_dict()[key], value), key
+
+
+def _train_all_stages(rank, world_size, name):
+    """Per rank: DDP's losses and final state, then each stage's."""
+    data = batches(name, STEPS, 4 * world_size)
+    local = [tuple(t[rank * 4:(rank + 1) * 4] for t in batch) for batch in data]
+    reference, _, loss_fn = build(name)
+    ddp = DistributedDataParallel(reference)
+    optimizer = adamw(reference)
+    expected = [eager_step(ddp, optimizer, loss_fn, batch) for batch in local]
+    results = {"ddp": (expected, {k: v.clone() for k, v in reference.state_dict().items()})}
+    for stage in STAGES:
+        model, _, _ = build(name)
+        step = zerocc.compile(model, adamw(model), stage=stage, loss_fn=loss_fn)
+        losses = [step(*batch) for batch in local]
+        results[stage] = (losses, step.full_state_dict())
+    return results
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("name", ["mlp", "gpt", "cnn"])
+def test_world_size_n_matches_ddp(name, world_size):
+    per_rank = distributed.run(_train_all_stages, world_size, name)
+    for rank, results in enumerate(per_rank):
+        expected_losses, expected_state = results["ddp"]
+        for stage in STAGES:
+            losses, state = results[stage]
+            torch.testing.assert_close(torch.stack(losses), torch.stack(expected_losses), rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"stage {stage} rank {rank} losses: {m}")
+            assert state.keys() == expected_state.keys()
+            for key, value in expected_state.items():
+                torch.testing.assert_close(state[key], value, rtol=1e-4, atol=1e-5,
+                                           msg=lambda m: f"stage {stage} rank {rank} {key}: {m}")
