@@ -26,7 +26,7 @@ from . import graph as g
 from . import plans
 from .errors import CaptureError, ConfigError, user_frame
 from .optimizer_step import optimizer_update, check_elementwise
-from .tracing import trace_functional, fakeify
+from .tracing import fakeify, record_source_lines_of, trace_functional
 
 GRAD_OF = "zerocc_grad_of"   # meta key on gradient nodes: index of the parameter
 
@@ -75,23 +75,25 @@ def named_tensors(model: nn.Module, kind: str) -> list[tuple[tuple[str, ...], to
 
 
 def extract_loss(output: Any, targets: Sequence[Any], loss_fn: Callable | None) -> torch.Tensor:
+    """The scalar loss: ``loss_fn(output, *targets)``, the output itself, or its ``loss`` entry."""
     if loss_fn is not None:
         loss = loss_fn(output, *targets)
-    elif isinstance(output, torch.Tensor):
-        loss = output
-    elif isinstance(output, dict) and "loss" in output:
-        loss = output["loss"]
-    elif hasattr(output, "loss"):
-        loss = output.loss
-    else:
-        raise CaptureError(
-            f"the model returned {type(output).__name__}, not a scalar loss or an object with a 'loss' entry; "
-            "pass loss_fn=... to zerocc.compile (it is called as loss_fn(output, *targets))"
-        )
-    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-        raise CaptureError(f"the loss must be a scalar tensor, got {shape}; reduce it (e.g. .mean()) in the model or loss_fn")
-    return loss
+        if isinstance(loss, torch.Tensor) and loss.dim() == 0:
+            return loss
+        got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise CaptureError(f"loss_fn returned {got}, not a scalar tensor; reduce it (e.g. with .mean())")
+    if isinstance(output, dict) and "loss" in output:
+        output = output["loss"]
+    elif not isinstance(output, torch.Tensor) and isinstance(getattr(output, "loss", None), torch.Tensor):
+        output = output.loss
+    if isinstance(output, torch.Tensor) and output.dim() == 0:
+        return output
+    got = f"a tensor of shape {tuple(output.shape)}" if isinstance(output, torch.Tensor) else type(output).__name__
+    raise CaptureError(
+        f"the model returned {got}, not a scalar loss or an object with a scalar 'loss' entry; "
+        "pass loss_fn=... to zerocc.compile (it is called as loss_fn(output, *targets), the targets being the "
+        "last num_targets arguments of the step)"
+    )
 
 
 def capture(
@@ -177,6 +179,7 @@ def capture(
             all_states[i] = new_states[position]
         return loss.detach(), grads, new_params, list(buffers), all_states
 
+    record_source_lines_of(loss_fn)
     real_args = (
         [t for _, t in trained], [t for _, t in frozen], [t for _, t in buffers_all],
         [dict(s) for s in optimizer_state], learning_rates, list(inputs),

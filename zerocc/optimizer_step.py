@@ -17,7 +17,8 @@ import torch
 import torch.fx as fx
 
 from . import graph as g
-from .errors import UnsupportedOptimizerError, ConfigError
+from .tracing import record_source_lines_of
+from .errors import ConfigError, UnsupportedOptimizerError, user_line_of_node
 
 aten = torch.ops.aten
 
@@ -67,6 +68,7 @@ def optimizer_update(
     Called inside a trace: ``params`` and the rest are fake tensors. The user's
     optimizer object is not modified; a shallow copy gets its own groups and state.
     """
+    record_source_lines_of(type(optimizer).step)
     shadow = copy.copy(optimizer)
     shadow.state = collections.defaultdict(dict)
     shadow.param_groups = []
@@ -126,11 +128,17 @@ def check_elementwise(nodes: Sequence[fx.Node], optimizer: torch.optim.Optimizer
         else:
             offenders.append(node)
     if offenders:
+        by_op: dict[str, list[fx.Node]] = {}
+        for node in offenders:
+            by_op.setdefault(g.short_name(node.target), []).append(node)
         lines = []
-        for node in offenders[:5]:
-            lines.append(f"  - {g.short_name(node.target)} (graph node {node.name})")
+        for op, nodes in by_op.items():
+            where = user_line_of_node(nodes[0]) or f"graph node {nodes[0].name}"
+            lines.append(f"  - aten.{op}, {len(nodes)} call(s), first at {where}")
         raise UnsupportedOptimizerError(
-            f"{type(optimizer).__name__}.step() is not elementwise per parameter, so zerocc cannot run it on "
-            f"the 1/N slice of each parameter a rank owns. It calls:\n" + "\n".join(lines) +
-            "\nUse an elementwise optimizer (SGD, Adam, AdamW, Adagrad, RMSprop, ...) or stage=0."
+            f"{type(optimizer).__name__}.step() is not elementwise per parameter:\n" + "\n".join(lines) + "\n"
+            "  why: at stages 1-3 zerocc runs the update on the 1/N slice of each parameter a rank owns, "
+            "which computes the same thing only if every element is updated on its own.\n"
+            "  fix: use an elementwise optimizer (SGD, Adam, AdamW, Adagrad, RMSprop, ...), or stage=0, "
+            "which updates whole parameters."
         )

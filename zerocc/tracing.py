@@ -36,6 +36,19 @@ _PROFILER_OPS = {
 }
 
 
+def record_source_lines_of(fn) -> None:
+    """Keep stack traces of ops called from ``fn`` (make_fx keeps only ``forward`` frames by default).
+
+    The optimizer's ``step`` and a loss function are user code too; their
+    source lines make the error messages and the printed graphs point there.
+    """
+    import inspect
+    from torch.fx import proxy
+    register = getattr(proxy, "_register_stack_trace_anchor", None)
+    if register is not None and callable(fn):
+        register(inspect.unwrap(fn))
+
+
 def make_fake_mode() -> FakeTensorMode:
     """A fake mode whose ``.item()`` yields symbolic scalars instead of failing."""
     return FakeTensorMode(shape_env=ShapeEnv(allow_scalar_outputs=True), allow_non_fake_inputs=True)

@@ -1,0 +1,111 @@
+"""Bad input fails at compile time with a message that says what, where, why and how to fix it."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import zerocc
+from tests.models import MLP, batches
+
+
+def test_stage_out_of_range():
+    model = MLP()
+    with pytest.raises(zerocc.ConfigError, match=r"stage=5 is not a ZeRO stage; use 0 \(plain data parallel\), 1, 2 or 3"):
+        zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), stage=5)
+
+
+def test_optimizer_holding_tensors_not_in_the_model():
+    model, stranger = MLP(), nn.Linear(2, 2)
+    optimizer = torch.optim.SGD([*model.parameters(), *stranger.parameters()], lr=0.1)
+    step = zerocc.compile(model, optimizer, stage=3, loss_fn=F.mse_loss)
+    with pytest.raises(zerocc.ConfigError, match=r"the optimizer holds 2 tensor\(s\) that are not parameters of the model"):
+        step(*batches("mlp", 1, 4)[0])
+
+
+class Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(12, 5)
+
+    def forward(self, x):
+        y = self.linear(x)
+        if y.sum() > 0:   # data-dependent control flow
+            y = y * 2
+        return y
+
+
+def test_data_dependent_control_flow_names_the_users_line():
+    model = Branchy()
+    step = zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), stage=3, loss_fn=F.mse_loss)
+    with pytest.raises(zerocc.CaptureError, match=r"test_errors.py:\d+: if y.sum\(\) > 0:   # data-dependent") as info:
+        step(*batches("mlp", 1, 4)[0])
+    assert "torch.where" in str(info.value)
+
+
+class NormalizedSGD(torch.optim.Optimizer):
+    """Scales each gradient by its norm: not elementwise, a slice cannot compute the norm."""
+
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, dict(lr=lr))
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad / (p.grad.norm() + 1e-6), alpha=-group["lr"])
+
+
+def test_optimizer_that_is_not_elementwise_names_the_op():
+    model = MLP()
+    step = zerocc.compile(model, NormalizedSGD(model.parameters()), stage=2, loss_fn=F.mse_loss)
+    with pytest.raises(zerocc.UnsupportedOptimizerError, match=r"(?s)NormalizedSGD.step\(\) is not elementwise per parameter:\n"
+                       r"  - aten.linalg_vector_norm, \d+ call\(s\), first at .*test_errors.py:\d+: p.add_\(p.grad / \(p.grad.norm\(\)"):
+        step(*batches("mlp", 1, 4)[0])
+
+
+def test_a_non_elementwise_optimizer_still_runs_at_stage_0():
+    reference, model = MLP(), MLP()
+    model.load_state_dict(reference.state_dict())
+    step = zerocc.compile(model, NormalizedSGD(model.parameters()), stage=0, loss_fn=F.mse_loss)
+    reference_optimizer = NormalizedSGD(reference.parameters())
+    for x, y in batches("mlp", 2, 4):
+        reference_optimizer.zero_grad()
+        expected = F.mse_loss(reference(x), y)
+        expected.backward()
+        reference_optimizer.step()
+        assert torch.equal(step(x, y), expected.detach())
+
+
+def test_model_without_a_loss_asks_for_loss_fn():
+    model = MLP()
+    step = zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), stage=1)
+    with pytest.raises(zerocc.CaptureError, match=r"not a scalar loss.*pass loss_fn=\.\.\. to zerocc.compile"):
+        step(batches("mlp", 1, 4)[0][0])
+
+
+def test_nothing_to_train():
+    model = MLP().requires_grad_(False)
+    step = zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), stage=3, loss_fn=F.mse_loss)
+    with pytest.raises(zerocc.ConfigError, match="no parameter that both requires grad and is in the optimizer"):
+        step(*batches("mlp", 1, 4)[0])
+
+
+def test_unknown_graph_name_lists_the_passes():
+    model = MLP()
+    step = zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), stage=3, loss_fn=F.mse_loss)
+    step(*batches("mlp", 1, 4)[0])
+    with pytest.raises(zerocc.ConfigError, match="no pass named 'sharding'; the passes are: capture, shard, insert_collectives"):
+        step.graph("sharding")
+
+
+def test_bad_arguments_to_compile():
+    model = MLP()
+    with pytest.raises(zerocc.ConfigError, match="optimizer must be a torch.optim.Optimizer, got list"):
+        zerocc.compile(model, list(model.parameters()))
+    with pytest.raises(zerocc.ConfigError, match="model must be a torch.nn.Module"):
+        zerocc.compile(lambda x: x, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(zerocc.ConfigError, match="bucket_bytes must be a positive int"):
+        zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), bucket_bytes=0)
