@@ -50,7 +50,9 @@ class GraphSnapshot:
     note: str = ""
 
     def __str__(self) -> str:
-        changed = ", ".join(f"{'+' if v > 0 else ''}{v} {k}" for k, v in sorted(self.changes.items())) or "no node changes"
+        changed = ", ".join(f"{'+' if v > 0 else ''}{v} {k}" for k, v in sorted(self.changes.items()))
+        if self.index == 0:
+            changed = "the whole step, traced"
         header = f"# after pass {self.index:02d} '{self.name}': {changed}"
         if self.note:
             header += f"\n# {self.note}"
@@ -65,12 +67,15 @@ def snapshot(index: int, name: str, gm: fx.GraphModule, before: collections.Coun
             delta = counts[key] - before[key]
             if delta:
                 changes[key] = delta
+    gm.__class__.__name__ = "ZeroccStep"   # print_readable names the class; make_fx leaves '<lambda>'
     code = gm.print_readable(print_output=False, include_stride=False, include_device=False, colored=False)
     return GraphSnapshot(index, name, code, counts, changes, note)
 
 
 def run_pipeline(gm: fx.GraphModule, ctx: CompileContext, passes: list[Pass]) -> tuple[fx.GraphModule, list[GraphSnapshot]]:
-    history = [snapshot(0, "capture", gm, None, f"{len(gm.graph.nodes)} nodes")]
+    phases = collections.Counter(n.meta.get(g.PHASE) for n in gm.graph.nodes if n.op == "call_function")
+    note = f"{len(gm.graph.nodes)} nodes: " + ", ".join(f"{phases[p]} {p}" for p in (g.FORWARD, g.BACKWARD, g.OPTIMIZER))
+    history = [snapshot(0, "capture", gm, None, note)]
     for index, step in enumerate(passes, start=1):
         try:
             gm = step.run(gm, ctx)
