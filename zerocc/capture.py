@@ -7,7 +7,7 @@ First stage of the pipeline (see ``zerocc/pipeline.py``). The graph computes
 
 and every placeholder is tagged with its role (``graph.ROLE``), every node
 with its phase (``graph.PHASE``): forward, backward or optimizer. Gradient
-nodes carry ``GRAD_OF`` (the index of their parameter). Python control flow
+nodes carry ``GRAD_OF`` (the indices of their parameters). Python control flow
 is specialized on the example batch; what cannot be traced fails here with
 the user's source line.
 """
@@ -28,7 +28,7 @@ from .errors import CaptureError, ConfigError, user_frame
 from .optimizer_step import optimizer_update, check_elementwise
 from .tracing import fakeify, record_source_lines_of, trace_functional
 
-GRAD_OF = "zerocc_grad_of"   # meta key on gradient nodes: index of the parameter
+GRAD_OF = "zerocc_grad_of"   # meta key on gradient nodes: indices of the parameters it is the gradient of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,8 +219,8 @@ def capture(
     new_state_keys = [tuple(sorted(d)) for d in new_state_dicts]
     unused = [i for i, grad in enumerate(grad_nodes) if grad is None]
     for i, grad in enumerate(grad_nodes):
-        if grad is not None:
-            grad.meta[GRAD_OF] = i
+        if grad is not None:   # one node can be the gradient of several (an LSTM's two biases)
+            grad.meta[GRAD_OF] = grad.meta.get(GRAD_OF, ()) + (i,)
     flat_states = [d[k] for d, keys in zip(new_state_dicts, new_state_keys) for k in keys]
     output = g.output_node(gm)
     output.args = ([loss_node, *new_param_nodes, *new_buffer_nodes, *flat_states],)

@@ -44,7 +44,7 @@ def shard(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     plan = choose_buckets(gm, ctx, trained)
     ctx.shard_plan = plan
     param_node = {p.meta[g.INDEX]: p for p in old_params}
-    grad_node = {n.meta[GRAD_OF]: n for n in graph.nodes if GRAD_OF in n.meta}
+    grad_node = {i: n for n in graph.nodes for i in n.meta.get(GRAD_OF, ())}
     old_state = {}
     for node in g.placeholders(gm, g.ROLE_STATE):
         old_state.setdefault(node.meta[g.INDEX], {})[node.meta["zerocc_state_key"]] = node
@@ -170,7 +170,7 @@ def shard(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     output.args = ([loss, *[node for _, node in new_outputs]],)
     gm.meta[g.OUTPUT_SLOTS] = [slot for slot, _ in new_outputs]
 
-    graph.eliminate_dead_code()
+    g.eliminate_dead_code(gm)
     for node in [*trained, *[n for states in old_state.values() for n in states.values()]]:
         if not node.users:
             graph.erase_node(node)
