@@ -24,7 +24,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from . import graph as g
 from . import plans
-from .errors import CaptureError, ConfigError, user_frame
+from .errors import CaptureError, ConfigError, ZeroccError, user_frame
 from .optimizer_step import optimizer_update, check_elementwise
 from .tracing import fakeify, record_source_lines_of, trace_functional
 
@@ -201,11 +201,9 @@ def capture(
             "  fix: compute it with tensor ops (torch.where, masking) instead of Python control flow, "
             "or move it out of the model."
         ) from error
-    except CaptureError:
+    except ZeroccError:
         raise
     except Exception as error:
-        if isinstance(error, (ConfigError,)):
-            raise
         where = user_frame(error.__traceback__) or "(no user frame found)"
         raise CaptureError(f"tracing the training step failed at {where}: {type(error).__name__}: {error}") from error
 
@@ -218,6 +216,11 @@ def capture(
     loss_node, grad_nodes, new_param_nodes, new_buffer_nodes, new_state_dicts = structured
     new_state_keys = [tuple(sorted(d)) for d in new_state_dicts]
     unused = [i for i, grad in enumerate(grad_nodes) if grad is None]
+    sparse = [param_infos[i].name for i, grad in enumerate(grad_nodes)
+              if grad is not None and grad.meta[g.VAL].layout != torch.strided]
+    if sparse:
+        raise ConfigError(f"parameter(s) {', '.join(sparse)} get sparse gradients (nn.Embedding(sparse=True)?); "
+                          "zerocc shards dense gradients only: use sparse=False")
     for i, grad in enumerate(grad_nodes):
         if grad is not None:   # one node can be the gradient of several (an LSTM's two biases)
             grad.meta[GRAD_OF] = grad.meta.get(GRAD_OF, ()) + (i,)
