@@ -109,3 +109,66 @@ def test_bad_arguments_to_compile():
         zerocc.compile(lambda x: x, torch.optim.SGD(model.parameters(), lr=0.1))
     with pytest.raises(zerocc.ConfigError, match="bucket_bytes must be a positive int"):
         zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), bucket_bytes=0)
+
+
+def test_loss_fn_returning_a_tensor():
+    model = MLP()
+    step = zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=lambda out, target: out - target)
+    with pytest.raises(zerocc.CaptureError, match=r"loss_fn returned a tensor of shape \(4, 5\), not a scalar tensor"):
+        step(*batches("mlp", 1, 4)[0])
+
+
+def test_more_targets_than_arguments():
+    model = MLP()
+    step = zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=F.mse_loss, num_targets=3)
+    with pytest.raises(zerocc.ConfigError, match=r"the step got 2 argument\(s\) but 3 target\(s\) were declared"):
+        step(*batches("mlp", 1, 4)[0])
+
+
+def test_optimizer_that_needs_a_closure():
+    model = MLP()
+    step = zerocc.compile(model, torch.optim.LBFGS(model.parameters()), loss_fn=F.mse_loss)
+    with pytest.raises(zerocc.UnsupportedOptimizerError, match=r"LBFGS.step\(\) needs a closure"):
+        step(*batches("mlp", 1, 4)[0])
+
+
+def test_optimizer_that_branches_on_tensor_values():
+    model = MLP()
+    step = zerocc.compile(model, torch.optim.Adafactor(model.parameters()), loss_fn=F.mse_loss)
+    with pytest.raises(zerocc.UnsupportedOptimizerError, match=r"(?s)Adafactor.step\(\) could not be traced.*fix: use an elementwise"):
+        step(*batches("mlp", 1, 4)[0])
+
+
+def test_sparse_gradients():
+    model = nn.Sequential(nn.Embedding(10, 5, sparse=True))
+    step = zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=lambda out, target: out.sum())
+    with pytest.raises(zerocc.ConfigError, match=r"parameter\(s\) 0.weight get sparse gradients"):
+        step(torch.tensor([1, 2]), torch.zeros(1))
+
+
+class BooleanMask(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(12, 5)
+
+    def forward(self, x):
+        return self.linear(x[x.sum(1) > 0]).square().mean()   # how many rows: depends on the data
+
+
+def test_data_dependent_shapes_trace_symbolically_not_baked_in():
+    torch.manual_seed(0)
+    reference, model = BooleanMask(), BooleanMask()
+    model.load_state_dict(reference.state_dict())
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    step = zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), stage=3)
+    rows = set()
+    for seed in range(4):
+        x = torch.randn(8, 12, generator=torch.Generator().manual_seed(seed))
+        rows.add(int((x.sum(1) > 0).sum()))
+        reference_optimizer.zero_grad()
+        expected = reference(x)
+        expected.backward()
+        reference_optimizer.step()
+        assert torch.equal(step(x), expected.detach())
+    assert len(rows) > 1   # the batches really routed differently
+    assert len(step._programs) == 2   # one program for any row count (plus the first step's)

@@ -7,7 +7,7 @@ First stage of the pipeline (see ``zerocc/pipeline.py``). The graph computes
 
 and every placeholder is tagged with its role (``graph.ROLE``), every node
 with its phase (``graph.PHASE``): forward, backward or optimizer. Gradient
-nodes carry ``GRAD_OF`` (the index of their parameter). Python control flow
+nodes carry ``GRAD_OF`` (the indices of their parameters). Python control flow
 is specialized on the example batch; what cannot be traced fails here with
 the user's source line.
 """
@@ -24,11 +24,11 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from . import graph as g
 from . import plans
-from .errors import CaptureError, ConfigError, user_frame
+from .errors import CaptureError, ConfigError, ZeroccError, user_frame
 from .optimizer_step import optimizer_update, check_elementwise
 from .tracing import fakeify, record_source_lines_of, trace_functional
 
-GRAD_OF = "zerocc_grad_of"   # meta key on gradient nodes: index of the parameter
+GRAD_OF = "zerocc_grad_of"   # meta key on gradient nodes: indices of the parameters it is the gradient of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,11 +201,9 @@ def capture(
             "  fix: compute it with tensor ops (torch.where, masking) instead of Python control flow, "
             "or move it out of the model."
         ) from error
-    except CaptureError:
+    except ZeroccError:
         raise
     except Exception as error:
-        if isinstance(error, (ConfigError,)):
-            raise
         where = user_frame(error.__traceback__) or "(no user frame found)"
         raise CaptureError(f"tracing the training step failed at {where}: {type(error).__name__}: {error}") from error
 
@@ -218,9 +216,14 @@ def capture(
     loss_node, grad_nodes, new_param_nodes, new_buffer_nodes, new_state_dicts = structured
     new_state_keys = [tuple(sorted(d)) for d in new_state_dicts]
     unused = [i for i, grad in enumerate(grad_nodes) if grad is None]
+    sparse = [param_infos[i].name for i, grad in enumerate(grad_nodes)
+              if grad is not None and grad.meta[g.VAL].layout != torch.strided]
+    if sparse:
+        raise ConfigError(f"parameter(s) {', '.join(sparse)} get sparse gradients (nn.Embedding(sparse=True)?); "
+                          "zerocc shards dense gradients only: use sparse=False")
     for i, grad in enumerate(grad_nodes):
-        if grad is not None:
-            grad.meta[GRAD_OF] = i
+        if grad is not None:   # one node can be the gradient of several (an LSTM's two biases)
+            grad.meta[GRAD_OF] = grad.meta.get(GRAD_OF, ()) + (i,)
     flat_states = [d[k] for d, keys in zip(new_state_dicts, new_state_keys) for k in keys]
     output = g.output_node(gm)
     output.args = ([loss_node, *new_param_nodes, *new_buffer_nodes, *flat_states],)

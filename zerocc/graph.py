@@ -131,3 +131,18 @@ def call(graph: fx.Graph, fake_mode, target, *args, **kwargs) -> fx.Node:
 
 def topological_index(gm: fx.GraphModule) -> dict[fx.Node, int]:
     return {node: i for i, node in enumerate(gm.graph.nodes)}
+
+
+def is_communication(node: fx.Node) -> bool:
+    """A collective, its wait, or a marker standing for one: work every rank must do."""
+    return node.meta.get(PHASE) == COMMUNICATION or is_collective(node) or is_wait(node)
+
+
+def eliminate_dead_code(gm: fx.GraphModule) -> None:
+    """Remove unused nodes, but never communication.
+
+    A rank that owns no piece of a bucket has no use for the bucket's reduced
+    gradient, yet must still take part in the reduce-scatter: dropping it on
+    one rank would leave the others waiting (or mismatched) forever.
+    """
+    gm.graph.eliminate_dead_code(is_impure_node=lambda node: node.is_impure() or is_communication(node))

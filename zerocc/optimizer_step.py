@@ -80,8 +80,26 @@ def optimizer_update(
     for param, grad, state in zip(params, grads, states):
         param.grad = grad
         shadow.state[param].update(state)
-    with torch.no_grad():
-        shadow.step()
+    name = type(optimizer).__name__
+    try:
+        with torch.no_grad():
+            shadow.step()
+    except TypeError as error:
+        if "closure" not in str(error):
+            raise
+        raise UnsupportedOptimizerError(
+            f"{name}.step() needs a closure: it re-evaluates the loss itself (as LBFGS does), while zerocc "
+            "traces one forward and backward per step.\n  fix: use an optimizer whose step() takes no closure."
+        ) from error
+    except Exception as error:
+        if isinstance(error, UnsupportedOptimizerError):
+            raise
+        raise UnsupportedOptimizerError(
+            f"{name}.step() could not be traced: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}\n"
+            "  why: zerocc needs the update as one fixed sequence of tensor ops; an update that branches on "
+            "tensor values, or keeps state that is not shaped like its parameter, cannot be sharded.\n"
+            "  fix: use an elementwise optimizer (SGD, Adam, AdamW, Adagrad, RMSprop, ...)."
+        ) from error
     new_states = []
     for param in params:
         state = shadow.state.get(param, {})

@@ -14,6 +14,7 @@ are computed in double precision exactly as eager PyTorch does.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable
 
 import torch
@@ -49,6 +50,35 @@ def record_source_lines_of(fn) -> None:
         register(inspect.unwrap(fn))
 
 
+# Ops for which PyTorch registers a Python decomposition that tracing would use
+# but eager execution does not (eager runs the C++ composite kernel). The two
+# can order floating-point work differently, so while tracing we hide the
+# Python version: the graph then holds what eager runs, bit for bit.
+_EAGER_COMPOSITES = [
+    aten.lstm.input, aten.lstm.data, aten.gru.input, aten.gru.data,
+    aten.rnn_tanh.input, aten.rnn_tanh.data, aten.rnn_relu.input, aten.rnn_relu.data,
+    aten.dropout.default, aten.matmul.default,
+]
+
+
+@contextlib.contextmanager
+def eager_composites():
+    """Trace these ops through their C++ composite kernels, as eager PyTorch runs them."""
+    from torch._C import DispatchKey
+    hidden = []
+    for op in _EAGER_COMPOSITES:
+        for key in (DispatchKey.CompositeImplicitAutograd, DispatchKey.Autograd):
+            if key in op.py_kernels:
+                hidden.append((op, key, op.py_kernels.pop(key)))
+        op._dispatch_cache.clear()
+    try:
+        yield
+    finally:
+        for op, key, kernel in hidden:
+            op.py_kernels[key] = kernel
+            op._dispatch_cache.clear()
+
+
 def make_fake_mode() -> FakeTensorMode:
     """A fake mode whose ``.item()`` yields symbolic scalars instead of failing."""
     return FakeTensorMode(shape_env=ShapeEnv(allow_scalar_outputs=True), allow_non_fake_inputs=True)
@@ -80,7 +110,7 @@ def trace_functional(fn: Callable[..., Any], args: tuple, fake_mode: FakeTensorM
         out_spec_box.append(spec)
         return flat_out
 
-    with fake_mode:
+    with fake_mode, eager_composites():
         first = make_fx(flat_fn, record_stack_traces=True)(*flat_args)
 
     def replay(*leaves):

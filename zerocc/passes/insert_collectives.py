@@ -55,7 +55,7 @@ def insert_collectives(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModul
             _replace_with_gather(gm, ctx, node)
             counts["all_gather"] += 1
     counts["broadcast"] = _broadcast_updated_buffers(gm, ctx)
-    graph.eliminate_dead_code()   # forward views whose backward uses now read the second gather
+    g.eliminate_dead_code(gm)   # forward views whose backward uses now read the second gather
     graph.lint()
     gm.recompile()
     ctx.notes["insert_collectives"] = ", ".join(f"+{v} {k}" for k, v in counts.items() if v)

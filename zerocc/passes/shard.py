@@ -44,7 +44,7 @@ def shard(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     plan = choose_buckets(gm, ctx, trained)
     ctx.shard_plan = plan
     param_node = {p.meta[g.INDEX]: p for p in old_params}
-    grad_node = {n.meta[GRAD_OF]: n for n in graph.nodes if GRAD_OF in n.meta}
+    grad_node = {i: n for n in graph.nodes for i in n.meta.get(GRAD_OF, ())}
     old_state = {}
     for node in g.placeholders(gm, g.ROLE_STATE):
         old_state.setdefault(node.meta[g.INDEX], {})[node.meta["zerocc_state_key"]] = node
@@ -170,7 +170,7 @@ def shard(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     output.args = ([loss, *[node for _, node in new_outputs]],)
     gm.meta[g.OUTPUT_SLOTS] = [slot for slot, _ in new_outputs]
 
-    graph.eliminate_dead_code()
+    g.eliminate_dead_code(gm)
     for node in [*trained, *[n for states in old_state.values() for n in states.values()]]:
         if not node.users:
             graph.erase_node(node)
@@ -195,30 +195,35 @@ def choose_buckets(gm: fx.GraphModule, ctx: CompileContext, trained: list[fx.Nod
     first_use = {p: min((order[u] for u in p.users), default=len(order)) for p in trained}
     ordered = sorted(trained, key=lambda p: (first_use[p], p.meta[g.INDEX]))
     shards = 1 if ctx.stage == 0 else ctx.world_size
-    buckets: list[plans.Bucket] = []
-    current: list[plans.Segment] = []
-    key = None
-    cursor = 0
+    # one open bucket per (param group, dtype): parameters of different groups interleave
+    # in first-use order (weights decayed, biases not), and each group fills its own
+    # buckets instead of closing one at every switch
+    closed: list[tuple[int, tuple, list[plans.Segment], int]] = []   # (first use, key, segments, numel)
+    open_buckets: dict[tuple, tuple[int, list[plans.Segment], int]] = {}
 
-    def close():
-        nonlocal current, cursor
-        if current:
-            dtype = key[1]
-            numel = -(-max(cursor, 1) // shards) * shards
-            buckets.append(plans.Bucket(len(buckets), key[0], dtype, tuple(current), numel, shards))
-        current, cursor = [], 0
+    def close(key):
+        first, segments, cursor = open_buckets.pop(key)
+        closed.append((first, key, segments, -(-max(cursor, 1) // shards) * shards))
 
     for node in ordered:
         info = ctx.captured.params[node.meta[g.INDEX]]
-        node_key = (info.group, info.dtype)
-        start = plans.aligned(cursor, info.dtype)
-        if current and (node_key != key or (start + info.numel) * info.dtype.itemsize > ctx.bucket_bytes):
-            close()
+        key = (info.group, info.dtype)
+        if key in open_buckets:
+            first, segments, cursor = open_buckets[key]
+            start = plans.aligned(cursor, info.dtype)
+            if (start + info.numel) * info.dtype.itemsize > ctx.bucket_bytes:
+                close(key)
+        if key not in open_buckets:
+            open_buckets[key] = (first_use[node], [], 0)
             start = 0
-        key = node_key
-        current.append(plans.Segment(node.meta[g.INDEX], start, info.numel))
-        cursor = start + info.numel
-    close()
+        first, segments, _ = open_buckets[key]
+        segments.append(plans.Segment(node.meta[g.INDEX], start, info.numel))
+        open_buckets[key] = (first, segments, start + info.numel)
+    for key in list(open_buckets):
+        close(key)
+    closed.sort(key=lambda bucket: bucket[0])     # buckets in order of their first use
+    buckets = [plans.Bucket(index, key[0], key[1], tuple(segments), numel, shards)
+               for index, (_, key, segments, numel) in enumerate(closed)]
     return plans.ShardPlan(ctx.stage, ctx.world_size, ctx.rank, tuple(buckets), ctx.bucket_bytes)
 
 

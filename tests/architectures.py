@@ -1,0 +1,183 @@
+"""Architectures beyond transformers: each a small model whose step zerocc must compile unchanged."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class ResNet(nn.Module):
+    """Residual blocks with BatchNorm and a projection shortcut."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(8)
+        self.block1 = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
+                                    nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8))
+        self.down = nn.Sequential(nn.Conv2d(8, 16, 3, stride=2, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU(),
+                                  nn.Conv2d(16, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16))
+        self.shortcut = nn.Conv2d(8, 16, 1, stride=2, bias=False)
+        self.head = nn.Linear(16, 10)
+
+    def forward(self, x, y):
+        x = F.relu(self.bn(self.stem(x)))
+        x = F.relu(x + self.block1(x))
+        x = F.relu(self.shortcut(x) + self.down(x))
+        return F.cross_entropy(self.head(x.mean((2, 3))), y)
+
+
+class UNet(nn.Module):
+    """Encoder-decoder with skip connections concatenated across the bottleneck."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.enc2 = nn.Conv2d(8, 16, 3, padding=1)
+        self.mid = nn.Conv2d(16, 16, 3, padding=1)
+        self.up = nn.ConvTranspose2d(16, 16, 2, stride=2)
+        self.dec2 = nn.Conv2d(32, 8, 3, padding=1)
+        self.up1 = nn.ConvTranspose2d(8, 8, 2, stride=2)
+        self.dec1 = nn.Conv2d(16, 1, 3, padding=1)
+
+    def forward(self, x, target):
+        e1 = F.relu(self.enc1(x))                       # 16x16
+        e2 = F.relu(self.enc2(F.max_pool2d(e1, 2)))     # 8x8
+        m = F.relu(self.mid(F.max_pool2d(e2, 2)))       # 4x4
+        d2 = F.relu(self.dec2(torch.cat([self.up(m), e2], 1)))
+        out = self.dec1(torch.cat([self.up1(d2), e1], 1))
+        return F.mse_loss(out, target)
+
+
+class Recurrent(nn.Module):
+    """An LSTM and a GRU stacked, classifying sequences."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(32, 16)
+        self.lstm = nn.LSTM(16, 24, batch_first=True)
+        self.gru = nn.GRU(24, 24, batch_first=True)
+        self.head = nn.Linear(24, 4)
+
+    def forward(self, tokens, y):
+        h, _ = self.lstm(self.embed(tokens))
+        h, _ = self.gru(h)
+        return F.cross_entropy(self.head(h[:, -1]), y)
+
+
+class MixtureOfExperts(nn.Module):
+    """Top-2 routing over 4 experts, written densely (every expert sees every token, weighted by its gate)."""
+
+    def __init__(self, d=16, experts=4, k=2):
+        super().__init__()
+        self.k = k
+        self.router = nn.Linear(d, experts, bias=False)
+        self.w1 = nn.Parameter(torch.randn(experts, d, 32) * 0.1)
+        self.w2 = nn.Parameter(torch.randn(experts, 32, d) * 0.1)
+        self.head = nn.Linear(d, 3)
+
+    def forward(self, x, y):
+        scores = self.router(x)                                   # tokens x experts
+        top, index = scores.topk(self.k, dim=-1)
+        gates = torch.zeros_like(scores).scatter(-1, index, F.softmax(top, dim=-1))
+        hidden = F.gelu(torch.einsum("td,edh->teh", x, self.w1))
+        out = torch.einsum("teh,ehd->ted", hidden, self.w2)
+        mixed = (gates.unsqueeze(-1) * out).sum(1)
+        return F.cross_entropy(self.head(x + mixed), y)
+
+
+class MessagePassing(nn.Module):
+    """A graph network: messages gathered along edges, summed into nodes with index_add."""
+
+    def __init__(self, d=8):
+        super().__init__()
+        self.encode = nn.Linear(4, d)
+        self.message = nn.Linear(2 * d, d)
+        self.update = nn.Linear(2 * d, d)
+        self.head = nn.Linear(d, 1)
+
+    def forward(self, features, edges, target):
+        h = F.relu(self.encode(features))
+        for _ in range(2):
+            source, destination = edges
+            messages = F.relu(self.message(torch.cat([h[source], h[destination]], -1)))
+            summed = torch.zeros_like(h).index_add(0, destination, messages)
+            h = F.relu(self.update(torch.cat([h, summed], -1)))
+        return F.mse_loss(self.head(h).squeeze(-1), target)
+
+
+class EncoderDecoder(nn.Module):
+    """nn.Transformer (encoder and decoder stacks, cross attention), dropout off."""
+
+    def __init__(self, vocab=32, d=16):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.transformer = nn.Transformer(d, nhead=2, num_encoder_layers=1, num_decoder_layers=1,
+                                          dim_feedforward=32, dropout=0.0, batch_first=True)
+        self.out = nn.Linear(d, vocab)
+
+    def forward(self, source, target):
+        mask = nn.Transformer.generate_square_subsequent_mask(target.shape[1] - 1)
+        decoded = self.transformer(self.embed(source), self.embed(target[:, :-1]), tgt_mask=mask, tgt_is_causal=True)
+        logits = self.out(decoded)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target[:, 1:].reshape(-1))
+
+
+class ScaleGradient(torch.autograd.Function):
+    """A custom autograd Function: identity forward, gradient scaled by 0.5 in backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 0.5
+
+
+class FrozenAndCustom(nn.Module):
+    """A frozen embedding (requires_grad=False), a custom autograd Function, a tied weight used twice."""
+
+    def __init__(self):
+        super().__init__()
+        self.frozen = nn.Linear(12, 16)
+        self.frozen.requires_grad_(False)
+        self.shared = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 5)
+
+    def forward(self, x, y):
+        h = torch.tanh(self.frozen(x))
+        h = torch.tanh(self.shared(ScaleGradient.apply(h)))
+        h = torch.tanh(self.shared(h))          # the same weight, used a second time
+        return F.mse_loss(self.head(h), y)
+
+
+def _images(g, b):
+    return torch.randn(b, 3, 16, 16, generator=g), torch.randint(0, 10, (b,), generator=g)
+
+
+def _graph(g, b):
+    nodes = 6 * b
+    edges = torch.randint(0, nodes, (2, 4 * nodes), generator=g)
+    return torch.randn(nodes, 4, generator=g), edges, torch.randn(nodes, generator=g)
+
+
+ARCHITECTURES = {
+    "resnet": (ResNet, _images),
+    "unet": (UNet, lambda g, b: (torch.randn(b, 3, 16, 16, generator=g), torch.randn(b, 1, 16, 16, generator=g))),
+    "recurrent": (Recurrent, lambda g, b: (torch.randint(0, 32, (b, 10), generator=g), torch.randint(0, 4, (b,), generator=g))),
+    "moe": (MixtureOfExperts, lambda g, b: (torch.randn(4 * b, 16, generator=g), torch.randint(0, 3, (4 * b,), generator=g))),
+    "gnn": (MessagePassing, _graph),
+    "encoder_decoder": (EncoderDecoder, lambda g, b: (torch.randint(0, 32, (b, 7), generator=g), torch.randint(0, 32, (b, 6), generator=g))),
+    "frozen_custom": (FrozenAndCustom, lambda g, b: (torch.randn(b, 12, generator=g), torch.randn(b, 5, generator=g))),
+}
+
+
+def build_architecture(name, seed=0):
+    torch.manual_seed(seed)
+    return ARCHITECTURES[name][0]()
+
+
+def architecture_batches(name, steps, batch, seed=1):
+    generator = torch.Generator().manual_seed(seed)
+    return [ARCHITECTURES[name][1](generator, batch) for _ in range(steps)]

