@@ -28,6 +28,7 @@ import operator
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 
 from .. import graph as g
 from ..context import CompileContext
@@ -75,7 +76,7 @@ def memory_plan_of(gm: fx.GraphModule) -> MemoryPlan:
             end[key] = max(end.get(key, position[node]), reach)
             if key[0] is not node:
                 aliases.setdefault(key, []).append(node.name)
-    outputs = g.output_node(gm).args[0]
+    outputs = pytree.tree_leaves(g.output_node(gm).args[0])   # [loss, *values that replace slots]
     output_slots = gm.meta.get(g.OUTPUT_SLOTS, ())
     updated = set()
     for index, value in enumerate(outputs):
