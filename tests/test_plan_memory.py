@@ -148,8 +148,7 @@ def _two_ranks(rank, world_size):
     for name, stage in (("gpt", 3), ("cnn", 2)):
         model, _, loss_fn = build(name)
         step = zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-2), stage=stage, loss_fn=loss_fn)
-        for batch in batches(name, 2, 4):
-            step(*batch)
+        step(*batches(name, 1, 4)[0])
         plan = _check_plan(step)
         results[name] = sorted(p.name for p in plan.pools)
     return results

@@ -58,6 +58,7 @@ def plan_memory(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
 
 
 def memory_plan_of(gm: fx.GraphModule) -> MemoryPlan:
+    """The plan for ``gm`` in its current node order (any FX graph with ``val`` meta; zerocc's tags refine roles)."""
     nodes = list(gm.graph.nodes)
     position = {node: i for i, node in enumerate(nodes)}
     last = len(nodes) - 1
@@ -174,12 +175,14 @@ def _is_view(node: fx.Node) -> bool:
 
 def _value_of(node: fx.Node, index: int | None):
     value = node.meta.get(g.VAL)
-    return value if index is None else value[index]
+    if index is not None:
+        value = value[index] if isinstance(value, (tuple, list)) and index < len(value) else None
+    return value
 
 
-def _storage_bytes(value: torch.Tensor) -> int:
-    """Bytes of the storage a fresh ``value`` needs (its strides may skip elements)."""
-    if value.numel() == 0:
+def _storage_bytes(value) -> int:
+    """Bytes of the storage a fresh ``value`` needs (its strides may skip elements); 0 if it is no tensor."""
+    if not isinstance(value, torch.Tensor) or value.numel() == 0:
         return 0
     span = 1 + sum((int(size) - 1) * abs(int(stride)) for size, stride in zip(value.shape, value.stride()))
     return span * value.element_size()
