@@ -3,9 +3,10 @@
     torchrun --standalone --nproc_per_node 2 examples/train_gpt.py [--stage 3] [--steps 5]
 
 Each rank trains on its slice of the global batch. Rank 0 prints the pass
-pipeline, the graph after insert_collectives, the bucket plan and the
-report; at the end every rank checks that training matched one process on
-the global batch.
+pipeline, the graph after insert_collectives, the bucket plan, the memory
+plan (one line per pool, and a picture of memory over the step in
+memory_plan.png when matplotlib is installed) and the report; at the end
+every rank checks that training matched one process on the global batch.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--batch", type=int, default=4, help="sequences per rank")
     parser.add_argument("--show-graph", action="store_true", help="print the whole final graph, not only its head")
+    parser.add_argument("--plot", default="memory_plan.png", help="where to draw the memory plan (needs matplotlib)")
     args = parser.parse_args()
     if "WORLD_SIZE" in os.environ:
         dist.init_process_group("gloo")
@@ -63,6 +65,13 @@ def main() -> None:
         names = [step._captured.params[i].name for i in bucket.params]
         say(f"  bucket {bucket.index}: {bucket.numel:>9,} elements, {len(names):2} params: {', '.join(names[:4])}"
             + (" ..." if len(names) > 4 else ""))
+    say("\nmemory plan (bytes per rank; print(step.memory_plan) for every buffer):")
+    say("  " + step.memory_plan.summary().replace("\n", "\n  "))
+    if rank == 0 and args.plot:
+        try:
+            say(f"  drawn in {step.memory_plan.plot(args.plot)}")
+        except ImportError as error:
+            say(f"  (no picture: {error})")
     report = step.report()
     say("\nreport:")
     for key, value in report.items():

@@ -16,7 +16,9 @@ from .context import CompileContext
 from .errors import ConfigError
 from .optimizer_step import hyperparameter_signature, live_hyperparameters
 from .pipeline import GraphSnapshot, default_pipeline, run_pipeline
+from .memory_plan import MemoryPlan
 from .runtime import slots as slot_store
+from .runtime.memory import LiveBytesTracker
 from .runtime.process_group import Ranks, resolve
 from .runtime.program import Program
 from .tracing import make_fake_mode
@@ -87,6 +89,7 @@ class CompiledStep:
         self._state_signature: list[dict[str, tuple[bool, torch.dtype]]] | None = None
         self._released_shapes: dict[str, tuple[int, ...]] = {}
         self._last: tuple[Program, CompileContext, list[GraphSnapshot]] | None = None
+        self._measured_peak_bytes: dict[int, int] = {}   # by id(program): measured at its first run
         self.compile_seconds = 0.0
         if self.ranks.world_size > 1:
             self._sync_initial_state()
@@ -97,7 +100,14 @@ class CompiledStep:
         for group_index, value in enumerate(live_hyperparameters(self.optimizer)):
             self._slots[plans.lr_slot(group_index)] = value
         batch = list(inputs)
-        loss = program.run(self._slots, batch)
+        if id(program) in self._measured_peak_bytes:
+            loss = program.run(self._slots, batch)
+        else:   # the first run of a program also measures its peak of live tensor bytes
+            tensors = [t for t in [*self._slots.values(), *batch] if isinstance(t, torch.Tensor)]
+            with LiveBytesTracker(tensors) as tracker:
+                del tensors
+                loss = program.run(self._slots, batch)
+            self._measured_peak_bytes[id(program)] = tracker.peak_bytes
         self._after_step(ctx)
         # the step ran the optimizer's update; tell LR schedulers so, as optimizer.step() would
         self.optimizer._opt_called = True
@@ -232,6 +242,11 @@ class CompiledStep:
     def shard_plan(self) -> plans.ShardPlan:
         return self._require_compiled()[1].shard_plan
 
+    @property
+    def memory_plan(self) -> MemoryPlan:
+        """Where every tensor of the last program lives: ``print`` it for the table, ``.summary()``, ``.plot(path)``."""
+        return self._require_compiled()[1].memory_plan
+
     def _require_compiled(self):
         if self._last is None:
             raise ConfigError("the step has not been compiled yet: call it once with a batch first")
@@ -278,6 +293,10 @@ class CompiledStep:
             "comm_bytes_per_step": comm,
             "collectives_per_step": dict(counts),
             "model_state_bytes_per_rank": held,
+            "planned_peak_bytes": ctx.memory_plan.planned_bytes,
+            "lower_bound_bytes": ctx.memory_plan.lower_bound_bytes,
+            "live_peak_bytes": ctx.memory_plan.live_peak_bytes,
+            "measured_peak_bytes": self._measured_peak_bytes.get(id(program)),
             "compile_seconds": round(self.compile_seconds, 3),
         }
 

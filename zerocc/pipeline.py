@@ -3,6 +3,7 @@
     capture              zerocc/capture.py       whole step -> one functional aten graph, nodes tagged
     shard                passes/shard.py         flat buckets, 1/N per rank; optimizer re-traced on the shards
     insert_collectives   passes/insert_collectives.py   all_gather / reduce_scatter / all_reduce + waits
+    plan_memory          passes/plan_memory.py   lifetimes on the final order -> offsets in pools (graph unchanged)
 
 Every pass is ``(gm, ctx) -> gm`` and writes its decisions onto ``ctx``.
 The runner keeps the program after every pass so users can read it
@@ -20,6 +21,7 @@ from . import graph as g
 from .context import CompileContext
 from .errors import PassError
 from .passes.insert_collectives import insert_collectives
+from .passes.plan_memory import plan_memory
 from .passes.shard import shard
 
 PassFn = Callable[[fx.GraphModule, CompileContext], fx.GraphModule]
@@ -36,6 +38,7 @@ def default_pipeline(stage: int) -> list[Pass]:
     return [
         Pass("shard", shard),                              # parameters, gradients, optimizer state -> flat per-rank buckets
         Pass("insert_collectives", insert_collectives),    # the communication the buckets need
+        Pass("plan_memory", plan_memory),                  # lifetimes -> offsets in pools; must stay the last pass
     ]
 
 

@@ -1,0 +1,359 @@
+"""The memory plan: where every tensor of one step lives, as plain frozen data a person can read.
+
+``passes/plan_memory.py`` decides it; this module holds the data, the
+allocator it uses (greedy best-fit over lifetimes, as XLA's heap simulator
+does) and the ways to look at it: a table (``str(plan)``), one summary line
+per pool (``plan.summary()``), a dict (``plan.to_dict()``) and a picture of
+memory over the step (``plan.plot(path)``, needs matplotlib).
+
+Positions are indices into the schedule (the graph's node order when the
+plan was made); a buffer's ``start`` and ``end`` are inclusive positions. A
+buffer occupies ``[offset, offset + bytes)`` of its pool from ``start`` to
+``end``; no two buffers of a pool that are alive at the same position share
+a byte.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable, Sequence
+
+# Offsets and sizes inside a pool are multiples of this, as the caching
+# allocators of CPU and CUDA hand out (64 bytes covers AVX-512 and a cache line).
+ALIGNMENT_BYTES = 64
+
+# Roles, grouped by the pool that holds them, in the order pools are printed and stacked.
+POOLS: dict[str, tuple[str, ...]] = {
+    "persistent": ("parameters", "optimizer state", "buffers", "inputs", "updated state"),
+    "gathered parameters": ("gathered parameters",),
+    "activations": ("activations",),
+    "gradient buckets": ("gradient buckets",),
+    "communication": ("communication",),
+}
+POOL_OF_ROLE = {role: pool for pool, roles in POOLS.items() for role in roles}
+ROLES = tuple(role for roles in POOLS.values() for role in roles)
+
+
+def align(size: int, alignment: int = ALIGNMENT_BYTES) -> int:
+    return (size + alignment - 1) // alignment * alignment
+
+
+@dataclasses.dataclass(frozen=True)
+class Lifetime:
+    """What the allocator needs to know of one buffer: its size and the positions it is alive at."""
+    name: str
+    bytes: int      # already aligned
+    start: int      # inclusive
+    end: int        # inclusive
+
+    def overlaps(self, other: "Lifetime") -> bool:
+        return self.start <= other.end and other.start <= self.end
+
+
+@dataclasses.dataclass(frozen=True)
+class Buffer:
+    """One storage of the step (a tensor and every view of it) and where it is placed."""
+    name: str            # the node that allocates it (``op[i]`` for output i of a multi-output op)
+    role: str
+    pool: str
+    bytes: int           # aligned size: what it occupies in its pool
+    offset: int          # bytes from the start of its pool
+    start: int
+    end: int
+    aliases: tuple[str, ...] = ()   # nodes whose values are views of it
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "offset": self.offset, "bytes": self.bytes, "start": self.start, "end": self.end}
+
+
+@dataclasses.dataclass(frozen=True)
+class Pool:
+    """One arena: buffers of related roles at fixed offsets."""
+    name: str
+    bytes: int                  # planned size: the highest byte any buffer reaches
+    lower_bound_bytes: int      # the most bytes its buffers hold at any one position
+    order: str                  # which greedy order gave the smaller pool
+    buffers: tuple[Buffer, ...]
+
+    @property
+    def ratio(self) -> float:
+        return self.bytes / self.lower_bound_bytes if self.lower_bound_bytes else 1.0
+
+    def summary(self) -> str:
+        return (f"{self.name}: {megabytes(self.bytes)} planned, lower bound {megabytes(self.lower_bound_bytes)}, "
+                f"{self.ratio:.2f}x ({len(self.buffers)} buffers)")
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """Every buffer of one step, placed in pools, with the bound no placement can beat."""
+    pools: tuple[Pool, ...]
+    positions: tuple[str, ...]      # the schedule: node name at each position
+    phases: tuple[str, ...]         # the phase of the node at each position ("" where untagged)
+    alignment: int = ALIGNMENT_BYTES
+
+    @property
+    def planned_bytes(self) -> int:
+        """What the pools reserve together: the step's planned peak if each pool is one arena."""
+        return sum(p.bytes for p in self.pools)
+
+    @property
+    def lower_bound_bytes(self) -> int:
+        """Sum over pools of each pool's peak of live bytes: the least any pool-by-role layout needs."""
+        return sum(p.lower_bound_bytes for p in self.pools)
+
+    @property
+    def live_peak_bytes(self) -> int:
+        """The most bytes alive at any one position, all pools together (what one shared heap could reach)."""
+        return max(self.live_bytes_by_role().total(), default=0)
+
+    def buffers(self) -> list[Buffer]:
+        return [b for p in self.pools for b in p.buffers]
+
+    def pool(self, name: str) -> Pool:
+        for pool in self.pools:
+            if pool.name == name:
+                return pool
+        raise KeyError(f"no pool named {name!r}; the pools are: {', '.join(p.name for p in self.pools)}")
+
+    def live_bytes_by_role(self) -> "LiveBytes":
+        """Live bytes at every position, per role."""
+        by_role = {role: [0] * (len(self.positions) + 1) for role in ROLES}
+        for buffer in self.buffers():
+            by_role[buffer.role][buffer.start] += buffer.bytes
+            by_role[buffer.role][buffer.end + 1] -= buffer.bytes
+        for role, deltas in by_role.items():
+            running = 0
+            for i, delta in enumerate(deltas):
+                running += delta
+                deltas[i] = running
+            deltas.pop()
+        return LiveBytes(by_role)
+
+    # -- reading it ------------------------------------------------------------------
+    def summary(self) -> str:
+        """One line per pool and one for the whole plan."""
+        lines = [pool.summary() for pool in self.pools]
+        ratio = self.planned_bytes / self.lower_bound_bytes if self.lower_bound_bytes else 1.0
+        lines.append(f"total: {megabytes(self.planned_bytes)} planned, lower bound {megabytes(self.lower_bound_bytes)}, "
+                     f"{ratio:.2f}x; at most {megabytes(self.live_peak_bytes)} alive at once, "
+                     f"{len(self.positions)} positions")
+        return "\n".join(lines)
+
+    def table(self) -> str:
+        header = ("tensor", "role", "bytes", "offset", "live range", "pool")
+        rows = [header]
+        for pool in self.pools:
+            for b in sorted(pool.buffers, key=lambda b: (b.start, b.offset)):
+                rows.append((b.name, b.role, f"{b.bytes:,}", f"{b.offset:,}", f"{b.start}-{b.end}", pool.name))
+        widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+        right = {2, 3}
+        return "\n".join("  ".join(cell.rjust(w) if i in right else cell.ljust(w)
+                                   for i, (cell, w) in enumerate(zip(row, widths))).rstrip() for row in rows)
+
+    def __str__(self) -> str:
+        return self.table() + "\n\n" + self.summary()
+
+    def to_dict(self) -> dict:
+        return {
+            "pools": [{"name": p.name, "bytes": p.bytes, "lower_bound_bytes": p.lower_bound_bytes,
+                       "buffers": [b.to_dict() for b in p.buffers]} for p in self.pools],
+            "lower_bound_bytes": self.lower_bound_bytes,
+            "planned_bytes": self.planned_bytes,
+            "live_peak_bytes": self.live_peak_bytes,
+            "positions": len(self.positions),
+        }
+
+    def plot(self, path: str, title: str | None = None) -> str:
+        """Write a PNG of memory over the step: live bytes stacked by role, and where each buffer sits."""
+        return _plot(self, path, title)
+
+
+@dataclasses.dataclass(frozen=True)
+class LiveBytes:
+    by_role: dict[str, list[int]]
+
+    def total(self) -> list[int]:
+        columns = list(self.by_role.values())
+        return [sum(values) for values in zip(*columns)] if columns else []
+
+
+def megabytes(count: int) -> str:
+    return f"{count / 1e6:.1f} MB" if count >= 1e5 else f"{count / 1e3:.1f} kB"
+
+
+# -- the allocator ------------------------------------------------------------------
+
+def lower_bound(lifetimes: Iterable[Lifetime]) -> int:
+    """The most bytes alive at one position: no placement without overlap can use fewer."""
+    events: dict[int, int] = {}
+    for life in lifetimes:
+        events[life.start] = events.get(life.start, 0) + life.bytes
+        events[life.end + 1] = events.get(life.end + 1, 0) - life.bytes
+    peak = running = 0
+    for position in sorted(events):
+        running += events[position]
+        peak = max(peak, running)
+    return peak
+
+
+ORDERS = {
+    # XLA's GlobalDecreasingSizeBestFitHeap: big buffers first, they are the hardest to fit
+    "size": lambda life: (-life.bytes, life.start, -life.end, life.name),
+    # the order a running program allocates in
+    "start": lambda life: (life.start, -life.bytes, -life.end, life.name),
+}
+
+
+def best_fit(lifetimes: Sequence[Lifetime], order: str) -> dict[str, int]:
+    """Offsets for ``lifetimes`` placed one by one in ``order``, each into the smallest gap that fits it.
+
+    A gap is a range of bytes that no already-placed buffer alive at the same
+    time occupies. Where no gap fits, the buffer goes on top of the highest
+    such buffer.
+    """
+    placed: list[tuple[Lifetime, int]] = []
+    offsets: dict[str, int] = {}
+    for life in sorted(lifetimes, key=ORDERS[order]):
+        if life.bytes == 0:
+            offsets[life.name] = 0
+            continue
+        busy = sorted((offset, offset + other.bytes) for other, offset in placed if other.overlaps(life))
+        best, best_gap, cursor = None, None, 0
+        for low, high in busy:
+            gap = low - cursor
+            if gap >= life.bytes and (best_gap is None or gap < best_gap):
+                best, best_gap = cursor, gap
+            cursor = max(cursor, high)
+        offset = cursor if best is None else best
+        offsets[life.name] = offset
+        placed.append((life, offset))
+    return offsets
+
+
+def place(lifetimes: Sequence[Lifetime]) -> tuple[dict[str, int], int, str]:
+    """The smaller of the best-fit placements over the orders: (offsets, pool bytes, order used)."""
+    best = None
+    for order in ORDERS:
+        offsets = best_fit(lifetimes, order)
+        size = max((offsets[life.name] + life.bytes for life in lifetimes), default=0)
+        if best is None or size < best[1]:
+            best = (offsets, size, order)
+    return best
+
+
+def overlapping_pairs(buffers: Sequence[Buffer]) -> list[tuple[str, str]]:
+    """Pairs of buffers of the same pool alive at the same position that share a byte (should be none)."""
+    clashes = []
+    by_pool: dict[str, list[Buffer]] = {}
+    for buffer in buffers:
+        if buffer.bytes:
+            by_pool.setdefault(buffer.pool, []).append(buffer)
+    for members in by_pool.values():
+        members.sort(key=lambda b: b.start)
+        for i, a in enumerate(members):
+            for b in members[i + 1:]:
+                if b.start > a.end:
+                    break
+                if a.offset < b.offset + b.bytes and b.offset < a.offset + a.bytes:
+                    clashes.append((a.name, b.name))
+    return clashes
+
+
+# -- the picture ----------------------------------------------------------------------
+
+ROLE_COLORS = {
+    "parameters": "#4c72b0", "optimizer state": "#8172b3", "buffers": "#937860", "inputs": "#b8b8b8",
+    "updated state": "#9ecae1", "gathered parameters": "#dd8452", "activations": "#55a868",
+    "gradient buckets": "#c44e52", "communication": "#da8bc3",
+}
+
+
+def _plot(plan: MemoryPlan, path: str, title: str | None) -> str:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.collections import PolyCollection
+    except ImportError as error:
+        raise ImportError("MemoryPlan.plot needs matplotlib (pip install matplotlib); "
+                          "print(plan) or plan.to_dict() need nothing") from error
+    megabyte = 1e6
+    steps = list(range(len(plan.positions)))
+    live = plan.live_bytes_by_role()
+    roles = [r for r in ROLES if any(live.by_role[r])]
+    figure, (top, bottom) = plt.subplots(2, 1, figsize=(13, 8.5), sharex=True, height_ratios=(1, 1.3))
+
+    # phases of the step as background bands, on both panels
+    spans = _phase_spans(plan.phases)
+    for axis in (top, bottom):
+        for k, (phase, first, last) in enumerate(spans):
+            axis.axvspan(first - 0.5, last + 0.5, color="#000000", alpha=0.05 if k % 2 == 0 else 0.0, lw=0)
+    for phase, first, last in spans:
+        top.text((first + last) / 2, 1.01, phase, transform=top.get_xaxis_transform(), ha="center", va="bottom",
+                 fontsize=9, color="#555555")
+
+    # top: bytes alive at each position, stacked by role
+    top.stackplot(steps, [[v / megabyte for v in live.by_role[r]] for r in roles],
+                  colors=[ROLE_COLORS[r] for r in roles], labels=roles, step="mid", linewidth=0)
+    top.axhline(plan.planned_bytes / megabyte, color="black", ls="--", lw=1)
+    top.text(0, plan.planned_bytes / megabyte, f" planned, all pools: {megabytes(plan.planned_bytes)}",
+             va="bottom", fontsize=8)
+    peak = plan.live_peak_bytes
+    top.axhline(peak / megabyte, color="black", ls=":", lw=1)
+    top.text(len(steps) - 1, peak / megabyte, f"most alive at once: {megabytes(peak)} ", va="bottom", ha="right",
+             fontsize=8)
+    top.set_ylim(0, plan.planned_bytes / megabyte * 1.12)
+    top.set_ylabel("live MB")
+    top.legend(loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=8, frameon=False)
+
+    # bottom: where each buffer sits, pool above pool; a pool's top line is its planned size
+    base = 0
+    for pool in plan.pools:
+        polygons, colors = [], []
+        for b in pool.buffers:
+            if not b.bytes:
+                continue
+            low, high = (base + b.offset) / megabyte, (base + b.offset + b.bytes) / megabyte
+            polygons.append([(b.start - 0.5, low), (b.end + 0.5, low), (b.end + 0.5, high), (b.start - 0.5, high)])
+            colors.append(ROLE_COLORS[b.role])
+        bottom.add_collection(PolyCollection(polygons, facecolors=colors, edgecolors="white", linewidths=0.2))
+        bottom.axhline(base / megabyte, color="black", lw=0.8)
+        bottom.text(len(steps) + 0.5, (base + pool.bytes / 2) / megabyte,
+                    f" {pool.name}\n {megabytes(pool.bytes)} ({pool.ratio:.2f}x bound)", va="center", fontsize=8)
+        base += pool.bytes
+    bottom.axhline(base / megabyte, color="black", lw=0.8)
+    bottom.set_xlim(-0.5, len(steps) - 0.5)
+    bottom.set_ylim(0, base / megabyte * 1.02)
+    bottom.set_ylabel("offset in pools (MB)")
+    bottom.set_xlabel("position in the schedule (node of the final graph)")
+    top.set_title(title or f"memory plan: {megabytes(plan.planned_bytes)} in {len(plan.pools)} pools, "
+                           f"lower bound {megabytes(plan.lower_bound_bytes)}", loc="left", pad=18)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
+
+
+def _phase_spans(phases: Sequence[str]) -> list[tuple[str, int, int]]:
+    """Runs of forward / backward / optimizer positions; communication and untagged nodes join the run they are in."""
+    runs: list[list] = []
+    for i, phase in enumerate(phases):
+        if phase not in ("forward", "backward", "optimizer"):
+            continue
+        if runs and runs[-1][0] == phase:
+            runs[-1][2] = i
+        else:
+            runs.append([phase, i, i])
+    # a few nodes tagged with another phase inside a long run (a view made where it is first used) are not a phase
+    shortest = max(1, len(phases) // 50)
+    merged: list[list] = []
+    for run in runs:
+        if merged and (run[0] == merged[-1][0] or run[2] - run[1] + 1 < shortest):
+            merged[-1][2] = run[2]
+        else:
+            merged.append(run)
+    for before, after in zip(merged, merged[1:]):
+        before[2] = after[1] - 1
+    if merged:
+        merged[-1][2] = len(phases) - 1
+    return [tuple(run) for run in merged]

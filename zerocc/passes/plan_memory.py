@@ -1,0 +1,213 @@
+"""plan_memory: every tensor's lifetime on the final node order, placed at offsets in pools by role.
+
+Requires: the last pass before the program is emitted (it plans the order
+the graph has when it runs; any pass that moves nodes must come before it).
+Establishes: ``ctx.memory_plan`` (a ``memory_plan.MemoryPlan``). The graph
+is not changed: the plan is read off it.
+
+A *buffer* is one storage: a node whose value is a fresh tensor (or output
+``i`` of a multi-output op). Views do not allocate; they keep their base's
+storage alive, so a buffer lives from the node that allocates it to the last
+use of any view of it (alias analysis: ops whose schema returns an alias,
+``getitem`` of ``split``-like ops, ``wait_tensor`` of its collective's
+output; ``reshape`` and ``contiguous`` only when the value allows a view).
+The outputs of a multi-output op live at least as long as the op's tuple,
+which the program holds until its last ``getitem``. Slots read by the step
+live across the whole step; values that replace slots (and the loss) live
+to the end.
+
+Pools group buffers by role (``memory_plan.POOLS``): persistent shards and
+optimizer state, gathered parameters, activations and temporaries, gradient
+buckets, communication buffers. Each pool is laid out by greedy best-fit in
+two orders (by size, by start), keeping the smaller, and reports its lower
+bound, the most bytes its buffers hold at once.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+from .. import graph as g
+from ..context import CompileContext
+from ..memory_plan import (ALIGNMENT_BYTES, POOL_OF_ROLE, POOLS, Buffer, Lifetime, MemoryPlan, Pool, align,
+                           lower_bound, megabytes, place)
+
+aten = torch.ops.aten
+
+# Ops whose result is a view of their input only when the input's layout allows one.
+_VIEW_IF_POSSIBLE = {aten.reshape.default, aten.contiguous.default, aten.flatten.using_ints, aten.reshape_as.default}
+
+_PLACEHOLDER_ROLES = {
+    g.ROLE_PARAM: "parameters", g.ROLE_FROZEN: "parameters", g.ROLE_BUFFER: "buffers",
+    g.ROLE_STATE: "optimizer state", g.ROLE_INPUT: "inputs",
+}
+
+
+def plan_memory(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
+    """Plan where every tensor of the step lives; record it on ``ctx.memory_plan``. The graph is unchanged."""
+    ctx.memory_plan = memory_plan_of(gm)
+    plan = ctx.memory_plan
+    ratio = plan.planned_bytes / plan.lower_bound_bytes if plan.lower_bound_bytes else 1.0
+    ctx.notes["plan_memory"] = (f"{sum(len(p.buffers) for p in plan.pools)} buffers in {len(plan.pools)} pools: "
+                                f"{megabytes(plan.planned_bytes)} planned, lower bound "
+                                f"{megabytes(plan.lower_bound_bytes)} ({ratio:.3f}x)")
+    return gm
+
+
+def memory_plan_of(gm: fx.GraphModule) -> MemoryPlan:
+    """The plan for ``gm`` in its current node order (any FX graph with ``val`` meta; zerocc's tags refine roles)."""
+    nodes = list(gm.graph.nodes)
+    position = {node: i for i, node in enumerate(nodes)}
+    last = len(nodes) - 1
+    roots = _storage_roots(nodes)
+
+    # a storage is alive from its allocation to the last use of any of its views
+    start: dict[object, int] = {}
+    end: dict[object, int] = {}
+    aliases: dict[object, list[str]] = {}
+    for node in nodes:
+        for key in roots.get(node, ()):
+            start.setdefault(key, 0 if node.op == "placeholder" else position[node])
+            if node.op == "placeholder":
+                end[key] = last
+            reach = max((position[user] for user in node.users), default=position[node])
+            end[key] = max(end.get(key, position[node]), reach)
+            if key[0] is not node:
+                aliases.setdefault(key, []).append(node.name)
+    outputs = pytree.tree_leaves(g.output_node(gm).args[0])   # [loss, *values that replace slots]
+    output_slots = gm.meta.get(g.OUTPUT_SLOTS, ())
+    updated = set()
+    for index, value in enumerate(outputs):
+        for key in roots.get(value, ()) if isinstance(value, fx.Node) else ():
+            end[key] = last
+            if index > 0 and index - 1 < len(output_slots):
+                updated.add(key)
+
+    buffers = []
+    for key in start:
+        node, index = key
+        size = _storage_bytes(_value_of(node, index))
+        role = _role(node, index, key in updated)
+        name = node.name if index is None else f"{node.name}[{index}]"
+        buffers.append((name, role, align(size), start[key], end[key], tuple(aliases.get(key, ()))))
+
+    pools = []
+    for pool_name in POOLS:
+        members = [b for b in buffers if POOL_OF_ROLE[b[1]] == pool_name]
+        if not members:
+            continue
+        lifetimes = [Lifetime(name, size, s, e) for name, _, size, s, e, _ in members]
+        offsets, size, order = place(lifetimes)
+        placed = tuple(Buffer(name, role, pool_name, nbytes, offsets[name], s, e, names)
+                       for name, role, nbytes, s, e, names in members)
+        pools.append(Pool(pool_name, size, lower_bound(lifetimes), order, placed))
+    phases = tuple(str(node.meta.get(g.PHASE, "")) for node in nodes)
+    return MemoryPlan(tuple(pools), tuple(node.name for node in nodes), phases, ALIGNMENT_BYTES)
+
+
+def _storage_roots(nodes: list[fx.Node]) -> dict[fx.Node, tuple]:
+    """For each node with a tensor value: the storages it keeps alive, as (allocating node, output index or None)."""
+    roots: dict[fx.Node, tuple] = {}
+    for node in nodes:
+        if node.op == "output":
+            continue
+        value = node.meta.get(g.VAL)
+        if node.op == "call_function" and node.target is operator.getitem:
+            source, index = node.args
+            if isinstance(source, fx.Node) and _returns_alias(source):
+                roots[node] = roots.get(_aliased_input(source), ())
+            elif isinstance(value, torch.Tensor):
+                roots[node] = ((source, index),)
+            continue
+        if isinstance(value, (tuple, list)):
+            if not _returns_alias(node):
+                # every tensor output is a storage, alive at least while the tuple is
+                roots[node] = tuple((node, i) for i, v in enumerate(value) if isinstance(v, torch.Tensor))
+            continue
+        if not isinstance(value, torch.Tensor):
+            continue
+        if node.op == "call_function" and _is_view(node):
+            roots[node] = roots.get(_aliased_input(node), ())
+        else:
+            roots[node] = ((node, None),)
+    return roots
+
+
+def _returns_alias(node: fx.Node) -> bool:
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return False
+    returns = node.target._schema.returns
+    return bool(returns) and returns[0].alias_info is not None
+
+
+def _aliased_input(node: fx.Node) -> fx.Node | None:
+    """The argument whose storage the node's result shares (the schema says which)."""
+    schema = node.target._schema if isinstance(node.target, torch._ops.OpOverload) else None
+    if schema is not None and schema.returns and schema.returns[0].alias_info is not None:
+        wanted = schema.returns[0].alias_info.before_set
+        for argument, value in zip(schema.arguments, node.args):
+            if argument.alias_info is not None and argument.alias_info.before_set & wanted:
+                return value if isinstance(value, fx.Node) else None
+    first = node.args[0] if node.args else None
+    return first if isinstance(first, fx.Node) else None
+
+
+def _is_view(node: fx.Node) -> bool:
+    """Does the node's value share storage with an input (a view, an in-place result, a wait)?"""
+    if g.is_wait(node) or node.target is aten._unsafe_view.default:
+        return True
+    if not _returns_alias(node):
+        return False
+    if node.target in _VIEW_IF_POSSIBLE:
+        source = node.args[0].meta.get(g.VAL) if isinstance(node.args[0], fx.Node) else None
+        value = node.meta.get(g.VAL)
+        if not isinstance(source, torch.Tensor) or not isinstance(value, torch.Tensor):
+            return False
+        try:
+            source.view(value.shape)
+        except RuntimeError:
+            return False   # the layout allows no view: the op copies
+    return True
+
+
+def _value_of(node: fx.Node, index: int | None):
+    value = node.meta.get(g.VAL)
+    if index is not None:
+        value = value[index] if isinstance(value, (tuple, list)) and index < len(value) else None
+    return value
+
+
+def _storage_bytes(value) -> int:
+    """Bytes of the storage a fresh ``value`` needs (its strides may skip elements); 0 if it is no tensor."""
+    if not isinstance(value, torch.Tensor) or value.numel() == 0:
+        return 0
+    span = 1 + sum((int(size) - 1) * abs(int(stride)) for size, stride in zip(value.shape, value.stride()))
+    return span * value.element_size()
+
+
+def _role(node: fx.Node, index: int | None, updated: bool) -> str:
+    if node.op == "placeholder":
+        return _PLACEHOLDER_ROLES.get(node.meta.get(g.ROLE), "inputs")
+    if updated:
+        return "updated state"
+    if g.is_all_gather(node):
+        return "gathered parameters"
+    if g.is_reduce_scatter(node) or g.is_all_reduce(node):
+        return "gradient buckets"
+    phase = node.meta.get(g.PHASE)
+    if g.BUCKET in node.meta and node.target is aten.cat.default and phase == g.BACKWARD:
+        return "gradient buckets"   # the flat gradient of one bucket
+    if phase == g.COMMUNICATION:
+        # the average of a reduced gradient is part of the bucket; other collective outputs are comm buffers
+        if any(g.is_reduce_scatter(a) or g.is_all_reduce(a) or g.is_wait(a) and _reduces(a) for a in node.all_input_nodes):
+            return "gradient buckets"
+        return "communication"
+    return "activations"
+
+
+def _reduces(wait: fx.Node) -> bool:
+    source = wait.args[0]
+    return isinstance(source, fx.Node) and (g.is_reduce_scatter(source) or g.is_all_reduce(source))

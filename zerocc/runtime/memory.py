@@ -1,0 +1,56 @@
+"""Measuring what a step really holds: the peak of live tensor bytes on this rank.
+
+The memory plan (``zerocc/memory_plan.py``) says what should be alive at each
+position of the schedule; this module measures what is. It watches every op
+the program dispatches (a ``TorchDispatchMode`` that only looks), counts each
+distinct storage once (views share their base's storage), and notices a
+storage's release through a weak reference. The peak is taken after every op,
+so it is the most bytes alive between ops: an op's own workspace inside a
+kernel is not seen, nor is allocator caching or fragmentation.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.utils._pytree as pytree
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+class LiveBytesTracker(TorchDispatchMode):
+    """``with LiveBytesTracker(inputs) as tracker: run()`` then ``tracker.peak_bytes``."""
+
+    def __init__(self, tensors: Iterable[torch.Tensor] = ()):
+        super().__init__()
+        self._live: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        for tensor in tensors:
+            self._add(tensor)
+        self.peak_bytes = self.live_bytes
+
+    def _add(self, tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        reference = StorageWeakRef(storage)
+        known = self._live.get(reference.cdata)
+        if known is not None and not known[0].expired():
+            return
+        if known is not None:
+            self.live_bytes -= known[1]
+        size = storage.nbytes()
+        self._live[reference.cdata] = (reference, size)
+        self.live_bytes += size
+
+    def _sweep(self) -> None:
+        for key in [k for k, (reference, _) in self._live.items() if reference.expired()]:
+            self.live_bytes -= self._live.pop(key)[1]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        for value in pytree.tree_leaves(result):
+            if isinstance(value, torch.Tensor):
+                self._add(value)
+        self._sweep()
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        return result
