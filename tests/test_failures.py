@@ -58,7 +58,9 @@ def _one_rank_dies(rank, world_size, stage):
     step = zerocc.compile(model, adamw(model), stage=stage, loss_fn=loss_fn, timeout=TIMEOUT)
     data = batches("mlp", 3, 4, seed=rank)
     step(*data[0])
+    dist.barrier()
     if rank == world_size - 1:
+        time.sleep(1)   # let the others leave the barrier (gloo relays through this rank)
         os._exit(3)     # dies between steps, as a crashed or killed worker does
     started = time.monotonic()
     try:
@@ -80,7 +82,7 @@ def test_a_dead_rank_stops_the_others_with_a_clear_error(world_size, stage):
         assert kind == "RankFailureError", (rank, kind, message)
         assert f"rank {rank} of {world_size}: a collective of step 2 did not complete within {TIMEOUT} s" in message
         assert "another rank probably died" in message
-        assert seconds < TIMEOUT + 20, seconds
+        assert seconds < TIMEOUT + 60, seconds   # includes compiling step 2's program on a loaded machine
 
 
 def _different_batch_shapes(rank, world_size):

@@ -102,12 +102,11 @@ class CompiledStep:
 
     # -- the step ----------------------------------------------------------------
     def __call__(self, *inputs):
-        program, ctx, _ = self._program_for(inputs)
-        for group_index, value in enumerate(live_hyperparameters(self.optimizer)):
-            self._slots[plans.lr_slot(group_index)] = value
-        batch = list(inputs)
         with failures.collective_failures(self.ranks, self.steps + 1, self.timeout):
-            loss = program.run(self._slots, batch)
+            program, ctx, _ = self._program_for(inputs)   # compiling compares the program across ranks
+            for group_index, value in enumerate(live_hyperparameters(self.optimizer)):
+                self._slots[plans.lr_slot(group_index)] = value
+            loss = program.run(self._slots, list(inputs))
         self.steps += 1
         self._after_step(ctx)
         # the step ran the optimizer's update; tell LR schedulers so, as optimizer.step() would
@@ -122,8 +121,9 @@ class CompiledStep:
             found = self._compile(inputs)
             self.compile_seconds += time.perf_counter() - started
             self._programs[key] = found
-            # a compile may create the slots (first call, or a load before it): file it under the key it now has
-            self._programs[(key[0], self._state_key(), key[2])] = found
+            if key[1] == ("initial",) and self._state_key():
+                # traced with existing state (a checkpoint loaded before the first call): it is the steady state
+                self._programs[(key[0], self._state_key(), key[2])] = found
         self._last = found
         return found
 
