@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from . import checkpoint
 from . import graph as g
 from . import plans
 from .capture import Captured, capture, named_tensors
@@ -17,6 +18,7 @@ from .errors import ConfigError
 from .optimizer_step import hyperparameter_signature, live_hyperparameters
 from .pipeline import GraphSnapshot, default_pipeline, run_pipeline
 from .memory_plan import MemoryPlan
+from .runtime import failures
 from .runtime import slots as slot_store
 from .runtime.memory import LiveBytesTracker
 from .runtime.process_group import Ranks, resolve
@@ -39,6 +41,7 @@ def compile(
     num_targets: int | None = None,
     group=None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    timeout: float | None = None,
 ) -> "CompiledStep":
     """Compile one training step of ``model`` with ``optimizer`` under ZeRO ``stage`` (0-3).
 
@@ -49,7 +52,9 @@ def compile(
     ``loss_fn(model(*inputs[:-num_targets]), *inputs[-num_targets:])``.
     Gradients are averaged over the ranks of ``group`` (default: the default
     process group, initialized from torchrun's environment if needed; world
-    size 1 without one).
+    size 1 without one). ``timeout`` (seconds) bounds how long a collective
+    waits for the other ranks: a rank that died turns into a
+    ``RankFailureError`` on the others instead of a hang.
     """
     if stage not in STAGES:
         raise ConfigError(f"stage={stage!r} is not a ZeRO stage; use 0 (plain data parallel), 1, 2 or 3")
@@ -59,9 +64,11 @@ def compile(
         raise ConfigError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
         raise ConfigError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
+    if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
+        raise ConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
     if num_targets is None:
         num_targets = 1 if loss_fn is not None else 0
-    return CompiledStep(model, optimizer, stage, loss_fn, num_targets, group, bucket_bytes)
+    return CompiledStep(model, optimizer, stage, loss_fn, num_targets, group, bucket_bytes, timeout)
 
 
 class CompiledStep:
@@ -73,7 +80,7 @@ class CompiledStep:
     at every call.
     """
 
-    def __init__(self, model, optimizer, stage, loss_fn, num_targets, group, bucket_bytes):
+    def __init__(self, model, optimizer, stage, loss_fn, num_targets, group, bucket_bytes, timeout=None):
         self.model = model
         self.optimizer = optimizer
         self.stage = stage
@@ -81,7 +88,9 @@ class CompiledStep:
         self.num_targets = num_targets
         self.bucket_bytes = bucket_bytes
         device = next(model.parameters()).device
-        self.ranks: Ranks = resolve(group, device)
+        self.timeout = timeout
+        self.ranks: Ranks = failures.with_timeout(resolve(group, device), timeout)
+        self.steps = 0   # steps run, saved in checkpoints
         self._programs: dict[Any, tuple[Program, CompileContext, list[GraphSnapshot]]] = {}
         self._slots: dict[str, torch.Tensor] | None = None
         self._plan: plans.ShardPlan | None = None
@@ -96,18 +105,20 @@ class CompiledStep:
 
     # -- the step ----------------------------------------------------------------
     def __call__(self, *inputs):
-        program, ctx, _ = self._program_for(inputs)
-        for group_index, value in enumerate(live_hyperparameters(self.optimizer)):
-            self._slots[plans.lr_slot(group_index)] = value
-        batch = list(inputs)
-        if id(program) in self._measured_peak_bytes:
-            loss = program.run(self._slots, batch)
-        else:   # the first run of a program also measures its peak of live tensor bytes
-            tensors = [t for t in [*self._slots.values(), *batch] if isinstance(t, torch.Tensor)]
-            with LiveBytesTracker(tensors) as tracker:
-                del tensors
+        with failures.collective_failures(self.ranks, self.steps + 1, self.timeout):
+            program, ctx, _ = self._program_for(inputs)   # compiling compares the program across ranks
+            for group_index, value in enumerate(live_hyperparameters(self.optimizer)):
+                self._slots[plans.lr_slot(group_index)] = value
+            batch = list(inputs)
+            if id(program) in self._measured_peak_bytes:
                 loss = program.run(self._slots, batch)
-            self._measured_peak_bytes[id(program)] = tracker.peak_bytes
+            else:   # the first run of a program also measures its peak of live tensor bytes
+                tensors = [t for t in [*self._slots.values(), *batch] if isinstance(t, torch.Tensor)]
+                with LiveBytesTracker(tensors) as tracker:
+                    del tensors
+                    loss = program.run(self._slots, batch)
+                self._measured_peak_bytes[id(program)] = tracker.peak_bytes
+        self.steps += 1
         self._after_step(ctx)
         # the step ran the optimizer's update; tell LR schedulers so, as optimizer.step() would
         self.optimizer._opt_called = True
@@ -121,6 +132,9 @@ class CompiledStep:
             found = self._compile(inputs)
             self.compile_seconds += time.perf_counter() - started
             self._programs[key] = found
+            if key[1] == ("initial",) and self._state_key():
+                # traced with existing state (a checkpoint loaded before the first call): it is the steady state
+                self._programs[(key[0], self._state_key(), key[2])] = found
         self._last = found
         return found
 
@@ -137,6 +151,7 @@ class CompiledStep:
         ctx = CompileContext(self.stage, self.ranks.world_size, self.ranks.rank, self.ranks.group_name,
                              self.optimizer, captured, fake_mode, self.bucket_bytes, previous_plan=self._plan)
         gm, history = run_pipeline(captured.gm, ctx, default_pipeline(self.stage))
+        failures.check_ranks_agree(self.ranks, gm, ctx.shard_plan)   # before any of its collectives can hang
         program = Program.from_graph(gm)
         if self._slots is None:
             self._captured = captured
@@ -205,6 +220,15 @@ class CompiledStep:
                     state[key] = torch.zeros(shape, dtype=dtype, device=params[info.name].device)
             states.append(state)
         return states
+
+    # -- checkpoints (zerocc/checkpoint.py) ------------------------------------------
+    def state_dict(self) -> dict:
+        """This rank's shards of parameters, buffers and optimizer state, by name, ready for ``dcp.save``."""
+        return checkpoint.state_dict(self)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a state dict from ``state_dict()`` that ``dcp.load`` filled (any world size or stage saved it)."""
+        checkpoint.load_state_dict(self, state_dict)
 
     # -- reading it back --------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:

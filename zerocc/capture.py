@@ -144,9 +144,12 @@ def capture(
 
     if optimizer_state is None:
         optimizer_state = [
-            {k: v for k, v in optimizer.state.get(t, {}).items() if isinstance(v, torch.Tensor)} for _, t in trained
+            {k: v for k, v in sorted(optimizer.state.get(t, {}).items()) if isinstance(v, torch.Tensor)}
+            for _, t in trained
         ]
-    state_keys = [tuple(sorted(s)) for s in optimizer_state]
+    # states are traced in sorted key order, the order their placeholders are labelled in
+    optimizer_state = [dict(sorted(s.items())) for s in optimizer_state]
+    state_keys = [tuple(s) for s in optimizer_state]
     from .optimizer_step import live_hyperparameters
     learning_rates = live_hyperparameters(optimizer)
     num_model_inputs = len(inputs) - num_targets

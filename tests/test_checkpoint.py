@@ -1,0 +1,262 @@
+"""Checkpoints: exact resume, resharding across world sizes and stages, nothing lost, one-file export.
+
+A checkpoint is compared by its contents: every entry read back whole
+(``read_whole``), independent of the layout that wrote it.
+"""
+from __future__ import annotations
+
+import multiprocessing
+import os
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import zerocc
+from zerocc import checkpoint
+from tests import distributed
+from tests.models import batches, build, eager_step
+
+K = 2   # steps before and after a save
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+
+def adamw(model):
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def compiled(name, stage, seed=0, **options):
+    model, _, loss_fn = build(name, seed)
+    return zerocc.compile(model, adamw(model), stage=stage, loss_fn=loss_fn, **options)
+
+
+def local_batches(name, rank, world_size, steps, seed=1):
+    """This rank's slice of the same global batches at any world size (4 samples per rank)."""
+    return [tuple(t[rank * 4:(rank + 1) * 4] for t in batch) for batch in batches(name, steps, 4 * world_size, seed)]
+
+
+def read_whole(path) -> dict[str, torch.Tensor]:
+    """Every entry of a checkpoint, whole, without a process group."""
+    entries = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    state = {key: torch.empty(entry.size, dtype=entry.properties.dtype) for key, entry in entries.items()}
+    dcp.load(state, checkpoint_id=path, no_dist=True)
+    return state
+
+
+def assert_same_checkpoint(path_a, path_b):
+    a, b = read_whole(path_a), read_whole(path_b)
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+# -- exact resume ------------------------------------------------------------------
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_resume_is_exact_world_size_1(tmp_path, stage):
+    data = batches("mlp", 2 * K, 8)
+    original = compiled("mlp", stage)
+    for batch in data[:K]:
+        original(*batch)
+    zerocc.save_checkpoint(original, tmp_path / "ckpt")
+    expected = [original(*batch) for batch in data[K:]]
+
+    resumed = compiled("mlp", stage, seed=7)        # fresh model and optimizer, other weights
+    zerocc.load_checkpoint(resumed, tmp_path / "ckpt")   # before its first step: nothing compiled yet
+    assert resumed.steps == K
+    got = [resumed(*batch) for batch in data[K:]]
+    assert all(torch.equal(a, b) for a, b in zip(got, expected)), (got, expected)
+    assert len({id(p) for p in resumed._programs.values()}) == 1   # the steady-state program only
+    full_a, full_b = original.full_state_dict(), resumed.full_state_dict()
+    for key in full_a:
+        assert torch.equal(full_a[key], full_b[key]), key
+
+
+def test_load_into_a_step_that_already_ran(tmp_path):
+    data = batches("mlp", 2 * K, 8)
+    original = compiled("mlp", 3)
+    for batch in data[:K]:
+        original(*batch)
+    zerocc.save_checkpoint(original, tmp_path / "ckpt")
+    expected = [original(*batch) for batch in data[K:]]
+    other = compiled("mlp", 3, seed=3)
+    for batch in batches("mlp", 3, 8, seed=9):   # its own history, then the checkpoint replaces it
+        other(*batch)
+    zerocc.load_checkpoint(other, tmp_path / "ckpt")
+    assert other.steps == K
+    got = [other(*batch) for batch in data[K:]]
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
+def test_state_dict_and_load_state_dict_with_dcp_directly(tmp_path):
+    data = batches("mlp", 2, 8)
+    original = compiled("mlp", 2)
+    original(*data[0])
+    dcp.save(original.state_dict(), checkpoint_id=tmp_path / "raw", no_dist=True)
+    expected = original(*data[1])
+    again = compiled("mlp", 2, seed=4)
+    again(*batches("mlp", 1, 8, seed=5)[0])      # compiled, with optimizer state of its own
+    state = again.state_dict()
+    dcp.load(state, checkpoint_id=tmp_path / "raw", no_dist=True)
+    again.load_state_dict(state)
+    assert torch.equal(again(*data[1]), expected)
+
+
+def _resume_ranks(rank, world_size, name, stage, folder):
+    data = local_batches(name, rank, world_size, 2 * K)
+    original = compiled(name, stage)
+    for batch in data[:K]:
+        original(*batch)
+    zerocc.save_checkpoint(original, os.path.join(folder, "ckpt"))
+    expected = [original(*batch) for batch in data[K:]]
+    resumed = compiled(name, stage, seed=11)
+    zerocc.load_checkpoint(resumed, os.path.join(folder, "ckpt"))
+    loaded_steps = resumed.steps
+    got = [resumed(*batch) for batch in data[K:]]
+    return expected, got, loaded_steps
+
+
+@pytest.mark.parametrize("world_size,stage,name", [(2, 3, "mlp"), (4, 2, "mlp")])
+def test_resume_is_exact_across_ranks(tmp_path, world_size, stage, name):
+    for rank, (expected, got, steps) in enumerate(distributed.run(_resume_ranks, world_size, name, stage,
+                                                                   str(tmp_path))):
+        assert steps == K
+        for a, b in zip(expected, got):
+            assert torch.equal(a, b), f"rank {rank}: {a} != {b}"
+
+
+# -- resharding: 2 ranks (stage 3) -> 4 ranks (stage 1) -> 1 rank (stage 2) ---------
+def _train_and_save(rank, world_size, stage, path):
+    step = compiled("gpt", stage)
+    for batch in local_batches("gpt", rank, world_size, K):
+        step(*batch)
+    zerocc.save_checkpoint(step, path)
+    return step.full_state_dict()
+
+
+def _load_and_save(rank, world_size, stage, source, target):
+    step = compiled("gpt", stage, seed=5)
+    zerocc.load_checkpoint(step, source)
+    zerocc.save_checkpoint(step, target)       # before any step: what it loaded, in its own layout
+    step(*local_batches("gpt", rank, world_size, 1, seed=3)[0])   # compiles: the loaded state becomes slots
+    zerocc.save_checkpoint(step, target + "-after")
+    return step.full_state_dict()
+
+
+def eager_from_checkpoint(path):
+    """A plain model and AdamW holding exactly what the checkpoint holds."""
+    whole = read_whole(path)
+    model, _, loss_fn = build("gpt", 9)
+    state = model.state_dict()
+    model.load_state_dict({k: whole[f"model/{_first_name(model, k)}"].reshape(v.shape) for k, v in state.items()})
+    optimizer = adamw(model)
+    for names, param in checkpoint.named_tensors(model, "param"):
+        optimizer.state[param] = {key.rsplit("/", 1)[1]: value.reshape(param.shape) if value.dim() else value.clone()
+                                  for key, value in whole.items() if key.startswith(f"optim/{names[0]}/")}
+    return model, optimizer, loss_fn
+
+
+def _first_name(model, key):
+    for kind in ("param", "buffer"):
+        for names, _ in checkpoint.named_tensors(model, kind):
+            if key in names:
+                return names[0]
+    raise KeyError(key)
+
+
+def test_reshard_2_to_4_to_1_across_stages(tmp_path):
+    first, second = str(tmp_path / "ws2_stage3"), str(tmp_path / "ws4_stage1")
+    saved = distributed.run(_train_and_save, 2, 3, first)[0]
+    distributed.run(_load_and_save, 4, 1, first, second)
+    assert_same_checkpoint(first, second)          # nothing changed on the way through 4 ranks at stage 1
+    assert read_whole(first)["zerocc/steps"].item() == K
+
+    # 4 ranks (stage 1, after a step) -> 1 rank at stage 2 trains exactly as eager PyTorch from the same state
+    data = batches("gpt", K, 8, seed=4)
+    step = compiled("gpt", 2, seed=6)
+    zerocc.load_checkpoint(step, second + "-after")
+    model, optimizer, loss_fn = eager_from_checkpoint(second + "-after")
+    for batch in data:
+        assert torch.equal(step(*batch), eager_step(model, optimizer, loss_fn, batch))
+    for key, value in model.state_dict().items():
+        assert torch.equal(step.full_state_dict()[key], value), key
+
+    # the consolidated export equals what the 2-rank run held, and loads into a plain model
+    info = zerocc.export_full_state_dict(first, str(tmp_path / "model.safetensors"))
+    exported = checkpoint.read_safetensors(str(tmp_path / "model.safetensors"))
+    assert exported.keys() == saved.keys()
+    for key in saved:
+        assert torch.equal(exported[key], saved[key]), key
+    plain, _, _ = build("gpt", 8)
+    plain.load_state_dict(exported)
+    assert torch.equal(plain.lm_head.weight, saved["wte.weight"])   # tied weights under both names
+    assert info["largest_tensor_bytes"] == max(v.numel() * v.element_size() for v in saved.values())
+
+
+def test_checkpoint_of_another_model_is_refused(tmp_path):
+    step = compiled("mlp", 3)
+    step(*batches("mlp", 1, 8)[0])
+    zerocc.save_checkpoint(step, tmp_path / "mlp")
+    with pytest.raises(zerocc.ConfigError, match=r"lacks \d+ entries this step needs: model/"):
+        zerocc.load_checkpoint(compiled("gpt", 3), tmp_path / "mlp")
+    with pytest.raises(zerocc.ConfigError, match="not a complete zerocc checkpoint"):
+        zerocc.load_checkpoint(step, tmp_path / "nowhere")
+
+
+# -- nothing lost ------------------------------------------------------------------
+def _killed_save(path, where):
+    """Train one more step and die at ``where`` in the middle of saving over ``path``."""
+    torch.set_num_threads(1)
+    step = compiled("mlp", 3)
+    for batch in batches("mlp", K + 1, 8):
+        step(*batch)
+
+    def die(*args, **kwargs):
+        os._exit(17)
+    if where == "writing data":
+        original = dcp.FileSystemWriter.write_data
+
+        def write_then_die(self, plan, planner):
+            original(self, plan, planner).wait()
+            die()
+        dcp.FileSystemWriter.write_data = write_then_die
+    else:   # all data written and fsynced; dies before the rename that publishes it
+        checkpoint._publish = die
+    zerocc.save_checkpoint(step, path)
+
+
+@pytest.mark.parametrize("where", ["writing data", "publishing"])
+def test_interrupted_save_keeps_the_previous_checkpoint(tmp_path, where):
+    path = str(tmp_path / "ckpt")
+    step = compiled("mlp", 3)
+    for batch in batches("mlp", K, 8):
+        step(*batch)
+    zerocc.save_checkpoint(step, path)
+    before = read_whole(path)
+
+    process = multiprocessing.get_context("spawn").Process(target=_killed_save, args=(path, where))
+    process.start()
+    process.join(120)
+    assert process.exitcode == 17
+    assert len(os.listdir(tmp_path)) == 3          # ckpt, its version, the abandoned new version
+    after = read_whole(path)                         # the previous checkpoint, whole and loadable
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+    resumed = compiled("mlp", 3, seed=2)
+    zerocc.load_checkpoint(resumed, path)
+    assert resumed.steps == K
+
+    zerocc.save_checkpoint(resumed, path)            # the next save cleans the abandoned version up
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "ckpt.v2"]
+
+
+def test_export_holds_one_tensor_at_a_time(tmp_path):
+    """By construction: the export reads one entry, writes it, drops it; its largest is one parameter."""
+    step = compiled("gpt", 3)
+    step(*batches("gpt", 1, 8)[0])
+    zerocc.save_checkpoint(step, tmp_path / "ckpt")
+    info = zerocc.export_full_state_dict(str(tmp_path / "ckpt"), str(tmp_path / "out.safetensors"))
+    full = step.full_state_dict()
+    assert info["tensors"] == len(full)
+    assert info["bytes"] == sum(v.numel() * v.element_size() for v in full.values())
+    assert info["largest_tensor_bytes"] == max(v.numel() * v.element_size() for v in full.values())
+    assert not os.path.exists(tmp_path / "out.safetensors.partial")

@@ -1,0 +1,143 @@
+"""Failures end cleanly: a dead rank is an error on the others within the timeout; diverged ranks fail at compile."""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import tempfile
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import zerocc
+from tests import distributed
+from tests.models import batches, build
+
+TIMEOUT = 10   # seconds; gloo reports a closed peer at once, a silent one after this
+
+
+def adamw(model):
+    return torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _tolerant_entry(rank, world_size, port, folder, fn, args):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    result = fn(rank, world_size, *args)
+    torch.save(result, os.path.join(folder, f"rank{rank}.pt"))
+    os._exit(0)   # no destroy_process_group: its peers may be gone
+
+
+def run_tolerant(fn, world_size, *args, limit=180):
+    """Like ``distributed.run``, but a rank may exit early: returns (results or None, exit codes), by rank."""
+    context = multiprocessing.get_context("spawn")
+    with tempfile.TemporaryDirectory() as folder:
+        port = distributed.free_port()
+        processes = [context.Process(target=_tolerant_entry, args=(r, world_size, port, folder, fn, args))
+                     for r in range(world_size)]
+        for process in processes:
+            process.start()
+        deadline = time.monotonic() + limit
+        for process in processes:
+            process.join(max(0.0, deadline - time.monotonic()))
+        for process in processes:
+            if process.is_alive():    # hung: the failure this file exists to rule out
+                process.kill()
+                process.join()
+        results = []
+        for rank in range(world_size):
+            file = os.path.join(folder, f"rank{rank}.pt")
+            results.append(torch.load(file, weights_only=False) if os.path.exists(file) else None)
+        return results, [p.exitcode for p in processes]
+
+
+def _one_rank_dies(rank, world_size, stage):
+    model, _, loss_fn = build("mlp")
+    step = zerocc.compile(model, adamw(model), stage=stage, loss_fn=loss_fn, timeout=TIMEOUT)
+    data = batches("mlp", 3, 4, seed=rank)
+    step(*data[0])
+    dist.barrier()
+    if rank == world_size - 1:
+        time.sleep(1)   # let the others leave the barrier (gloo relays through this rank)
+        os._exit(3)     # dies between steps, as a crashed or killed worker does
+    started = time.monotonic()
+    try:
+        step(*data[1])
+        step(*data[2])
+    except zerocc.RankFailureError as error:
+        return "RankFailureError", str(error), time.monotonic() - started
+    except Exception as error:   # noqa: BLE001 - the test reports what else came out
+        return type(error).__name__, str(error), time.monotonic() - started
+    return "no error", "", time.monotonic() - started
+
+
+@pytest.mark.parametrize("world_size,stage", [(2, 3), (4, 1)])
+def test_a_dead_rank_stops_the_others_with_a_clear_error(world_size, stage):
+    results, exit_codes = run_tolerant(_one_rank_dies, world_size, stage)
+    assert exit_codes == [0] * (world_size - 1) + [3], exit_codes   # nobody hung
+    for rank, result in enumerate(results[:-1]):
+        kind, message, seconds = result
+        assert kind == "RankFailureError", (rank, kind, message)
+        assert f"rank {rank} of {world_size}: a collective of step 2 did not complete within {TIMEOUT} s" in message
+        assert "another rank probably died" in message
+        assert seconds < TIMEOUT + 60, seconds   # includes compiling step 2's program on a loaded machine
+
+
+def _different_batch_shapes(rank, world_size):
+    model, _, loss_fn = build("mlp")
+    step = zerocc.compile(model, adamw(model), stage=3, loss_fn=loss_fn, timeout=TIMEOUT)
+    batch = batches("mlp", 1, 6 if rank == 1 else 4)[0]
+    try:
+        step(*batch)
+    except zerocc.RankMismatchError as error:
+        return str(error)
+    return "no error"
+
+
+def test_different_shapes_on_one_rank_fail_at_compile_naming_the_rank():
+    for message in distributed.run(_different_batch_shapes, 2):
+        assert "ranks [1] compiled a different step than rank 0" in message
+        assert "rank 1: input 0: float32[6, 12]" in message
+        assert "rank 0: input 0: float32[4, 12]" in message
+
+
+def _different_code(rank, world_size):
+    model, _, loss_fn = build("mlp")
+    if rank == 2:   # this rank's forward skips a layer: its parameters get no gradient, the plan changes
+        layers = model.net
+        model.forward = lambda x: layers[6](layers[5](layers[4](layers[1](layers[0](x)))))
+    step = zerocc.compile(model, adamw(model), stage=3, loss_fn=loss_fn, timeout=TIMEOUT)
+    try:
+        step(*batches("mlp", 1, 4)[0])
+    except zerocc.RankMismatchError as error:
+        return str(error)
+    return "no error"
+
+
+def test_different_code_on_one_rank_fails_at_compile():
+    for message in distributed.run(_different_code, 4):
+        assert "ranks [2] compiled a different step than rank 0" in message
+        assert "rank 2 differs from rank 0 first at\n      rank 2: bucket 0:" in message
+
+
+def test_timeout_must_be_positive():
+    model, _, loss_fn = build("mlp")
+    with pytest.raises(zerocc.ConfigError, match="timeout must be a positive number of seconds, got -1"):
+        zerocc.compile(model, adamw(model), stage=3, loss_fn=loss_fn, timeout=-1)
+
+
+def test_agreement_ignores_what_differs_per_rank():
+    """Stages 1-2 slice different offsets on each rank; the lines compared must not include them."""
+    from zerocc.runtime.failures import agreement_lines
+    lines = []
+    for rank in range(2):
+        model, _, loss_fn = build("mlp")
+        step = zerocc.compile(model, adamw(model), stage=2, loss_fn=loss_fn)
+        # plan for rank ``rank`` of 2 on fake ranks: compile with a ctx that says so
+        step.ranks = type(step.ranks)(2, rank, None, "fake")
+        program, ctx, _ = step._compile(batches("mlp", 1, 4)[0])
+        lines.append(agreement_lines(program.gm, ctx.shard_plan))
+    assert lines[0] == lines[1]
+    assert any(line.startswith("collective") for line in lines[0])

@@ -1,0 +1,431 @@
+"""Sharded checkpoints: a step's state by parameter name, saved with torch.distributed.checkpoint (DCP).
+
+Sits beside the runtime: it reads and writes the runtime's slots (see
+``zerocc/runtime/slots.py``) through the ``ShardPlan``, never the graph.
+
+Format, independent of world size and stage. Every tensor is flattened to
+1-D and keyed by the parameter's fully qualified name (fqn, its first name
+when weights are tied):
+
+    model/<fqn>              parameter, frozen parameter or buffer, flat
+    optim/<fqn>/<key>        optimizer-state tensor (``exp_avg``), flat; a
+                             0-dim one (Adam's ``step``) stays 0-dim
+    zerocc/steps             how many steps the compiled step has run
+
+A tensor this rank holds whole (a replicated parameter at stages 0-2, a
+buffer, a scalar) is a plain tensor: DCP writes it once. A tensor that is
+split across ranks (a stage-3 parameter, optimizer state at stages 1-3) is a
+``ShardedTensor`` whose local shards are views of this rank's slots at the
+element offsets the plan gives; its global layout is computed from the plan,
+so building it needs no collective and saving needs no gather. DCP stores
+each shard as a chunk with its offset, and a load reads whichever saved
+chunks overlap what the loading rank needs: that is the resharding, to any
+world size and any stage. ``zerocc.json`` beside DCP's files records the
+shapes and every state-dict name, for ``export_full_state_dict``.
+
+Saves are atomic: the data goes into a fresh directory ``<path>.v<n>``,
+fsynced; after a barrier rank 0 points the symlink ``<path>`` at it with one
+``rename`` and only then removes the previous version. A save killed at any
+moment leaves ``<path>`` pointing at the previous, complete checkpoint.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+import struct
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
+
+from . import plans
+from .capture import named_tensors
+from .errors import ConfigError
+
+META_FILE = "zerocc.json"
+FORMAT_VERSION = 1
+STEPS_KEY = "zerocc/steps"
+
+
+def model_key(fqn: str) -> str:
+    return f"model/{fqn}"
+
+
+def optim_key(fqn: str, key: str) -> str:
+    return f"optim/{fqn}/{key}"
+
+
+@dataclasses.dataclass
+class _Part:
+    """One checkpoint entry as this rank holds it."""
+    key: str
+    numel: int                                     # of the whole flattened tensor
+    scalar: bool                                   # a 0-dim tensor (held whole, equal on every holder)
+    local: list[tuple[int, torch.Tensor]]          # (flat offset, 1-D view into a slot), non-overlapping
+    owners: list[tuple[int, int, int]] | None      # (rank in group, offset, numel) of every shard; None: replicated
+    like: torch.Tensor | None = None               # gives dtype and device when this rank holds no piece
+
+
+# -- what this rank holds ---------------------------------------------------------
+def _parts(step) -> dict[str, _Part]:
+    if step._slots is None:
+        return _parts_before_compile(step)
+    return _parts_of_slots(step)
+
+
+def _parts_before_compile(step) -> dict[str, _Part]:
+    """Before the first step the model and optimizer are whole on every rank: all replicated."""
+    parts = {}
+    for kind in ("param", "buffer"):
+        for names, tensor in named_tensors(step.model, kind):
+            parts[model_key(names[0])] = _whole(model_key(names[0]), tensor.detach())
+            for key, value in step.optimizer.state.get(tensor, {}).items() if kind == "param" else ():
+                if isinstance(value, torch.Tensor):
+                    parts[optim_key(names[0], key)] = _whole(optim_key(names[0], key), value.detach())
+    return parts
+
+
+def _whole(key: str, tensor: torch.Tensor) -> _Part:
+    if tensor.dim() == 0:
+        return _Part(key, 1, True, [(0, tensor)], None)
+    return _Part(key, tensor.numel(), False, [(0, tensor.reshape(-1))], None)
+
+
+def _parts_of_slots(step) -> dict[str, _Part]:
+    plan, captured, slots = step._plan, step._captured, step._slots
+    parts: dict[str, _Part] = {}
+    sharded_params = plan.stage == 3
+    bucketed = {}
+    for bucket in plan.buckets:
+        for segment in bucket.segments:
+            bucketed[segment.param] = (bucket, segment)
+    for index, info in enumerate(captured.params):
+        key = model_key(info.name)
+        if index not in bucketed:
+            parts[key] = _whole(key, slots[plans.param_slot(info.name)])
+            continue
+        bucket, segment = bucketed[index]
+        flat = slots[plans.bucket_slot(bucket.index)]
+        if sharded_params and bucket.shards > 1:
+            local = [(p.param_offset, flat[p.shard_offset: p.shard_offset + p.numel])
+                     for p in bucket.pieces(plan.rank) if p.param == index]
+            parts[key] = _Part(key, info.numel, False, local, _owners(bucket, index), like=flat)
+        else:
+            parts[key] = _Part(key, info.numel, False, [(0, flat[segment.offset: segment.offset + segment.numel])], None)
+    # optimizer state: one slot per piece this rank owns (the whole parameter at stage 0)
+    pieces = {plans.piece_owner(b.index, number): (b, piece) for b, number, piece in plan.owned_pieces()}
+    for slot, value in slots.items():
+        if not slot.startswith("state:"):
+            continue
+        _, owner, state = slot.split(":", 2)
+        if owner in pieces:
+            bucket, piece = pieces[owner]
+            info = captured.params[piece.param]
+            key = optim_key(info.name, state)
+            if value.dim() == 0:
+                parts[key] = _Part(key, 1, True, [(0, value)], None)
+            elif bucket.shards > 1:
+                part = parts.setdefault(key, _Part(key, info.numel, False, [], _owners(bucket, piece.param)))
+                part.local.append((piece.param_offset, value))
+            else:
+                parts[key] = _Part(key, info.numel, False, [(0, value)], None)
+        else:   # a parameter outside every bucket keeps its whole state
+            key = optim_key(owner, state)
+            parts[key] = _whole(key, value)
+    for info in captured.frozen:
+        parts[model_key(info.name)] = _whole(model_key(info.name), slots[plans.frozen_slot(info.name)])
+    for info in captured.buffers:
+        parts[model_key(info.name)] = _whole(model_key(info.name), slots[plans.buffer_slot(info.name)])
+    return parts
+
+
+def _owners(bucket: plans.Bucket, param: int) -> list[tuple[int, int, int]]:
+    return [(rank, p.param_offset, p.numel) for rank in range(bucket.shards) for p in bucket.pieces(rank)
+            if p.param == param]
+
+
+# -- CompiledStep.state_dict / load_state_dict --------------------------------------
+def state_dict(step) -> dict[str, object]:
+    """This rank's state, keyed by name; values are views of the live state (nothing is copied)."""
+    result: dict[str, object] = {}
+    for key, part in _parts(step).items():
+        if part.scalar:
+            result[key] = part.local[0][1]
+        elif part.owners is None:
+            result[key] = part.local[0][1]
+        else:
+            result[key] = _sharded(part, step.ranks)
+    result[STEPS_KEY] = torch.tensor(step.steps, dtype=torch.int64)
+    return result
+
+
+def _sharded(part: _Part, ranks) -> ShardedTensor:
+    like = part.local[0][1] if part.local else part.like
+
+    def placement(rank):
+        return f"rank:{dist.get_global_rank(ranks.group, rank)}/{like.device}"
+    metadata = [ShardMetadata([offset], [numel], placement(rank)) for rank, offset, numel in part.owners]
+    local = [Shard(view, ShardMetadata([offset], [view.numel()], placement(ranks.rank)))
+             for offset, view in part.local]
+    properties = TensorProperties.create_from_tensor(like)
+    global_metadata = ShardedTensorMetadata(metadata, torch.Size([part.numel]), properties)
+    return ShardedTensor._init_from_local_shards_and_global_metadata(local, global_metadata, process_group=ranks.group)
+
+
+def _sources(value) -> list[tuple[int, torch.Tensor]]:
+    """(flat offset, flat tensor) for each piece of ``value`` this rank has."""
+    if isinstance(value, ShardedTensor):
+        return [(shard.metadata.shard_offsets[0], shard.tensor.reshape(-1)) for shard in value.local_shards()]
+    if not isinstance(value, torch.Tensor):
+        raise ConfigError(f"a checkpoint entry must be a tensor or ShardedTensor, got {type(value).__name__}")
+    return [(0, value.reshape(-1))]
+
+
+def load_state_dict(step, state: dict[str, object]) -> None:
+    """Copy ``state`` (as from ``state_dict()``, after ``dcp.load`` filled it) into the step."""
+    if STEPS_KEY in state:
+        step.steps = int(state[STEPS_KEY])
+    parts = _parts(step)
+    given = {k for k in state if k != STEPS_KEY}
+    missing = sorted(k for k in parts if k not in given and not (step._slots is None and k.startswith("optim/")))
+    unknown = sorted(k for k in given if k not in parts and not (step._slots is None and k.startswith("optim/")))
+    if missing or unknown:
+        raise ConfigError(
+            "the state dict does not fit this model and optimizer:\n"
+            + "".join(f"  - missing: {k}\n" for k in missing[:10])
+            + "".join(f"  - not in this model/optimizer: {k}\n" for k in unknown[:10])
+            + "  load a checkpoint of the same model, with the same optimizer type")
+    if step._slots is None:
+        _install_optimizer_state(step, {k: state[k] for k in given if k not in parts})
+    with torch.no_grad():
+        for key in given & parts.keys():
+            _copy_into(parts[key], _sources(state[key]))
+
+
+def _copy_into(part: _Part, sources: list[tuple[int, torch.Tensor]]) -> None:
+    for offset, target in part.local:
+        target_flat = target.reshape(-1)
+        covered = 0
+        for source_offset, source in sources:
+            lo = max(offset, source_offset)
+            hi = min(offset + target_flat.numel(), source_offset + source.numel())
+            if lo < hi:
+                target_flat[lo - offset: hi - offset].copy_(source[lo - source_offset: hi - source_offset])
+                covered += hi - lo
+        if covered != target_flat.numel():
+            raise ConfigError(f"{part.key}: the state dict covers {covered} of the {target_flat.numel()} elements "
+                              f"this rank needs at offset {offset}; build it with step.state_dict() before loading")
+
+
+def _install_optimizer_state(step, state: dict[str, object]) -> None:
+    """Before the first step: put whole optimizer state where the first compile reads it."""
+    params = {names[0]: t for names, t in named_tensors(step.model, "param")}
+    for key, value in state.items():
+        _, fqn, name = key.split("/", 2)
+        if fqn not in params:
+            raise ConfigError(f"{key}: the model has no parameter {fqn!r}")
+        param = params[fqn]
+        sources = _sources(value)
+        if len(sources) != 1 or sources[0][1].numel() != (1 if value.dim() == 0 else param.numel()):
+            raise ConfigError(f"{key}: before the first step the whole tensor is needed")
+        tensor = value if value.dim() == 0 else value.reshape(param.shape)
+        step.optimizer.state[param][name] = tensor.detach().clone()
+    # capture labels state placeholders in sorted key order but traces them in dict order: keep the two equal
+    for param, entries in list(step.optimizer.state.items()):
+        step.optimizer.state[param] = dict(sorted(entries.items()))
+
+
+# -- save and load with atomic commit ---------------------------------------------
+def save_checkpoint(step, path: str) -> str:
+    """Save ``step``'s sharded state to ``path`` (a symlink to a complete version directory); returns the version."""
+    path = os.path.abspath(path)
+    ranks = step.ranks
+    version = None
+    if ranks.rank == 0:
+        if os.path.exists(path) and not os.path.islink(path):
+            raise ConfigError(f"{path} exists and is not a zerocc checkpoint (a symlink to a version directory); "
+                              "choose a new path")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        current = os.path.realpath(path) if os.path.islink(path) else None
+        for stale in _versions(path):      # leftovers of interrupted saves
+            if stale != current:
+                shutil.rmtree(stale, ignore_errors=True)
+        numbers = [int(v.rsplit(".v", 1)[1]) for v in _versions(path)]
+        version = f"{path}.v{max(numbers, default=0) + 1}"
+        os.makedirs(version)
+    version = _broadcast(version, ranks)
+    state = state_dict(step)
+    writer = dcp.FileSystemWriter(version, sync_files=True)
+    dcp.save(state, storage_writer=writer, process_group=ranks.group, no_dist=ranks.group is None)
+    _barrier(ranks)   # every rank's files are written and fsynced
+    if ranks.rank == 0:
+        _write_meta(step, version)
+        _fsync_tree(version)
+        _publish(path, version)
+    _barrier(ranks)
+    return version
+
+
+def _versions(path: str) -> list[str]:
+    folder, base = os.path.split(path)
+    pattern = re.compile(re.escape(base) + r"\.v\d+$")
+    return sorted(os.path.join(folder, n) for n in os.listdir(folder) if pattern.match(n))
+
+
+def _publish(path: str, version: str) -> None:
+    """Point ``path`` at ``version`` with one atomic rename, then drop the previous version."""
+    previous = os.path.realpath(path) if os.path.islink(path) else None
+    link = f"{path}.link"
+    if os.path.lexists(link):
+        os.remove(link)
+    os.symlink(os.path.basename(version), link)
+    os.replace(link, path)
+    _fsync_dir(os.path.dirname(path))
+    if previous is not None and previous != os.path.realpath(version):
+        shutil.rmtree(previous, ignore_errors=True)
+
+
+def _write_meta(step, folder: str) -> None:
+    shapes = {}
+    for kind in ("param", "buffer"):
+        for names, tensor in named_tensors(step.model, kind):
+            shape = tuple(tensor.shape)
+            if step._captured is not None:
+                shape = tuple(step._released_shapes.get(names[0], shape))
+            for name in names:
+                shapes[name] = (names[0], shape, str(tensor.dtype).removeprefix("torch."))
+    keys = step.model.state_dict().keys()
+    meta = {"format": FORMAT_VERSION, "world_size": step.ranks.world_size, "stage": step.stage, "steps": step.steps,
+            "model": [[key, model_key(shapes[key][0]), list(shapes[key][1]), shapes[key][2]]
+                      for key in keys if key in shapes]}
+    target = os.path.join(folder, META_FILE)
+    with open(target, "w") as handle:
+        json.dump(meta, handle, indent=1)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def _fsync_tree(folder: str) -> None:
+    for name in os.listdir(folder):
+        file = os.path.join(folder, name)
+        if os.path.isfile(file):
+            fd = os.open(file, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    _fsync_dir(folder)
+
+
+def _fsync_dir(folder: str) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _broadcast(value, ranks):
+    if ranks.group is None:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(ranks.group, 0), group=ranks.group)
+    return box[0]
+
+
+def _barrier(ranks) -> None:
+    if ranks.group is not None:
+        dist.barrier(group=ranks.group)
+
+
+def load_checkpoint(step, path: str) -> None:
+    """Load a checkpoint saved at any world size and stage into ``step`` (before or after its first call)."""
+    path = os.path.abspath(path)
+    if not os.path.exists(os.path.join(path, META_FILE)):
+        raise ConfigError(f"{path} is not a complete zerocc checkpoint (no {META_FILE})")
+    reader = dcp.FileSystemReader(path)
+    saved = reader.read_metadata().state_dict_metadata
+    state = state_dict(step)
+    for key, entry in saved.items():
+        if key not in state and step._slots is None and key.startswith("optim/"):
+            state[key] = torch.empty(entry.size, dtype=entry.properties.dtype)
+    absent = sorted(k for k in state if k not in saved)
+    if absent:
+        raise ConfigError(f"{path} lacks {len(absent)} entr{'y' if len(absent) == 1 else 'ies'} this step needs: "
+                          f"{', '.join(absent[:5])}; it was saved from a different model or optimizer")
+    dcp.load(state, storage_reader=reader, process_group=step.ranks.group, no_dist=step.ranks.group is None)
+    load_state_dict(step, state)
+
+
+# -- one file for plain PyTorch ----------------------------------------------------
+_SAFETENSORS_DTYPES = {
+    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64", "int32": "I32",
+    "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
+}
+
+
+def export_full_state_dict(checkpoint_dir: str, out_path: str) -> dict:
+    """Write the checkpoint's model as one safetensors file, one tensor in memory at a time.
+
+    No process group is needed. The file loads with ``safetensors.torch.load_file``
+    or ``zerocc.checkpoint.read_safetensors``, then ``model.load_state_dict``.
+    Returns what it wrote: ``tensors``, ``bytes`` and ``largest_tensor_bytes``
+    (the most tensor memory it held at once).
+    """
+    with open(os.path.join(checkpoint_dir, META_FILE)) as handle:
+        meta = json.load(handle)
+    reader = dcp.FileSystemReader(checkpoint_dir)
+    header, offset = {}, 0
+    for name, _, shape, dtype in meta["model"]:
+        size = _numel(shape) * getattr(torch, dtype).itemsize
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    largest = 0
+    partial = f"{out_path}.partial"
+    with open(partial, "wb") as out:
+        out.write(struct.pack("<Q", len(encoded)) + encoded)
+        for name, key, shape, dtype in meta["model"]:
+            tensor = torch.empty(_numel(shape), dtype=getattr(torch, dtype))
+            dcp.load({key: tensor}, storage_reader=reader, no_dist=True)
+            largest = max(largest, tensor.numel() * tensor.element_size())
+            out.write(tensor.view(torch.uint8).numpy().data if tensor.numel() else b"")
+            del tensor
+        out.flush()
+        os.fsync(out.fileno())
+    os.replace(partial, out_path)
+    return {"tensors": len(header), "bytes": offset, "largest_tensor_bytes": largest}
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def read_safetensors(path: str) -> dict[str, torch.Tensor]:
+    """A safetensors file as a state dict (for environments without the safetensors package)."""
+    by_name = {v: getattr(torch, k) for k, v in _SAFETENSORS_DTYPES.items()}
+    with open(path, "rb") as handle:
+        length = struct.unpack("<Q", handle.read(8))[0]
+        header = json.loads(handle.read(length))
+        base = 8 + length
+        result = {}
+        for name, entry in header.items():
+            if name == "__metadata__":
+                continue
+            start, stop = entry["data_offsets"]
+            handle.seek(base + start)
+            data = bytearray(handle.read(stop - start))
+            dtype = by_name[entry["dtype"]]
+            flat = torch.frombuffer(data, dtype=dtype) if data else torch.empty(0, dtype=dtype)
+            result[name] = flat.reshape(entry["shape"])
+    return result

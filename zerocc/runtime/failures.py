@@ -1,0 +1,145 @@
+"""Failures that end cleanly: a dead rank becomes an error within a timeout, diverged ranks an error at compile time.
+
+Two guards around the program the runtime runs:
+
+- ``with_timeout`` gives the step its own process group whose collectives
+  time out after ``timeout`` seconds (gloo and NCCL honour a group's
+  timeout), and ``collective_failures`` turns the backend's error into a
+  ``RankFailureError`` that says which step and what probably happened.
+- ``check_ranks_agree`` runs right after compilation, before the program's
+  first collective: every rank hashes what must agree across ranks (the
+  batch's shapes, the buckets, the sequence of collectives with their sizes)
+  and one ``all_gather_object`` compares them. What legitimately differs per
+  rank (slice offsets, which pieces a rank owns at stages 1-2) is not hashed.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import hashlib
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+
+from .. import graph as g
+from ..errors import ZeroccError
+from ..plans import ShardPlan
+from .process_group import Ranks
+
+
+class RankFailureError(ZeroccError):
+    """A collective did not complete: another rank died, hung or left the step."""
+
+
+class RankMismatchError(ZeroccError):
+    """Ranks compiled programs whose collectives would not match."""
+
+
+def with_timeout(ranks: Ranks, timeout: float | None) -> Ranks:
+    """``ranks`` on a new process group (same members) whose collectives give up after ``timeout`` seconds."""
+    if timeout is None or ranks.group is None:
+        return ranks
+    if timeout <= 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    members = [dist.get_global_rank(ranks.group, r) for r in range(ranks.world_size)]
+    group = dist.new_group(members, timeout=datetime.timedelta(seconds=timeout),
+                           backend=dist.get_backend(ranks.group))
+    return Ranks(ranks.world_size, ranks.rank, group, group.group_name)
+
+
+@contextlib.contextmanager
+def collective_failures(ranks: Ranks, step_number: int, timeout: float | None):
+    """Re-raise a failed collective as a ``RankFailureError`` naming the step and the likely cause."""
+    if ranks.group is None:
+        yield
+        return
+    try:
+        yield
+    except RankFailureError:
+        raise
+    except (RuntimeError, dist.DistError) as error:
+        if not _is_collective_failure(error):
+            raise
+        within = f"within {timeout:g} s " if timeout is not None else ""
+        raise RankFailureError(
+            f"rank {ranks.rank} of {ranks.world_size}: a collective of step {step_number} did not complete {within}"
+            f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})\n"
+            "  why: another rank probably died, hung, or is running a different step (different batch shapes "
+            "or code on different ranks).\n"
+            "  fix: look at the other ranks' output for the first error; restart every rank from the last "
+            "checkpoint (zerocc.load_checkpoint). compile(..., timeout=seconds) bounds how long ranks wait."
+        ) from error
+
+
+_MARKERS = ("gloo", "nccl", "timed out", "timeout", "connection", "closed", "peer", "socket", "broken pipe",
+            "collective", "process group", "store")
+
+
+def _is_collective_failure(error: BaseException) -> bool:
+    if isinstance(error, dist.DistError):
+        return True
+    text = str(error).lower()
+    return any(marker in text for marker in _MARKERS)
+
+
+def agreement_lines(gm: fx.GraphModule, plan: ShardPlan | None) -> list[str]:
+    """What every rank's program must have in common, one readable line per fact."""
+    lines = []
+    for node in g.placeholders(gm):
+        if node.meta.get(g.ROLE) == g.ROLE_INPUT:
+            lines.append(f"input {node.meta.get(g.INDEX)}: {_describe(node.meta.get(g.VAL))}")
+    if plan is not None:
+        for bucket in plan.buckets:
+            segments = ",".join(f"{s.param}@{s.offset}+{s.numel}" for s in bucket.segments)
+            lines.append(f"bucket {bucket.index}: {bucket.numel} x {bucket.dtype} over {bucket.shards} ranks [{segments}]")
+    number = 0
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and _is_collective(node):
+            arguments = [_describe(a.meta.get(g.VAL)) if isinstance(a, fx.Node) else repr(a) for a in node.args]
+            lines.append(f"collective {number}: {node.target}({', '.join(arguments)}) -> {_describe(node.meta.get(g.VAL))}")
+            number += 1
+    return lines
+
+
+def _is_collective(node: fx.Node) -> bool:
+    namespace = getattr(node.target, "namespace", None)
+    return namespace == "_c10d_functional" and "wait_tensor" not in str(node.target)
+
+
+def _describe(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{str(value.dtype).removeprefix('torch.')}{list(value.shape)}"
+    if isinstance(value, (list, tuple)):
+        return "(" + ", ".join(_describe(v) for v in value) + ")"
+    return repr(value)
+
+
+def check_ranks_agree(ranks: Ranks, gm: fx.GraphModule, plan: ShardPlan | None) -> None:
+    """Raise ``RankMismatchError`` on every rank if any rank compiled a program whose collectives differ."""
+    if ranks.group is None:
+        return
+    lines = agreement_lines(gm, plan)
+    digest = hashlib.sha256("\n".join(lines).encode()).hexdigest()
+    gathered = [None] * ranks.world_size
+    dist.all_gather_object(gathered, (digest, lines), group=ranks.group)
+    reference_digest, reference_lines = gathered[0]
+    differing = [r for r, (d, _) in enumerate(gathered) if d != reference_digest]
+    if not differing:
+        return
+    details = []
+    for rank in differing[:3]:
+        other = gathered[rank][1]
+        for position in range(max(len(other), len(reference_lines))):
+            mine = other[position] if position < len(other) else "(nothing)"
+            theirs = reference_lines[position] if position < len(reference_lines) else "(nothing)"
+            if mine != theirs:
+                details.append(f"  - rank {rank} differs from rank 0 first at\n      rank {rank}: {mine}\n"
+                               f"      rank 0: {theirs}")
+                break
+    raise RankMismatchError(
+        f"ranks {differing} compiled a different step than rank 0; their collectives would not match and the "
+        "step would hang or mix unrelated data:\n" + "\n".join(details) + "\n"
+        "  fix: give every rank a batch of the same shapes and the same model code and optimizer "
+        "(drop or pad a short last batch)."
+    )
