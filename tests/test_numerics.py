@@ -108,3 +108,20 @@ def test_world_size_n_matches_ddp(name, world_size):
             for key, value in expected_state.items():
                 torch.testing.assert_close(state[key], value, rtol=1e-4, atol=1e-5,
                                            msg=lambda m: f"stage {stage} rank {rank} {key}: {m}")
+
+
+def test_compile_after_eager_steps_continues_exactly():
+    """The optimizer already has state (from eager steps): the compiled step picks it up."""
+    reference, _, loss_fn = build("mlp")
+    reference_optimizer = adamw(reference)
+    model, _, _ = build("mlp")
+    optimizer = adamw(model)
+    data = batches("mlp", 4, 8)
+    for batch in data[:2]:
+        eager_step(reference, reference_optimizer, loss_fn, batch)
+        eager_step(model, optimizer, loss_fn, batch)
+    step = zerocc.compile(model, optimizer, stage=3, loss_fn=loss_fn)
+    for batch in data[2:]:
+        assert torch.equal(step(*batch), eager_step(reference, reference_optimizer, loss_fn, batch))
+    for key, value in reference.state_dict().items():
+        assert torch.equal(step.full_state_dict()[key], value), key
