@@ -15,7 +15,7 @@ from .capture import Captured, capture, named_tensors
 from .context import CompileContext
 from .errors import ConfigError
 from .optimizer_step import hyperparameter_signature, live_hyperparameters
-from .pipeline import GraphSnapshot, default_pipeline, run_pipeline
+from .pipeline import DEFAULT_PREFETCH_BYTES, GraphSnapshot, default_pipeline, run_pipeline
 from .runtime import slots as slot_store
 from .runtime.process_group import Ranks, resolve
 from .runtime.program import Program
@@ -37,6 +37,7 @@ def compile(
     num_targets: int | None = None,
     group=None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    prefetch_bytes: int = DEFAULT_PREFETCH_BYTES,
 ) -> "CompiledStep":
     """Compile one training step of ``model`` with ``optimizer`` under ZeRO ``stage`` (0-3).
 
@@ -47,7 +48,8 @@ def compile(
     ``loss_fn(model(*inputs[:-num_targets]), *inputs[-num_targets:])``.
     Gradients are averaged over the ranks of ``group`` (default: the default
     process group, initialized from torchrun's environment if needed; world
-    size 1 without one).
+    size 1 without one). ``prefetch_bytes`` bounds the gathered parameter
+    bytes (and the unreduced gradient bytes) that may be in flight at once.
     """
     if stage not in STAGES:
         raise ConfigError(f"stage={stage!r} is not a ZeRO stage; use 0 (plain data parallel), 1, 2 or 3")
@@ -57,9 +59,11 @@ def compile(
         raise ConfigError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
         raise ConfigError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
+    if not isinstance(prefetch_bytes, int) or prefetch_bytes < 0:
+        raise ConfigError(f"prefetch_bytes must be a non-negative int, got {prefetch_bytes!r}")
     if num_targets is None:
         num_targets = 1 if loss_fn is not None else 0
-    return CompiledStep(model, optimizer, stage, loss_fn, num_targets, group, bucket_bytes)
+    return CompiledStep(model, optimizer, stage, loss_fn, num_targets, group, bucket_bytes, prefetch_bytes)
 
 
 class CompiledStep:
@@ -71,13 +75,15 @@ class CompiledStep:
     at every call.
     """
 
-    def __init__(self, model, optimizer, stage, loss_fn, num_targets, group, bucket_bytes):
+    def __init__(self, model, optimizer, stage, loss_fn, num_targets, group, bucket_bytes,
+                 prefetch_bytes=DEFAULT_PREFETCH_BYTES):
         self.model = model
         self.optimizer = optimizer
         self.stage = stage
         self.loss_fn = loss_fn
         self.num_targets = num_targets
         self.bucket_bytes = bucket_bytes
+        self.prefetch_bytes = prefetch_bytes
         device = next(model.parameters()).device
         self.ranks: Ranks = resolve(group, device)
         self._programs: dict[Any, tuple[Program, CompileContext, list[GraphSnapshot]]] = {}
@@ -126,7 +132,7 @@ class CompiledStep:
         state_signature = _state_signature_of(captured)
         ctx = CompileContext(self.stage, self.ranks.world_size, self.ranks.rank, self.ranks.group_name,
                              self.optimizer, captured, fake_mode, self.bucket_bytes, previous_plan=self._plan)
-        gm, history = run_pipeline(captured.gm, ctx, default_pipeline(self.stage))
+        gm, history = run_pipeline(captured.gm, ctx, default_pipeline(self.stage, prefetch_bytes=self.prefetch_bytes))
         program = Program.from_graph(gm)
         if self._slots is None:
             self._captured = captured

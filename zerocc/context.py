@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from .capture import Captured
-from .plans import ShardPlan
+from .plans import Schedule, ShardPlan
 
 
 @dataclasses.dataclass
@@ -28,4 +28,5 @@ class CompileContext:
     previous_plan: ShardPlan | None = None   # buckets of an earlier compilation, kept so slots stay valid
     # decided by passes
     shard_plan: ShardPlan | None = None
+    schedule: Schedule | None = None
     notes: dict[str, Any] = dataclasses.field(default_factory=dict)   # one line of counts per pass

@@ -3,6 +3,7 @@
     capture              zerocc/capture.py       whole step -> one functional aten graph, nodes tagged
     shard                passes/shard.py         flat buckets, 1/N per rank; optimizer re-traced on the shards
     insert_collectives   passes/insert_collectives.py   all_gather / reduce_scatter / all_reduce + waits
+    schedule             passes/schedule.py      issue collectives early, wait late: prefetch and overlap
 
 Every pass is ``(gm, ctx) -> gm`` and writes its decisions onto ``ctx``.
 The runner keeps the program after every pass so users can read it
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 from typing import Callable
 
 import torch.fx as fx
@@ -20,6 +22,7 @@ from . import graph as g
 from .context import CompileContext
 from .errors import PassError
 from .passes.insert_collectives import insert_collectives
+from .passes.schedule import schedule
 from .passes.shard import shard
 
 PassFn = Callable[[fx.GraphModule, CompileContext], fx.GraphModule]
@@ -31,11 +34,17 @@ class Pass:
     run: PassFn
 
 
-def default_pipeline(stage: int) -> list[Pass]:
+# Gathered (or unreduced) bytes a step may have in flight. Measured on this machine's gloo
+# with benchmarks/compare.py's GPT (README, "Benchmark"): see the README for the numbers.
+DEFAULT_PREFETCH_BYTES = 8 * 1024 * 1024
+
+
+def default_pipeline(stage: int, *, prefetch_bytes: int = DEFAULT_PREFETCH_BYTES) -> list[Pass]:
     """The passes for ``stage``, in order. The same list for every stage: the plan differs, not the passes."""
     return [
         Pass("shard", shard),                              # parameters, gradients, optimizer state -> flat per-rank buckets
         Pass("insert_collectives", insert_collectives),    # the communication the buckets need
+        Pass("schedule", functools.partial(schedule, prefetch_bytes=prefetch_bytes)),   # prefetch gathers, overlap reductions
     ]
 
 
