@@ -62,12 +62,14 @@ def make_optimizer(params):
 
 # -- the systems: each is (name, build() -> step(tokens, targets) -> loss) ------------------------------------
 
+ZEROCC_OPTIONS = {}   # bucket_bytes / prefetch_bytes from the command line, else zerocc's defaults
+
+
 def build_zerocc(stage):
     def build():
         torch.manual_seed(0)
         model = GPT()
-        step = zerocc.compile(model, make_optimizer(model.parameters()), stage=stage)
-        return lambda tokens, targets: step(tokens, targets)
+        return zerocc.compile(model, make_optimizer(model.parameters()), stage=stage, **ZEROCC_OPTIONS).__call__
     return build
 
 
@@ -184,7 +186,13 @@ def main():
     parser.add_argument("--steps", type=int, default=3, help="steps per system per round")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
+    parser.add_argument("--bucket-bytes", type=int, help="zerocc's bucket_bytes (default: zerocc's)")
+    parser.add_argument("--prefetch-bytes", type=int, help="zerocc's prefetch_bytes (default: zerocc's)")
     args = parser.parse_args()
+    if args.bucket_bytes is not None:
+        ZEROCC_OPTIONS["bucket_bytes"] = args.bucket_bytes
+    if args.prefetch_bytes is not None:
+        ZEROCC_OPTIONS["prefetch_bytes"] = args.prefetch_bytes
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -200,11 +208,19 @@ def main():
         started = time.perf_counter()
         try:
             tracker = MemTracker()
-            with tracker:
+            if name.startswith("zerocc"):
+                # compiling traces modules, which MemTracker's module hooks do not survive; the step's
+                # persistent tensors are all in its slots, so they are handed to the tracker instead
                 step = SYSTEMS[name]()
                 for i in range(args.warmup):
                     step(*data[i])
-                    tracker.reset_mod_stats()   # MemTracker refuses a module called again otherwise
+                tracker.track_external(*step.__self__._slots.values())
+            else:
+                with tracker:
+                    step = SYSTEMS[name]()
+                    for i in range(args.warmup):
+                        step(*data[i])
+                        tracker.reset_mod_stats()   # MemTracker refuses a module called again otherwise
             build_seconds[name] = time.perf_counter() - started
             gc.collect()
             barrier()

@@ -144,3 +144,40 @@ def test_world_size_1_is_untouched():
     gm, ctx, history = compiled(3, world_size=1)
     assert ctx.schedule.collectives == ()
     assert history[-1].code.splitlines()[1:] == history[-2].code.splitlines()[1:]
+
+
+def _train_on_gpu(rank, world_size, port, folder):
+    import os
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+    from tests.models import eager_step
+    import zerocc
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world_size)
+    try:
+        data = [tuple(t.cuda() for t in batch) for batch in batches("gpt", 3, 4, seed=rank)]
+        reference, _, loss_fn = build("gpt")
+        ddp = DistributedDataParallel(reference.cuda())
+        optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+        expected = [eager_step(ddp, optimizer, loss_fn, batch) for batch in data]
+        model, _, _ = build("gpt")
+        step = zerocc.compile(model.cuda(), torch.optim.AdamW(model.parameters(), lr=1e-2), stage=3,
+                              bucket_bytes=SMALL_BUCKETS, prefetch_bytes=64 * 1024)
+        losses = [step(*batch) for batch in data]
+        torch.save((torch.stack(losses).cpu(), torch.stack(expected).cpu()), os.path.join(folder, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices: NCCL runs collectives on its own stream")
+def test_stage_3_with_prefetch_on_two_gpus_matches_ddp():
+    import os
+    import tempfile
+    import torch.multiprocessing as mp
+    from tests.distributed import free_port
+    with tempfile.TemporaryDirectory() as folder:
+        mp.spawn(_train_on_gpu, args=(2, free_port(), folder), nprocs=2, join=True)
+        for rank in range(2):
+            losses, expected = torch.load(os.path.join(folder, f"rank{rank}.pt"))
+            torch.testing.assert_close(losses, expected, rtol=1e-4, atol=1e-5)
