@@ -16,7 +16,7 @@ from .capture import Captured, capture, named_tensors
 from .context import CompileContext
 from .errors import ConfigError
 from .optimizer_step import hyperparameter_signature, live_hyperparameters
-from .pipeline import GraphSnapshot, default_pipeline, run_pipeline
+from .pipeline import DEFAULT_PREFETCH_BYTES, GraphSnapshot, default_pipeline, run_pipeline
 from .memory_plan import MemoryPlan
 from .runtime import failures
 from .runtime import slots as slot_store
@@ -42,6 +42,7 @@ def compile(
     group=None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     timeout: float | None = None,
+    prefetch_bytes: int = DEFAULT_PREFETCH_BYTES,
 ) -> "CompiledStep":
     """Compile one training step of ``model`` with ``optimizer`` under ZeRO ``stage`` (0-3).
 
@@ -52,9 +53,11 @@ def compile(
     ``loss_fn(model(*inputs[:-num_targets]), *inputs[-num_targets:])``.
     Gradients are averaged over the ranks of ``group`` (default: the default
     process group, initialized from torchrun's environment if needed; world
-    size 1 without one). ``timeout`` (seconds) bounds how long a collective
-    waits for the other ranks: a rank that died turns into a
-    ``RankFailureError`` on the others instead of a hang.
+    size 1 without one). ``prefetch_bytes`` bounds the gathered parameter
+    bytes (and the unreduced gradient bytes) that may be in flight at once.
+    ``timeout`` (seconds) bounds how long a collective waits for the other
+    ranks: a rank that died turns into a ``RankFailureError`` on the others
+    instead of a hang.
     """
     if stage not in STAGES:
         raise ConfigError(f"stage={stage!r} is not a ZeRO stage; use 0 (plain data parallel), 1, 2 or 3")
@@ -66,9 +69,11 @@ def compile(
         raise ConfigError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
     if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
         raise ConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    if not isinstance(prefetch_bytes, int) or prefetch_bytes < 0:
+        raise ConfigError(f"prefetch_bytes must be a non-negative int, got {prefetch_bytes!r}")
     if num_targets is None:
         num_targets = 1 if loss_fn is not None else 0
-    return CompiledStep(model, optimizer, stage, loss_fn, num_targets, group, bucket_bytes, timeout)
+    return CompiledStep(model, optimizer, stage, loss_fn, num_targets, group, bucket_bytes, prefetch_bytes, timeout)
 
 
 class CompiledStep:
@@ -80,13 +85,15 @@ class CompiledStep:
     at every call.
     """
 
-    def __init__(self, model, optimizer, stage, loss_fn, num_targets, group, bucket_bytes, timeout=None):
+    def __init__(self, model, optimizer, stage, loss_fn, num_targets, group, bucket_bytes,
+                 prefetch_bytes=DEFAULT_PREFETCH_BYTES, timeout=None):
         self.model = model
         self.optimizer = optimizer
         self.stage = stage
         self.loss_fn = loss_fn
         self.num_targets = num_targets
         self.bucket_bytes = bucket_bytes
+        self.prefetch_bytes = prefetch_bytes
         device = next(model.parameters()).device
         self.timeout = timeout
         self.ranks: Ranks = failures.with_timeout(resolve(group, device), timeout)
@@ -150,7 +157,7 @@ class CompiledStep:
         state_signature = _state_signature_of(captured)
         ctx = CompileContext(self.stage, self.ranks.world_size, self.ranks.rank, self.ranks.group_name,
                              self.optimizer, captured, fake_mode, self.bucket_bytes, previous_plan=self._plan)
-        gm, history = run_pipeline(captured.gm, ctx, default_pipeline(self.stage))
+        gm, history = run_pipeline(captured.gm, ctx, default_pipeline(self.stage, prefetch_bytes=self.prefetch_bytes))
         failures.check_ranks_agree(self.ranks, gm, ctx.shard_plan)   # before any of its collectives can hang
         program = Program.from_graph(gm)
         if self._slots is None:

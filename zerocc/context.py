@@ -8,7 +8,7 @@ import torch
 
 from .capture import Captured
 from .memory_plan import MemoryPlan
-from .plans import ShardPlan
+from .plans import Schedule, ShardPlan
 
 
 @dataclasses.dataclass
@@ -29,5 +29,6 @@ class CompileContext:
     previous_plan: ShardPlan | None = None   # buckets of an earlier compilation, kept so slots stay valid
     # decided by passes
     shard_plan: ShardPlan | None = None
+    schedule: Schedule | None = None
     memory_plan: MemoryPlan | None = None   # plan_memory: every buffer's pool, offset and live range
     notes: dict[str, Any] = dataclasses.field(default_factory=dict)   # one line of counts per pass

@@ -3,6 +3,7 @@
     capture              zerocc/capture.py       whole step -> one functional aten graph, nodes tagged
     shard                passes/shard.py         flat buckets, 1/N per rank; optimizer re-traced on the shards
     insert_collectives   passes/insert_collectives.py   all_gather / reduce_scatter / all_reduce + waits
+    schedule             passes/schedule.py      issue collectives early, wait late: prefetch and overlap
     plan_memory          passes/plan_memory.py   lifetimes on the final order -> offsets in pools (graph unchanged)
 
 Every pass is ``(gm, ctx) -> gm`` and writes its decisions onto ``ctx``.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 from typing import Callable
 
 import torch.fx as fx
@@ -22,6 +24,7 @@ from .context import CompileContext
 from .errors import PassError
 from .passes.insert_collectives import insert_collectives
 from .passes.plan_memory import plan_memory
+from .passes.schedule import schedule
 from .passes.shard import shard
 
 PassFn = Callable[[fx.GraphModule, CompileContext], fx.GraphModule]
@@ -33,11 +36,18 @@ class Pass:
     run: PassFn
 
 
-def default_pipeline(stage: int) -> list[Pass]:
+# Gathered (or unreduced) bytes a step may have in flight: one 4 MiB bucket ahead. Measured with
+# benchmarks/compare.py's GPT on this machine's gloo (README, "Benchmark"): 8 MiB was no faster
+# (within noise) and peaked 3.5 MiB higher per rank (91.1 vs 87.6 MiB at stage 3).
+DEFAULT_PREFETCH_BYTES = 4 * 1024 * 1024
+
+
+def default_pipeline(stage: int, *, prefetch_bytes: int = DEFAULT_PREFETCH_BYTES) -> list[Pass]:
     """The passes for ``stage``, in order. The same list for every stage: the plan differs, not the passes."""
     return [
         Pass("shard", shard),                              # parameters, gradients, optimizer state -> flat per-rank buckets
         Pass("insert_collectives", insert_collectives),    # the communication the buckets need
+        Pass("schedule", functools.partial(schedule, prefetch_bytes=prefetch_bytes)),   # prefetch gathers, overlap reductions
         Pass("plan_memory", plan_memory),                  # lifetimes -> offsets in pools; must stay the last pass
     ]
 

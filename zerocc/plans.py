@@ -125,3 +125,21 @@ def piece_owner(bucket: int, number: int) -> str:
 
 def lr_slot(group: int) -> str:
     return f"lr:{group}"
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledCollective:
+    """One collective of the step, as the schedule pass ordered it."""
+    kind: str                # all_gather / reduce_scatter / all_reduce / broadcast
+    bucket: int | None
+    nbytes: int              # the full-size buffer it holds while in flight (gathered output, unreduced input)
+    prefetched: bool         # issued earlier than insert_collectives placed it
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """When each collective is issued and waited; the issue order is the same on every rank."""
+    prefetch_bytes: int                          # the bound on gathered (or unreduced) bytes in flight
+    collectives: tuple[ScheduledCollective, ...]  # in issue order
+    max_gather_bytes_in_flight: int
+    max_reduce_bytes_in_flight: int

@@ -1,0 +1,339 @@
+"""zerocc stages 0-3 against DDP, FSDP2 and DeepSpeed ZeRO 1-3, side by side, on the same GPT and data.
+
+    pip install torch==2.13.0 -e ".[bench]"
+    torchrun --standalone --nproc_per_node 2 benchmarks/compare.py
+
+Every system trains ``examples/gpt.py``'s ``GPT()`` (5.03M parameters, 6
+layers, d_model 256, vocab 1024, seq 128) with AdamW from the same
+initialization on the same batches (4 sequences per rank), on gloo.
+
+Per system, in this order:
+  - build it and take ``--warmup`` steps (zerocc compiles its two programs here);
+  - one step under ``MemTracker`` (torch.distributed._tools.mem_tracker), which
+    was also active while the system was built: every tensor the system
+    allocates through the dispatcher, C++ buffers such as DDP's gradient
+    buckets included, is counted from allocation to release; the peak of that
+    step is the "peak live bytes". The same step counts the collectives issued
+    and their volume as the ZeRO paper counts it (an all-gather or a
+    reduce-scatter moves the full tensor's bytes, an all-reduce twice them);
+  - then every system is timed, interleaved: ``--repeats`` rounds, each round
+    running ``--steps`` steps of every system, the order rotating from round
+    to round so that machine noise falls on every system alike.
+Every system takes the same number of steps, so the final losses compare.
+
+Writes benchmarks/results/compare.{md,json,png} (rank 0) and prints the table.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("DS_BUILD_OPS", "0")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.distributed._tools.mem_tracker import MemTracker  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "examples"))
+sys.path.insert(0, os.path.join(HERE, ".."))
+import zerocc  # noqa: E402
+from gpt import GPT, random_batch  # noqa: E402
+
+LR = 1e-3
+BATCH = 4
+# DeepSpeed's defaults (5e8-element buckets) allocate a 1.9 GiB buffer; these are sized like
+# zerocc's 4 MiB buckets (in elements: 1M fp32 elements = 4 MiB).
+DS_BUCKET_ELEMENTS = 1 << 20
+
+
+def make_optimizer(params):
+    return torch.optim.AdamW(params, lr=LR)
+
+
+# -- the systems: each is (name, build() -> step(tokens, targets) -> loss) ------------------------------------
+
+ZEROCC_OPTIONS = {}   # bucket_bytes / prefetch_bytes from the command line, else zerocc's defaults
+
+
+def build_zerocc(stage):
+    def build():
+        torch.manual_seed(0)
+        model = GPT()
+        return zerocc.compile(model, make_optimizer(model.parameters()), stage=stage, **ZEROCC_OPTIONS).__call__
+    return build
+
+
+def build_ddp():
+    from torch.nn.parallel import DistributedDataParallel
+    torch.manual_seed(0)
+    model = DistributedDataParallel(GPT())
+    optimizer = make_optimizer(model.parameters())
+
+    def step(tokens, targets):
+        optimizer.zero_grad(set_to_none=True)
+        loss = model(tokens, targets)
+        loss.backward()
+        optimizer.step()
+        return loss.detach()
+    return step
+
+
+def build_fsdp2():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    torch.manual_seed(0)
+    model = GPT()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = make_optimizer(model.parameters())
+
+    def step(tokens, targets):
+        optimizer.zero_grad(set_to_none=True)
+        loss = model(tokens, targets)
+        loss.backward()
+        optimizer.step()
+        return loss.detach()
+    return step
+
+
+def build_deepspeed(stage):
+    def build():
+        import deepspeed
+        torch.manual_seed(0)
+        model = GPT()
+        zero = {"stage": stage, "reduce_bucket_size": DS_BUCKET_ELEMENTS, "allgather_bucket_size": DS_BUCKET_ELEMENTS,
+                "overlap_comm": True, "contiguous_gradients": True}
+        if stage == 3:
+            zero.update({"stage3_prefetch_bucket_size": DS_BUCKET_ELEMENTS, "stage3_max_live_parameters": 4 * DS_BUCKET_ELEMENTS,
+                         "stage3_max_reuse_distance": 4 * DS_BUCKET_ELEMENTS, "stage3_param_persistence_threshold": 1 << 12})
+        config = {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": 1,
+                  "zero_optimization": zero, "zero_allow_untested_optimizer": True, "steps_per_print": 1 << 30,
+                  "wall_clock_breakdown": False}
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), optimizer=make_optimizer,
+                                          config=config, dist_init_required=False)
+
+        def step(tokens, targets):
+            loss = engine(tokens, targets)
+            engine.backward(loss)
+            engine.step()
+            return loss.detach()
+        return step
+    return build
+
+
+SYSTEMS = {
+    "zerocc-0": build_zerocc(0), "zerocc-1": build_zerocc(1), "zerocc-2": build_zerocc(2), "zerocc-3": build_zerocc(3),
+    "DDP": build_ddp, "FSDP2": build_fsdp2,
+    "DeepSpeed-1": build_deepspeed(1), "DeepSpeed-2": build_deepspeed(2), "DeepSpeed-3": build_deepspeed(3),
+}
+
+
+# -- measuring ------------------------------------------------------------------------------------------------
+
+COLLECTIVE_OPS = {   # op name -> (kind, index of the argument holding the full tensor(s), or None: the output)
+    "all_gather_into_tensor": ("all_gather", None), "reduce_scatter_tensor": ("reduce_scatter", 0),
+    "all_reduce": ("all_reduce", 0), "broadcast": ("broadcast", 0),                        # _c10d_functional
+    "_allgather_base_": ("all_gather", 0), "allgather_into_tensor_coalesced_": ("all_gather", 0),
+    "allgather_": ("all_gather", 0), "_reduce_scatter_base_": ("reduce_scatter", 1),
+    "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1), "reduce_scatter_": ("reduce_scatter", 1),
+    "allreduce_": ("all_reduce", 0), "allreduce_coalesced_": ("all_reduce", 0), "broadcast_": ("broadcast", 0),
+}
+
+
+class CountCollectives(TorchDispatchMode):
+    """Collectives issued through the dispatcher (torch.distributed, DDP's reducer and functional ones alike)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = collections.Counter()
+        self.bytes = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(t is DTensor for t in types):
+            return NotImplemented    # let DTensor desugar into the local collectives first
+        out = func(*args, **(kwargs or {}))
+        if func.namespace in ("_c10d_functional", "c10d") and func._opname in COLLECTIVE_OPS:
+            kind, index = COLLECTIVE_OPS[func._opname]
+            full = out if index is None else args[index]
+            tensors = [t for t in torch.utils._pytree.tree_leaves(full) if isinstance(t, torch.Tensor)]
+            volume = sum(t.numel() * t.element_size() for t in tensors)
+            self.calls[kind] += 1
+            self.bytes[kind] += volume * (2 if kind == "all_reduce" else 1)
+        return out
+
+
+def barrier():
+    dist.barrier()
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--systems", default=",".join(SYSTEMS))
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=3, help="steps per system per round")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument("--out", default=os.path.join(HERE, "results"))
+    parser.add_argument("--bucket-bytes", type=int, help="zerocc's bucket_bytes (default: zerocc's)")
+    parser.add_argument("--prefetch-bytes", type=int, help="zerocc's prefetch_bytes (default: zerocc's)")
+    args = parser.parse_args()
+    if args.bucket_bytes is not None:
+        ZEROCC_OPTIONS["bucket_bytes"] = args.bucket_bytes
+    if args.prefetch_bytes is not None:
+        ZEROCC_OPTIONS["prefetch_bytes"] = args.prefetch_bytes
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    names = [n for n in args.systems.split(",") if n]
+
+    total_steps = args.warmup + 1 + args.repeats * args.steps
+    generator = torch.Generator().manual_seed(1000 + rank)
+    data = [random_batch(generator, BATCH) for _ in range(total_steps)]
+
+    steps, losses, peak, comm, calls, build_seconds, failed = {}, {}, {}, {}, {}, {}, {}
+    for name in names:
+        barrier()
+        started = time.perf_counter()
+        try:
+            tracker = MemTracker()
+            if name.startswith("zerocc"):
+                # compiling traces modules, which MemTracker's module hooks do not survive; the step's
+                # persistent tensors are all in its slots, so they are handed to the tracker instead
+                step = SYSTEMS[name]()
+                for i in range(args.warmup):
+                    step(*data[i])
+                tracker.track_external(*step.__self__._slots.values())
+            else:
+                with tracker:
+                    step = SYSTEMS[name]()
+                    for i in range(args.warmup):
+                        step(*data[i])
+                        tracker.reset_mod_stats()   # MemTracker refuses a module called again otherwise
+            build_seconds[name] = time.perf_counter() - started
+            gc.collect()
+            barrier()
+            with tracker:
+                tracker._peak_mem = {dev: snap["Total"] for dev, snap in tracker._curr_mem_snap.items()}
+                with CountCollectives() as counter:
+                    losses[name] = [step(*data[args.warmup])]
+            peak[name] = max(tracker.get_tracker_snapshot("peak").get(torch.device("cpu"), {"Total": 0})["Total"],
+                             0)
+            comm[name], calls[name] = dict(counter.bytes), dict(counter.calls)
+            steps[name] = step
+        except Exception as error:   # say why, keep comparing the others
+            failed[name] = f"{type(error).__name__}: {error}"
+            if rank == 0:
+                print(f"{name} failed: {failed[name]}", flush=True)
+        if rank == 0:
+            print(f"built {name} in {time.perf_counter() - started:.1f}s", flush=True)
+
+    running = [n for n in names if n in steps]
+    times = {n: [] for n in running}
+    cursor = {n: args.warmup + 1 for n in running}
+    for round_index in range(args.repeats):
+        shift = round_index % len(running)
+        for name in running[shift:] + running[:shift]:
+            barrier()
+            started = time.perf_counter()
+            for _ in range(args.steps):
+                losses[name].append(steps[name](*data[cursor[name]]))
+                cursor[name] += 1
+            barrier()
+            times[name].append((time.perf_counter() - started) / args.steps)
+
+    results = {}
+    for name in running:
+        final = torch.stack(losses[name][-1:]).mean()
+        dist.all_reduce(final)   # mean over ranks: each rank's loss is its own batch's
+        results[name] = {
+            "step_seconds_median": statistics.median(times[name]),
+            "step_seconds_all": times[name],
+            "peak_live_bytes": peak[name],
+            "comm_bytes_per_step": comm[name],
+            "collectives_per_step": calls[name],
+            "final_loss": final.item() / world,
+            "build_and_warmup_seconds": build_seconds[name],
+        }
+    peaks = [torch.tensor([results[n]["peak_live_bytes"] for n in running], dtype=torch.float64)]
+    gathered = [torch.zeros_like(peaks[0]) for _ in range(world)]
+    dist.all_gather(gathered, peaks[0])
+    for i, name in enumerate(running):
+        results[name]["peak_live_bytes_per_rank"] = [int(t[i]) for t in gathered]
+    if rank == 0:
+        write(results, failed, args, world)
+    dist.destroy_process_group()
+
+
+def write(results, failed, args, world):
+    os.makedirs(args.out, exist_ok=True)
+    names = list(results)
+    params = sum(p.numel() for p in GPT().parameters())
+    lines = [f"GPT {params / 1e6:.2f}M parameters (examples/gpt.py defaults), batch {BATCH} x 128 tokens per rank, AdamW, "
+             f"{world} gloo ranks, {args.threads} thread(s) per rank; median of {args.repeats} interleaved rounds of "
+             f"{args.steps} steps after {args.warmup} warm-up steps.", "",
+             "| system | step time (ms) | vs DDP | peak live MiB / rank | comm MiB / step | collectives / step | final loss |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    ddp = results.get("DDP", {}).get("step_seconds_median")
+    for name in names:
+        r = results[name]
+        ms = r["step_seconds_median"] * 1e3
+        ratio = f"{r['step_seconds_median'] / ddp:.2f}" if ddp else "-"
+        lines.append(f"| {name} | {ms:.1f} | {ratio} | {max(r['peak_live_bytes_per_rank']) / 2**20:.1f} | "
+                     f"{sum(r['comm_bytes_per_step'].values()) / 2**20:.1f} | {sum(r['collectives_per_step'].values())} | "
+                     f"{r['final_loss']:.6f} |")
+    for name, why in failed.items():
+        lines.append(f"| {name} | failed: {why[:200]} | | | | | |")
+    if "zerocc-3" in results:
+        z = results["zerocc-3"]
+        lines.append("")
+        for peer in ("DDP", "FSDP2", "DeepSpeed-3"):
+            if peer in results:
+                p = results[peer]
+                lines.append(f"- zerocc-3 / {peer}: step time {z['step_seconds_median'] / p['step_seconds_median']:.2f}, "
+                             f"peak live bytes {max(z['peak_live_bytes_per_rank']) / max(p['peak_live_bytes_per_rank']):.2f}, "
+                             f"final loss difference {abs(z['final_loss'] - p['final_loss']):.2e}")
+    table = "\n".join(lines) + "\n"
+    print(table)
+    with open(os.path.join(args.out, "compare.md"), "w") as f:
+        f.write(table)
+    with open(os.path.join(args.out, "compare.json"), "w") as f:
+        json.dump({"results": results, "failed": failed, "args": vars(args)}, f, indent=1)
+    try:
+        plot(results, os.path.join(args.out, "compare.png"))
+    except ImportError as error:
+        print(f"no plot ({error}); pip install -e '.[bench]'")
+
+
+def plot(results, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    names = list(results)
+    colors = ["tab:green" if n.startswith("zerocc") else "tab:blue" if n in ("DDP", "FSDP2") else "tab:orange"
+              for n in names]
+    figure, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    left.bar(names, [results[n]["step_seconds_median"] * 1e3 for n in names], color=colors)
+    left.set_ylabel("median step time (ms)")
+    right.bar(names, [max(results[n]["peak_live_bytes_per_rank"]) / 2**20 for n in names], color=colors)
+    right.set_ylabel("peak live tensor MiB per rank")
+    for axis in (left, right):
+        axis.tick_params(axis="x", rotation=45)
+    figure.suptitle("GPT 5M, AdamW, 2 gloo ranks (CPU)")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,176 @@
+"""schedule: issue collectives early and wait for them late, so communication overlaps compute.
+
+Requires: ``insert_collectives`` (each collective directly followed by its
+``wait_tensor``; each reduction followed by its division by N).
+Establishes: a ``Schedule`` on ``ctx``, and a node order in which
+
+  - every wait (and the division that averages a reduction) sits just before
+    the first use of its result, so the collective runs while the compute
+    between its issue and that use runs;
+  - stage 3's gathers of parameters are prefetched: gather k+1, k+2, ... are
+    issued as soon as gather k is waited, as long as the gathered bytes issued
+    and not yet waited stay within ``prefetch_bytes`` (one gather is always
+    allowed, so the step progresses whatever the bound);
+  - a reduce-scatter is issued as soon as its bucket's gradients are final
+    (``shard`` puts it there) and waited where its shard is used, or earlier
+    where waiting later would keep more than ``prefetch_bytes`` of unreduced
+    gradient buckets alive: an in-flight collective holds its full-size input.
+
+Only collectives, waits and the averaging divisions move; compute keeps its
+traced order, so random ops run in eager's order. Every decision is a function
+of the forward and backward part of the graph, which is the same on every rank
+(only the optimizer's pieces differ by rank, and no collective moves across
+them), so every rank issues the same collectives in the same order.
+
+On CPU, gloo runs a functional collective on its own worker threads between
+its issue and ``wait_tensor``. On CUDA, NCCL runs it on its own stream and
+``wait_tensor`` makes the compute stream wait on the collective's event: the
+same graph overlaps on both, the runtime adds nothing.
+"""
+from __future__ import annotations
+
+import torch.fx as fx
+
+from .. import graph as g
+from ..context import CompileContext
+from ..plans import Schedule, ScheduledCollective
+
+KIND = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
+        "all_reduce": "all_reduce", "broadcast": "broadcast"}
+
+
+def schedule(gm: fx.GraphModule, ctx: CompileContext, *, prefetch_bytes: int) -> fx.GraphModule:
+    """Move waits to the first use of their result and prefetch parameter gathers within ``prefetch_bytes``."""
+    graph = gm.graph
+    collectives = [n for n in graph.nodes if g.is_collective(n)]
+    if not collectives:
+        ctx.schedule = Schedule(prefetch_bytes, (), 0, 0)
+        ctx.notes["schedule"] = "no collectives"
+        return gm
+    original_order = {node: i for i, node in enumerate(collectives)}
+    sunk = _sink_waits(graph)
+    prefetched = _prefetch_parameter_gathers(graph, prefetch_bytes)
+    bounded = _bound_reductions_in_flight(graph, prefetch_bytes)
+    graph.lint()
+    gm.recompile()
+
+    issued = [n for n in graph.nodes if g.is_collective(n)]
+    ctx.schedule = Schedule(
+        prefetch_bytes,
+        tuple(ScheduledCollective(KIND[g.short_name(n.target)], n.meta.get(g.BUCKET), held_bytes(n), n in prefetched)
+              for n in issued),
+        max_in_flight(gm, is_parameter_gather),
+        max_in_flight(gm, g.is_reduce_scatter),
+    )
+    moved = sum(1 for a, b in zip(issued, sorted(issued, key=original_order.get)) if a is not b)
+    ctx.notes["schedule"] = (f"{sunk} waits moved to first use, {len(prefetched)} gathers prefetched "
+                             f"({moved} collectives reordered), {bounded} reduce-scatter waits moved earlier "
+                             f"to keep <= {prefetch_bytes:,} bytes in flight")
+    return gm
+
+
+def is_parameter_gather(node: fx.Node) -> bool:
+    """A stage 3 gather of a parameter shard (a placeholder): free to move anywhere before its wait."""
+    return g.is_all_gather(node) and node.args[0].op == "placeholder"
+
+
+def held_bytes(collective: fx.Node) -> int:
+    """The full-size buffer an in-flight collective holds: the gathered output, or the unreduced input."""
+    return g.nbytes(collective.args[0]) if g.is_reduce_scatter(collective) else g.nbytes(collective)
+
+
+def wait_of(collective: fx.Node) -> fx.Node:
+    (wait,) = [u for u in collective.users if g.is_wait(u)]
+    return wait
+
+
+def _movable(node: fx.Node) -> bool:
+    """A wait, or communication bookkeeping after one (the division that averages a reduction)."""
+    if node.op != "call_function" or g.is_collective(node):
+        return False
+    return g.is_wait(node) or node.meta.get(g.PHASE) == g.COMMUNICATION
+
+
+def _sink_waits(graph: fx.Graph) -> int:
+    """Move each wait (and what averages its result) to just before the first user of its result."""
+    moved = 0
+    for node in reversed(list(graph.nodes)):
+        if not _movable(node) or not node.users:
+            continue
+        cursor = node.next
+        while cursor not in node.users:
+            cursor = cursor.next
+        if cursor is not node.next:
+            cursor.prepend(node)
+            moved += 1
+    return moved
+
+
+def _prefetch_parameter_gathers(graph: fx.Graph, prefetch_bytes: int) -> set[fx.Node]:
+    """Issue parameter gathers in the order they are needed, each after the wait that makes room for it.
+
+    Walking the gathers in need order (the order of their waits), gather j is
+    issued right after the wait of the last gather i < j such that, once i is
+    waited, the gathers i+1..j fit in ``prefetch_bytes``, or before any compute
+    when they fit from the start.
+    """
+    position = {node: i for i, node in enumerate(graph.nodes)}
+    gathers = sorted((n for n in graph.nodes if is_parameter_gather(n)), key=lambda n: position[wait_of(n)])
+    if not gathers:
+        return set()
+    start = next(n for n in graph.nodes if n.op != "placeholder")
+    anchors: list[fx.Node | None] = [None] * len(gathers)   # None: before the first compute node
+    in_flight, issued = 0, 0
+    for waited in range(-1, len(gathers)):
+        if waited >= 0:
+            in_flight -= held_bytes(gathers[waited])
+        while issued < len(gathers) and (in_flight == 0 or in_flight + held_bytes(gathers[issued]) <= prefetch_bytes):
+            anchors[issued] = None if waited < 0 else wait_of(gathers[waited])
+            in_flight += held_bytes(gathers[issued])
+            issued += 1
+    prefetched = set()
+    for gather, anchor in zip(gathers, anchors):
+        before = position[gather]
+        # after the anchor and after any gather already placed there, so issue order is need order
+        target = start if anchor is None else anchor.next
+        while target is not wait_of(gather) and is_parameter_gather(target):
+            target = target.next
+        if target is not gather:
+            target.prepend(gather)
+        position = {node: i for i, node in enumerate(graph.nodes)}
+        if position[gather] < before:
+            prefetched.add(gather)
+    return prefetched
+
+
+def _bound_reductions_in_flight(graph: fx.Graph, prefetch_bytes: int) -> int:
+    """Wait for reduce-scatter i before issuing one that would hold more than ``prefetch_bytes`` of inputs."""
+    reductions = [n for n in graph.nodes if g.is_reduce_scatter(n)]
+    moved = 0
+    for index, reduction in enumerate(reductions):
+        wait = wait_of(reduction)
+        position = {node: i for i, node in enumerate(graph.nodes)}
+        held = held_bytes(reduction)
+        for later in reductions[index + 1:]:
+            if position[later] > position[wait]:
+                break
+            held += held_bytes(later)
+            if held > prefetch_bytes:
+                later.prepend(wait)   # the division stays at the first use; it only needs the wait before it
+                moved += 1
+                break
+    return moved
+
+
+def max_in_flight(gm: fx.GraphModule, which) -> int:
+    """The most full-size bytes held at once by collectives ``which`` selects that are issued and not waited."""
+    in_flight, peak = 0, 0
+    waits = {}
+    for node in gm.graph.nodes:
+        if g.is_collective(node) and which(node):
+            in_flight += held_bytes(node)
+            waits[wait_of(node)] = held_bytes(node)
+            peak = max(peak, in_flight)
+        elif node in waits:
+            in_flight -= waits.pop(node)
+    return peak
