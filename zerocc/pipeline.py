@@ -66,6 +66,8 @@ class GraphSnapshot:
         changed = ", ".join(f"{'+' if v > 0 else ''}{v} {k}" for k, v in sorted(self.changes.items()))
         if self.index == 0:
             changed = "the whole step, traced"
+        elif not changed:
+            changed = "no node added or removed"
         header = f"# after pass {self.index:02d} '{self.name}': {changed}"
         if self.note:
             header += f"\n# {self.note}"
