@@ -2,13 +2,16 @@
 
     step = zerocc.compile(model, optimizer, stage=3)
     loss = step(*batch)
+    plan = zerocc.plan(model, optimizer, stage=3, world_size=1024, example_inputs=batch)
 
 See ``zerocc/pipeline.py`` for the passes, in order.
 """
 from . import ops  # registers zerocc:: custom ops
 from .api import CompiledStep, compile
+from .pipeline import register_pass, unregister_pass
+from .planning import Plan, plan
 from .errors import CaptureError, ConfigError, PassError, UnsupportedOptimizerError, ZeroccError
 
-__all__ = ["compile", "CompiledStep", "ZeroccError", "ConfigError", "CaptureError", "PassError",
+__all__ = ["compile", "CompiledStep", "plan", "Plan", "register_pass", "unregister_pass", "ZeroccError", "ConfigError", "CaptureError", "PassError",
            "UnsupportedOptimizerError"]
 __version__ = "0.1.0"

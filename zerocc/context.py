@@ -26,6 +26,7 @@ class CompileContext:
     fake_mode: Any
     bucket_bytes: int
     previous_plan: ShardPlan | None = None   # buckets of an earlier compilation, kept so slots stay valid
+    planning: bool = False          # zerocc.plan: fake tensors only, the graph is never run, no real group
     # decided by passes
     shard_plan: ShardPlan | None = None
     notes: dict[str, Any] = dataclasses.field(default_factory=dict)   # one line of counts per pass

@@ -5,38 +5,93 @@
     insert_collectives   passes/insert_collectives.py   all_gather / reduce_scatter / all_reduce + waits
 
 Every pass is ``(gm, ctx) -> gm`` and writes its decisions onto ``ctx``.
+``build_pipeline`` takes ``default_pipeline``, drops the passes the user
+disabled (refusing those another pass or the runtime needs) and splices in
+the passes registered with ``zerocc.register_pass`` (``zerocc/registry.py``).
 The runner keeps the program after every pass so users can read it
-(``step.graph(name)``) and re-raises a failure naming the pass.
+(``step.graph(name)``), optionally dumps it to a folder and verifies
+invariants after each pass (``zerocc/verify.py``), and re-raises a failure
+naming the pass.
 """
 from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Callable
+import json
+import os
+import time
+from typing import Callable, Sequence
 
 import torch.fx as fx
 
 from . import graph as g
+from . import registry
 from .context import CompileContext
-from .errors import PassError
+from .errors import ConfigError, PassError
 from .passes.insert_collectives import insert_collectives
 from .passes.shard import shard
 
 PassFn = Callable[[fx.GraphModule, CompileContext], fx.GraphModule]
 
+# The environment variable that turns dumps on without touching the code.
+DUMP_DIR_VARIABLE = "ZEROCC_DUMP_DIR"
+
 
 @dataclasses.dataclass(frozen=True)
 class Pass:
+    """A named pass, what it needs before it, and why it may not be disabled (empty: it may)."""
     name: str
     run: PassFn
+    requires: tuple[str, ...] = ()     # passes that must have run before this one
+    essential: str = ""                # why the runtime cannot do without it
 
 
 def default_pipeline(stage: int) -> list[Pass]:
     """The passes for ``stage``, in order. The same list for every stage: the plan differs, not the passes."""
     return [
-        Pass("shard", shard),                              # parameters, gradients, optimizer state -> flat per-rank buckets
-        Pass("insert_collectives", insert_collectives),    # the communication the buckets need
+        Pass("shard", shard, essential="the runtime lays out its tensors by the shard plan"),   # parameters, gradients, optimizer state -> flat per-rank buckets
+        Pass("insert_collectives", insert_collectives, requires=("shard",),
+             essential="the shard pass's markers cannot run across ranks"),                      # the communication the buckets need
     ]
+
+
+def build_pipeline(stage: int, disable: Sequence[str] = (), user_passes: Sequence[registry.UserPass] | None = None) -> list[Pass]:
+    """``default_pipeline(stage)`` with the registered passes spliced in and the ``disable``d ones dropped."""
+    passes = default_pipeline(stage)
+    user_passes = registry.registered() if user_passes is None else list(user_passes)
+    for user in user_passes:
+        names = [p.name for p in passes]
+        if user.anchor not in names:
+            raise ConfigError(f"register_pass({user.name!r}): no pass named {user.anchor!r} to go "
+                              f"{'after' if user.after is not None else 'before'}; the passes are: "
+                              f"{', '.join(['capture', *names])}")
+        position = names.index(user.anchor) + (1 if user.after is not None else 0)
+        passes.insert(position, Pass(user.name, user.run, tuple(user.requires)))
+
+    names = [p.name for p in passes]
+    unknown = [name for name in disable if name not in names]
+    if unknown:
+        raise ConfigError(f"cannot disable {', '.join(map(repr, unknown))}: no such pass; "
+                          f"the passes are: {', '.join(names)}")
+    problems = []
+    for name in disable:
+        dropped = passes[names.index(name)]
+        if dropped.essential:
+            problems.append(f"  - {name!r} cannot be disabled: {dropped.essential}")
+        for other in passes:
+            if name in other.requires and other.name not in disable:
+                problems.append(f"  - {name!r} is required by {other.name!r} (disable that too, or keep {name!r})")
+    if problems:
+        raise ConfigError("cannot disable the requested passes:\n" + "\n".join(problems))
+    kept = [p for p in passes if p.name not in disable]
+    seen = {"capture"}
+    for p in kept:
+        missing = [r for r in p.requires if r not in seen]
+        if missing:
+            raise ConfigError(f"pass {p.name!r} requires {', '.join(map(repr, missing))} to run before it; "
+                              f"the order is: {', '.join(['capture', *[q.name for q in kept]])}")
+        seen.add(p.name)
+    return kept
 
 
 @dataclasses.dataclass
@@ -48,9 +103,10 @@ class GraphSnapshot:
     node_counts: collections.Counter
     changes: dict[str, int]
     note: str = ""
+    seconds: float = 0.0
 
     def __str__(self) -> str:
-        changed = ", ".join(f"{'+' if v > 0 else ''}{v} {k}" for k, v in sorted(self.changes.items()))
+        changed = ", ".join(f"{'+' if v > 0 else ''}{v} {k}" for k, v in sorted(self.changes.items())) or "no change"
         if self.index == 0:
             changed = "the whole step, traced"
         header = f"# after pass {self.index:02d} '{self.name}': {changed}"
@@ -72,16 +128,87 @@ def snapshot(index: int, name: str, gm: fx.GraphModule, before: collections.Coun
     return GraphSnapshot(index, name, code, counts, changes, note)
 
 
-def run_pipeline(gm: fx.GraphModule, ctx: CompileContext, passes: list[Pass]) -> tuple[fx.GraphModule, list[GraphSnapshot]]:
+def dump_dir_of(setting: str | os.PathLike | None) -> str | None:
+    """The dump folder: the ``dump_dir`` setting, else ``$ZEROCC_DUMP_DIR``, else none."""
+    if setting is not None:
+        return os.fspath(setting)
+    return os.environ.get(DUMP_DIR_VARIABLE) or None
+
+
+def run_pipeline(gm: fx.GraphModule, ctx: CompileContext, passes: list[Pass], *, verify: bool = False,
+                 dump_dir: str | None = None, progress: Callable[[str], None] | None = None,
+                 ) -> tuple[fx.GraphModule, list[GraphSnapshot]]:
+    """Run ``passes`` over the captured ``gm``; returns the final graph and the program after every pass."""
+    from .verify import verify_graph   # the verifier reads graphs only; imported late as it is optional
     phases = collections.Counter(n.meta.get(g.PHASE) for n in gm.graph.nodes if n.op == "call_function")
     note = f"{len(gm.graph.nodes)} nodes: " + ", ".join(f"{phases[p]} {p}" for p in (g.FORWARD, g.BACKWARD, g.OPTIMIZER))
     history = [snapshot(0, "capture", gm, None, note)]
+    if dump_dir:
+        os.makedirs(dump_dir, exist_ok=True)
+        _dump(dump_dir, history[-1])
     for index, step in enumerate(passes, start=1):
+        started = time.perf_counter()
         try:
-            gm = step.run(gm, ctx)
+            result = step.run(gm, ctx)
+            if not isinstance(result, fx.GraphModule):
+                raise TypeError(f"the pass returned {type(result).__name__}, not the torch.fx.GraphModule; "
+                                "a pass returns the graph module it was given (or a new one)")
+            gm = result
+            if verify:
+                verify_graph(gm, ctx)
         except Exception as error:
             done = ", ".join(p.name for p in passes[: index - 1]) or "none"
             raise PassError(f"pass '{step.name}' failed (passes run before it: capture, {done}): "
                             f"{type(error).__name__}: {error}") from error
+        elapsed = time.perf_counter() - started
         history.append(snapshot(index, step.name, gm, history[-1].node_counts, ctx.notes.get(step.name, "")))
+        history[-1].seconds = elapsed
+        if progress is not None:
+            progress(f"pass {step.name}: {elapsed:.1f} s")
+        if dump_dir:
+            _dump(dump_dir, history[-1])
+    if dump_dir:
+        memory_plan = getattr(ctx, "memory_plan", None)
+        if memory_plan is not None and hasattr(memory_plan, "to_dict"):
+            with open(os.path.join(dump_dir, "memory_plan.json"), "w") as file:
+                json.dump(memory_plan.to_dict(), file, indent=1, default=str)
     return gm, history
+
+
+def _dump(folder: str, shot: GraphSnapshot) -> None:
+    with open(os.path.join(folder, f"{shot.index:03d}_{shot.name}.py"), "w") as file:
+        file.write(str(shot) + "\n")
+
+
+def register_pass(fn: PassFn, *, after: str | None = None, before: str | None = None, name: str | None = None,
+                  requires: Sequence[str] = ()) -> str:
+    """Add ``fn``, a ``(graph_module, ctx) -> graph_module`` pass, right after or right before a named pass.
+
+    It runs in every compilation and plan from then on and sees the plans
+    decided so far on ``ctx`` (``ctx.shard_plan``, ...). Returns its name
+    (``fn.__name__`` unless given); ``zerocc.unregister_pass(name)`` removes it.
+    """
+    if (after is None) == (before is None):
+        raise ConfigError("register_pass needs exactly one of after=... or before=... (the name of a pass)")
+    if not callable(fn):
+        raise ConfigError(f"register_pass needs a callable (graph_module, ctx) -> graph_module, got {type(fn).__name__}")
+    name = name or getattr(fn, "__name__", "user_pass")
+    valid = [p.name for p in default_pipeline(3)] + [p.name for p in registry.registered()]
+    anchor = after if after is not None else before
+    if anchor not in valid:
+        raise ConfigError(f"register_pass({name!r}): no pass named {anchor!r}; the passes are: {', '.join(valid)}")
+    if name in valid or name == "capture":
+        raise ConfigError(f"register_pass: a pass named {name!r} exists already; give another name=...")
+    unknown = [r for r in requires if r not in valid and r != "capture"]
+    if unknown:
+        raise ConfigError(f"register_pass({name!r}): requires unknown pass(es) {', '.join(map(repr, unknown))}; "
+                          f"the passes are: {', '.join(valid)}")
+    registry.add(registry.UserPass(name, fn, after, before, tuple(requires)))
+    return name
+
+
+def unregister_pass(name: str) -> None:
+    """Remove a pass added with ``register_pass``."""
+    if not registry.remove(name):
+        names = [p.name for p in registry.registered()]
+        raise ConfigError(f"no registered pass named {name!r}; registered: {', '.join(names) or 'none'}")
