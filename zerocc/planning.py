@@ -32,7 +32,7 @@ from . import plans
 from .capture import Captured, capture, named_tensors
 from .context import CompileContext
 from .errors import ConfigError
-from .pipeline import GraphSnapshot, build_pipeline, dump_dir_of, run_pipeline
+from .pipeline import GraphSnapshot, build_pipeline, copy_graph, dump_dir_of, run_pipeline
 from .tracing import make_fake_mode
 
 # The collectives of a plan name this group; the graph is never run.
@@ -260,12 +260,8 @@ def probe_state(optimizer: torch.optim.Optimizer, group: int, dtype: torch.dtype
 
 
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
-    """A new graph with the same nodes and meta (shallow), so a pipeline can rewrite it and keep ``gm`` intact."""
-    graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    for node in gm.graph.nodes:
-        env[node] = graph.node_copy(node, lambda n: env[n])
-    new = fx.GraphModule(gm, graph)
+    """A new graph module with the same nodes and meta, so a pipeline can rewrite it and keep ``gm`` intact."""
+    new = fx.GraphModule(gm, copy_graph(gm.graph))
     new.meta = {key: copy.copy(value) for key, value in gm.meta.items()}
     return new
 
