@@ -155,6 +155,7 @@ def splice_update(
     group_of: Sequence[int],
     *,
     replicate: bool,
+    cache: dict | None = None,
 ) -> tuple[list[fx.Node], list[dict[str, fx.Node]], list[fx.Node]]:
     """Trace ``optimizer.step()`` over ``params`` and splice it into ``gm`` before the output.
 
@@ -165,6 +166,8 @@ def splice_update(
     the update of one parameter reads only that parameter's tensors, which
     ``check_elementwise`` requires anyway. Tracing is the costly part of
     compilation (a GPT's layers share a dozen classes), copying is cheap.
+    ``cache`` keeps traced classes for later calls with the same fake mode
+    (a planner planning many world sizes).
     """
     from .tracing import trace_functional   # tracing imports nothing from here; kept local for clarity
     import torch.utils._pytree as pytree
@@ -184,17 +187,22 @@ def splice_update(
         with fake_mode:
             return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
 
-    traced = {}   # class -> (subgraph, output spec, the pieces it was traced with)
+    traced = {}   # class -> (subgraph, output spec, constants registered on gm)
     for key, indices in members.items():
         chosen = indices[:1] if replicate else indices
+        cache_key = (key, id(optimizer), tuple(describe(n) for n in learning_rates))
+        if replicate and cache is not None and cache_key in cache:
+            sub, spec = cache[cache_key]
+        else:
+            def update(ps, gs, ss, lrs, chosen=chosen):
+                return optimizer_update(optimizer, ps, gs, ss, [group_of[i] for i in chosen], lrs)
 
-        def update(ps, gs, ss, lrs, chosen=chosen):
-            return optimizer_update(optimizer, ps, gs, ss, [group_of[i] for i in chosen], lrs)
-
-        args = ([fresh(params[i]) for i in chosen], [fresh(grads[i]) for i in chosen],
-                [{k: fresh(n) for k, n in sorted(states[i].items())} for i in chosen],
-                [fresh(n) for n in learning_rates])
-        sub, spec = trace_functional(update, args, fake_mode)
+            args = ([fresh(params[i]) for i in chosen], [fresh(grads[i]) for i in chosen],
+                    [{k: fresh(n) for k, n in sorted(states[i].items())} for i in chosen],
+                    [fresh(n) for n in learning_rates])
+            sub, spec = trace_functional(update, args, fake_mode)
+            if replicate and cache is not None:
+                cache[cache_key] = (sub, spec)
         attributes = {}
         for node in sub.graph.nodes:
             if node.op == "get_attr":

@@ -76,6 +76,7 @@ class Planner:
         self.say = (lambda line: print(f"[zerocc plan] {line}", file=sys.stderr, flush=True)) if progress is True \
             else (progress or None)
         self._captures: dict[bool, tuple[Captured, Any, float]] = {}
+        self._traces: dict[bool, dict] = {}   # optimizer subgraphs, per fake mode
 
     def _captured(self, elementwise_check: bool) -> tuple[Captured, Any, float]:
         if elementwise_check not in self._captures:
@@ -102,7 +103,8 @@ class Planner:
         started = time.perf_counter()
         working = dataclasses_replace_gm(captured, copy_graph_module(captured.gm))
         ctx = CompileContext(stage, world_size, rank, PLANNING_GROUP if world_size > 1 else None, self.optimizer,
-                             working, fake_mode, self.bucket_bytes, planning=True)
+                             working, fake_mode, self.bucket_bytes, planning=True,
+                             traces=self._traces.setdefault(stage != 0, {}))
         gm, history = run_pipeline(working.gm, ctx, passes, verify=verify, dump_dir=dump_dir_of(dump_dir),
                                    progress=self.say)
         seconds = {"capture": capture_seconds, "passes": time.perf_counter() - started}

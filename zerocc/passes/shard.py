@@ -258,7 +258,7 @@ def _inline_optimizer(gm, ctx, piece_inputs, state_nodes, lr_nodes):
     new_pieces, new_states, added = splice_update(
         gm, ctx.fake_mode, ctx.optimizer,
         [p for *_, p, _ in piece_inputs], [gr for *_, gr in piece_inputs], state_nodes, lr_nodes,
-        [bucket.group for bucket, *_ in piece_inputs], replicate=ctx.stage != 0)
+        [bucket.group for bucket, *_ in piece_inputs], replicate=ctx.stage != 0, cache=ctx.traces)
     for node in added:
         node.meta[g.PHASE] = g.OPTIMIZER
     return new_pieces, new_states
