@@ -23,7 +23,7 @@ from gpt import GPT  # noqa: E402
 
 def plan_once(layers: int, world_size: int):
     with torch.device("meta"):
-        model = GPT(layers=layers, d_model=4096, heads=32, seq=1024, vocab=60089)
+        model = GPT(layers=layers, d_model=4096, heads=32, seq=1024, vocab=60197)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
     tokens = torch.zeros(1, 1024, dtype=torch.long, device="meta")
     started = time.perf_counter()

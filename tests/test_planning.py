@@ -15,9 +15,9 @@ from tests.models import batches, build
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 from gpt import GPT  # noqa: E402
 
-# The ZeRO paper's 7.5B model in GPT shape: 36 layers of d_model 4096 (12 d^2 + 13 d parameters each),
+# The ZeRO paper's 7.5B model in GPT shape: 36 layers of d_model 4096 (12 d^2 + 10 d parameters each),
 # and a vocabulary chosen so the total is 7.5B: 7,500,001,280 parameters.
-PAPER_GPT = dict(d_model=4096, heads=32, seq=1024, vocab=60089)
+PAPER_GPT = dict(d_model=4096, heads=32, seq=1024, vocab=60197)
 PAPER_LAYERS = 36
 
 # Table 1 of the ZeRO paper (Rajbhandari et al., SC'20): model-state memory per device in GB for
@@ -58,17 +58,18 @@ def test_table_1_of_the_zero_paper_from_the_planners_own_accounting():
     before = resident_bytes()
     one, two = paper_planner(1), paper_planner(2)
     totals, counts = {}, {}
-    for stage in (0, 1, 2, 3):
-        for world_size in ([1] if stage == 0 else TABLE_1[1]):
-            a, b = (sum(p.plan(stage, world_size).report()["model_state_bytes_per_rank"].values()) for p in (one, two))
+    for stage, row in TABLE_1.items():
+        for world_size in row:
+            reports = [planner.plan(stage, world_size).report() for planner in (one, two)]
+            a, b = (sum(r["model_state_bytes_per_rank"].values()) for r in reports)
             totals[stage, world_size] = a + (PAPER_LAYERS - 1) * (b - a)
-    for planner in (one, two):
-        counts[planner] = planner.plan(3, 1).report()["param_count"]
-    param_count = counts[one] + (PAPER_LAYERS - 1) * (counts[two] - counts[one])
+            counts[stage, world_size] = [r["param_count"] for r in reports]
+    a, b = counts[3, 1]
+    param_count = a + (PAPER_LAYERS - 1) * (b - a)
     assert param_count == 7_500_001_280
     assert resident_bytes() - before < 400e6   # the 2-layer model alone is 3.6 GB in fp32: nothing was allocated
 
-    assert totals[0, 1] / 1e9 == pytest.approx(120, rel=1e-3)
+    assert totals[1, 1] / 1e9 == pytest.approx(120, rel=1e-3)   # Nd = 1: the baseline, 16 bytes per parameter
     for stage, row in TABLE_1.items():
         for world_size, paper_gb in row.items():
             ours = totals[stage, world_size] / 1e9
