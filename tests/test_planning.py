@@ -81,7 +81,7 @@ def test_table_1_of_the_zero_paper_from_the_planners_own_accounting():
 def test_plan_at_world_size_one_matches_what_the_compiled_step_holds():
     model, _, loss_fn = build("gpt")
     batch = batches("gpt", 2, 4)
-    for stage in (0, 2, 3):
+    for stage in (0, 3):
         planned = zerocc.plan(model, torch.optim.AdamW(model.parameters(), lr=1e-2), stage=stage,
                               example_inputs=batch[0], bucket_bytes=16 * 1024).report()
         compiled_model, _, _ = build("gpt")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import json
 import os
 import sys
@@ -59,7 +60,6 @@ def load_factory(spec: str):
     module_name, attribute = spec.split(":", 1)
     sys.path.insert(0, os.getcwd())
     if module_name.endswith(".py") or os.sep in module_name:
-        import importlib.util
         loaded = importlib.util.spec_from_file_location("zerocc_user_model", module_name)
         module = importlib.util.module_from_spec(loaded)
         loaded.loader.exec_module(module)
