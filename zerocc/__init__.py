@@ -2,16 +2,20 @@
 
     step = zerocc.compile(model, optimizer, stage=3)
     loss = step(*batch)
+    plan = zerocc.plan(model, optimizer, stage=3, world_size=1024, example_inputs=batch)
 
 See ``zerocc/pipeline.py`` for the passes, in order.
 """
 from . import ops  # registers zerocc:: custom ops
 from .api import CompiledStep, compile
 from .checkpoint import export_full_state_dict, load_checkpoint, save_checkpoint
+from .pipeline import register_pass, unregister_pass
+from .planning import Plan, plan
 from .errors import CaptureError, ConfigError, PassError, UnsupportedOptimizerError, ZeroccError
 from .runtime.failures import RankFailureError, RankMismatchError
 
-__all__ = ["compile", "CompiledStep", "ZeroccError", "ConfigError", "CaptureError", "PassError",
-           "UnsupportedOptimizerError", "save_checkpoint", "load_checkpoint", "export_full_state_dict",
+__all__ = ["compile", "CompiledStep", "plan", "Plan", "register_pass", "unregister_pass",
+           "save_checkpoint", "load_checkpoint", "export_full_state_dict",
+           "ZeroccError", "ConfigError", "CaptureError", "PassError", "UnsupportedOptimizerError",
            "RankFailureError", "RankMismatchError"]
 __version__ = "0.1.0"

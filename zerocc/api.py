@@ -16,7 +16,7 @@ from .capture import Captured, capture, named_tensors
 from .context import CompileContext
 from .errors import ConfigError
 from .optimizer_step import hyperparameter_signature, live_hyperparameters
-from .pipeline import DEFAULT_PREFETCH_BYTES, GraphSnapshot, default_pipeline, run_pipeline
+from .pipeline import DEFAULT_PREFETCH_BYTES, GraphSnapshot, build_pipeline, dump_dir_of, run_pipeline
 from .memory_plan import MemoryPlan
 from .runtime import failures
 from .runtime import slots as slot_store
@@ -43,6 +43,9 @@ def compile(
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     timeout: float | None = None,
     prefetch_bytes: int = DEFAULT_PREFETCH_BYTES,
+    disable: Sequence[str] = (),
+    verify: bool = False,
+    dump_dir: str | None = None,
 ) -> "CompiledStep":
     """Compile one training step of ``model`` with ``optimizer`` under ZeRO ``stage`` (0-3).
 
@@ -58,6 +61,11 @@ def compile(
     ``timeout`` (seconds) bounds how long a collective waits for the other
     ranks: a rank that died turns into a ``RankFailureError`` on the others
     instead of a hang.
+
+    ``disable`` drops passes by name (``step.passes`` lists them; passes others
+    need are refused, with the reason). ``verify=True`` checks invariants after
+    every pass (``zerocc/verify.py``). ``dump_dir`` (or ``$ZEROCC_DUMP_DIR``)
+    writes the program after every pass as ``{i:03d}_{pass}.py`` there.
     """
     if stage not in STAGES:
         raise ConfigError(f"stage={stage!r} is not a ZeRO stage; use 0 (plain data parallel), 1, 2 or 3")
@@ -73,7 +81,10 @@ def compile(
         raise ConfigError(f"prefetch_bytes must be a non-negative int, got {prefetch_bytes!r}")
     if num_targets is None:
         num_targets = 1 if loss_fn is not None else 0
-    return CompiledStep(model, optimizer, stage, loss_fn, num_targets, group, bucket_bytes, prefetch_bytes, timeout)
+    build_pipeline(stage, disable)   # unknown or essential names fail here, before any tracing
+    return CompiledStep(model, optimizer, stage, loss_fn, num_targets, group, bucket_bytes,
+                        prefetch_bytes=prefetch_bytes, timeout=timeout,
+                        disable=tuple(disable), verify=verify, dump_dir=dump_dir)
 
 
 class CompiledStep:
@@ -85,8 +96,8 @@ class CompiledStep:
     at every call.
     """
 
-    def __init__(self, model, optimizer, stage, loss_fn, num_targets, group, bucket_bytes,
-                 prefetch_bytes=DEFAULT_PREFETCH_BYTES, timeout=None):
+    def __init__(self, model, optimizer, stage, loss_fn, num_targets, group, bucket_bytes, *,
+                 prefetch_bytes=DEFAULT_PREFETCH_BYTES, timeout=None, disable=(), verify=False, dump_dir=None):
         self.model = model
         self.optimizer = optimizer
         self.stage = stage
@@ -94,6 +105,9 @@ class CompiledStep:
         self.num_targets = num_targets
         self.bucket_bytes = bucket_bytes
         self.prefetch_bytes = prefetch_bytes
+        self.disable = tuple(disable)
+        self.verify = verify
+        self.dump_dir = dump_dir
         device = next(model.parameters()).device
         self.timeout = timeout
         self.ranks: Ranks = failures.with_timeout(resolve(group, device), timeout)
@@ -157,7 +171,8 @@ class CompiledStep:
         state_signature = _state_signature_of(captured)
         ctx = CompileContext(self.stage, self.ranks.world_size, self.ranks.rank, self.ranks.group_name,
                              self.optimizer, captured, fake_mode, self.bucket_bytes, previous_plan=self._plan)
-        gm, history = run_pipeline(captured.gm, ctx, default_pipeline(self.stage, prefetch_bytes=self.prefetch_bytes))
+        gm, history = run_pipeline(captured.gm, ctx, build_pipeline(self.stage, self.disable, self.prefetch_bytes),
+                                   verify=self.verify, dump_dir=dump_dir_of(self.dump_dir))
         failures.check_ranks_agree(self.ranks, gm, ctx.shard_plan)   # before any of its collectives can hang
         program = Program.from_graph(gm)
         if self._slots is None:
@@ -259,7 +274,8 @@ class CompiledStep:
 
     @property
     def passes(self) -> list[str]:
-        return ["capture", *[p.name for p in default_pipeline(self.stage)]]
+        """The passes a compilation runs, in order (registered passes included, disabled ones not)."""
+        return ["capture", *[p.name for p in build_pipeline(self.stage, self.disable)]]
 
     def graph(self, name: str = "insert_collectives") -> GraphSnapshot:
         """The program after pass ``name`` (of the plan the last call ran), printable as Python."""
@@ -282,6 +298,12 @@ class CompiledStep:
         if self._last is None:
             raise ConfigError("the step has not been compiled yet: call it once with a batch first")
         return self._last
+
+    def explain(self) -> str:
+        """A short human report of what every pass decided for the last compiled program."""
+        from .explain import explain
+        _, ctx, history = self._require_compiled()
+        return explain(ctx, history, self.report())
 
     def report(self) -> dict:
         """What the current plan does per step and holds per rank, from the compiler's own accounting."""

@@ -25,7 +25,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from . import graph as g
 from . import plans
 from .errors import CaptureError, ConfigError, ZeroccError, user_frame
-from .optimizer_step import optimizer_update, check_elementwise
+from .optimizer_step import check_elementwise, splice_update
 from .tracing import fakeify, record_source_lines_of, trace_functional
 
 GRAD_OF = "zerocc_grad_of"   # meta key on gradient nodes: indices of the parameters it is the gradient of
@@ -169,18 +169,7 @@ def capture(
             output = torch.func.functional_call(model, tensors, tuple(batch[:num_model_inputs]), tie_weights=True, strict=False)
             loss = extract_loss(output, batch[num_model_inputs:], loss_fn)
             grads = torch.autograd.grad(loss, params, allow_unused=True)
-        used = [i for i, grad in enumerate(grads) if grad is not None]
-        stepped, new_states = optimizer_update(
-            optimizer,
-            [params[i] for i in used], [grads[i] for i in used], [dict(states[i]) for i in used],
-            [group_of[i] for i in used], lrs,
-        )
-        new_params = list(params)
-        all_states = [dict(s) for s in states]
-        for position, i in enumerate(used):
-            new_params[i] = stepped[position]
-            all_states[i] = new_states[position]
-        return loss.detach(), grads, new_params, list(buffers), all_states
+        return loss.detach(), grads, list(buffers)   # the optimizer's step is spliced in after tracing
 
     record_source_lines_of(loss_fn)
     real_args = (
@@ -212,18 +201,20 @@ def capture(
 
     leaves = _placeholder_layout(fake_args)
     _tag_placeholders(gm, leaves, param_infos, frozen_infos, buffer_infos, state_keys)
-    # outputs: loss, grads (None for unused), params, buffers, states
+    # outputs: loss, grads (None for unused), buffers; then the optimizer's step over the used parameters
     out_nodes = list(g.output_node(gm).args[0])
     import torch.utils._pytree as pytree
     structured = pytree.tree_unflatten(out_nodes, out_spec)
-    loss_node, grad_nodes, new_param_nodes, new_buffer_nodes, new_state_dicts = structured
-    new_state_keys = [tuple(sorted(d)) for d in new_state_dicts]
-    unused = [i for i, grad in enumerate(grad_nodes) if grad is None]
+    loss_node, grad_nodes, new_buffer_nodes = structured
     sparse = [param_infos[i].name for i, grad in enumerate(grad_nodes)
               if grad is not None and grad.meta[g.VAL].layout != torch.strided]
     if sparse:
         raise ConfigError(f"parameter(s) {', '.join(sparse)} get sparse gradients (nn.Embedding(sparse=True)?); "
                           "zerocc shards dense gradients only: use sparse=False")
+    new_param_nodes, new_state_dicts = _splice_optimizer(gm, fake_mode, optimizer, grad_nodes, group_of,
+                                                         replicate=check_update_elementwise)
+    new_state_keys = [tuple(sorted(d)) for d in new_state_dicts]
+    unused = [i for i, grad in enumerate(grad_nodes) if grad is None]
     for i, grad in enumerate(grad_nodes):
         if grad is not None:   # one node can be the gradient of several (an LSTM's two biases)
             grad.meta[GRAD_OF] = grad.meta.get(GRAD_OF, ()) + (i,)
@@ -245,6 +236,29 @@ def capture(
     gm.recompile()
     return Captured(gm, param_infos, frozen_infos, buffer_infos, state_keys, len(optimizer.param_groups),
                     len(inputs), new_state_keys)
+
+
+def _splice_optimizer(gm, fake_mode, optimizer, grad_nodes, group_of, *, replicate):
+    """The optimizer's own ``step()`` over the parameters the loss reaches, traced apart and spliced in.
+
+    Returns, per parameter, its new value and new state (the placeholders
+    themselves for a parameter the loss does not reach). Tracing the update
+    apart lets it be traced once per class of look-alike parameters at
+    stages 1-3 (``optimizer_step.splice_update``).
+    """
+    params = g.placeholders(gm, g.ROLE_PARAM)
+    states: list[dict[str, fx.Node]] = [{} for _ in params]
+    for node in g.placeholders(gm, g.ROLE_STATE):
+        states[node.meta[g.INDEX]][node.meta["zerocc_state_key"]] = node
+    used = [i for i, grad in enumerate(grad_nodes) if grad is not None]
+    stepped, stepped_states, _ = splice_update(
+        gm, fake_mode, optimizer, [params[i] for i in used], [grad_nodes[i] for i in used],
+        [states[i] for i in used], g.placeholders(gm, g.ROLE_HYPER), [group_of[i] for i in used], replicate=replicate)
+    new_params, new_states = list(params), [dict(s) for s in states]
+    for position, i in enumerate(used):
+        new_params[i] = stepped[position]
+        new_states[i] = stepped_states[position]
+    return new_params, new_states
 
 
 def _placeholder_layout(fake_args) -> list[tuple[str, int, str]]:

@@ -27,6 +27,8 @@ class CompileContext:
     fake_mode: Any
     bucket_bytes: int
     previous_plan: ShardPlan | None = None   # buckets of an earlier compilation, kept so slots stay valid
+    traces: dict | None = None      # optimizer subgraphs traced so far, reused across plans (zerocc.plan)
+    planning: bool = False          # zerocc.plan: fake tensors only, the graph is never run, no real group
     # decided by passes
     shard_plan: ShardPlan | None = None
     schedule: Schedule | None = None

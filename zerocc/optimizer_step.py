@@ -160,3 +160,140 @@ def check_elementwise(nodes: Sequence[fx.Node], optimizer: torch.optim.Optimizer
             "  fix: use an elementwise optimizer (SGD, Adam, AdamW, Adagrad, RMSprop, ...), or stage=0, "
             "which updates whole parameters."
         )
+
+
+def splice_update(
+    gm: fx.GraphModule,
+    fake_mode,
+    optimizer: torch.optim.Optimizer,
+    params: Sequence[fx.Node],
+    grads: Sequence[fx.Node],
+    states: Sequence[dict[str, fx.Node]],
+    learning_rates: Sequence[fx.Node],
+    group_of: Sequence[int],
+    *,
+    replicate: bool,
+    cache: dict | None = None,
+) -> tuple[list[fx.Node], list[dict[str, fx.Node]], list[fx.Node]]:
+    """Trace ``optimizer.step()`` over ``params`` and splice it into ``gm`` before the output.
+
+    Returns the new parameter nodes, the new state nodes (by key) and every
+    node added. With ``replicate``, the step is traced once per class of
+    parameters that look alike to the optimizer (shape, dtype, group, state
+    layout) and its subgraph is copied for each member, in order: valid when
+    the update of one parameter reads only that parameter's tensors, which
+    ``check_elementwise`` requires anyway. Tracing is the costly part of
+    compilation (a GPT's layers share a dozen classes), copying is cheap.
+    ``cache`` keeps traced classes for later calls with the same fake mode
+    (a planner planning many world sizes).
+    """
+    from .tracing import trace_functional   # tracing imports nothing from here; kept local for clarity
+    import torch.utils._pytree as pytree
+
+    def describe(node):
+        value = node.meta[g.VAL]
+        return (tuple(value.shape), value.dtype, str(value.device))
+
+    members: dict[tuple, list[int]] = collections.OrderedDict()
+    for i in range(len(params)):
+        key = (describe(params[i]), describe(grads[i]), group_of[i],
+               tuple((k, describe(n)) for k, n in sorted(states[i].items()))) if replicate else "all"
+        members.setdefault(key, []).append(i)
+
+    def fresh(node):
+        value = node.meta[g.VAL]
+        with fake_mode:
+            return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
+
+    traced = {}   # class -> (subgraph, output spec, constants registered on gm)
+    for key, indices in members.items():
+        chosen = indices[:1] if replicate else indices
+        cache_key = (key, id(optimizer), tuple(describe(n) for n in learning_rates))
+        if replicate and cache is not None and cache_key in cache:
+            sub, spec = cache[cache_key]
+        else:
+            def update(ps, gs, ss, lrs, chosen=chosen):
+                return optimizer_update(optimizer, ps, gs, ss, [group_of[i] for i in chosen], lrs)
+
+            args = ([fresh(params[i]) for i in chosen], [fresh(grads[i]) for i in chosen],
+                    [{k: fresh(n) for k, n in sorted(states[i].items())} for i in chosen],
+                    [fresh(n) for n in learning_rates])
+            sub, spec = trace_functional(update, args, fake_mode)
+            if replicate and cache is not None:
+                cache[cache_key] = (sub, spec)
+        attributes = {}
+        for node in sub.graph.nodes:
+            if node.op == "get_attr":
+                attributes[node.target] = _unique_attr(gm, node.target)
+                gm.register_buffer(attributes[node.target], getattr(sub, node.target))
+        traced[key] = (sub, spec, attributes)
+
+    graph = gm.graph
+    output = g.output_node(gm)
+    new_params: list[fx.Node | None] = [None] * len(params)
+    new_states: list[dict[str, fx.Node] | None] = [None] * len(params)
+    added: list[fx.Node] = []
+    order = [(key, [i]) for key, indices in members.items() for i in indices] if replicate else list(members.items())
+    order.sort(key=lambda item: item[1][0])
+    copies_of: collections.Counter = collections.Counter()
+    with graph.inserting_before(output):
+        for key, indices in order:
+            sub, spec, attributes = traced[key]
+            sources = [*[params[i] for i in indices], *[grads[i] for i in indices],
+                       *[n for i in indices for _, n in sorted(states[i].items())], *learning_rates]
+            env = dict(zip(g.placeholders(sub), sources))
+            first_copy = copies_of[key] == 0
+            copies_of[key] += 1
+            for node in sub.graph.nodes:
+                if node.op == "placeholder":
+                    continue
+                if node.op == "output":
+                    results = [env[n] for n in node.args[0]]
+                    break
+                if node.op == "get_attr":
+                    copied = graph.get_attr(attributes[node.target])
+                    copied.meta.update(node.meta)
+                else:
+                    copied = graph.node_copy(node, lambda n: env[n])
+                    if not first_copy:
+                        _propagate_fake(copied, fake_mode)
+                added.append(copied)
+                env[node] = copied
+            stepped, stepped_states = pytree.tree_unflatten(results, spec)
+            for position, i in enumerate(indices):
+                new_params[i] = stepped[position]
+                new_states[i] = stepped_states[position]
+    return new_params, new_states, added
+
+
+def _propagate_fake(node: fx.Node, fake_mode) -> None:
+    """Give a copied node its own fake value, so copies never look like aliases of one another.
+
+    A fresh empty tensor of the same layout, except for views, which are
+    re-derived from their (copied) input so that they still alias it.
+    Running every op again under the fake mode would cost ~4 ms a node
+    (measured: the symbolic step counts defeat its cache).
+    """
+    value = node.meta.get(g.VAL)
+    if node.op != "call_function" or not isinstance(value, torch.Tensor):
+        return   # symbolic scalars (.item() of a step count) keep the traced copy's symbol
+    returns = node.target._schema.returns if isinstance(node.target, torch._ops.OpOverload) else ()
+    if returns and returns[0].alias_info is not None:
+        import torch.utils._pytree as pytree
+
+        def value_of(arg):
+            return arg.meta[g.VAL] if isinstance(arg, fx.Node) else arg
+        args, kwargs = pytree.tree_map(value_of, (node.args, node.kwargs))
+        with fake_mode:
+            node.meta[g.VAL] = node.target(*args, **kwargs)
+        return
+    with fake_mode:
+        node.meta[g.VAL] = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
+
+
+def _unique_attr(gm: fx.GraphModule, base: str) -> str:
+    name, i = f"opt{base}", 0
+    while hasattr(gm, name):
+        i += 1
+        name = f"opt{base}_{i}"
+    return name

@@ -7,21 +7,30 @@
     plan_memory          passes/plan_memory.py   lifetimes on the final order -> offsets in pools (graph unchanged)
 
 Every pass is ``(gm, ctx) -> gm`` and writes its decisions onto ``ctx``.
+``build_pipeline`` takes ``default_pipeline``, drops the passes the user
+disabled (refusing those another pass or the runtime needs) and splices in
+the passes registered with ``zerocc.register_pass`` (``zerocc/registry.py``).
 The runner keeps the program after every pass so users can read it
-(``step.graph(name)``) and re-raises a failure naming the pass.
+(``step.graph(name)``), optionally dumps it to a folder and verifies
+invariants after each pass (``zerocc/verify.py``), and re-raises a failure
+naming the pass.
 """
 from __future__ import annotations
 
 import collections
 import dataclasses
 import functools
-from typing import Callable
+import json
+import os
+import time
+from typing import Callable, Sequence
 
 import torch.fx as fx
 
 from . import graph as g
+from . import registry
 from .context import CompileContext
-from .errors import PassError
+from .errors import ConfigError, PassError
 from .passes.insert_collectives import insert_collectives
 from .passes.plan_memory import plan_memory
 from .passes.schedule import schedule
@@ -29,11 +38,17 @@ from .passes.shard import shard
 
 PassFn = Callable[[fx.GraphModule, CompileContext], fx.GraphModule]
 
+# The environment variable that turns dumps on without touching the code.
+DUMP_DIR_VARIABLE = "ZEROCC_DUMP_DIR"
+
 
 @dataclasses.dataclass(frozen=True)
 class Pass:
+    """A named pass, what it needs before it, and why it may not be disabled (empty: it may)."""
     name: str
     run: PassFn
+    requires: tuple[str, ...] = ()     # passes that must have run before this one
+    essential: str = ""                # why the runtime cannot do without it
 
 
 # Gathered (or unreduced) bytes a step may have in flight: one 4 MiB bucket ahead. Measured with
@@ -45,22 +60,84 @@ DEFAULT_PREFETCH_BYTES = 4 * 1024 * 1024
 def default_pipeline(stage: int, *, prefetch_bytes: int = DEFAULT_PREFETCH_BYTES) -> list[Pass]:
     """The passes for ``stage``, in order. The same list for every stage: the plan differs, not the passes."""
     return [
-        Pass("shard", shard),                              # parameters, gradients, optimizer state -> flat per-rank buckets
-        Pass("insert_collectives", insert_collectives),    # the communication the buckets need
-        Pass("schedule", functools.partial(schedule, prefetch_bytes=prefetch_bytes)),   # prefetch gathers, overlap reductions
-        Pass("plan_memory", plan_memory),                  # lifetimes -> offsets in pools; must stay the last pass
+        Pass("shard", shard, essential="the runtime lays out its tensors by the shard plan"),   # parameters, gradients, optimizer state -> flat per-rank buckets
+        Pass("insert_collectives", insert_collectives, requires=("shard",),
+             essential="the shard pass's markers cannot run across ranks"),                      # the communication the buckets need
+        Pass("schedule", functools.partial(schedule, prefetch_bytes=prefetch_bytes),
+             requires=("insert_collectives",)),                                                   # prefetch gathers, overlap reductions
+        Pass("plan_memory", plan_memory, requires=("shard",)),                                   # lifetimes -> offsets in pools; keep it last
     ]
+
+
+def build_pipeline(stage: int, disable: Sequence[str] = (), prefetch_bytes: int = DEFAULT_PREFETCH_BYTES,
+                   user_passes: Sequence[registry.UserPass] | None = None) -> list[Pass]:
+    """``default_pipeline(stage)`` with the registered passes spliced in and the ``disable``d ones dropped."""
+    passes = default_pipeline(stage, prefetch_bytes=prefetch_bytes)
+    user_passes = registry.registered() if user_passes is None else list(user_passes)
+    for user in user_passes:
+        names = [p.name for p in passes]
+        if user.anchor not in names:
+            raise ConfigError(f"register_pass({user.name!r}): no pass named {user.anchor!r} to go "
+                              f"{'after' if user.after is not None else 'before'}; the passes are: "
+                              f"{', '.join(['capture', *names])}")
+        position = names.index(user.anchor) + (1 if user.after is not None else 0)
+        passes.insert(position, Pass(user.name, user.run, tuple(user.requires)))
+
+    names = [p.name for p in passes]
+    unknown = [name for name in disable if name not in names]
+    if unknown:
+        raise ConfigError(f"cannot disable {', '.join(map(repr, unknown))}: no such pass; "
+                          f"the passes are: {', '.join(names)}")
+    problems = []
+    for name in disable:
+        dropped = passes[names.index(name)]
+        if dropped.essential:
+            problems.append(f"  - {name!r} cannot be disabled: {dropped.essential}")
+        for other in passes:
+            if name in other.requires and other.name not in disable:
+                problems.append(f"  - {name!r} is required by {other.name!r} (disable that too, or keep {name!r})")
+    if problems:
+        raise ConfigError("cannot disable the requested passes:\n" + "\n".join(problems))
+    kept = [p for p in passes if p.name not in disable]
+    seen = {"capture"}
+    for p in kept:
+        missing = [r for r in p.requires if r not in seen]
+        if missing:
+            raise ConfigError(f"pass {p.name!r} requires {', '.join(map(repr, missing))} to run before it; "
+                              f"the order is: {', '.join(['capture', *[q.name for q in kept]])}")
+        seen.add(p.name)
+    return kept
 
 
 @dataclasses.dataclass
 class GraphSnapshot:
-    """The program after one pass, printable as Python, with what the pass changed."""
+    """The program after one pass, printable as Python, with what the pass changed.
+
+    It keeps a copy of the graph and writes the Python only when asked:
+    printing a 10k-node graph costs seconds, copying it a fraction of that.
+    """
     index: int
     name: str
-    code: str
+    root: fx.GraphModule              # holds the constants the graph reads
+    graph: fx.Graph                   # a copy, untouched by later passes
     node_counts: collections.Counter
     changes: dict[str, int]
     note: str = ""
+    seconds: float = 0.0
+    _code: str | None = dataclasses.field(default=None, repr=False)
+
+    @property
+    def graph_module(self) -> fx.GraphModule:
+        gm = fx.GraphModule(self.root, self.graph, class_name="ZeroccStep")
+        gm.meta = dict(self.root.meta)
+        return gm
+
+    @property
+    def code(self) -> str:
+        if self._code is None:
+            self._code = self.graph_module.print_readable(print_output=False, include_stride=False,
+                                                          include_device=False, colored=False)
+        return self._code
 
     def __str__(self) -> str:
         changed = ", ".join(f"{'+' if v > 0 else ''}{v} {k}" for k, v in sorted(self.changes.items()))
@@ -74,6 +151,15 @@ class GraphSnapshot:
         return header + "\n" + self.code
 
 
+def copy_graph(graph: fx.Graph) -> fx.Graph:
+    """The same nodes and meta (shallow-copied), in a new graph later rewrites do not touch."""
+    new = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in graph.nodes:
+        env[node] = new.node_copy(node, lambda n: env[n])
+    return new
+
+
 def snapshot(index: int, name: str, gm: fx.GraphModule, before: collections.Counter | None, note: str = "") -> GraphSnapshot:
     counts = g.count_targets(gm)
     changes = {}
@@ -82,21 +168,90 @@ def snapshot(index: int, name: str, gm: fx.GraphModule, before: collections.Coun
             delta = counts[key] - before[key]
             if delta:
                 changes[key] = delta
-    gm.__class__.__name__ = "ZeroccStep"   # print_readable names the class; make_fx leaves '<lambda>'
-    code = gm.print_readable(print_output=False, include_stride=False, include_device=False, colored=False)
-    return GraphSnapshot(index, name, code, counts, changes, note)
+    return GraphSnapshot(index, name, gm, copy_graph(gm.graph), counts, changes, note)
 
 
-def run_pipeline(gm: fx.GraphModule, ctx: CompileContext, passes: list[Pass]) -> tuple[fx.GraphModule, list[GraphSnapshot]]:
+def dump_dir_of(setting: str | os.PathLike | None) -> str | None:
+    """The dump folder: the ``dump_dir`` setting, else ``$ZEROCC_DUMP_DIR``, else none."""
+    if setting is not None:
+        return os.fspath(setting)
+    return os.environ.get(DUMP_DIR_VARIABLE) or None
+
+
+def run_pipeline(gm: fx.GraphModule, ctx: CompileContext, passes: list[Pass], *, verify: bool = False,
+                 dump_dir: str | None = None, progress: Callable[[str], None] | None = None,
+                 ) -> tuple[fx.GraphModule, list[GraphSnapshot]]:
+    """Run ``passes`` over the captured ``gm``; returns the final graph and the program after every pass."""
+    from .verify import verify_graph   # the verifier reads graphs only; imported late as it is optional
     phases = collections.Counter(n.meta.get(g.PHASE) for n in gm.graph.nodes if n.op == "call_function")
     note = f"{len(gm.graph.nodes)} nodes: " + ", ".join(f"{phases[p]} {p}" for p in (g.FORWARD, g.BACKWARD, g.OPTIMIZER))
     history = [snapshot(0, "capture", gm, None, note)]
+    if dump_dir:
+        os.makedirs(dump_dir, exist_ok=True)
+        _dump(dump_dir, history[-1])
     for index, step in enumerate(passes, start=1):
+        started = time.perf_counter()
         try:
-            gm = step.run(gm, ctx)
+            result = step.run(gm, ctx)
+            if not isinstance(result, fx.GraphModule):
+                raise TypeError(f"the pass returned {type(result).__name__}, not the torch.fx.GraphModule; "
+                                "a pass returns the graph module it was given (or a new one)")
+            gm = result
+            if verify:
+                verify_graph(gm, ctx)
         except Exception as error:
             done = ", ".join(p.name for p in passes[: index - 1]) or "none"
             raise PassError(f"pass '{step.name}' failed (passes run before it: capture, {done}): "
                             f"{type(error).__name__}: {error}") from error
+        elapsed = time.perf_counter() - started
         history.append(snapshot(index, step.name, gm, history[-1].node_counts, ctx.notes.get(step.name, "")))
+        history[-1].seconds = elapsed
+        if progress is not None:
+            progress(f"pass {step.name}: {elapsed:.1f} s")
+        if dump_dir:
+            _dump(dump_dir, history[-1])
+    if dump_dir:
+        memory_plan = getattr(ctx, "memory_plan", None)
+        if memory_plan is not None and hasattr(memory_plan, "to_dict"):
+            with open(os.path.join(dump_dir, "memory_plan.json"), "w") as file:
+                json.dump(memory_plan.to_dict(), file, indent=1, default=str)
     return gm, history
+
+
+def _dump(folder: str, shot: GraphSnapshot) -> None:
+    with open(os.path.join(folder, f"{shot.index:03d}_{shot.name}.py"), "w") as file:
+        file.write(str(shot) + "\n")
+
+
+def register_pass(fn: PassFn, *, after: str | None = None, before: str | None = None, name: str | None = None,
+                  requires: Sequence[str] = ()) -> str:
+    """Add ``fn``, a ``(graph_module, ctx) -> graph_module`` pass, right after or right before a named pass.
+
+    It runs in every compilation and plan from then on and sees the plans
+    decided so far on ``ctx`` (``ctx.shard_plan``, ...). Returns its name
+    (``fn.__name__`` unless given); ``zerocc.unregister_pass(name)`` removes it.
+    """
+    if (after is None) == (before is None):
+        raise ConfigError("register_pass needs exactly one of after=... or before=... (the name of a pass)")
+    if not callable(fn):
+        raise ConfigError(f"register_pass needs a callable (graph_module, ctx) -> graph_module, got {type(fn).__name__}")
+    name = name or getattr(fn, "__name__", "user_pass")
+    valid = [p.name for p in default_pipeline(3)] + [p.name for p in registry.registered()]
+    anchor = after if after is not None else before
+    if anchor not in valid:
+        raise ConfigError(f"register_pass({name!r}): no pass named {anchor!r}; the passes are: {', '.join(valid)}")
+    if name in valid or name == "capture":
+        raise ConfigError(f"register_pass: a pass named {name!r} exists already; give another name=...")
+    unknown = [r for r in requires if r not in valid and r != "capture"]
+    if unknown:
+        raise ConfigError(f"register_pass({name!r}): requires unknown pass(es) {', '.join(map(repr, unknown))}; "
+                          f"the passes are: {', '.join(valid)}")
+    registry.add(registry.UserPass(name, fn, after, before, tuple(requires)))
+    return name
+
+
+def unregister_pass(name: str) -> None:
+    """Remove a pass added with ``register_pass``."""
+    if not registry.remove(name):
+        names = [p.name for p in registry.registered()]
+        raise ConfigError(f"no registered pass named {name!r}; registered: {', '.join(names) or 'none'}")

@@ -112,6 +112,11 @@ def trace_functional(fn: Callable[..., Any], args: tuple, fake_mode: FakeTensorM
 
     with fake_mode, eager_composites():
         first = make_fx(flat_fn, record_stack_traces=True)(*flat_args)
+    if _is_functional(first):   # nothing to remove: the replay would rebuild the same graph (half the cost)
+        _remove_profiler_nodes(first)
+        first.graph.eliminate_dead_code()
+        first.recompile()
+        return first, out_spec_box[0]
 
     def replay(*leaves):
         with fx_traceback.preserve_node_meta():
@@ -125,6 +130,18 @@ def trace_functional(fn: Callable[..., Any], args: tuple, fake_mode: FakeTensorM
     gm.graph.eliminate_dead_code()
     gm.recompile()
     return gm, out_spec_box[0]
+
+
+def _is_functional(gm: fx.GraphModule) -> bool:
+    """No op writes to an input (schema alias marked as written) and none hides a write (batch norm stats)."""
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        if node.target is aten.native_batch_norm.default or node.target._schema.is_mutable:
+            return False
+        if any(r.alias_info is not None and r.alias_info.is_write for r in node.target._schema.returns):
+            return False
+    return True
 
 
 def _remove_trailing_input_copies(gm: fx.GraphModule) -> None:

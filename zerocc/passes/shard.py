@@ -30,8 +30,7 @@ from .. import graph as g
 from .. import ops, plans
 from ..capture import GRAD_OF
 from ..context import CompileContext
-from ..optimizer_step import optimizer_update
-from ..tracing import trace_functional
+from ..optimizer_step import splice_update
 
 aten = torch.ops.aten
 
@@ -256,52 +255,15 @@ def _state_placeholder(gm, ctx, slot, key, shape, dtype, device) -> fx.Node:
 
 
 def _inline_optimizer(gm, ctx, piece_inputs, state_nodes, lr_nodes):
-    """Trace ``optimizer.step()`` over the pieces and splice it in before the output."""
-    graph = gm.graph
-    group_of = [bucket.group for bucket, *_ in piece_inputs]
+    """Trace ``optimizer.step()`` over the pieces and splice it in before the output.
 
-    def fresh(node):
-        value = node.meta[g.VAL]
-        with ctx.fake_mode:
-            return torch.empty(value.shape, dtype=value.dtype, device=value.device)
-
-    params = [fresh(p) for *_, p, _ in piece_inputs]
-    grads = [fresh(gr) for *_, gr in piece_inputs]
-    states = [{key: fresh(node) for key, node in sorted(s.items())} for s in state_nodes]
-    lrs = [fresh(node) for node in lr_nodes]
-
-    def update(params, grads, states, lrs):
-        return optimizer_update(ctx.optimizer, params, grads, states, group_of, lrs)
-
-    sub, out_spec = trace_functional(update, (params, grads, states, lrs), ctx.fake_mode)
-    import torch.utils._pytree as pytree
-    sources = [*[p for *_, p, _ in piece_inputs], *[gr for *_, gr in piece_inputs],
-               *[node for s in state_nodes for _, node in sorted(s.items())], *lr_nodes]
-    env = dict(zip(g.placeholders(sub), sources))
-    output = g.output_node(gm)
-    with graph.inserting_before(output):
-        for node in sub.graph.nodes:
-            if node.op == "placeholder":
-                continue
-            if node.op == "output":
-                results = [env[n] for n in node.args[0]]
-                break
-            if node.op == "get_attr":
-                name = _unique_attr(gm, node.target)
-                gm.register_buffer(name, getattr(sub, node.target))
-                copied = graph.get_attr(name)
-                copied.meta.update(node.meta)
-            else:
-                copied = graph.node_copy(node, lambda n: env[n])
-            copied.meta[g.PHASE] = g.OPTIMIZER
-            env[node] = copied
-    new_params, new_states = pytree.tree_unflatten(results, out_spec)
-    return new_params, new_states
-
-
-def _unique_attr(gm, base: str) -> str:
-    name, i = f"opt{base}", 0
-    while hasattr(gm, name):
-        i += 1
-        name = f"opt{base}_{i}"
-    return name
+    At stages 1-3 the update is elementwise (capture checked it), so it is
+    traced once per class of look-alike pieces and copied for the others.
+    """
+    new_pieces, new_states, added = splice_update(
+        gm, ctx.fake_mode, ctx.optimizer,
+        [p for *_, p, _ in piece_inputs], [gr for *_, gr in piece_inputs], state_nodes, lr_nodes,
+        [bucket.group for bucket, *_ in piece_inputs], replicate=ctx.stage != 0, cache=ctx.traces)
+    for node in added:
+        node.meta[g.PHASE] = g.OPTIMIZER
+    return new_pieces, new_states

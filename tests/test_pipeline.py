@@ -1,0 +1,171 @@
+"""The pass manager: listing, reading, disabling and adding passes; verification; dumps; explain()."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import zerocc
+from zerocc import graph as g
+from tests import distributed
+from tests.models import MLP, batches, build, eager_step
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+from custom_pass import keep_last_bucket_gathered  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def no_registered_passes():
+    yield
+    zerocc.registry.clear()
+
+
+def compiled_mlp(**settings):
+    model = MLP()
+    step = zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-2), stage=3, loss_fn=F.mse_loss, **settings)
+    step(*batches("mlp", 1, 4)[0])
+    return step
+
+
+def planned_gpt(world_size=4, **settings):
+    model, _, _ = build("gpt")
+    batch = batches("gpt", 1, 2)[0]
+    return zerocc.plan(model, torch.optim.AdamW(model.parameters(), lr=1e-2), stage=3, world_size=world_size,
+                       example_inputs=batch, bucket_bytes=16 * 1024, **settings)
+
+
+def test_passes_are_listed_and_every_graph_is_readable_python():
+    step = compiled_mlp()
+    assert step.passes == ["capture", "shard", "insert_collectives"]
+    shard = str(step.graph("shard"))
+    assert shard.startswith("# after pass 01 'shard': ")
+    assert "reduce_gradient" in shard.splitlines()[0]
+    assert "def forward(self" in shard
+    assert "# after pass 00 'capture': the whole step, traced" in str(step.graph("capture"))
+
+
+def test_disable_refuses_unknown_and_essential_passes_with_the_reason():
+    model = MLP()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(zerocc.ConfigError, match=r"cannot disable 'scheduel': no such pass; the passes are: shard, insert_collectives"):
+        zerocc.compile(model, optimizer, disable=["scheduel"])
+    with pytest.raises(zerocc.ConfigError, match=r"(?s)'shard' cannot be disabled: the runtime lays out its tensors by "
+                       r"the shard plan.*'shard' is required by 'insert_collectives'"):
+        zerocc.compile(model, optimizer, disable=["shard"])
+
+
+def test_a_registered_pass_sees_the_plans_and_can_be_disabled():
+    seen = []
+
+    def count_buckets(gm, ctx):
+        seen.append(len(ctx.shard_plan.buckets))
+        ctx.notes["count_buckets"] = f"{len(ctx.shard_plan.buckets)} buckets seen"
+        return gm
+
+    zerocc.register_pass(count_buckets, after="shard")
+    step = compiled_mlp()
+    assert step.passes == ["capture", "shard", "count_buckets", "insert_collectives"]
+    assert seen == [1]
+    assert "# 1 buckets seen" in str(step.graph("count_buckets"))
+    assert compiled_mlp(disable=["count_buckets"]).passes == ["capture", "shard", "insert_collectives"]
+    assert seen == [1]
+
+
+def test_register_pass_names_the_valid_anchors():
+    with pytest.raises(zerocc.ConfigError, match=r"no pass named 'insert_collective'; the passes are: shard, insert_collectives"):
+        zerocc.register_pass(lambda gm, ctx: gm, after="insert_collective")
+    with pytest.raises(zerocc.ConfigError, match="exactly one of after=... or before=..."):
+        zerocc.register_pass(lambda gm, ctx: gm)
+
+
+def test_a_failing_pass_is_named_with_the_passes_before_it():
+    def broken(gm, ctx):
+        raise ValueError("nope")
+
+    zerocc.register_pass(broken, before="insert_collectives")
+    with pytest.raises(zerocc.PassError, match=r"pass 'broken' failed \(passes run before it: capture, shard\): ValueError: nope"):
+        compiled_mlp()
+
+
+def test_a_pass_must_return_the_graph_module():
+    zerocc.register_pass(lambda gm, ctx: None, after="shard", name="forgetful")
+    with pytest.raises(zerocc.PassError, match=r"pass 'forgetful' failed .*returned NoneType, not the torch.fx.GraphModule"):
+        compiled_mlp()
+
+
+def test_verify_accepts_the_pipeline_and_catches_a_collective_used_before_its_wait():
+    plan = planned_gpt(verify=True)
+    assert plan.report()["collectives_per_step"]["all_gather"] > 0
+
+    def skip_a_wait(gm, ctx):
+        wait = next(n for n in gm.graph.nodes if g.is_wait(n) and g.is_all_gather(n.args[0]))
+        wait.replace_all_uses_with(wait.args[0])
+        gm.graph.erase_node(wait)
+        return gm
+
+    zerocc.register_pass(skip_a_wait, after="insert_collectives")
+    with pytest.raises(zerocc.PassError, match=r"(?s)pass 'skip_a_wait' failed.*is never waited.*before it is waited"):
+        planned_gpt(verify=True)
+
+
+def _compile_verified(rank, world_size):
+    from zerocc import verify
+    model = MLP()
+    step = zerocc.compile(model, torch.optim.AdamW(model.parameters()), stage=3, loss_fn=F.mse_loss, verify=True)
+    step(*batches("mlp", 1, 4)[0])
+    return verify.collective_fingerprint(step._last[0].gm)
+
+
+def test_verify_compares_collective_order_across_ranks():
+    fingerprints = distributed.run(_compile_verified, 2)
+    assert len(set(fingerprints)) == 1
+
+
+def test_dump_dir_setting_and_environment_variable(tmp_path, monkeypatch):
+    compiled_mlp(dump_dir=str(tmp_path / "set"))
+    assert sorted(os.listdir(tmp_path / "set")) == ["000_capture.py", "001_shard.py", "002_insert_collectives.py"]
+    assert (tmp_path / "set" / "001_shard.py").read_text().startswith("# after pass 01 'shard'")
+    monkeypatch.setenv("ZEROCC_DUMP_DIR", str(tmp_path / "env"))
+    planned_gpt()
+    assert len(os.listdir(tmp_path / "env")) == 3
+
+
+def test_explain_says_what_the_passes_decided():
+    text = planned_gpt().explain()
+    assert "stage 3, world size 4, rank 0" in text
+    assert "buckets: " in text
+    assert "collectives per step: " in text and "all_gather" in text
+    assert "model states per rank: params" in text
+    assert "01 shard" in text and "02 insert_collectives" in text
+
+
+def test_custom_pass_example_drops_one_gather():
+    before = planned_gpt().report()
+    zerocc.register_pass(keep_last_bucket_gathered, after="insert_collectives")
+    after_plan = planned_gpt(verify=True)
+    after = after_plan.report()
+    assert after["collectives_per_step"]["all_gather"] == before["collectives_per_step"]["all_gather"] - 1
+    last = after_plan.shard_plan.buckets[-1]
+    assert before["comm_bytes_per_step"]["all_gather"] - after["comm_bytes_per_step"]["all_gather"] == last.nbytes
+
+
+def _train_with_and_without_the_custom_pass(rank, world_size):
+    results = []
+    for register in (False, True):
+        if register:
+            zerocc.register_pass(keep_last_bucket_gathered, after="insert_collectives")
+        model, _, loss_fn = build("gpt")
+        step = zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-2), stage=3, bucket_bytes=16 * 1024)
+        data = batches("gpt", 2, 4 * world_size)
+        results.append([step(*[t[rank * 4:(rank + 1) * 4] for t in batch]) for batch in data])
+        results.append(step.report()["collectives_per_step"]["all_gather"])
+    return results
+
+
+def test_custom_pass_example_trains_exactly_as_without_it():
+    for losses, gathers, losses_with, gathers_with in distributed.run(_train_with_and_without_the_custom_pass, 2):
+        assert gathers_with == gathers - 1
+        assert all(torch.equal(a, b) for a, b in zip(losses, losses_with))

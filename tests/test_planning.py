@@ -1,0 +1,126 @@
+"""Planning on fake tensors: any world size, no process group, no memory; the ZeRO paper's Table 1."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import zerocc
+from zerocc.planning import Planner
+from tests.models import batches, build
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+from gpt import GPT  # noqa: E402
+
+# The ZeRO paper's 7.5B model in GPT shape: 36 layers of d_model 4096 (12 d^2 + 10 d parameters each),
+# and a vocabulary chosen so the total is 7.5B: 7,500,001,280 parameters.
+PAPER_GPT = dict(d_model=4096, heads=32, seq=1024, vocab=60197)
+PAPER_LAYERS = 36
+
+# Table 1 of the ZeRO paper (Rajbhandari et al., SC'20): model-state memory per device in GB for
+# Psi = 7.5B with mixed-precision Adam (K = 12), by data-parallel degree Nd. Stage 0 is 120 GB everywhere.
+TABLE_1 = {
+    1: {1: 120, 4: 52.5, 16: 35.6, 64: 31.4, 256: 30.4, 1024: 30.1},
+    2: {1: 120, 4: 41.3, 16: 21.6, 64: 16.6, 256: 15.4, 1024: 15.1},
+    3: {1: 120, 4: 30, 16: 7.5, 64: 1.88, 256: 0.47, 1024: 0.12},
+}
+
+
+def resident_bytes() -> int:
+    with open("/proc/self/statm") as file:
+        return int(file.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def paper_planner(layers: int) -> Planner:
+    with torch.device("meta"):
+        model = GPT(layers=layers, **PAPER_GPT)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+    tokens = torch.zeros(1, PAPER_GPT["seq"], dtype=torch.long, device="meta")
+    return Planner(model, optimizer, example_inputs=(tokens, tokens), param_dtype=torch.bfloat16)
+
+
+def decimals(value) -> int:
+    text = repr(value)
+    return len(text.split(".")[1]) if "." in text else 0
+
+
+def test_table_1_of_the_zero_paper_from_the_planners_own_accounting():
+    """Plans 1 and 2 layers of the 7.5B GPT at every Nd and stage, extrapolates per layer to 36.
+
+    Planning all 36 layers takes about a minute (README); here the per-layer
+    bytes come from the difference of the two plans, which also checks that
+    the accounting grows by the same amount per layer.
+    """
+    assert not dist.is_initialized()
+    before = resident_bytes()
+    one, two = paper_planner(1), paper_planner(2)
+    totals, counts = {}, {}
+    for stage, row in TABLE_1.items():
+        for world_size in row:
+            reports = [planner.plan(stage, world_size).report() for planner in (one, two)]
+            a, b = (sum(r["model_state_bytes_per_rank"].values()) for r in reports)
+            totals[stage, world_size] = a + (PAPER_LAYERS - 1) * (b - a)
+            counts[stage, world_size] = [r["param_count"] for r in reports]
+    a, b = counts[3, 1]
+    param_count = a + (PAPER_LAYERS - 1) * (b - a)
+    assert param_count == 7_500_001_280
+    assert resident_bytes() - before < 400e6   # the 2-layer model alone is 3.6 GB in fp32: nothing was allocated
+
+    assert totals[1, 1] / 1e9 == pytest.approx(120, rel=1e-3)   # Nd = 1: the baseline, 16 bytes per parameter
+    for stage, row in TABLE_1.items():
+        for world_size, paper_gb in row.items():
+            ours = totals[stage, world_size] / 1e9
+            assert abs(ours - paper_gb) <= 0.5 * 10 ** -decimals(paper_gb) + 1e-3, (stage, world_size, ours, paper_gb)
+            formula = {1: 4 + 12 / world_size, 2: 2 + 14 / world_size, 3: 16 / world_size}[stage] * param_count
+            assert totals[stage, world_size] == pytest.approx(formula, rel=2e-3), (stage, world_size)
+
+
+def test_plan_at_world_size_one_matches_what_the_compiled_step_holds():
+    model, _, loss_fn = build("gpt")
+    batch = batches("gpt", 2, 4)
+    for stage in (0, 3):
+        planned = zerocc.plan(model, torch.optim.AdamW(model.parameters(), lr=1e-2), stage=stage,
+                              example_inputs=batch[0], bucket_bytes=16 * 1024).report()
+        compiled_model, _, _ = build("gpt")
+        step = zerocc.compile(compiled_model, torch.optim.AdamW(compiled_model.parameters(), lr=1e-2), stage=stage,
+                              bucket_bytes=16 * 1024)
+        for b in batch:   # the second call compiles the steady state, which the planner plans
+            step(*b)
+        compiled = step.report()
+        assert planned["model_state_bytes_per_rank"] == compiled["model_state_bytes_per_rank"], stage
+        assert planned["buckets"] == compiled["buckets"]
+
+
+def test_plan_reports_the_papers_communication_volume_without_a_process_group():
+    model, _, _ = build("gpt")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    planner = Planner(model, optimizer, example_inputs=batches("gpt", 1, 2)[0], bucket_bytes=16 * 1024)
+    for stage, factor in ((1, 2), (2, 2), (3, 3)):
+        report = planner.plan(stage, 64).report()
+        moved = sum(report["comm_bytes_per_step"].values())
+        assert report["param_bytes"] * factor <= moved <= report["param_bytes"] * factor * 1.05, stage
+    assert not dist.is_initialized()
+
+
+def test_plan_refuses_bad_settings():
+    model, _, _ = build("mlp")
+    optimizer = torch.optim.AdamW(model.parameters())
+    with pytest.raises(zerocc.ConfigError, match="world_size must be a positive int"):
+        zerocc.plan(model, optimizer, world_size=0, example_inputs=batches("mlp", 1, 2)[0])
+    with pytest.raises(zerocc.ConfigError, match="param_dtype must be a floating torch.dtype"):
+        zerocc.plan(model, optimizer, param_dtype=torch.int8, example_inputs=batches("mlp", 1, 2)[0])
+
+
+def test_cli_prints_the_table_and_writes_the_plot(tmp_path, capsys):
+    from zerocc.cli import main
+    plot = tmp_path / "plan.png"
+    assert main(["plan", "--model", "tests.models:TinyGPT", "--inputs", "long:2x16", "long:2x16",
+                 "--world-size", "1,8", "--stage", "2,3", "--param-dtype", "bfloat16", "--plot", str(plot)]) == 0
+    out = capsys.readouterr()
+    assert "model states per rank (GB = 1e9 bytes)" in out.out
+    assert len([line for line in out.out.splitlines() if line.strip().startswith(("2 ", "3 "))]) == 4
+    assert "capture:" in out.err and "planned stage 3 at world size 8" in out.err
+    assert plot.stat().st_size > 1000

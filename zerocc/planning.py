@@ -1,0 +1,273 @@
+"""``zerocc.plan``: the same pipeline on fake tensors, for any world size, without devices.
+
+The model may live on the meta device and the optimizer may be built over
+its meta parameters: capture traces on fake tensors, no process group is
+created (collectives name a placeholder group; the graph is never run) and
+no tensor of the model's size is allocated. The plan is of the steady state:
+capture is given fake optimizer state whose structure comes from one real
+``step()`` of the user's optimizer over a one-element tensor per param group.
+
+Mixed precision (ZeRO paper: bf16/fp16 parameters and gradients, fp32 master
+parameters and optimizer state, 2 + 2 + 12 bytes per parameter with Adam) is
+not compiled yet. With ``param_dtype`` set, the planner models it in its
+accounting only: parameters, gradients and communication are counted in
+``param_dtype`` bytes, and an fp32 master copy of the parameters this rank
+updates is counted with the optimizer state. The graph itself stays in the
+model's dtype.
+"""
+from __future__ import annotations
+
+import collections
+import copy
+import sys
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from . import graph as g
+from . import plans
+from .capture import Captured, capture, named_tensors
+from .context import CompileContext
+from .errors import ConfigError
+from .pipeline import GraphSnapshot, build_pipeline, copy_graph, dump_dir_of, run_pipeline
+from .tracing import make_fake_mode
+
+# The collectives of a plan name this group; the graph is never run.
+PLANNING_GROUP = "zerocc_plan"
+
+DEFAULT_BUCKET_BYTES = 4 * 1024 * 1024   # as zerocc.compile's default
+
+
+def plan(model: nn.Module, optimizer: torch.optim.Optimizer, stage: int = 3, world_size: int = 1, *,
+         example_inputs: Sequence[Any], loss_fn: Callable | None = None, num_targets: int | None = None,
+         param_dtype: torch.dtype | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES, rank: int = 0,
+         disable: Sequence[str] = (), verify: bool = False, dump_dir: str | None = None,
+         progress: bool | Callable[[str], None] = False) -> "Plan":
+    """Plan one steady-state training step at ``world_size`` ranks without running it.
+
+    Returns a ``Plan`` with the same ``report()``, ``graph(name)``, ``passes``,
+    ``explain()`` (and ``memory_plan`` when a pass made one) as a compiled step.
+    """
+    return Planner(model, optimizer, example_inputs=example_inputs, loss_fn=loss_fn, num_targets=num_targets,
+                   param_dtype=param_dtype, bucket_bytes=bucket_bytes, progress=progress
+                   ).plan(stage, world_size, rank=rank, disable=disable, verify=verify, dump_dir=dump_dir)
+
+
+class Planner:
+    """Captures a model's step once (per stage kind) and plans it for many stages and world sizes."""
+
+    def __init__(self, model, optimizer, *, example_inputs, loss_fn=None, num_targets=None, param_dtype=None,
+                 bucket_bytes=DEFAULT_BUCKET_BYTES, progress=False):
+        if not isinstance(model, nn.Module):
+            raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ConfigError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if param_dtype is not None and not (isinstance(param_dtype, torch.dtype) and param_dtype.is_floating_point):
+            raise ConfigError(f"param_dtype must be a floating torch.dtype (torch.bfloat16, ...), got {param_dtype!r}")
+        self.model, self.optimizer = model, optimizer
+        self.example_inputs = tuple(example_inputs)
+        self.loss_fn = loss_fn
+        self.num_targets = (1 if loss_fn is not None else 0) if num_targets is None else num_targets
+        self.param_dtype = param_dtype
+        self.bucket_bytes = bucket_bytes
+        self.say = (lambda line: print(f"[zerocc plan] {line}", file=sys.stderr, flush=True)) if progress is True \
+            else (progress or None)
+        self._captures: dict[bool, tuple[Captured, Any, float]] = {}
+        self._traces: dict[bool, dict] = {}   # optimizer subgraphs, per fake mode
+
+    def _captured(self, elementwise_check: bool) -> tuple[Captured, Any, float]:
+        if elementwise_check not in self._captures:
+            started = time.perf_counter()
+            fake_mode = make_fake_mode()
+            state = fake_optimizer_state(self.model, self.optimizer, fake_mode)
+            captured = capture(self.model, self.optimizer, self.example_inputs, loss_fn=self.loss_fn,
+                               num_targets=self.num_targets, fake_mode=fake_mode, optimizer_state=state,
+                               check_update_elementwise=elementwise_check)
+            seconds = time.perf_counter() - started
+            if self.say:
+                self.say(f"capture: {len(captured.gm.graph.nodes)} nodes, {seconds:.1f} s")
+            self._captures[elementwise_check] = (captured, fake_mode, seconds)
+        return self._captures[elementwise_check]
+
+    def plan(self, stage: int, world_size: int, *, rank: int = 0, disable: Sequence[str] = (), verify: bool = False,
+             dump_dir: str | None = None) -> "Plan":
+        if stage not in (0, 1, 2, 3):
+            raise ConfigError(f"stage={stage!r} is not a ZeRO stage; use 0 (plain data parallel), 1, 2 or 3")
+        if not isinstance(world_size, int) or world_size < 1 or not 0 <= rank < world_size:
+            raise ConfigError(f"world_size must be a positive int and 0 <= rank < world_size, got {world_size!r}, {rank!r}")
+        passes = build_pipeline(stage, disable)
+        captured, fake_mode, capture_seconds = self._captured(stage != 0)
+        started = time.perf_counter()
+        working = dataclasses_replace_gm(captured, copy_graph_module(captured.gm))
+        ctx = CompileContext(stage, world_size, rank, PLANNING_GROUP if world_size > 1 else None, self.optimizer,
+                             working, fake_mode, self.bucket_bytes, planning=True,
+                             traces=self._traces.setdefault(stage != 0, {}))
+        gm, history = run_pipeline(working.gm, ctx, passes, verify=verify, dump_dir=dump_dir_of(dump_dir),
+                                   progress=self.say)
+        seconds = {"capture": capture_seconds, "passes": time.perf_counter() - started}
+        if self.say:
+            self.say(f"planned stage {stage} at world size {world_size}: {seconds['passes']:.1f} s")
+        return Plan(gm, ctx, history, self.param_dtype, seconds)
+
+
+class Plan:
+    """The outcome of ``zerocc.plan``: what one rank would hold and send per step, and the graphs that say so."""
+
+    def __init__(self, gm: fx.GraphModule, ctx: CompileContext, history: list[GraphSnapshot],
+                 param_dtype: torch.dtype | None, seconds: dict[str, float]):
+        self.gm, self.ctx, self.history = gm, ctx, history
+        self.stage, self.world_size, self.rank = ctx.stage, ctx.world_size, ctx.rank
+        self.param_dtype = param_dtype
+        self.seconds = seconds
+
+    @property
+    def passes(self) -> list[str]:
+        return [s.name for s in self.history]
+
+    def graph(self, name: str = "insert_collectives") -> GraphSnapshot:
+        for shot in self.history:
+            if shot.name == name:
+                return shot
+        raise ConfigError(f"no pass named {name!r}; the passes are: {', '.join(self.passes)}")
+
+    @property
+    def shard_plan(self) -> plans.ShardPlan:
+        return self.ctx.shard_plan
+
+    @property
+    def memory_plan(self):
+        """The memory plan, when the pipeline has a pass that makes one (else None)."""
+        return getattr(self.ctx, "memory_plan", None)
+
+    def report(self) -> dict:
+        captured = self.ctx.captured
+        infos = [*captured.params, *captured.frozen]
+        comm, counts = communication(self.gm, self.param_dtype)
+        return {
+            "stage": self.stage,
+            "world_size": self.world_size,
+            "rank": self.rank,
+            "param_count": sum(i.numel for i in infos),
+            "param_bytes": sum(i.numel * (self.param_dtype or i.dtype).itemsize for i in infos),
+            "param_dtype": str(self.param_dtype or captured.params[0].dtype).replace("torch.", ""),
+            "buckets": len(self.shard_plan.buckets),
+            "padding_elements": self.shard_plan.padding_elements,
+            "comm_bytes_per_step": comm,
+            "collectives_per_step": counts,
+            "model_state_bytes_per_rank": model_state_bytes(self.gm, self.ctx, self.param_dtype),
+            "plan_seconds": {k: round(v, 3) for k, v in self.seconds.items()},
+            "accounting": ("mixed precision modeled in accounting only: params and grads in param_dtype, "
+                           "fp32 master params counted with optimizer state") if self.param_dtype else "as compiled",
+        }
+
+    def explain(self) -> str:
+        from .explain import explain
+        return explain(self.ctx, self.history, self.report())
+
+
+def model_state_bytes(gm: fx.GraphModule, ctx: CompileContext, param_dtype: torch.dtype | None = None) -> dict[str, int]:
+    """Bytes of parameters, gradients and optimizer state one rank holds, from the planned graph.
+
+    "grads" is what the rank holds when backward ends: full buckets at stages
+    0-1, its shard at 2-3. With ``param_dtype``, see the module docstring.
+    """
+    held = {"params": 0, "grads": 0, "optimizer": 0}
+    for node in g.placeholders(gm):
+        role = node.meta.get(g.ROLE)
+        value = g.tensor_meta(node)
+        if value is None:
+            continue
+        if role in (g.ROLE_PARAM, g.ROLE_FROZEN):
+            held["params"] += value.numel() * (param_dtype or value.dtype).itemsize
+        elif role == g.ROLE_STATE:
+            held["optimizer"] += value.numel() * value.element_size()
+    for bucket in ctx.shard_plan.buckets:
+        numel = bucket.shard_numel if ctx.stage >= 2 else bucket.numel
+        held["grads"] += numel * (param_dtype or bucket.dtype).itemsize
+    if param_dtype is not None:   # the fp32 master copy of what this rank updates
+        held["optimizer"] += sum(piece.numel * max(bucket.dtype.itemsize, 4)
+                                 for bucket, _, piece in ctx.shard_plan.owned_pieces())
+    return held
+
+
+def communication(gm: fx.GraphModule, param_dtype: torch.dtype | None = None) -> tuple[dict[str, int], dict[str, int]]:
+    """Bytes each kind of collective moves per step (counted as the ZeRO paper does), and how many there are."""
+    comm = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0, "broadcast": 0}
+    counts: collections.Counter = collections.Counter()
+
+    def size(node):
+        value = g.tensor_meta(node)
+        if value is None:
+            return 0
+        itemsize = param_dtype.itemsize if param_dtype is not None and value.is_floating_point() else value.element_size()
+        return value.numel() * itemsize
+
+    for node in gm.graph.nodes:
+        if g.is_all_gather(node):
+            kind, moved = "all_gather", size(node)
+        elif g.is_reduce_scatter(node):
+            kind, moved = "reduce_scatter", size(node.args[0])
+        elif g.is_all_reduce(node):
+            kind, moved = "all_reduce", 2 * size(node)
+        elif g.is_broadcast(node):
+            kind, moved = "broadcast", size(node)
+        else:
+            continue
+        comm[kind] += moved
+        counts[kind] += 1
+    return comm, dict(counts)
+
+
+def fake_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, fake_mode) -> list[dict[str, torch.Tensor]]:
+    """Per trained parameter (in capture's order), fake optimizer state shaped as the steady state's.
+
+    The structure (keys, scalar or not, dtype) comes from one real ``step()``
+    of a copy of ``optimizer`` over a one-element tensor per param group.
+    """
+    group_of_id = {id(p): index for index, group in enumerate(optimizer.param_groups) for p in group["params"]}
+    trained = [t for _, t in named_tensors(model, "param") if t.requires_grad and id(t) in group_of_id]
+    structures = {}
+    for tensor in trained:
+        key = (group_of_id[id(tensor)], tensor.dtype)
+        if key not in structures:
+            structures[key] = probe_state(optimizer, *key)
+    states = []
+    with fake_mode:
+        for tensor in trained:
+            state = {}
+            structure = structures[(group_of_id[id(tensor)], tensor.dtype)]
+            for name, (scalar, dtype, on_cpu) in sorted(structure.items()):   # capture lays state out sorted
+                shape = () if scalar else tuple(tensor.shape)
+                state[name] = torch.zeros(shape, dtype=dtype, device="cpu" if on_cpu and scalar else tensor.device)
+            states.append(state)
+    return states
+
+
+def probe_state(optimizer: torch.optim.Optimizer, group: int, dtype: torch.dtype) -> dict[str, tuple[bool, torch.dtype, bool]]:
+    """The state one real step of ``optimizer``'s group ``group`` creates: key -> (scalar, dtype, on CPU)."""
+    shadow = copy.copy(optimizer)
+    shadow.state = collections.defaultdict(dict)
+    tiny = torch.zeros(1, dtype=dtype, requires_grad=True)
+    settings = {k: v for k, v in optimizer.param_groups[group].items() if k != "params"}
+    settings["params"] = [tiny]
+    shadow.param_groups = [settings]
+    tiny.grad = torch.zeros_like(tiny)
+    with torch.no_grad():
+        shadow.step()
+    return {key: (value.dim() == 0, value.dtype, value.device.type == "cpu")
+            for key, value in shadow.state[tiny].items() if isinstance(value, torch.Tensor)}
+
+
+def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
+    """A new graph module with the same nodes and meta, so a pipeline can rewrite it and keep ``gm`` intact."""
+    new = fx.GraphModule(gm, copy_graph(gm.graph))
+    new.meta = {key: copy.copy(value) for key, value in gm.meta.items()}
+    return new
+
+
+def dataclasses_replace_gm(captured: Captured, gm: fx.GraphModule) -> Captured:
+    import dataclasses
+    return dataclasses.replace(captured, gm=gm)
