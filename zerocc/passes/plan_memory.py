@@ -168,7 +168,7 @@ def _is_view(node: fx.Node) -> bool:
             return False
         try:
             source.view(value.shape)
-        except RuntimeError:
+        except (RuntimeError, ValueError):   # fake tensors raise ValueError
             return False   # the layout allows no view: the op copies
     return True
 
