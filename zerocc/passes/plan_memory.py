@@ -28,6 +28,7 @@ import operator
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
 import torch.utils._pytree as pytree
 
 from .. import graph as g
@@ -181,8 +182,16 @@ def _value_of(node: fx.Node, index: int | None):
 
 
 def _storage_bytes(value) -> int:
-    """Bytes of the storage a fresh ``value`` needs (its strides may skip elements); 0 if it is no tensor."""
-    if not isinstance(value, torch.Tensor) or value.numel() == 0:
+    """Bytes of the storage a fresh ``value`` needs (its strides may skip elements).
+
+    0 if it is no tensor, or if its size depends on the data (boolean-mask
+    indexing): such a tensor cannot be placed ahead of time.
+    """
+    if not isinstance(value, torch.Tensor):
+        return 0
+    if not all(is_concrete_int(x) for x in (*value.shape, *value.stride())):
+        return 0
+    if value.numel() == 0:
         return 0
     span = 1 + sum((int(size) - 1) * abs(int(stride)) for size, stride in zip(value.shape, value.stride()))
     return span * value.element_size()
