@@ -23,6 +23,7 @@ def _entry(rank, world_size, port, folder, fn, args):
     try:
         result = fn(rank, world_size, *args)
         torch.save(result, os.path.join(folder, f"rank{rank}.pt"))
+        dist.barrier()   # no rank tears gloo down while a peer may still be talking to it
     finally:
         dist.destroy_process_group()
 
