@@ -73,12 +73,8 @@ def build_zerocc(stage):
     return build
 
 
-def build_ddp():
-    from torch.nn.parallel import DistributedDataParallel
-    torch.manual_seed(0)
-    model = DistributedDataParallel(GPT())
-    optimizer = make_optimizer(model.parameters())
-
+def eager_step(model, optimizer):
+    """One plain PyTorch training step of ``model`` (DDP- or FSDP2-wrapped), as a callable."""
     def step(tokens, targets):
         optimizer.zero_grad(set_to_none=True)
         loss = model(tokens, targets)
@@ -86,6 +82,14 @@ def build_ddp():
         optimizer.step()
         return loss.detach()
     return step
+
+
+def build_ddp():
+    from torch.nn.parallel import DistributedDataParallel
+    torch.manual_seed(0)
+    model = DistributedDataParallel(GPT())
+    optimizer = make_optimizer(model.parameters())
+    return eager_step(model, optimizer)
 
 
 def build_fsdp2():
@@ -98,14 +102,7 @@ def build_fsdp2():
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     optimizer = make_optimizer(model.parameters())
-
-    def step(tokens, targets):
-        optimizer.zero_grad(set_to_none=True)
-        loss = model(tokens, targets)
-        loss.backward()
-        optimizer.step()
-        return loss.detach()
-    return step
+    return eager_step(model, optimizer)
 
 
 def build_deepspeed(stage):
