@@ -26,7 +26,6 @@ Writes benchmarks/results/compare.{md,json,png} (rank 0) and prints the table.
 from __future__ import annotations
 
 import argparse
-import collections
 import gc
 import json
 import os
@@ -40,13 +39,12 @@ os.environ.setdefault("DS_BUILD_OPS", "0")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.distributed._tools.mem_tracker import MemTracker  # noqa: E402
-from torch.distributed.tensor import DTensor  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "examples"))
 sys.path.insert(0, os.path.join(HERE, ".."))
 import zerocc  # noqa: E402
+from zerocc.runtime.comm_counter import CountCollectives  # noqa: E402
 from gpt import GPT, random_batch  # noqa: E402
 
 LR = 1e-3
@@ -138,38 +136,6 @@ SYSTEMS = {
 
 
 # -- measuring ------------------------------------------------------------------------------------------------
-
-COLLECTIVE_OPS = {   # op name -> (kind, index of the argument holding the full tensor(s), or None: the output)
-    "all_gather_into_tensor": ("all_gather", None), "reduce_scatter_tensor": ("reduce_scatter", 0),
-    "all_reduce": ("all_reduce", 0), "broadcast": ("broadcast", 0),                        # _c10d_functional
-    "_allgather_base_": ("all_gather", 0), "allgather_into_tensor_coalesced_": ("all_gather", 0),
-    "allgather_": ("all_gather", 0), "_reduce_scatter_base_": ("reduce_scatter", 1),
-    "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1), "reduce_scatter_": ("reduce_scatter", 1),
-    "allreduce_": ("all_reduce", 0), "allreduce_coalesced_": ("all_reduce", 0), "broadcast_": ("broadcast", 0),
-}
-
-
-class CountCollectives(TorchDispatchMode):
-    """Collectives issued through the dispatcher (torch.distributed, DDP's reducer and functional ones alike)."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls = collections.Counter()
-        self.bytes = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if any(t is DTensor for t in types):
-            return NotImplemented    # let DTensor desugar into the local collectives first
-        out = func(*args, **(kwargs or {}))
-        if func.namespace in ("_c10d_functional", "c10d") and func._opname in COLLECTIVE_OPS:
-            kind, index = COLLECTIVE_OPS[func._opname]
-            full = out if index is None else args[index]
-            tensors = [t for t in torch.utils._pytree.tree_leaves(full) if isinstance(t, torch.Tensor)]
-            volume = sum(t.numel() * t.element_size() for t in tensors)
-            self.calls[kind] += 1
-            self.bytes[kind] += volume * (2 if kind == "all_reduce" else 1)
-        return out
-
 
 def barrier():
     dist.barrier()

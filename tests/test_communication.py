@@ -1,41 +1,13 @@
 """Communication volume: what the report says, what the step issues, and what the ZeRO paper predicts."""
 from __future__ import annotations
 
-import collections
-
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import zerocc
+from zerocc.runtime.comm_counter import CountCollectives
 from tests import distributed
 from tests.models import batches, build
-
-COLLECTIVES = {
-    "all_gather_into_tensor": "all_gather",
-    "reduce_scatter_tensor": "reduce_scatter",
-    "all_reduce": "all_reduce",
-    "broadcast": "broadcast",
-}
-
-
-class CountCollectives(TorchDispatchMode):
-    """Counts the collectives a step really issues and their volume, counted as the ZeRO paper does."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls = collections.Counter()
-        self.bytes = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func.namespace == "_c10d_functional" and func._opname in COLLECTIVES:
-            kind = COLLECTIVES[func._opname]
-            full = args[0] if kind == "reduce_scatter" else out     # volume = bytes of the full tensor
-            self.calls[kind] += 1
-            self.bytes[kind] += full.numel() * full.element_size() * (2 if kind == "all_reduce" else 1)
-        return out
-
 
 def _measure(rank, world_size, stage, bucket_bytes=16 * 1024):
     model, _, loss_fn = build("gpt")

@@ -136,8 +136,7 @@ def _lower_parameter_gather(gm, ctx, marker) -> int:
     if not backward_uses:
         return 1
 
-    order = g.topological_index(gm)
-    first = min((user for user, _ in backward_uses), key=order.get)
+    first = min(user for user, _ in backward_uses)   # fx nodes compare by graph position, O(1)
     copies: dict[fx.Node, fx.Node] = {}
 
     def copy_of(node: fx.Node) -> fx.Node:
