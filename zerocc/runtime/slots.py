@@ -64,7 +64,7 @@ def full_buckets(plan: ShardPlan, slots: dict[str, torch.Tensor], group) -> dict
         local = slots[plans.bucket_slot(bucket.index)]
         if plan.stage == 3 and plan.world_size > 1:
             full = torch.empty(bucket.numel, dtype=local.dtype, device=local.device)
-            dist.all_gather_into_tensor(full, local.contiguous(), group=group)
+            dist.all_gather_single(full, local.contiguous(), group=group)
             result[bucket.index] = full
         else:
             result[bucket.index] = local
