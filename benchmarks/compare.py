@@ -29,6 +29,7 @@ import argparse
 import gc
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -63,12 +64,24 @@ def make_optimizer(params):
 ZEROCC_OPTIONS = {}   # bucket_bytes / prefetch_bytes from the command line, else zerocc's defaults
 
 
-def build_zerocc(stage):
+def build_zerocc(stage, bucket_bytes=None):
+    options = dict(ZEROCC_OPTIONS, **({} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}))
+
     def build():
         torch.manual_seed(0)
         model = GPT()
-        return zerocc.compile(model, make_optimizer(model.parameters()), stage=stage, **ZEROCC_OPTIONS).__call__
+        return zerocc.compile(model, make_optimizer(model.parameters()), stage=stage, **options).__call__
     return build
+
+
+def system(name):
+    """The builder for ``name``: one of SYSTEMS, or ``zerocc-<stage>@<MiB>`` for a bucket-size variant."""
+    if name in SYSTEMS:
+        return SYSTEMS[name]
+    match = re.fullmatch(r"zerocc-([0-3])@([0-9.]+)", name)
+    if match is None:
+        raise SystemExit(f"unknown system {name!r}: one of {', '.join(SYSTEMS)} or zerocc-<stage>@<bucket MiB>")
+    return build_zerocc(int(match[1]), int(float(match[2]) * 2**20))
 
 
 def eager_step(model, optimizer):
@@ -143,7 +156,8 @@ def barrier():
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--systems", default=",".join(SYSTEMS))
+    parser.add_argument("--systems", default=",".join(SYSTEMS),
+                        help="comma-separated; zerocc-3@1 is stage 3 with 1 MiB buckets (a bucket-size sweep)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--steps", type=int, default=3, help="steps per system per round")
@@ -160,6 +174,7 @@ def main():
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     names = [n for n in args.systems.split(",") if n]
+    builders = {n: system(n) for n in names}
 
     total_steps = args.warmup + 1 + args.repeats * args.steps
     generator = torch.Generator().manual_seed(1000 + rank)
@@ -174,13 +189,13 @@ def main():
             if name.startswith("zerocc"):
                 # compiling traces modules, which MemTracker's module hooks do not survive; the step's
                 # persistent tensors are all in its slots, so they are handed to the tracker instead
-                step = SYSTEMS[name]()
+                step = builders[name]()
                 for i in range(args.warmup):
                     step(*data[i])
                 tracker.track_external(*step.__self__._slots.values())
             else:
                 with tracker:
-                    step = SYSTEMS[name]()
+                    step = builders[name]()
                     for i in range(args.warmup):
                         step(*data[i])
                         tracker.reset_mod_stats()   # MemTracker refuses a module called again otherwise

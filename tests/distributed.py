@@ -1,6 +1,7 @@
 """Run a function on N gloo ranks (processes on this machine) and collect what each returns."""
 from __future__ import annotations
 
+import faulthandler
 import os
 import socket
 import tempfile
@@ -17,6 +18,7 @@ def free_port() -> int:
 
 
 def _entry(rank, world_size, port, folder, fn, args):
+    faulthandler.enable()   # a crash in a rank (SIGSEGV in C++) prints that rank's Python stack
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
