@@ -11,6 +11,8 @@ class Block(nn.Module):
         super().__init__()
         self.heads = heads
         self.ln1 = nn.LayerNorm(d_model)
+        # no bias: a key bias gets a gradient of exactly zero in theory (softmax ignores a
+        # constant shift), so Adam would turn its rounding noise into full-size updates
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
         self.proj = nn.Linear(d_model, d_model)
         self.ln2 = nn.LayerNorm(d_model)
@@ -29,7 +31,8 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """Returns the mean next-token cross-entropy when called as ``model(tokens, targets)``."""
 
-    def __init__(self, vocab: int = 1024, d_model: int = 256, layers: int = 6, heads: int = 8, seq: int = 128):
+    def __init__(self, vocab: int = 1024, d_model: int = 256, layers: int = 6, heads: int = 8, seq: int = 128,
+                 gpt2_init: bool = True):
         super().__init__()
         self.wte = nn.Embedding(vocab, d_model)
         self.wpe = nn.Embedding(seq, d_model)
@@ -37,7 +40,7 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(d_model)
         self.lm_head = nn.Linear(d_model, vocab, bias=False)
         self.lm_head.weight = self.wte.weight
-        for module in self.modules():   # GPT-2's initialization: small weights, zero biases
+        for module in self.modules() if gpt2_init else ():   # GPT-2's initialization: small weights, zero biases
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, std=0.02)
             if isinstance(module, nn.Linear) and module.bias is not None:

@@ -1,9 +1,15 @@
 """Small models the tests train: each factory returns (model, batch maker, loss_fn)."""
 from __future__ import annotations
 
+import os
+import sys
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+from gpt import GPT  # noqa: E402  (examples/gpt.py: the model the example and the benchmarks train)
 
 
 class MLP(nn.Module):
@@ -19,47 +25,9 @@ class MLP(nn.Module):
         return self.net(x)
 
 
-class Block(nn.Module):
-    def __init__(self, d, heads):
-        super().__init__()
-        self.heads = heads
-        self.ln1 = nn.LayerNorm(d)
-        # no bias: a key bias gets a gradient of exactly zero in theory (softmax ignores a
-        # constant shift), so Adam turns its rounding noise into full-size updates
-        self.qkv = nn.Linear(d, 3 * d, bias=False)
-        self.proj = nn.Linear(d, d)
-        self.ln2 = nn.LayerNorm(d)
-        self.fc = nn.Linear(d, 4 * d)
-        self.out = nn.Linear(4 * d, d)
-
-    def forward(self, x):
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
-        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
-        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(attn.transpose(1, 2).reshape(b, t, d))
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
-
-
-class TinyGPT(nn.Module):
-    """A GPT with tied input and output embeddings; returns the loss when given targets."""
-
-    def __init__(self, vocab=64, d=32, layers=2, heads=4, seq=16):
-        super().__init__()
-        self.wte = nn.Embedding(vocab, d)
-        self.wpe = nn.Embedding(seq, d)
-        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
-        self.ln_f = nn.LayerNorm(d)
-        self.lm_head = nn.Linear(d, vocab, bias=False)
-        self.lm_head.weight = self.wte.weight   # tied
-
-    def forward(self, idx, targets):
-        positions = torch.arange(idx.shape[1], device=idx.device)
-        x = self.wte(idx) + self.wpe(positions)
-        for block in self.blocks:
-            x = block(x)
-        logits = self.lm_head(self.ln_f(x))
-        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
+def TinyGPT(vocab=64, d=32, layers=2, heads=4, seq=16):
+    """The example GPT (tied input and output embeddings; returns the loss), tiny, with PyTorch's default init."""
+    return GPT(vocab=vocab, d_model=d, layers=layers, heads=heads, seq=seq, gpt2_init=False)
 
 
 class ConvNet(nn.Module):
