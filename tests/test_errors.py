@@ -227,3 +227,23 @@ def test_eval_forward_before_the_step_is_compiled():
     with pytest.raises(zerocc.ConfigError, match=r"eval_forward needs the training step compiled first: the "
                        r"parameters live in the step's buckets"):
         step.eval_forward(batches("mlp", 1, 4)[0][0])
+
+
+class ScalesItsWeight(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(12, 5)
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.linear.weight.mul_(0.5)   # in place, on a parameter
+        return self.linear(x)
+
+
+def test_in_place_write_to_a_parameter_in_forward():
+    model = ScalesItsWeight()
+    step = zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), stage=2, loss_fn=F.mse_loss)
+    with pytest.raises(zerocc.CaptureError, match=r"(?s)the model writes into its parameters in place during the step:\n"
+                       r"  - parameter 'linear.weight' by mul_ at .*test_errors.py:\d+: self.linear.weight.mul_\(0.5\).*"
+                       r"fix: compute a new tensor instead"):
+        step(*batches("mlp", 1, 4)[0])

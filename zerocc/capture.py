@@ -234,6 +234,7 @@ def capture(
         raise CaptureError(f"tracing the training step failed at {where}: {type(error).__name__}: {error}") from error
 
     leaves = _placeholder_layout(fake_args)
+    _refuse_writes_to_parameters(gm, leaves, param_infos, frozen_infos)
     _tag_placeholders(gm, leaves, param_infos, frozen_infos, buffer_infos, state_keys)
     # outputs: loss, grads (None for unused), buffers; then the optimizer's step over the used parameters
     out_nodes = list(g.output_node(gm).args[0])
@@ -293,6 +294,26 @@ def _splice_optimizer(gm, fake_mode, optimizer, grad_nodes, group_of, *, replica
         new_params[i] = stepped[position]
         new_states[i] = stepped_states[position]
     return new_params, new_states
+
+
+def _refuse_writes_to_parameters(gm, layout, param_infos, frozen_infos) -> None:
+    """A parameter written in place inside the step (not by the optimizer) would be silently lost: refuse it."""
+    from .errors import user_line_of_node
+    from .tracing import WRITTEN_INPUTS
+    problems = []
+    for position, node in sorted(gm.meta.get(WRITTEN_INPUTS, {}).items()):
+        role, index, _ = layout[position]
+        if role in (g.ROLE_PARAM, g.ROLE_FROZEN):
+            name = (param_infos if role == g.ROLE_PARAM else frozen_infos)[index].name
+            where = user_line_of_node(node) or "(no user frame found)"
+            problems.append(f"  - parameter {name!r} by {g.short_name(node.target)} at {where}")
+    if problems:
+        raise CaptureError(
+            "the model writes into its parameters in place during the step:\n" + "\n".join(problems) + "\n"
+            "  why: the compiled step is one functional graph over the sharded parameters; only the optimizer "
+            "updates them, so this write would be lost.\n"
+            "  fix: compute a new tensor instead (w = w * s), keep the value in a buffer (register_buffer), "
+            "or change the parameters outside the step (before compiling, or through load_checkpoint).")
 
 
 def _placeholder_layout(fake_args) -> list[tuple[str, int, str]]:
