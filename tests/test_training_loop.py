@@ -159,29 +159,30 @@ def test_without_clipping_there_is_no_norm_and_no_pass():
 
 # -- world size 2 against DDP ----------------------------------------------------------
 
-FEATURES = [("accumulate", adamw, dict(grad_accumulation=4)),
-            ("clip", sgd, dict(clip_grad_norm=1.0)),
-            ("clip_inf", sgd, dict(clip_grad_norm=0.02, clip_norm_type=math.inf))]
-STAGES_OF = {"accumulate": (0, 1, 2, 3), "clip": (0, 1, 2, 3), "clip_inf": (3,)}
+# (feature, model, optimizer, compile options, stages): GPT for accumulation (tied weights, several
+# buckets), the MLP for clipping (small buckets: parameters split across buckets and ranks)
+FEATURES = [("accumulate", "gpt", adamw, dict(grad_accumulation=4, bucket_bytes=16384), (0, 2, 3)),
+            ("clip", "mlp", sgd, dict(clip_grad_norm=0.1, bucket_bytes=2048), (0, 1, 2, 3)),
+            ("clip_inf", "mlp", sgd, dict(clip_grad_norm=0.01, clip_norm_type=math.inf, bucket_bytes=2048), (3,))]
 
 
 def _against_ddp(rank, world_size):
     """Per rank: DDP's losses, norms and final state; then each stage's, for accumulation and for clipping."""
-    data = batches("gpt", 3, 8 * world_size)
-    local = [tuple(t[rank * 8:(rank + 1) * 8] for t in batch) for batch in data]
     results = {}
-    for feature, make_optimizer, options in FEATURES:
+    for feature, name, make_optimizer, options, stages in FEATURES:
+        data = batches(name, 3, 8 * world_size)
+        local = [tuple(t[rank * 8:(rank + 1) * 8] for t in batch) for batch in data]
         k = options.get("grad_accumulation", 1)
         clip, norm_type = options.get("clip_grad_norm"), options.get("clip_norm_type", 2.0)
-        reference, _, _ = build("gpt")
+        reference, _, loss_fn = build(name)
         ddp = DistributedDataParallel(reference)
         optimizer = make_optimizer(reference)
-        expected = [eager_accumulated_step(ddp, optimizer, None, batch, k, clip, norm_type) for batch in local]
+        expected = [eager_accumulated_step(ddp, optimizer, loss_fn, batch, k, clip, norm_type) for batch in local]
         results[(feature, "ddp")] = ([e for e, _ in expected], [n for _, n in expected],
                                      {key: v.clone() for key, v in reference.state_dict().items()}, None)
-        for stage in STAGES_OF[feature]:
-            model, _, _ = build("gpt")
-            step = zerocc.compile(model, make_optimizer(model), stage=stage, bucket_bytes=16384, **options)
+        for stage in stages:
+            model, _, _ = build(name)
+            step = zerocc.compile(model, make_optimizer(model), stage=stage, loss_fn=loss_fn, **options)
             losses, norms = [], []
             for batch in local:
                 losses.append(step(*batch))
@@ -189,28 +190,29 @@ def _against_ddp(rank, world_size):
             collectives = step.report()["collectives_per_step"]
             results[(feature, stage)] = (losses, norms, step.full_state_dict(),
                                          (collectives, len(step.shard_plan.buckets)))
-    # eval_forward at stage 3 gathers the shards: the same output on every rank, equal to the DDP model's
-    model, _, _ = build("gpt")
-    step = zerocc.compile(model, adamw(model), stage=3, bucket_bytes=16384)
-    step(*local[0])
-    reference, _, _ = build("gpt")
+    # eval_forward at stage 3 gathers the shards: the same output on every rank, equal to the trained model's
+    model, _, loss_fn = build("mlp")
+    step = zerocc.compile(model, adamw(model), stage=3, loss_fn=loss_fn, bucket_bytes=2048)
+    x, y = batches("mlp", 1, 16)[0]
+    step(x[rank * 8:(rank + 1) * 8], y[rank * 8:(rank + 1) * 8])
+    reference, _, _ = build("mlp")
     reference.load_state_dict(step.full_state_dict())
-    reference.eval()
     with torch.no_grad():
-        results["eval"] = (step.eval_forward(*data[1]), reference(*data[1]))
+        results["eval"] = (step.eval_forward(x), reference.eval()(x))
     return results
 
 
 def test_world_size_2_matches_ddp():
     per_rank = distributed.run(_against_ddp, 2)
     for rank, results in enumerate(per_rank):
-        for feature, _, options in FEATURES:
+        for feature, _, _, options, stages in FEATURES:
             expected_losses, expected_norms, expected_state, _ = results[(feature, "ddp")]
             if feature != "accumulate":
                 assert all(norm > options["clip_grad_norm"] for norm in expected_norms)   # the clip acts
-            for stage in STAGES_OF[feature]:
+            for stage in stages:
                 losses, norms, state, (collectives, buckets) = results[(feature, stage)]
                 where = f"{feature} stage {stage} rank {rank}"
+                assert buckets > 1, where   # several reductions, and parameters split between buckets
                 torch.testing.assert_close(torch.stack(losses), torch.stack(expected_losses), rtol=1e-5, atol=1e-6,
                                            msg=lambda m: f"{where} losses: {m}")
                 if feature != "accumulate":
