@@ -172,3 +172,78 @@ def test_data_dependent_shapes_trace_symbolically_not_baked_in():
         assert torch.equal(step(x), expected.detach())
     assert len(rows) > 1   # the batches really routed differently
     assert len(step._programs) == 2   # one program for any row count (plus the first step's)
+
+
+# -- training-loop features (tests/test_training_loop.py) ------------------------------
+
+def test_grad_accumulation_that_does_not_divide_the_batch():
+    model = MLP()
+    step = zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=F.mse_loss, grad_accumulation=3)
+    with pytest.raises(zerocc.ConfigError, match=r"grad_accumulation=3 does not divide the batch along dim 0: "
+                       r"argument 0 has 4 rows, argument 1 has 4 rows; use a batch whose size is a multiple of 3"):
+        step(*batches("mlp", 1, 4)[0])
+
+
+def test_grad_accumulation_out_of_range():
+    model = MLP()
+    with pytest.raises(zerocc.ConfigError, match=r"grad_accumulation must be a positive int \(the number of "
+                       r"micro-batches a batch is split into\), got 0"):
+        zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), grad_accumulation=0)
+
+
+def test_clip_grad_norm_not_positive():
+    model = MLP()
+    with pytest.raises(zerocc.ConfigError, match=r"clip_grad_norm must be a positive finite number \(the largest "
+                       r"global gradient norm allowed\), got -1.0; leave it None not to clip"):
+        zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), clip_grad_norm=-1.0)
+
+
+def test_clip_norm_type_not_positive():
+    model = MLP()
+    with pytest.raises(zerocc.ConfigError, match=r"clip_norm_type must be a positive number or float\('inf'\), got 0"):
+        zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), clip_grad_norm=1.0, clip_norm_type=0)
+
+
+def test_max_programs_not_positive():
+    model = MLP()
+    with pytest.raises(zerocc.ConfigError, match=r"max_programs must be a positive int \(compiled programs kept, "
+                       r"by input shape\), got 0"):
+        zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), max_programs=0)
+
+
+def test_a_new_shape_under_static_shapes():
+    model = MLP()
+    step = zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=F.mse_loss, static_shapes=True)
+    step(*batches("mlp", 1, 4)[0])
+    with pytest.raises(zerocc.ConfigError, match=r"static_shapes=True, but this batch is shapes \(3, 12\) float32, "
+                       r"\(3, 5\) float32 and the step was compiled for shapes \(4, 12\) float32, \(4, 5\) float32; "
+                       r"pad or cut the batch to the compiled shape"):
+        step(*batches("mlp", 1, 3)[0])
+
+
+def test_eval_forward_before_the_step_is_compiled():
+    model = MLP()
+    step = zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=F.mse_loss)
+    with pytest.raises(zerocc.ConfigError, match=r"eval_forward needs the training step compiled first: the "
+                       r"parameters live in the step's buckets"):
+        step.eval_forward(batches("mlp", 1, 4)[0][0])
+
+
+class ScalesItsWeight(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(12, 5)
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.linear.weight.mul_(0.5)   # in place, on a parameter
+        return self.linear(x)
+
+
+def test_in_place_write_to_a_parameter_in_forward():
+    model = ScalesItsWeight()
+    step = zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), stage=2, loss_fn=F.mse_loss)
+    with pytest.raises(zerocc.CaptureError, match=r"(?s)the model writes into its parameters in place during the step:\n"
+                       r"  - parameter 'linear.weight' by mul_ at .*test_errors.py:\d+: self.linear.weight.mul_\(0.5\).*"
+                       r"fix: compute a new tensor instead"):
+        step(*batches("mlp", 1, 4)[0])

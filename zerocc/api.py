@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import collections
+import math
 import time
+import warnings
 from typing import Any, Callable, Sequence
 
 import torch
@@ -14,8 +16,9 @@ from . import graph as g
 from . import plans
 from .capture import Captured, capture, named_tensors
 from .context import CompileContext
-from .errors import ConfigError
+from .errors import ConfigError, RecompileWarning
 from .optimizer_step import hyperparameter_signature, live_hyperparameters
+from .passes.clip_gradients import GRAD_NORM_SLOT
 from .pipeline import DEFAULT_PREFETCH_BYTES, GraphSnapshot, build_pipeline, dump_dir_of, run_pipeline
 from .memory_plan import MemoryPlan
 from .runtime import failures
@@ -30,6 +33,22 @@ from .tracing import make_fake_mode
 DEFAULT_BUCKET_BYTES = 4 * 1024 * 1024
 
 STAGES = (0, 1, 2, 3)
+
+# Programs a step keeps, by input shape (and optimizer-state structure) before dropping the least
+# recently used: the first step and the steady state take two, leaving room for a few batch shapes.
+DEFAULT_MAX_PROGRAMS = 8
+
+
+def describe_signature(signature: tuple) -> str:
+    """A batch signature as a person reads it: 'shapes (8, 12) float32, (8, 5) float32'."""
+    parts = []
+    for entry in signature:
+        if entry[0] == "python":
+            parts.append(f"{entry[1]} {entry[2]}")
+        else:
+            shape, dtype = entry[0], str(entry[1]).replace("torch.", "")
+            parts.append(f"{shape} {dtype}")
+    return "shapes " + ", ".join(parts)
 
 
 def compile(
@@ -46,6 +65,11 @@ def compile(
     disable: Sequence[str] = (),
     verify: bool = False,
     dump_dir: str | None = None,
+    grad_accumulation: int = 1,
+    clip_grad_norm: float | None = None,
+    clip_norm_type: float = 2.0,
+    static_shapes: bool = False,
+    max_programs: int = DEFAULT_MAX_PROGRAMS,
 ) -> "CompiledStep":
     """Compile one training step of ``model`` with ``optimizer`` under ZeRO ``stage`` (0-3).
 
@@ -66,6 +90,20 @@ def compile(
     need are refused, with the reason). ``verify=True`` checks invariants after
     every pass (``zerocc/verify.py``). ``dump_dir`` (or ``$ZEROCC_DUMP_DIR``)
     writes the program after every pass as ``{i:03d}_{pass}.py`` there.
+
+    Training-loop features (``zerocc/passes/clip_gradients.py``, ``zerocc/eval.py``):
+    ``grad_accumulation=K`` splits each batch along dim 0 into K micro-batches,
+    runs forward and backward on each in turn inside the one compiled step and
+    reduces the summed gradients once (the loss is the mean of the K
+    micro-batch losses, as ``(loss / K).backward()`` per micro-batch gives).
+    ``clip_grad_norm=max_norm`` clips the averaged gradients to a global
+    ``clip_norm_type``-norm of at most ``max_norm`` before the update, as
+    ``torch.nn.utils.clip_grad_norm_`` does (``step.last_grad_norm`` is the
+    norm before clipping). A batch of a new shape compiles a new program, kept
+    by shape; at most ``max_programs`` are kept (the least recently used is
+    dropped with a warning), and ``static_shapes=True`` makes a new shape an
+    error instead. ``step.eval_forward(*inputs)`` runs the model's forward in
+    eval mode, without gradients or an update, on the step's parameters.
     """
     if stage not in STAGES:
         raise ConfigError(f"stage={stage!r} is not a ZeRO stage; use 0 (plain data parallel), 1, 2 or 3")
@@ -81,10 +119,32 @@ def compile(
         raise ConfigError(f"prefetch_bytes must be a non-negative int, got {prefetch_bytes!r}")
     if num_targets is None:
         num_targets = 1 if loss_fn is not None else 0
-    build_pipeline(stage, disable)   # unknown or essential names fail here, before any tracing
+    if isinstance(grad_accumulation, bool) or not isinstance(grad_accumulation, int) or grad_accumulation < 1:
+        raise ConfigError(f"grad_accumulation must be a positive int (the number of micro-batches a batch is split "
+                          f"into), got {grad_accumulation!r}")
+    clip = _check_clipping(clip_grad_norm, clip_norm_type)
+    if isinstance(max_programs, bool) or not isinstance(max_programs, int) or max_programs < 1:
+        raise ConfigError(f"max_programs must be a positive int (compiled programs kept, by input shape), "
+                          f"got {max_programs!r}")
+    build_pipeline(stage, disable, clip=clip)   # unknown or essential names fail here, before any tracing
     return CompiledStep(model, optimizer, stage, loss_fn, num_targets, group, bucket_bytes,
                         prefetch_bytes=prefetch_bytes, timeout=timeout,
-                        disable=tuple(disable), verify=verify, dump_dir=dump_dir)
+                        disable=tuple(disable), verify=verify, dump_dir=dump_dir,
+                        grad_accumulation=grad_accumulation, clip=clip, static_shapes=bool(static_shapes),
+                        max_programs=max_programs)
+
+
+def _check_clipping(max_norm, norm_type) -> tuple[float, float] | None:
+    """``(max_norm, norm_type)`` for the clip_gradients pass, or None when no clipping was asked for."""
+    if max_norm is None:
+        return None
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0 or math.isinf(max_norm):
+        raise ConfigError(f"clip_grad_norm must be a positive finite number (the largest global gradient norm "
+                          f"allowed), got {max_norm!r}; leave it None not to clip")
+    if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)) or not norm_type > 0:
+        raise ConfigError(f"clip_norm_type must be a positive number or float('inf'), got {norm_type!r} "
+                          "(2.0 is the Euclidean norm clip_grad_norm_ uses by default)")
+    return float(max_norm), float(norm_type)
 
 
 class CompiledStep:
@@ -97,7 +157,8 @@ class CompiledStep:
     """
 
     def __init__(self, model, optimizer, stage, loss_fn, num_targets, group, bucket_bytes, *,
-                 prefetch_bytes=DEFAULT_PREFETCH_BYTES, timeout=None, disable=(), verify=False, dump_dir=None):
+                 prefetch_bytes=DEFAULT_PREFETCH_BYTES, timeout=None, disable=(), verify=False, dump_dir=None,
+                 grad_accumulation=1, clip=None, static_shapes=False, max_programs=DEFAULT_MAX_PROGRAMS):
         self.model = model
         self.optimizer = optimizer
         self.stage = stage
@@ -108,11 +169,18 @@ class CompiledStep:
         self.disable = tuple(disable)
         self.verify = verify
         self.dump_dir = dump_dir
+        self.grad_accumulation = grad_accumulation
+        self.clip = clip                      # (max_norm, norm_type) or None
+        self.static_shapes = static_shapes
+        self.max_programs = max_programs
+        self._eval_programs: dict[Any, Any] = {}   # zerocc/eval.py: forward-only programs, by input signature
         device = next(model.parameters()).device
         self.timeout = timeout
         self.ranks: Ranks = failures.with_timeout(resolve(group, device), timeout)
         self.steps = 0   # steps run, saved in checkpoints
-        self._programs: dict[Any, tuple[Program, CompileContext, list[GraphSnapshot]]] = {}
+        # least recently used first: a hit moves a program to the end, max_programs drops from the front
+        self._programs: collections.OrderedDict[Any, tuple[Program, CompileContext, list[GraphSnapshot]]] = \
+            collections.OrderedDict()
         self._slots: dict[str, torch.Tensor] | None = None
         self._plan: plans.ShardPlan | None = None
         self._captured: Captured | None = None
@@ -149,6 +217,7 @@ class CompiledStep:
         key = (self._input_signature(inputs), self._state_key(), hyperparameter_signature(self.optimizer))
         found = self._programs.get(key)
         if found is None:
+            self._check_static_shapes(key[0])
             started = time.perf_counter()
             found = self._compile(inputs)
             self.compile_seconds += time.perf_counter() - started
@@ -156,8 +225,34 @@ class CompiledStep:
             if key[1] == ("initial",) and self._state_key():
                 # traced with existing state (a checkpoint loaded before the first call): it is the steady state
                 self._programs[(key[0], self._state_key(), key[2])] = found
+            self._evict_beyond_limit(key[0])
+        self._programs.move_to_end(key)
         self._last = found
         return found
+
+    def _check_static_shapes(self, signature) -> None:
+        """static_shapes=True: a batch unlike the one compiled is an error, not a new program."""
+        compiled = {key[0] for key in self._programs}
+        if self.static_shapes and compiled and signature not in compiled:
+            raise ConfigError(
+                f"static_shapes=True, but this batch is {describe_signature(signature)} and the step was compiled "
+                f"for {' and '.join(describe_signature(s) for s in compiled)}; pad or cut the batch to the compiled "
+                "shape (the last batch of an epoch: drop_last=True), or compile with static_shapes=False to compile "
+                "a program per shape")
+
+    def _evict_beyond_limit(self, signature) -> None:
+        """Keep at most ``max_programs`` programs, dropping the least recently used with a warning."""
+        while len({id(found[0]) for found in self._programs.values()}) > self.max_programs:
+            old_key, (program, _, _) = next(iter(self._programs.items()))
+            for key in [k for k, found in self._programs.items() if found[0] is program]:
+                del self._programs[key]
+            self._measured_peak_bytes.pop(id(program), None)
+            warnings.warn(
+                f"zerocc: more than max_programs={self.max_programs} compiled programs (a new batch of "
+                f"{describe_signature(signature)}); dropped the least recently used, compiled for "
+                f"{describe_signature(old_key[0])}. Each new shape costs a compilation: pad batches to a few shapes, "
+                "raise max_programs, or set static_shapes=True to make a new shape an error", RecompileWarning,
+                stacklevel=4)
 
     def _compile(self, inputs):
         fake_mode = make_fake_mode()
@@ -167,11 +262,12 @@ class CompiledStep:
         captured = capture(self.model, self.optimizer, inputs, loss_fn=self.loss_fn, num_targets=self.num_targets,
                            fake_mode=fake_mode, optimizer_state=optimizer_state,
                            check_update_elementwise=self.stage != 0,
-                           parameter_shapes=self._released_shapes)
+                           parameter_shapes=self._released_shapes, grad_accumulation=self.grad_accumulation)
         state_signature = _state_signature_of(captured)
         ctx = CompileContext(self.stage, self.ranks.world_size, self.ranks.rank, self.ranks.group_name,
                              self.optimizer, captured, fake_mode, self.bucket_bytes, previous_plan=self._plan)
-        gm, history = run_pipeline(captured.gm, ctx, build_pipeline(self.stage, self.disable, self.prefetch_bytes),
+        gm, history = run_pipeline(captured.gm, ctx, build_pipeline(self.stage, self.disable, self.prefetch_bytes,
+                                                                    clip=self.clip),
                                    verify=self.verify, dump_dir=dump_dir_of(self.dump_dir))
         failures.check_ranks_agree(self.ranks, gm, ctx.shard_plan)   # before any of its collectives can hang
         program = Program.from_graph(gm)
@@ -275,7 +371,20 @@ class CompiledStep:
     @property
     def passes(self) -> list[str]:
         """The passes a compilation runs, in order (registered passes included, disabled ones not)."""
-        return ["capture", *[p.name for p in build_pipeline(self.stage, self.disable)]]
+        return ["capture", *[p.name for p in build_pipeline(self.stage, self.disable, clip=self.clip)]]
+
+    # -- training-loop features ---------------------------------------------------
+    @property
+    def last_grad_norm(self) -> torch.Tensor | None:
+        """The global gradient norm of the last step, before clipping (None without ``clip_grad_norm``)."""
+        if self._slots is None:
+            return None
+        return self._slots.get(GRAD_NORM_SLOT)
+
+    def eval_forward(self, *inputs):
+        """The model's output on ``inputs`` in eval mode: forward only, no gradient, no update (``zerocc/eval.py``)."""
+        from .eval import eval_forward
+        return eval_forward(self, inputs)
 
     def graph(self, name: str = "insert_collectives") -> GraphSnapshot:
         """The program after pass ``name`` (of the plan the last call ran), printable as Python."""

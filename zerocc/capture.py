@@ -96,6 +96,25 @@ def extract_loss(output: Any, targets: Sequence[Any], loss_fn: Callable | None) 
     )
 
 
+def check_micro_batches(inputs: Sequence[Any], count: int) -> None:
+    """Every batch tensor (one dimension or more) must split into ``count`` equal micro-batches along dim 0."""
+    if count == 1:
+        return
+    bad = [f"argument {i} has {t.shape[0]} rows" for i, t in enumerate(inputs)
+           if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] % count]
+    if bad:
+        raise ConfigError(f"grad_accumulation={count} does not divide the batch along dim 0: {', '.join(bad)}; "
+                          f"use a batch whose size is a multiple of {count} (every micro-batch is the same size)")
+
+
+def micro_batches(batch: Sequence[Any], count: int) -> list[list[Any]]:
+    """``count`` micro-batches: each tensor with a dim 0 split in equal consecutive parts, the rest shared."""
+    if count == 1:
+        return [list(batch)]
+    parts = [t.chunk(count) if isinstance(t, torch.Tensor) and t.dim() > 0 else [t] * count for t in batch]
+    return [list(micro) for micro in zip(*parts)]
+
+
 def capture(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -107,6 +126,7 @@ def capture(
     optimizer_state: Sequence[dict[str, torch.Tensor]] | None = None,
     check_update_elementwise: bool = True,
     parameter_shapes: dict[str, tuple[int, ...]] | None = None,
+    grad_accumulation: int = 1,
 ) -> Captured:
     """Trace one training step of ``model`` and ``optimizer`` on ``inputs``.
 
@@ -114,6 +134,11 @@ def capture(
     runtime released (stage 3). ``optimizer_state`` gives, per trained parameter, the state tensors to trace
     with (defaults to ``optimizer.state``); empty dicts mean "first step": the
     optimizer initializes its state inside the graph the way it always does.
+    ``grad_accumulation`` (K) splits every batch tensor along dim 0 into K
+    micro-batches, each run forward and backward before the next (so only one
+    micro-batch's activations are alive), as eager code does with
+    ``(loss / K).backward()`` per micro-batch: gradients are summed in order,
+    the loss is the sum of the K scaled losses, and the optimizer runs once.
     """
     params_all = named_tensors(model, "param")
     buffers_all = named_tensors(model, "buffer")
@@ -156,6 +181,7 @@ def capture(
     if num_model_inputs < 0:
         raise ConfigError(f"the step got {len(inputs)} argument(s) but {num_targets} target(s) were declared")
     group_of = [info.group for info in param_infos]
+    check_micro_batches(inputs, grad_accumulation)
 
     def whole_step(params, frozen_params, buffers, states, lrs, batch):
         tensors = {}
@@ -165,11 +191,19 @@ def capture(
             tensors[info.name] = value
         for info, value in zip(buffer_infos, buffers):
             tensors[info.name] = value
-        with torch.enable_grad():
-            output = torch.func.functional_call(model, tensors, tuple(batch[:num_model_inputs]), tie_weights=True, strict=False)
-            loss = extract_loss(output, batch[num_model_inputs:], loss_fn)
-            grads = torch.autograd.grad(loss, params, allow_unused=True)
-        return loss.detach(), grads, list(buffers)   # the optimizer's step is spliced in after tracing
+        total, grads = None, None
+        for micro in micro_batches(batch, grad_accumulation):
+            with torch.enable_grad():
+                output = torch.func.functional_call(model, tensors, tuple(micro[:num_model_inputs]), tie_weights=True, strict=False)
+                loss = extract_loss(output, micro[num_model_inputs:], loss_fn)
+                if grad_accumulation > 1:
+                    loss = loss / grad_accumulation
+                micro_grads = torch.autograd.grad(loss, params, allow_unused=True)
+            # as AccumulateGrad does into .grad: the running sum, then this micro-batch's gradient
+            grads = micro_grads if grads is None else tuple(
+                new if old is None else old if new is None else old + new for old, new in zip(grads, micro_grads))
+            total = loss.detach() if total is None else total + loss.detach()
+        return total, grads, list(buffers)   # the optimizer's step is spliced in after tracing
 
     record_source_lines_of(loss_fn)
     real_args = (
@@ -200,6 +234,7 @@ def capture(
         raise CaptureError(f"tracing the training step failed at {where}: {type(error).__name__}: {error}") from error
 
     leaves = _placeholder_layout(fake_args)
+    _refuse_writes_to_parameters(gm, leaves, param_infos, frozen_infos)
     _tag_placeholders(gm, leaves, param_infos, frozen_infos, buffer_infos, state_keys)
     # outputs: loss, grads (None for unused), buffers; then the optimizer's step over the used parameters
     out_nodes = list(g.output_node(gm).args[0])
@@ -259,6 +294,26 @@ def _splice_optimizer(gm, fake_mode, optimizer, grad_nodes, group_of, *, replica
         new_params[i] = stepped[position]
         new_states[i] = stepped_states[position]
     return new_params, new_states
+
+
+def _refuse_writes_to_parameters(gm, layout, param_infos, frozen_infos) -> None:
+    """A parameter written in place inside the step (not by the optimizer) would be silently lost: refuse it."""
+    from .errors import user_line_of_node
+    from .tracing import WRITTEN_INPUTS
+    problems = []
+    for position, node in sorted(gm.meta.get(WRITTEN_INPUTS, {}).items()):
+        role, index, _ = layout[position]
+        if role in (g.ROLE_PARAM, g.ROLE_FROZEN):
+            name = (param_infos if role == g.ROLE_PARAM else frozen_infos)[index].name
+            where = user_line_of_node(node) or "(no user frame found)"
+            problems.append(f"  - parameter {name!r} by {g.short_name(node.target)} at {where}")
+    if problems:
+        raise CaptureError(
+            "the model writes into its parameters in place during the step:\n" + "\n".join(problems) + "\n"
+            "  why: the compiled step is one functional graph over the sharded parameters; only the optimizer "
+            "updates them, so this write would be lost.\n"
+            "  fix: compute a new tensor instead (w = w * s), keep the value in a buffer (register_buffer), "
+            "or change the parameters outside the step (before compiling, or through load_checkpoint).")
 
 
 def _placeholder_layout(fake_args) -> list[tuple[str, int, str]]:

@@ -31,6 +31,10 @@ class UnsupportedOptimizerError(ZeroccError):
     """The optimizer's update is not elementwise per parameter."""
 
 
+class RecompileWarning(UserWarning):
+    """A step compiled more programs (batch shapes) than ``max_programs`` keeps."""
+
+
 class PassError(ZeroccError):
     """A pass of the pipeline failed; the message names it."""
 

@@ -2,6 +2,7 @@
 
     capture              zerocc/capture.py       whole step -> one functional aten graph, nodes tagged
     shard                passes/shard.py         flat buckets, 1/N per rank; optimizer re-traced on the shards
+    clip_gradients       passes/clip_gradients.py   (only with clip_grad_norm=) global-norm clipping before the update
     insert_collectives   passes/insert_collectives.py   all_gather / reduce_scatter / all_reduce + waits
     schedule             passes/schedule.py      issue collectives early, wait late: prefetch and overlap
     plan_memory          passes/plan_memory.py   lifetimes on the final order -> offsets in pools (graph unchanged)
@@ -31,6 +32,7 @@ from . import graph as g
 from . import registry
 from .context import CompileContext
 from .errors import ConfigError, PassError
+from .passes.clip_gradients import clip_gradients
 from .passes.insert_collectives import insert_collectives
 from .passes.plan_memory import plan_memory
 from .passes.schedule import schedule
@@ -57,10 +59,18 @@ class Pass:
 DEFAULT_PREFETCH_BYTES = 4 * 1024 * 1024
 
 
-def default_pipeline(stage: int, *, prefetch_bytes: int = DEFAULT_PREFETCH_BYTES) -> list[Pass]:
-    """The passes for ``stage``, in order. The same list for every stage: the plan differs, not the passes."""
+def default_pipeline(stage: int, *, prefetch_bytes: int = DEFAULT_PREFETCH_BYTES,
+                     clip: tuple[float, float] | None = None) -> list[Pass]:
+    """The passes for ``stage``, in order. The same list for every stage: the plan differs, not the passes.
+
+    ``clip`` is ``(max_norm, norm_type)`` when ``compile(clip_grad_norm=...)`` asked for clipping.
+    """
+    clipping = [] if clip is None else [
+        Pass("clip_gradients", functools.partial(clip_gradients, max_norm=clip[0], norm_type=clip[1]),
+             requires=("shard",), essential="compile(clip_grad_norm=...) asked for clipped gradients")]
     return [
         Pass("shard", shard, essential="the runtime lays out its tensors by the shard plan"),   # parameters, gradients, optimizer state -> flat per-rank buckets
+        *clipping,                                                                               # global-norm clipping between reduction and update
         Pass("insert_collectives", insert_collectives, requires=("shard",),
              essential="the shard pass's markers cannot run across ranks"),                      # the communication the buckets need
         Pass("schedule", functools.partial(schedule, prefetch_bytes=prefetch_bytes),
@@ -70,9 +80,10 @@ def default_pipeline(stage: int, *, prefetch_bytes: int = DEFAULT_PREFETCH_BYTES
 
 
 def build_pipeline(stage: int, disable: Sequence[str] = (), prefetch_bytes: int = DEFAULT_PREFETCH_BYTES,
-                   user_passes: Sequence[registry.UserPass] | None = None) -> list[Pass]:
+                   user_passes: Sequence[registry.UserPass] | None = None,
+                   clip: tuple[float, float] | None = None) -> list[Pass]:
     """``default_pipeline(stage)`` with the registered passes spliced in and the ``disable``d ones dropped."""
-    passes = default_pipeline(stage, prefetch_bytes=prefetch_bytes)
+    passes = default_pipeline(stage, prefetch_bytes=prefetch_bytes, clip=clip)
     user_passes = registry.registered() if user_passes is None else list(user_passes)
     for user in user_passes:
         names = [p.name for p in passes]

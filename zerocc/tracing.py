@@ -125,11 +125,35 @@ def trace_functional(fn: Callable[..., Any], args: tuple, fake_mode: FakeTensorM
     detached = [a.detach() if isinstance(a, torch.Tensor) else a for a in flat_args]
     with fake_mode:
         gm = make_fx(torch.func.functionalize(replay, remove="mutations"))(*detached)
+    gm.meta[WRITTEN_INPUTS] = written_inputs(first)
     _remove_trailing_input_copies(gm)
     _remove_profiler_nodes(gm)
     gm.graph.eliminate_dead_code()
     gm.recompile()
     return gm, out_spec_box[0]
+
+
+# gm.meta key set by trace_functional: {placeholder position: the first node that writes it in place}
+WRITTEN_INPUTS = "zerocc_written_inputs"
+
+
+def written_inputs(gm: fx.GraphModule) -> dict[int, fx.Node]:
+    """Placeholders (by position) that an op writes in place, directly or through a view of them."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    root = {node: position for position, node in enumerate(placeholders)}
+    written: dict[int, fx.Node] = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        schema = node.target._schema
+        for argument, value in zip(schema.arguments, node.args):
+            if argument.alias_info is not None and argument.alias_info.is_write and value in root:
+                written.setdefault(root[value], node)
+        returns = schema.returns
+        if (returns and returns[0].alias_info is not None and not returns[0].alias_info.is_write
+                and node.args and node.args[0] in root):
+            root[node] = root[node.args[0]]   # a view of an input: writing it writes the input
+    return written
 
 
 def _is_functional(gm: fx.GraphModule) -> bool:

@@ -1,0 +1,106 @@
+"""Hugging Face ``transformers`` models, tiny and randomly initialized (no download), train at stages 1-3.
+
+Each compiled step equals eager PyTorch bit for bit for two steps (losses and
+every parameter), dropout included: both runs seed the global generator the
+same way before each step, and the compiled step draws its random numbers in
+eager's order. Skipped when transformers is not installed (it is in the
+``test`` extra).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import zerocc
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 128
+
+
+def causal_lm_loss(output, labels):
+    logits = output.logits[:, :-1]
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
+
+
+def token_loss(output, labels):
+    return F.cross_entropy(output.logits.reshape(-1, output.logits.shape[-1]), labels.reshape(-1))
+
+
+def gpt2():
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=64,
+                                     bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def llama():
+    config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64)
+    return transformers.LlamaForCausalLM(config)
+
+
+def bert():
+    config = transformers.BertConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                                     vocab_size=VOCAB, max_position_embeddings=64)
+    return transformers.BertForMaskedLM(config)
+
+
+def t5():
+    config = transformers.T5Config(num_layers=2, num_decoder_layers=2, d_model=32, d_ff=64, d_kv=16, num_heads=2,
+                                   vocab_size=VOCAB, decoder_start_token_id=0)
+    return transformers.T5ForConditionalGeneration(config)
+
+
+def causal_batch(generator):
+    ids = torch.randint(0, VOCAB, (4, 16), generator=generator)
+    return ids, ids
+
+
+def masked_batch(generator):
+    return torch.randint(0, VOCAB, (4, 16), generator=generator), torch.randint(0, VOCAB, (4, 16), generator=generator)
+
+
+def seq2seq_batch(generator):
+    # positional: T5's forward is (input_ids, attention_mask, decoder_input_ids, ...)
+    ids = torch.randint(0, VOCAB, (4, 16), generator=generator)
+    decoder_ids = torch.randint(0, VOCAB, (4, 8), generator=generator)
+    return ids, torch.ones_like(ids), decoder_ids, torch.roll(decoder_ids, -1, dims=1)
+
+
+# name -> (model factory, batch maker, loss_fn(output, labels))
+MODELS = {
+    "gpt2": (gpt2, causal_batch, causal_lm_loss),
+    "llama": (llama, causal_batch, causal_lm_loss),
+    "bert": (bert, masked_batch, token_loss),
+    "t5": (t5, seq2seq_batch, token_loss),
+}
+
+
+def build(name):
+    torch.manual_seed(0)
+    return MODELS[name][0]()
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_tiny_transformers_train_bit_for_bit(name, stage):
+    _, batch_maker, loss_fn = MODELS[name]
+    reference = build(name)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    model = build(name)
+    step = zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-3), stage=stage, loss_fn=loss_fn)
+    generator = torch.Generator().manual_seed(1)
+    for number in range(2):
+        batch = batch_maker(generator)
+        torch.manual_seed(100 + number)
+        reference_optimizer.zero_grad(set_to_none=True)
+        expected = loss_fn(reference(*batch[:-1]), batch[-1])
+        expected.backward()
+        reference_optimizer.step()
+        torch.manual_seed(100 + number)
+        assert torch.equal(step(*batch), expected.detach()), number
+    full = step.full_state_dict()
+    assert full.keys() == reference.state_dict().keys()
+    for key, value in reference.state_dict().items():
+        assert torch.equal(full[key], value), key

@@ -1,0 +1,312 @@
+"""Training-loop features: gradient accumulation, global-norm clipping, eval_forward, shapes.
+
+World size 1: each equals eager PyTorch bit for bit (accumulation: ``(loss / K).backward()``
+per micro-batch; clipping: ``torch.nn.utils.clip_grad_norm_``). World size 2: they match
+DDP (``no_sync`` for accumulation, ``clip_grad_norm_`` on the averaged gradients).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import warnings
+
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+import zerocc
+from tests import distributed
+from tests.models import batches, build, eager_step
+
+
+def adamw(model):
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def sgd(model):
+    # plain SGD moves by the gradient itself: a clipped and an unclipped gradient give different
+    # parameters (Adam is nearly invariant to scaling the gradient, so it would hide a missing clip)
+    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def loss_of(model, loss_fn, batch):
+    return model(*batch) if loss_fn is None else loss_fn(model(*batch[:-1]), batch[-1])
+
+
+def eager_accumulated_step(model, optimizer, loss_fn, batch, k, clip=None, norm_type=2.0):
+    """The reference: K micro-batches, ``(loss / K).backward()`` each (DDP: no_sync but the last), one update."""
+    optimizer.zero_grad(set_to_none=True)
+    total = None
+    micro_batches = list(zip(*[t.chunk(k) for t in batch]))
+    for index, micro in enumerate(micro_batches):
+        last = index == len(micro_batches) - 1
+        sync = model.no_sync() if isinstance(model, DistributedDataParallel) and not last else contextlib.nullcontext()
+        with sync:
+            loss = loss_of(model, loss_fn, micro)
+            if k > 1:
+                loss = loss / k
+            loss.backward()
+        total = loss.detach() if total is None else total + loss.detach()
+    norm = None
+    if clip is not None:
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip, norm_type=norm_type)
+    optimizer.step()
+    return total, norm
+
+
+def assert_same_state(step, reference):
+    full = step.full_state_dict()
+    assert full.keys() == reference.state_dict().keys()
+    for key, value in reference.state_dict().items():
+        assert torch.equal(full[key], value), key
+
+
+# -- gradient accumulation ----------------------------------------------------------
+
+@pytest.mark.parametrize("name,stage", [("mlp", 0), ("mlp", 1), ("mlp", 2), ("mlp", 3), ("gpt", 3), ("cnn", 0)])
+def test_grad_accumulation_world_size_1_bit_for_bit(name, stage):
+    reference, _, loss_fn = build(name)
+    reference_optimizer = adamw(reference)
+    model, _, _ = build(name)
+    step = zerocc.compile(model, adamw(model), stage=stage, loss_fn=loss_fn, grad_accumulation=4)
+    for batch in batches(name, 3, 8):
+        expected, _ = eager_accumulated_step(reference, reference_optimizer, loss_fn, batch, 4)
+        assert torch.equal(step(*batch), expected)
+    assert_same_state(step, reference)
+
+
+def test_grad_accumulation_is_not_the_same_as_one_big_batch():
+    """Guards the test above: with BatchNorm, K micro-batches and one batch really differ."""
+    model, _, loss_fn = build("cnn")
+    whole = zerocc.compile(model, adamw(model), stage=3, loss_fn=loss_fn)
+    model, _, _ = build("cnn")
+    split = zerocc.compile(model, adamw(model), stage=3, loss_fn=loss_fn, grad_accumulation=4)
+    batch = batches("cnn", 1, 8)[0]
+    assert not torch.equal(whole(*batch), split(*batch))
+
+
+def activation_bytes(step):
+    return step.memory_plan.pool("activations").bytes
+
+
+def test_grad_accumulation_keeps_one_micro_batch_of_activations():
+    """K micro-batches run forward and backward in turn: activations do not grow K-fold."""
+    planned = {}
+    for k, rows in [(1, 64), (4, 256), (1, 256)]:
+        model, _, loss_fn = build("mlp")
+        step = zerocc.compile(model, adamw(model), stage=3, loss_fn=loss_fn, grad_accumulation=k)
+        step(*batches("mlp", 1, rows)[0])
+        planned[(k, rows)] = activation_bytes(step)
+        gradient_bytes = step.report()["param_bytes"]
+    # 256 rows in 4 micro-batches hold what 64 rows hold plus at most two sets of gradients (the
+    # running sum and the micro-batch's new gradients, added together), far less than 256 rows at once
+    assert planned[(4, 256)] <= planned[(1, 64)] + 2 * gradient_bytes, (planned, gradient_bytes)
+    assert planned[(4, 256)] < 0.5 * planned[(1, 256)], planned
+
+
+# -- clipping ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_clip_grad_norm_world_size_1_bit_for_bit(stage):
+    reference, _, loss_fn = build("gpt")
+    reference_optimizer = sgd(reference)
+    model, _, _ = build("gpt")
+    step = zerocc.compile(model, sgd(model), stage=stage, loss_fn=loss_fn, clip_grad_norm=1.0,
+                          bucket_bytes=16384)   # several buckets
+    for batch in batches("gpt", 3, 8):
+        expected, norm = eager_accumulated_step(reference, reference_optimizer, loss_fn, batch, 1, clip=1.0)
+        assert norm > 1.0   # the clip acts
+        assert torch.equal(step(*batch), expected)
+        assert torch.equal(step.last_grad_norm, norm)
+    assert_same_state(step, reference)
+    assert step.passes == ["capture", "shard", "clip_gradients", "insert_collectives", "schedule", "plan_memory"]
+
+
+@pytest.mark.parametrize("norm_type", [1.0, math.inf])
+def test_clip_grad_norm_other_norms_bit_for_bit(norm_type):
+    reference, _, loss_fn = build("mlp")
+    reference_optimizer = sgd(reference)
+    model, _, _ = build("mlp")
+    step = zerocc.compile(model, sgd(model), stage=3, loss_fn=loss_fn, clip_grad_norm=0.05, clip_norm_type=norm_type)
+    for batch in batches("mlp", 3, 8):
+        expected, norm = eager_accumulated_step(reference, reference_optimizer, loss_fn, batch, 1, clip=0.05,
+                                                norm_type=norm_type)
+        assert norm > 0.05
+        assert torch.equal(step(*batch), expected)
+        assert torch.equal(step.last_grad_norm, norm)
+    assert_same_state(step, reference)
+
+
+def test_clipping_and_accumulation_together_bit_for_bit():
+    reference, _, loss_fn = build("cnn")
+    reference_optimizer = sgd(reference)
+    model, _, _ = build("cnn")
+    step = zerocc.compile(model, sgd(model), stage=2, loss_fn=loss_fn, grad_accumulation=2, clip_grad_norm=0.5)
+    for batch in batches("cnn", 3, 8):
+        expected, norm = eager_accumulated_step(reference, reference_optimizer, loss_fn, batch, 2, clip=0.5)
+        assert norm > 0.5
+        assert torch.equal(step(*batch), expected)
+        assert torch.equal(step.last_grad_norm, norm)
+    assert_same_state(step, reference)
+
+
+def test_without_clipping_there_is_no_norm_and_no_pass():
+    model, _, loss_fn = build("mlp")
+    step = zerocc.compile(model, adamw(model), loss_fn=loss_fn)
+    step(*batches("mlp", 1, 8)[0])
+    assert step.last_grad_norm is None
+    assert "clip_gradients" not in step.passes
+
+
+# -- world size 2 against DDP ----------------------------------------------------------
+
+# (feature, model, optimizer, compile options, stages): GPT for accumulation (tied weights, several
+# buckets), the MLP for clipping (small buckets: parameters split across buckets and ranks)
+FEATURES = [("accumulate", "gpt", adamw, dict(grad_accumulation=4, bucket_bytes=16384), (0, 2, 3)),
+            ("clip", "mlp", sgd, dict(clip_grad_norm=0.1, bucket_bytes=2048), (0, 1, 2, 3)),
+            ("clip_inf", "mlp", sgd, dict(clip_grad_norm=0.01, clip_norm_type=math.inf, bucket_bytes=2048), (3,))]
+
+
+def _against_ddp(rank, world_size):
+    """Per rank: DDP's losses, norms and final state; then each stage's, for accumulation and for clipping."""
+    results = {}
+    for feature, name, make_optimizer, options, stages in FEATURES:
+        data = batches(name, 3, 8 * world_size)
+        local = [tuple(t[rank * 8:(rank + 1) * 8] for t in batch) for batch in data]
+        k = options.get("grad_accumulation", 1)
+        clip, norm_type = options.get("clip_grad_norm"), options.get("clip_norm_type", 2.0)
+        reference, _, loss_fn = build(name)
+        ddp = DistributedDataParallel(reference)
+        optimizer = make_optimizer(reference)
+        expected = [eager_accumulated_step(ddp, optimizer, loss_fn, batch, k, clip, norm_type) for batch in local]
+        results[(feature, "ddp")] = ([e for e, _ in expected], [n for _, n in expected],
+                                     {key: v.clone() for key, v in reference.state_dict().items()}, None)
+        for stage in stages:
+            model, _, _ = build(name)
+            step = zerocc.compile(model, make_optimizer(model), stage=stage, loss_fn=loss_fn, **options)
+            losses, norms = [], []
+            for batch in local:
+                losses.append(step(*batch))
+                norms.append(step.last_grad_norm)
+            collectives = step.report()["collectives_per_step"]
+            results[(feature, stage)] = (losses, norms, step.full_state_dict(),
+                                         (collectives, len(step.shard_plan.buckets)))
+    # eval_forward at stage 3 gathers the shards: the same output on every rank, equal to the trained model's
+    model, _, loss_fn = build("mlp")
+    step = zerocc.compile(model, adamw(model), stage=3, loss_fn=loss_fn, bucket_bytes=2048)
+    x, y = batches("mlp", 1, 16)[0]
+    step(x[rank * 8:(rank + 1) * 8], y[rank * 8:(rank + 1) * 8])
+    reference, _, _ = build("mlp")
+    reference.load_state_dict(step.full_state_dict())
+    with torch.no_grad():
+        results["eval"] = (step.eval_forward(x), reference.eval()(x))
+    return results
+
+
+def test_world_size_2_matches_ddp():
+    per_rank = distributed.run(_against_ddp, 2)
+    for rank, results in enumerate(per_rank):
+        for feature, _, _, options, stages in FEATURES:
+            expected_losses, expected_norms, expected_state, _ = results[(feature, "ddp")]
+            if feature != "accumulate":
+                assert all(norm > options["clip_grad_norm"] for norm in expected_norms)   # the clip acts
+            for stage in stages:
+                losses, norms, state, (collectives, buckets) = results[(feature, stage)]
+                where = f"{feature} stage {stage} rank {rank}"
+                assert buckets > 1, where   # several reductions, and parameters split between buckets
+                torch.testing.assert_close(torch.stack(losses), torch.stack(expected_losses), rtol=1e-5, atol=1e-6,
+                                           msg=lambda m: f"{where} losses: {m}")
+                if feature != "accumulate":
+                    # stage 0 clips the all-reduced gradients exactly as clip_grad_norm_ does; stages 1-3 add
+                    # the shards' norms in another order: equal within float rounding
+                    torch.testing.assert_close(torch.stack(norms), torch.stack(expected_norms), rtol=1e-5, atol=1e-6,
+                                               msg=lambda m: f"{where} norms: {m}")
+                    reductions = collectives.get("all_reduce", 0) - (buckets if stage == 0 else 0)
+                    assert reductions == (0 if stage == 0 else 1), (where, collectives)
+                else:   # one reduction per bucket per step, not one per micro-batch
+                    assert collectives.get("reduce_scatter" if stage else "all_reduce") == buckets, (where, collectives)
+                for key, value in expected_state.items():
+                    torch.testing.assert_close(state[key], value, rtol=1e-4, atol=1e-5,
+                                               msg=lambda m: f"{where} {key}: {m}")
+        output, expected = results["eval"]
+        torch.testing.assert_close(output, expected, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(output, per_rank[0]["eval"][0], rtol=0, atol=0)
+
+
+# -- eval_forward ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("name,stage", [("mlp", 0), ("gpt", 3), ("cnn", 3)])
+def test_eval_forward_equals_eager_eval_and_changes_nothing(name, stage):
+    reference, _, loss_fn = build(name)
+    reference_optimizer = adamw(reference)
+    model, _, _ = build(name)
+    step = zerocc.compile(model, adamw(model), stage=stage, loss_fn=loss_fn)
+    data = batches(name, 4, 8)
+    for batch in data[:2]:
+        assert torch.equal(step(*batch), eager_step(reference, reference_optimizer, loss_fn, batch))
+    inputs = data[2] if loss_fn is None else data[2][:-1]
+    reference.eval()
+    with torch.no_grad():
+        expected = reference(*inputs)
+    reference.train()
+    output = step.eval_forward(*inputs)
+    assert torch.equal(output, expected)
+    assert not output.requires_grad and model.training
+    assert len(step._eval_programs) == 1 and len(step._programs) == 2   # cached apart from the training step
+    # evaluation wrote nothing: BatchNorm statistics and the training step carry on exactly
+    assert torch.equal(step(*data[3]), eager_step(reference, reference_optimizer, loss_fn, data[3]))
+    assert_same_state(step, reference)
+
+
+def test_eval_forward_in_eval_mode_differs_from_training_mode():
+    """Guards the test above: BatchNorm in eval mode uses running statistics, not the batch's."""
+    model, _, loss_fn = build("cnn")
+    step = zerocc.compile(model, adamw(model), stage=3, loss_fn=loss_fn)
+    x, y = batches("cnn", 1, 8)[0]
+    step(x, y)
+    reference, _, _ = build("cnn")
+    reference.load_state_dict(step.full_state_dict())
+    with torch.no_grad():
+        assert not torch.equal(step.eval_forward(x), reference(x))   # reference is in training mode
+
+
+# -- changing input shapes ---------------------------------------------------------------
+
+def test_new_shapes_compile_new_programs_up_to_max_programs():
+    model, _, loss_fn = build("mlp")
+    step = zerocc.compile(model, adamw(model), loss_fn=loss_fn, max_programs=3)
+    step(*batches("mlp", 1, 8)[0])
+    step(*batches("mlp", 1, 8)[0])
+    step(*batches("mlp", 1, 6)[0])   # first step, steady state, 6 rows: three programs
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        step(*batches("mlp", 1, 6)[0])   # cached: no warning
+    with pytest.warns(zerocc.RecompileWarning, match=r"more than max_programs=3 compiled programs \(a new batch of "
+                      r"shapes \(4, 12\) float32, \(4, 5\) float32\); dropped the least recently used, compiled for "
+                      r"shapes \(8, 12\) float32"):
+        step(*batches("mlp", 1, 4)[0])
+    assert len({id(found[0]) for found in step._programs.values()}) == 3
+
+
+def test_new_shapes_train_exactly():
+    reference, _, loss_fn = build("mlp")
+    reference_optimizer = adamw(reference)
+    model, _, _ = build("mlp")
+    step = zerocc.compile(model, adamw(model), stage=3, loss_fn=loss_fn, max_programs=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", zerocc.RecompileWarning)
+        for rows in (8, 6, 8, 4, 6):
+            batch = batches("mlp", 1, rows, seed=rows)[0]
+            assert torch.equal(step(*batch), eager_step(reference, reference_optimizer, loss_fn, batch))
+    assert_same_state(step, reference)
+
+
+def test_static_shapes_refuses_a_new_shape():
+    model, _, loss_fn = build("mlp")
+    step = zerocc.compile(model, adamw(model), loss_fn=loss_fn, static_shapes=True)
+    step(*batches("mlp", 1, 8)[0])
+    step(*batches("mlp", 1, 8)[0])   # the steady-state program is not a new shape
+    with pytest.raises(zerocc.ConfigError, match=r"static_shapes=True, but this batch is shapes \(7, 12\) float32, "
+                       r"\(7, 5\) float32 and the step was compiled for shapes \(8, 12\) float32, \(8, 5\) float32; "
+                       r"pad or cut the batch"):
+        step(*batches("mlp", 1, 7)[0])

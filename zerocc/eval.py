@@ -1,0 +1,104 @@
+"""``step.eval_forward(*inputs)``: the model's forward in eval mode on the step's own parameters.
+
+No backward, no optimizer, no state written. The forward is traced (on fake
+tensors, like capture) with the model in eval mode and gradients off, into a
+graph whose placeholders are the runtime's slots: each bucket (at stage 3
+this rank's shard, all-gathered first, the same buckets the training step
+gathers), frozen parameters, buffers, then the batch. Parameters are views of
+the buckets, exactly as in the training step. Programs are cached by the
+batch's shapes, apart from the training step's, at most ``max_programs``.
+
+At stage 3 over several ranks the gathers are collectives: every rank must
+call ``eval_forward`` at the same point, as it calls the step.
+"""
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+from . import plans
+from .errors import CaptureError, ConfigError, RecompileWarning, ZeroccError, user_frame
+from .tracing import fakeify, make_fake_mode, trace_functional
+
+c10d = torch.ops._c10d_functional
+
+
+@dataclasses.dataclass
+class EvalProgram:
+    """A traced forward: which slot (or batch leaf) each placeholder reads, and the output's structure."""
+    gm: fx.GraphModule
+    slots: list[str | None]        # per placeholder: the slot it reads, None for a batch leaf
+    output_spec: pytree.TreeSpec
+
+    def run(self, slots: dict[str, torch.Tensor], batch: tuple) -> Any:
+        leaves = iter(pytree.tree_leaves(list(batch)))
+        arguments = [slots[slot] if slot is not None else next(leaves) for slot in self.slots]
+        return pytree.tree_unflatten(list(self.gm(*arguments)), self.output_spec)
+
+
+def eval_forward(step, inputs: tuple) -> Any:
+    """Run (compiling on first sight of these shapes) the forward-only program of ``step`` on ``inputs``."""
+    if step._slots is None:
+        raise ConfigError(
+            "eval_forward needs the training step compiled first: the parameters live in the step's buckets, "
+            "whose layout the first step(*batch) decides; call the step once (or, before training, evaluate "
+            "the model itself: its parameters are intact until then)")
+    signature = step._input_signature(inputs)
+    program = step._eval_programs.get(signature)
+    if program is None:
+        program = _compile(step, inputs)
+        step._eval_programs[signature] = program
+        if len(step._eval_programs) > step.max_programs:
+            dropped = next(iter(step._eval_programs))
+            del step._eval_programs[dropped]
+            warnings.warn(f"zerocc: more than max_programs={step.max_programs} eval_forward programs; dropped "
+                          "the least recently used. Pad evaluation batches to a few shapes", RecompileWarning,
+                          stacklevel=3)
+    else:
+        step._eval_programs[signature] = step._eval_programs.pop(signature)   # most recently used last
+    with torch.no_grad():
+        return program.run(step._slots, inputs)
+
+
+def _compile(step, inputs: tuple) -> EvalProgram:
+    plan, captured, model = step._plan, step._captured, step.model
+    in_plan = {segment.param for bucket in plan.buckets for segment in bucket.segments}
+    loose = [info for index, info in enumerate(captured.params) if index not in in_plan]   # trained, but unused
+    slots = ([plans.bucket_slot(b.index) for b in plan.buckets] + [plans.param_slot(i.name) for i in loose]
+             + [plans.frozen_slot(i.name) for i in captured.frozen] + [plans.buffer_slot(i.name) for i in captured.buffers])
+    gather = step.stage == 3 and plan.world_size > 1
+
+    def forward(buckets, tensors, batch):
+        by_name = dict(zip([i.name for i in loose + captured.frozen + captured.buffers], tensors))
+        for bucket, flat in zip(plan.buckets, buckets):
+            full = flat
+            if gather:   # this rank's shard -> the whole bucket, as the training step's forward gathers it
+                full = c10d.wait_tensor(c10d.all_gather_into_tensor(flat, plan.world_size, step.ranks.group_name))
+            for segment in bucket.segments:
+                info = captured.params[segment.param]
+                by_name[info.name] = full[segment.offset:segment.offset + segment.numel].view(info.shape)
+        with torch.no_grad():
+            return torch.func.functional_call(model, by_name, tuple(batch), tie_weights=True, strict=False)
+
+    fake_mode = make_fake_mode()
+    values = [step._slots[slot] for slot in slots]
+    arguments = fakeify(fake_mode, (values[:len(plan.buckets)], values[len(plan.buckets):], list(inputs)))
+    modes = {module: module.training for module in model.modules()}
+    model.eval()
+    try:
+        gm, spec = trace_functional(forward, arguments, fake_mode)
+    except ZeroccError:
+        raise
+    except Exception as error:
+        where = user_frame(error.__traceback__) or "(no user frame found)"
+        raise CaptureError(f"tracing eval_forward failed at {where}: {type(error).__name__}: {error}") from error
+    finally:
+        for module, training in modes.items():
+            module.training = training
+    batch_leaves = len(pytree.tree_leaves(list(inputs)))
+    return EvalProgram(gm, slots + [None] * batch_leaves, spec)
