@@ -31,6 +31,10 @@ class UnsupportedOptimizerError(ZeroccError):
     """The optimizer's update is not elementwise per parameter."""
 
 
+class MemoryBudgetError(ZeroccError):
+    """``memory_budget`` cannot be met by recomputing activations; the message says what can."""
+
+
 class PassError(ZeroccError):
     """A pass of the pipeline failed; the message names it."""
 
