@@ -143,7 +143,7 @@ def test_explain_says_what_the_passes_decided():
     assert "buckets: " in text
     assert "collectives per step: " in text and "all_gather" in text
     assert "model states per rank: params" in text
-    assert "01 shard" in text and "02 insert_collectives" in text
+    assert "01 shard" in text and "02 place_checkpoints" in text and "03 insert_collectives" in text
 
 
 def test_custom_pass_example_drops_one_gather():
