@@ -184,8 +184,9 @@ class CheckpointPlan:
                 f"({self.evaluations} plans measured)")
 
     def table(self) -> str:
+        """One row per recomputed node that does work (views and getitems are left out), with its source line."""
         rows = [("recomputed", "op", "bytes", "flops", "source")]
-        rows += [(r.name, r.op, f"{r.bytes:,}", f"{r.flops:,}", r.source) for r in self.recomputed]
+        rows += [(r.name, r.op, f"{r.bytes:,}", f"{r.flops:,}", r.source) for r in self.recomputed if r.bytes or r.flops]
         widths = [max(len(row[i]) for row in rows) for i in range(4)]
         return "\n".join("  ".join([*(cell.rjust(w) if i in (2, 3) else cell.ljust(w)
                                       for i, (cell, w) in enumerate(zip(row[:4], widths))), row[4]]).rstrip()

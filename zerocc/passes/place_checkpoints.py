@@ -98,7 +98,7 @@ def place_checkpoints(gm: fx.GraphModule, ctx: CompileContext, *, memory_budget:
             samples = _spread(len(order))
             fitting = [k for k in samples if peak_of(k).bytes <= memory_budget]
             if not fitting:
-                _refuse(memory_budget, before, min(peak_of(k) for k in samples), len(order))
+                _refuse(memory_budget, before, min(peak_of(k) for k in samples), len(analysis.candidates))
             high = fitting[0]
             low = max([k for k in samples if k < high], default=-1) + 1
         while low < high:   # invariant: the prefix of length high fits
@@ -121,8 +121,8 @@ def place_checkpoints(gm: fx.GraphModule, ctx: CompileContext, *, memory_budget:
     ctx.checkpoint_plan = CheckpointPlan(
         budget_bytes=memory_budget, peak_before_bytes=before.bytes, peak_bytes=peak.bytes, recomputed=recomputed,
         saved_bytes=sum(analysis.bytes[n] for n in chosen), extra_flops=sum(r.flops for r in recomputed),
-        forward_flops=analysis.forward_flops, candidates=len(order), evaluations=len(peaks))
-    ctx.notes["place_checkpoints"] = (f"{len(chosen)} of {len(order)} stored tensors recomputed "
+        forward_flops=analysis.forward_flops, candidates=len(analysis.candidates), evaluations=len(peaks))
+    ctx.notes["place_checkpoints"] = (f"{len(chosen)} of {len(analysis.candidates)} stored tensors recomputed "
                                       f"({len(recomputed)} nodes copied into backward): peak "
                                       f"{megabytes(before.bytes)} -> {megabytes(peak.bytes)}, budget "
                                       f"{megabytes(memory_budget)}; {len(peaks)} plans measured in "
@@ -133,7 +133,7 @@ def place_checkpoints(gm: fx.GraphModule, ctx: CompileContext, *, memory_budget:
 # -- what can be recomputed, and at what cost ------------------------------------------------
 
 def _is_alias(node: fx.Node) -> bool:
-    """Does the node's value share its input's storage (a view, a getitem, a marker that is one at N=1)?"""
+    """Does the node's value share its input's storage (a view, a getitem; a reshape is counted as one)?"""
     if node.op != "call_function":
         return False
     if node.target in (operator.getitem, aten._unsafe_view.default, aten.reshape.default):
