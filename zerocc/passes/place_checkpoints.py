@@ -186,30 +186,9 @@ class _Analysis:
         self.bytes = {n: _storage_bytes(n.meta.get(g.VAL)) for n in self.candidates}
         # recomputed unless chosen to be kept: views (free) and forward-only intermediates (kept by no one)
         self.always = self.recomputable - used_by_backward | {n for n in self.recomputable if _is_alias(n)}
-        self.weight = self._backward_weights(used_by_backward)
         self._flops: dict[fx.Node, int] = {}
         self.forward_flops = sum(self.flops(n) for n in self.nodes
                                  if n.meta.get(g.PHASE) == g.FORWARD and n.op == "call_function")
-
-    def _backward_weights(self, stored: set[fx.Node]) -> dict[fx.Node, float]:
-        """For each stored value, the share of backward it is not needed for (from its start to its first use).
-
-        Recomputing a value frees its bytes from the end of forward until its
-        first backward use: through most of backward for the first layer's
-        values, hardly at all for the last layer's, which backward needs first
-        (and the peak is where what is kept meets what backward computes).
-        """
-        backward = [self.position[n] for n in self.nodes if _is_backward(n)]
-        if not backward:
-            return {n: 1.0 for n in stored}
-        start, end = min(backward), max(backward)
-        first_use: dict[fx.Node, int] = {}
-        for node in self.recomputable:
-            uses = [self.position[u] for u in node.users if _is_backward(u)]
-            if uses:
-                owner = self.owner[node]
-                first_use[owner] = min(first_use.get(owner, end), *uses)
-        return {n: max(first_use.get(n, end) - start, 1) / max(end - start, 1) for n in stored}
 
     def _parameter_views(self) -> set[fx.Node]:
         """Placeholders, the shard pass's markers and views of them: alive anyway, and owned by insert_collectives."""
@@ -257,10 +236,9 @@ class _Analysis:
     def greedy_order(self) -> list[fx.Node]:
         """Candidates by bytes freed per FLOP of recomputing them, given those before them (lazy greedy).
 
-        The bytes freed are the candidate's storage, weighted by the share of
-        backward it is not needed for, less the storages its recomputation
-        newly keeps (the input of a copy that is not recomputed: a random op's
-        output, say). Candidates that would free nothing are left out.
+        The bytes freed are the candidate's storage less the storages its
+        recomputation newly keeps (the input of a copy that is not recomputed:
+        a random op's output, say). Candidates that would free nothing are left out.
         """
         recompute = set(self.always)
         copied = self.closure(recompute, [n for n in recompute if any(_is_backward(u) for u in n.users)])
@@ -269,8 +247,7 @@ class _Analysis:
         def marginal(candidate):
             added = self.closure(recompute | {candidate}, [candidate]) - copied
             newly_kept = self._inputs_kept(added, recompute | {candidate}) - kept
-            freed = self.bytes[candidate] * self.weight[candidate] - sum(
-                _storage_bytes(n.meta.get(g.VAL)) * self.weight.get(n, 1.0) for n in newly_kept)
+            freed = self.bytes[candidate] - sum(_storage_bytes(n.meta.get(g.VAL)) for n in newly_kept)
             return added, newly_kept, freed, sum(self.flops(n) for n in added)
 
         heap = []
