@@ -173,3 +173,10 @@ def test_stage3_two_ranks_budget_equals_no_budget_and_gathers_in_backward():
         assert result["reads_backward_gather"] and not result["reads_forward_gather"]
         assert result["report"]["live_peak_bytes"] <= budget < without["report"]["live_peak_bytes"]
         assert result["report"]["measured_peak_bytes"] <= budget
+
+
+def test_memory_budget_must_be_a_positive_number_of_bytes():
+    model, _ = _model_and_batches("gpt")
+    for bad in (0, -5, 1.5e9, "1GB"):
+        with pytest.raises(zerocc.ConfigError, match=r"memory_budget must be a positive int \(bytes per rank\) or None"):
+            zerocc.compile(model, torch.optim.AdamW(model.parameters()), memory_budget=bad)
