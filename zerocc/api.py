@@ -70,6 +70,7 @@ def compile(
     clip_norm_type: float = 2.0,
     static_shapes: bool = False,
     max_programs: int = DEFAULT_MAX_PROGRAMS,
+    memory_budget: int | None = None,
 ) -> "CompiledStep":
     """Compile one training step of ``model`` with ``optimizer`` under ZeRO ``stage`` (0-3).
 
@@ -104,6 +105,13 @@ def compile(
     dropped with a warning), and ``static_shapes=True`` makes a new shape an
     error instead. ``step.eval_forward(*inputs)`` runs the model's forward in
     eval mode, without gradients or an update, on the step's parameters.
+
+    ``memory_budget`` (bytes per rank) bounds the step's peak of live tensor
+    bytes (model states, activations, gathered parameters, gradient buckets):
+    the ``place_checkpoints`` pass recomputes in backward the forward values
+    that cost least to recompute per byte until the scheduled step fits, and
+    raises ``MemoryBudgetError`` naming the smallest peak it can reach when
+    it cannot. ``step.checkpoint_plan`` says what it recomputes.
     """
     if stage not in STAGES:
         raise ConfigError(f"stage={stage!r} is not a ZeRO stage; use 0 (plain data parallel), 1, 2 or 3")
@@ -117,6 +125,8 @@ def compile(
         raise ConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
     if not isinstance(prefetch_bytes, int) or prefetch_bytes < 0:
         raise ConfigError(f"prefetch_bytes must be a non-negative int, got {prefetch_bytes!r}")
+    if memory_budget is not None and (not isinstance(memory_budget, int) or memory_budget <= 0):
+        raise ConfigError(f"memory_budget must be a positive int (bytes per rank) or None, got {memory_budget!r}")
     if num_targets is None:
         num_targets = 1 if loss_fn is not None else 0
     if isinstance(grad_accumulation, bool) or not isinstance(grad_accumulation, int) or grad_accumulation < 1:
@@ -131,7 +141,7 @@ def compile(
                         prefetch_bytes=prefetch_bytes, timeout=timeout,
                         disable=tuple(disable), verify=verify, dump_dir=dump_dir,
                         grad_accumulation=grad_accumulation, clip=clip, static_shapes=bool(static_shapes),
-                        max_programs=max_programs)
+                        max_programs=max_programs, memory_budget=memory_budget)
 
 
 def _check_clipping(max_norm, norm_type) -> tuple[float, float] | None:
@@ -158,7 +168,8 @@ class CompiledStep:
 
     def __init__(self, model, optimizer, stage, loss_fn, num_targets, group, bucket_bytes, *,
                  prefetch_bytes=DEFAULT_PREFETCH_BYTES, timeout=None, disable=(), verify=False, dump_dir=None,
-                 grad_accumulation=1, clip=None, static_shapes=False, max_programs=DEFAULT_MAX_PROGRAMS):
+                 grad_accumulation=1, clip=None, static_shapes=False, max_programs=DEFAULT_MAX_PROGRAMS,
+                 memory_budget=None):
         self.model = model
         self.optimizer = optimizer
         self.stage = stage
@@ -166,6 +177,7 @@ class CompiledStep:
         self.num_targets = num_targets
         self.bucket_bytes = bucket_bytes
         self.prefetch_bytes = prefetch_bytes
+        self.memory_budget = memory_budget
         self.disable = tuple(disable)
         self.verify = verify
         self.dump_dir = dump_dir
@@ -267,7 +279,7 @@ class CompiledStep:
         ctx = CompileContext(self.stage, self.ranks.world_size, self.ranks.rank, self.ranks.group_name,
                              self.optimizer, captured, fake_mode, self.bucket_bytes, previous_plan=self._plan)
         gm, history = run_pipeline(captured.gm, ctx, build_pipeline(self.stage, self.disable, self.prefetch_bytes,
-                                                                    clip=self.clip),
+                                                                    clip=self.clip, memory_budget=self.memory_budget),
                                    verify=self.verify, dump_dir=dump_dir_of(self.dump_dir))
         failures.check_ranks_agree(self.ranks, gm, ctx.shard_plan)   # before any of its collectives can hang
         program = Program.from_graph(gm)
@@ -403,6 +415,11 @@ class CompiledStep:
         """Where every tensor of the last program lives: ``print`` it for the table, ``.summary()``, ``.plot(path)``."""
         return self._require_compiled()[1].memory_plan
 
+    @property
+    def checkpoint_plan(self) -> plans.CheckpointPlan | None:
+        """What ``memory_budget`` made backward recompute (None without a budget): print it for the table."""
+        return self._require_compiled()[1].checkpoint_plan
+
     def _require_compiled(self):
         if self._last is None:
             raise ConfigError("the step has not been compiled yet: call it once with a batch first")
@@ -460,6 +477,7 @@ class CompiledStep:
             "live_peak_bytes": ctx.memory_plan.live_peak_bytes,
             "measured_peak_bytes": self._measured_peak_bytes.get(id(program)),
             "compile_seconds": round(self.compile_seconds, 3),
+            "checkpoint": ctx.checkpoint_plan.to_dict() if ctx.checkpoint_plan is not None else None,
         }
 
 

@@ -8,7 +8,7 @@ import torch
 
 from .capture import Captured
 from .memory_plan import MemoryPlan
-from .plans import Schedule, ShardPlan
+from .plans import CheckpointPlan, Schedule, ShardPlan
 
 
 @dataclasses.dataclass
@@ -31,6 +31,7 @@ class CompileContext:
     planning: bool = False          # zerocc.plan: fake tensors only, the graph is never run, no real group
     # decided by passes
     shard_plan: ShardPlan | None = None
+    checkpoint_plan: CheckpointPlan | None = None   # place_checkpoints: forward values recomputed in backward
     schedule: Schedule | None = None
     memory_plan: MemoryPlan | None = None   # plan_memory: every buffer's pool, offset and live range
     notes: dict[str, Any] = dataclasses.field(default_factory=dict)   # one line of counts per pass

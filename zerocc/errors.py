@@ -35,6 +35,10 @@ class RecompileWarning(UserWarning):
     """A step compiled more programs (batch shapes) than ``max_programs`` keeps."""
 
 
+class MemoryBudgetError(ZeroccError):
+    """``memory_budget`` cannot be met by recomputing activations; the message says what can."""
+
+
 class PassError(ZeroccError):
     """A pass of the pipeline failed; the message names it."""
 

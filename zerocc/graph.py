@@ -20,6 +20,7 @@ PHASE = "zerocc_phase"        # every compute node: forward / backward / optimiz
 INDEX = "zerocc_index"        # placeholders: index into the list of their role
 BUCKET = "zerocc_bucket"      # nodes created for one bucket: its index
 SLOT = "zerocc_slot"          # placeholders: the runtime's persistent tensor they read (None for inputs)
+RECOMPUTED = "zerocc_recomputed"  # backward copies of forward nodes (place_checkpoints): the node recomputed
 OUTPUT_SLOTS = "zerocc_output_slots"  # gm.meta: for each output after the loss, the slot it replaces
 VAL = "val"                   # FakeTensor (or SymFloat) of the node's value, as make_fx writes it
 

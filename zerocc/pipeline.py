@@ -3,6 +3,7 @@
     capture              zerocc/capture.py       whole step -> one functional aten graph, nodes tagged
     shard                passes/shard.py         flat buckets, 1/N per rank; optimizer re-traced on the shards
     clip_gradients       passes/clip_gradients.py   (only with clip_grad_norm=) global-norm clipping before the update
+    place_checkpoints    passes/place_checkpoints.py   under a memory budget: recompute activations in backward
     insert_collectives   passes/insert_collectives.py   all_gather / reduce_scatter / all_reduce + waits
     schedule             passes/schedule.py      issue collectives early, wait late: prefetch and overlap
     plan_memory          passes/plan_memory.py   lifetimes on the final order -> offsets in pools (graph unchanged)
@@ -31,9 +32,10 @@ import torch.fx as fx
 from . import graph as g
 from . import registry
 from .context import CompileContext
-from .errors import ConfigError, PassError
+from .errors import ConfigError, MemoryBudgetError, PassError
 from .passes.clip_gradients import clip_gradients
 from .passes.insert_collectives import insert_collectives
+from .passes.place_checkpoints import place_checkpoints
 from .passes.plan_memory import plan_memory
 from .passes.schedule import schedule
 from .passes.shard import shard
@@ -60,7 +62,8 @@ DEFAULT_PREFETCH_BYTES = 4 * 1024 * 1024
 
 
 def default_pipeline(stage: int, *, prefetch_bytes: int = DEFAULT_PREFETCH_BYTES,
-                     clip: tuple[float, float] | None = None) -> list[Pass]:
+                     clip: tuple[float, float] | None = None,
+                     memory_budget: int | None = None) -> list[Pass]:
     """The passes for ``stage``, in order. The same list for every stage: the plan differs, not the passes.
 
     ``clip`` is ``(max_norm, norm_type)`` when ``compile(clip_grad_norm=...)`` asked for clipping.
@@ -71,6 +74,9 @@ def default_pipeline(stage: int, *, prefetch_bytes: int = DEFAULT_PREFETCH_BYTES
     return [
         Pass("shard", shard, essential="the runtime lays out its tensors by the shard plan"),   # parameters, gradients, optimizer state -> flat per-rank buckets
         *clipping,                                                                               # global-norm clipping between reduction and update
+        Pass("place_checkpoints", functools.partial(place_checkpoints, memory_budget=memory_budget,
+                                                    prefetch_bytes=prefetch_bytes),
+             requires=("shard",)),                                                                # recompute activations to fit memory_budget
         Pass("insert_collectives", insert_collectives, requires=("shard",),
              essential="the shard pass's markers cannot run across ranks"),                      # the communication the buckets need
         Pass("schedule", functools.partial(schedule, prefetch_bytes=prefetch_bytes),
@@ -81,9 +87,10 @@ def default_pipeline(stage: int, *, prefetch_bytes: int = DEFAULT_PREFETCH_BYTES
 
 def build_pipeline(stage: int, disable: Sequence[str] = (), prefetch_bytes: int = DEFAULT_PREFETCH_BYTES,
                    user_passes: Sequence[registry.UserPass] | None = None,
-                   clip: tuple[float, float] | None = None) -> list[Pass]:
+                   clip: tuple[float, float] | None = None,
+                   memory_budget: int | None = None) -> list[Pass]:
     """``default_pipeline(stage)`` with the registered passes spliced in and the ``disable``d ones dropped."""
-    passes = default_pipeline(stage, prefetch_bytes=prefetch_bytes, clip=clip)
+    passes = default_pipeline(stage, prefetch_bytes=prefetch_bytes, clip=clip, memory_budget=memory_budget)
     user_passes = registry.registered() if user_passes is None else list(user_passes)
     for user in user_passes:
         names = [p.name for p in passes]
@@ -210,6 +217,8 @@ def run_pipeline(gm: fx.GraphModule, ctx: CompileContext, passes: list[Pass], *,
             gm = result
             if verify:
                 verify_graph(gm, ctx)
+        except MemoryBudgetError:
+            raise   # the user's budget, not a failing pass: its message says what fits
         except Exception as error:
             done = ", ".join(p.name for p in passes[: index - 1]) or "none"
             raise PassError(f"pass '{step.name}' failed (passes run before it: capture, {done}): "

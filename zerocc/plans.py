@@ -143,3 +143,59 @@ class Schedule:
     collectives: tuple[ScheduledCollective, ...]  # in issue order
     max_gather_bytes_in_flight: int
     max_reduce_bytes_in_flight: int
+
+
+@dataclasses.dataclass(frozen=True)
+class RecomputedTensor:
+    """One forward value that backward recomputes instead of reading it from forward."""
+    name: str            # the forward node whose value backward recomputes
+    op: str
+    bytes: int           # its storage: no longer kept from forward to backward (0 for a view)
+    flops: int           # the work of recomputing it (FLOPs of matmuls and convolutions, elements otherwise)
+    source: str          # the user's source line that computed it ("" when none was recorded)
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointPlan:
+    """What ``place_checkpoints`` decided: which forward values backward recomputes, and what it buys.
+
+    Peaks are the most bytes alive at once in the scheduled step (model
+    states, activations, gathered parameters, gradient buckets: the memory
+    plan's ``live_peak_bytes``), measured on the graph after the passes that
+    follow, for the plan with nothing recomputed and for the plan chosen.
+    """
+    budget_bytes: int
+    peak_before_bytes: int                 # nothing recomputed
+    peak_bytes: int                        # with the recomputation chosen
+    recomputed: tuple[RecomputedTensor, ...]   # every node copied into backward, in forward order
+    saved_bytes: int                       # bytes of the storages no longer kept for backward
+    extra_flops: int                       # the work the copies add to backward
+    forward_flops: int                     # the forward's own work, for scale
+    candidates: int                        # forward storages backward read before the pass
+    evaluations: int                       # plans whose peak was measured
+
+    def summary(self) -> str:
+        share = f" ({self.extra_flops / self.forward_flops:.1%} of forward)" if self.forward_flops else ""
+        kept = sum(1 for r in self.recomputed if r.bytes)
+        return (f"{len(self.recomputed)} forward nodes recomputed in backward ({kept} of {self.candidates} "
+                f"stored tensors): {self.saved_bytes / 1e6:.2f} MB no longer kept, "
+                f"+{self.extra_flops / 1e6:.1f} MFLOP{share}; peak {self.peak_before_bytes / 1e6:.2f} MB -> "
+                f"{self.peak_bytes / 1e6:.2f} MB, budget {self.budget_bytes / 1e6:.2f} MB "
+                f"({self.evaluations} plans measured)")
+
+    def table(self) -> str:
+        """One row per recomputed node that does work (views and getitems are left out), with its source line."""
+        rows = [("recomputed", "op", "bytes", "flops", "source")]
+        rows += [(r.name, r.op, f"{r.bytes:,}", f"{r.flops:,}", r.source) for r in self.recomputed if r.bytes or r.flops]
+        widths = [max(len(row[i]) for row in rows) for i in range(4)]
+        return "\n".join("  ".join([*(cell.rjust(w) if i in (2, 3) else cell.ljust(w)
+                                      for i, (cell, w) in enumerate(zip(row[:4], widths))), row[4]]).rstrip()
+                         for row in rows)
+
+    def __str__(self) -> str:
+        return self.summary() + ("\n" + self.table() if self.recomputed else "")
+
+    def to_dict(self) -> dict:
+        return {"budget_bytes": self.budget_bytes, "peak_before_bytes": self.peak_before_bytes,
+                "peak_bytes": self.peak_bytes, "saved_bytes": self.saved_bytes, "extra_flops": self.extra_flops,
+                "forward_flops": self.forward_flops, "recomputed": [dataclasses.asdict(r) for r in self.recomputed]}

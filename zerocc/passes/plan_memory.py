@@ -61,6 +61,24 @@ def plan_memory(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
 def memory_plan_of(gm: fx.GraphModule) -> MemoryPlan:
     """The plan for ``gm`` in its current node order (any FX graph with ``val`` meta; zerocc's tags refine roles)."""
     nodes = list(gm.graph.nodes)
+    buffers = buffer_lifetimes(gm)
+    pools = []
+    for pool_name in POOLS:
+        members = [b for b in buffers if POOL_OF_ROLE[b[1]] == pool_name]
+        if not members:
+            continue
+        lifetimes = [Lifetime(name, size, s, e) for name, _, size, s, e, _ in members]
+        offsets, size, order = place(lifetimes)
+        placed = tuple(Buffer(name, role, pool_name, nbytes, offsets[name], s, e, names)
+                       for name, role, nbytes, s, e, names in members)
+        pools.append(Pool(pool_name, size, lower_bound(lifetimes), order, placed))
+    phases = tuple(str(node.meta.get(g.PHASE, "")) for node in nodes)
+    return MemoryPlan(tuple(pools), tuple(node.name for node in nodes), phases, ALIGNMENT_BYTES)
+
+
+def buffer_lifetimes(gm: fx.GraphModule) -> list[tuple[str, str, int, int, int, tuple[str, ...]]]:
+    """Every storage of ``gm`` in its node order, unplaced: (name, role, aligned bytes, start, end, aliases)."""
+    nodes = list(gm.graph.nodes)
     position = {node: i for i, node in enumerate(nodes)}
     last = len(nodes) - 1
     roots = _storage_roots(nodes)
@@ -94,19 +112,7 @@ def memory_plan_of(gm: fx.GraphModule) -> MemoryPlan:
         role = _role(node, index, key in updated)
         name = node.name if index is None else f"{node.name}[{index}]"
         buffers.append((name, role, align(size), start[key], end[key], tuple(aliases.get(key, ()))))
-
-    pools = []
-    for pool_name in POOLS:
-        members = [b for b in buffers if POOL_OF_ROLE[b[1]] == pool_name]
-        if not members:
-            continue
-        lifetimes = [Lifetime(name, size, s, e) for name, _, size, s, e, _ in members]
-        offsets, size, order = place(lifetimes)
-        placed = tuple(Buffer(name, role, pool_name, nbytes, offsets[name], s, e, names)
-                       for name, role, nbytes, s, e, names in members)
-        pools.append(Pool(pool_name, size, lower_bound(lifetimes), order, placed))
-    phases = tuple(str(node.meta.get(g.PHASE, "")) for node in nodes)
-    return MemoryPlan(tuple(pools), tuple(node.name for node in nodes), phases, ALIGNMENT_BYTES)
+    return buffers
 
 
 def _storage_roots(nodes: list[fx.Node]) -> dict[fx.Node, tuple]:

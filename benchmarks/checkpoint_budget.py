@@ -1,0 +1,209 @@
+"""Peak memory against step time: zerocc's memory_budget next to torch.utils.checkpoint per block by hand.
+
+The baseline is the usual one: eager PyTorch with the first ``n`` blocks of
+the GPT (``examples/gpt.py``) wrapped in ``checkpoint(block, x,
+use_reentrant=False)``, n = 0 .. layers. (zerocc cannot run that model
+itself: ``torch.utils.checkpoint`` recomputes when backward unpacks, after
+``functional_call`` has put the real parameters back, so a trace would read
+them as constants.) Each side is compared with its own run without
+recomputation, at the same number of bytes saved:
+
+  - eager, n blocks checkpointed: peak P_n (measured: every live storage,
+    parameters, gradients and optimizer state included), step time T_n;
+  - zerocc, ``memory_budget = Z_0 - (P_0 - P_n)``, Z_0 being zerocc's own
+    peak without a budget: the planner must save what checkpointing n blocks
+    saved. Peaks are the memory plan's live peak and the measured peak of the
+    steady-state program.
+
+Recompute time is each side's step time less its own time without
+recomputation (the fastest of ``--steps`` steps after two warm-up steps).
+Writes a markdown table and a PNG (bytes saved against extra step time).
+
+    PYTHONPATH=. python benchmarks/checkpoint_budget.py --layers 6 --out benchmarks/checkpoint_budget
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+import torch.utils.checkpoint as checkpoint
+from torch.utils.flop_counter import FlopCounterMode
+
+import zerocc
+from examples.gpt import GPT, random_batch
+from zerocc.errors import MemoryBudgetError
+from zerocc.runtime.memory import LiveBytesTracker
+
+
+class CheckpointedGPT(GPT):
+    """The GPT with its first ``checkpointed`` blocks under ``torch.utils.checkpoint``."""
+
+    def __init__(self, checkpointed: int = 0, **settings):
+        super().__init__(**settings)
+        self.checkpointed = checkpointed
+
+    def forward(self, tokens, targets):
+        x = self.wte(tokens) + self.wpe(torch.arange(tokens.shape[1], device=tokens.device))
+        for index, block in enumerate(self.blocks):
+            x = checkpoint.checkpoint(block, x, use_reentrant=False) if index < self.checkpointed else block(x)
+        logits = self.lm_head(self.ln_f(x))
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def _time_steps(step, steps):
+    times = []
+    for _ in range(steps):
+        started = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - started)
+    return min(times)   # the least disturbed run: four jobs share this machine's two cores
+
+
+def _flops(step) -> int:
+    """FLOPs of one step as torch.utils.flop_counter counts them (matmuls, attention): no timing noise."""
+    with FlopCounterMode(display=False) as counter:
+        step()
+    return counter.get_total_flops()
+
+
+def _batch(settings, args):
+    return random_batch(torch.Generator().manual_seed(1), args.batch, settings["seq"], settings["vocab"])
+
+
+def run_eager(settings, args, checkpointed) -> dict:
+    """Eager PyTorch with the first ``checkpointed`` blocks under torch.utils.checkpoint."""
+    torch.manual_seed(0)
+    model = CheckpointedGPT(checkpointed, **settings)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    tokens, targets = _batch(settings, args)
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        model(tokens, targets).backward()
+        optimizer.step()
+    for _ in range(2):
+        step()
+    held = [*model.parameters(), tokens, targets,
+            *[t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]]
+    with LiveBytesTracker(held) as tracker:
+        del held
+        step()
+    return {"measured": tracker.peak_bytes, "flops": _flops(step), "seconds": _time_steps(step, args.steps)}
+
+
+def run_zerocc(settings, args, memory_budget=None) -> dict:
+    torch.manual_seed(0)
+    model = GPT(**settings)
+    step = zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-3), stage=args.stage,
+                          memory_budget=memory_budget)
+    batch = _batch(settings, args)
+    for _ in range(2):   # the first step's program and the steady state's
+        step(*batch)
+    flops = _flops(lambda: step(*batch))
+    seconds = _time_steps(lambda: step(*batch), args.steps)
+    report = step.report()
+    plan = step.checkpoint_plan
+    return {"live": report["live_peak_bytes"], "measured": report["measured_peak_bytes"], "seconds": seconds,
+            "flops": flops,
+            "compile": report["compile_seconds"], "extra_flops": plan.extra_flops if plan is not None else 0,
+            "recomputed": sum(1 for r in plan.recomputed if r.bytes) if plan is not None else 0}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--d-model", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=16)   # activations dominate; at 4 the optimizer phase peaks
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--stage", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--out", default="benchmarks/checkpoint_budget")
+    parser.add_argument("--eager-results", default="", help="a JSON file: read the eager runs from it if it exists, "
+                                                            "else write them there")
+    args = parser.parse_args()
+    settings = {"vocab": 1024, "d_model": args.d_model, "layers": args.layers, "heads": 8, "seq": args.seq}
+
+    if args.eager_results and os.path.exists(args.eager_results):   # the baseline does not change with zerocc
+        with open(args.eager_results) as file:
+            eager = json.load(file)
+    else:
+        eager = [run_eager(settings, args, blocks) for blocks in range(args.layers + 1)]
+        if args.eager_results:
+            with open(args.eager_results, "w") as file:
+                json.dump(eager, file)
+    for blocks, result in enumerate(eager):
+        print(f"eager, {blocks} blocks checkpointed: {result}", flush=True)
+    zerocc_rows = [(None, run_zerocc(settings, args))]
+    print(f"zerocc, no budget: {zerocc_rows[0][1]}", flush=True)
+    for blocks in range(1, args.layers + 1):
+        budget = zerocc_rows[0][1]["live"] - (eager[0]["measured"] - eager[blocks]["measured"])
+        try:
+            result = run_zerocc(settings, args, budget)
+        except MemoryBudgetError as error:
+            print(f"memory_budget={budget:,}: {str(error).splitlines()[0]}", flush=True)
+            result = None
+        zerocc_rows.append((budget, result))
+        print(f"zerocc, memory_budget={budget:,} (saving what {blocks} checkpointed blocks save): {result}", flush=True)
+    write_table(eager, zerocc_rows, args, settings)
+    plot(eager, zerocc_rows, args)
+
+
+def write_table(eager, zerocc_rows, args, settings):
+    lines = [f"GPT {settings}, batch {args.batch}, AdamW, one process; zerocc at stage {args.stage}. "
+             f"Step time: fastest of {args.steps} steady-state steps; GFLOP: one step under "
+             "torch.utils.flop_counter (matmuls and attention). Peaks in bytes (measured); 'saved' and 'extra' "
+             "are against the same side's run without recomputation.", "",
+             "| n | eager + checkpoint: peak | saved | extra GFLOP | step (s) | extra (s) | zerocc budget | "
+             "live peak (plan) | measured peak | saved | extra GFLOP | step (s) | extra (s) | tensors recomputed | "
+             "compile (s) |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    base = zerocc_rows[0][1]
+    for blocks, (mine, (budget, ours)) in enumerate(zip(eager, zerocc_rows)):
+        left = (f"| {blocks} | {mine['measured']:,} | {eager[0]['measured'] - mine['measured']:,} | "
+                f"{(mine['flops'] - eager[0]['flops']) / 1e9:.2f} | {mine['seconds']:.3f} | "
+                f"{mine['seconds'] - eager[0]['seconds']:+.3f} |")
+        if ours is None:
+            lines.append(left + f" {budget:,} | cannot reach | | | | | | | |")
+            continue
+        lines.append(left + f" {'none' if budget is None else f'{budget:,}'} | {ours['live']:,} | "
+                     f"{ours['measured']:,} | {base['measured'] - ours['measured']:,} | "
+                     f"{(ours['flops'] - base['flops']) / 1e9:.2f} | {ours['seconds']:.3f} | "
+                     f"{ours['seconds'] - base['seconds']:+.3f} | {ours['recomputed']} | {ours['compile']:.1f} |")
+    with open(args.out + ".md", "w") as file:
+        file.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def plot(eager, zerocc_rows, args):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    figure, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    base = zerocc_rows[0][1]
+    sides = {
+        "eager + torch.utils.checkpoint, first n blocks": (eager[0], list(enumerate(eager))),
+        "zerocc memory_budget (same bytes saved)": (base, [(n, r) for n, (_, r) in enumerate(zerocc_rows) if r]),
+    }
+    for axis, (key, scale, title) in zip(axes, (("seconds", 1.0, "extra step time (s)"),
+                                                 ("flops", 1e9, "extra GFLOP per step (flop counter)"))):
+        for (label, (reference, rows)), marker in zip(sides.items(), ("o", "s")):
+            points = [((reference["measured"] - r["measured"]) / 1e6, (r[key] - reference[key]) / scale, n)
+                      for n, r in rows]
+            axis.plot([p[0] for p in points], [p[1] for p in points], marker=marker, label=label)
+            for x, y, n in points:
+                axis.annotate(str(n), (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+        axis.axhline(0, color="black", lw=0.6)
+        axis.set_xlabel("peak memory saved per rank (MB, measured)")
+        axis.set_ylabel(title)
+    axes[0].legend(fontsize=8)
+    figure.suptitle("GPT: memory saved against recomputation (n: blocks checkpointed / matched)")
+    figure.tight_layout()
+    figure.savefig(args.out + ".png", dpi=110)
+
+
+if __name__ == "__main__":
+    main()
