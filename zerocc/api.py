@@ -12,6 +12,8 @@ import torch.nn as nn
 from . import checkpoint
 from . import graph as g
 from . import plans
+from . import precision
+from .precision import DynamicLossScale
 from .capture import Captured, capture, named_tensors
 from .context import CompileContext
 from .errors import ConfigError
@@ -46,6 +48,10 @@ def compile(
     disable: Sequence[str] = (),
     verify: bool = False,
     dump_dir: str | None = None,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+    loss_scale: "str | DynamicLossScale | None" = None,
+    cast_forward_inputs: bool = True,
 ) -> "CompiledStep":
     """Compile one training step of ``model`` with ``optimizer`` under ZeRO ``stage`` (0-3).
 
@@ -66,6 +72,15 @@ def compile(
     need are refused, with the reason). ``verify=True`` checks invariants after
     every pass (``zerocc/verify.py``). ``dump_dir`` (or ``$ZEROCC_DUMP_DIR``)
     writes the program after every pass as ``{i:03d}_{pass}.py`` there.
+
+    Mixed precision (``zerocc/precision.py``, FSDP2's ``MixedPrecisionPolicy``
+    semantics): ``param_dtype`` is the dtype forward and backward compute in
+    (parameters stay fp32 masters, stage 3 gathers in ``param_dtype``),
+    ``reduce_dtype`` the one gradients are reduced in (``param_dtype`` if not
+    given), ``cast_forward_inputs`` casts the model's floating inputs to
+    ``param_dtype``. ``loss_scale="dynamic"`` (or ``DynamicLossScale(...)``)
+    scales the loss and skips steps whose gradients overflow, as
+    ``torch.amp.GradScaler`` does; ``step.loss_scale`` reads the scale.
     """
     if stage not in STAGES:
         raise ConfigError(f"stage={stage!r} is not a ZeRO stage; use 0 (plain data parallel), 1, 2 or 3")
@@ -81,10 +96,11 @@ def compile(
         raise ConfigError(f"prefetch_bytes must be a non-negative int, got {prefetch_bytes!r}")
     if num_targets is None:
         num_targets = 1 if loss_fn is not None else 0
-    build_pipeline(stage, disable)   # unknown or essential names fail here, before any tracing
+    mixed = precision.resolve(param_dtype, reduce_dtype, loss_scale, cast_forward_inputs, model)
+    build_pipeline(stage, disable, mixed_precision=mixed is not None)   # unknown or essential names fail here
     return CompiledStep(model, optimizer, stage, loss_fn, num_targets, group, bucket_bytes,
                         prefetch_bytes=prefetch_bytes, timeout=timeout,
-                        disable=tuple(disable), verify=verify, dump_dir=dump_dir)
+                        disable=tuple(disable), verify=verify, dump_dir=dump_dir, precision=mixed)
 
 
 class CompiledStep:
@@ -97,7 +113,8 @@ class CompiledStep:
     """
 
     def __init__(self, model, optimizer, stage, loss_fn, num_targets, group, bucket_bytes, *,
-                 prefetch_bytes=DEFAULT_PREFETCH_BYTES, timeout=None, disable=(), verify=False, dump_dir=None):
+                 prefetch_bytes=DEFAULT_PREFETCH_BYTES, timeout=None, disable=(), verify=False, dump_dir=None,
+                 precision=None):
         self.model = model
         self.optimizer = optimizer
         self.stage = stage
@@ -108,6 +125,7 @@ class CompiledStep:
         self.disable = tuple(disable)
         self.verify = verify
         self.dump_dir = dump_dir
+        self.precision = precision
         device = next(model.parameters()).device
         self.timeout = timeout
         self.ranks: Ranks = failures.with_timeout(resolve(group, device), timeout)
@@ -139,11 +157,36 @@ class CompiledStep:
                     del tensors
                     loss = program.run(self._slots, batch)
                 self._measured_peak_bytes[id(program)] = tracker.peak_bytes
+            self._drop_state_of_skipped_first_step(program, inputs)
         self.steps += 1
         self._after_step(ctx)
         # the step ran the optimizer's update; tell LR schedulers so, as optimizer.step() would
         self.optimizer._opt_called = True
         return loss
+
+    def _drop_state_of_skipped_first_step(self, program, inputs) -> None:
+        """A first step that overflowed under loss scaling leaves no optimizer state, as GradScaler would.
+
+        The graph keeps parameters and existing state with ``where``; state the
+        step creates has no old value to keep, so it is dropped here (one host
+        read of the flag, on programs that create state only).
+        """
+        created = [s for s in program.output_slots if s.startswith("state:") and s not in program.argument_slots]
+        if created and precision.FOUND_INF_SLOT in self._slots and bool(self._slots[precision.FOUND_INF_SLOT] > 0):
+            for slot in created:
+                del self._slots[slot]
+            # the next step is a first step again: the same program
+            self._programs[(self._input_signature(inputs), self._state_key(),
+                            hyperparameter_signature(self.optimizer))] = self._last
+
+    @property
+    def loss_scale(self) -> float | None:
+        """The current dynamic loss scale (None without loss scaling); reading it waits for the step."""
+        scale = (self._slots or {}).get(precision.SCALE_SLOT)
+        if scale is None:
+            scales = precision.initial_scaler_slots(self.precision, "cpu")
+            return float(scales[precision.SCALE_SLOT]) if scales else None
+        return float(scale)
 
     def _program_for(self, inputs):
         key = (self._input_signature(inputs), self._state_key(), hyperparameter_signature(self.optimizer))
@@ -167,11 +210,13 @@ class CompiledStep:
         captured = capture(self.model, self.optimizer, inputs, loss_fn=self.loss_fn, num_targets=self.num_targets,
                            fake_mode=fake_mode, optimizer_state=optimizer_state,
                            check_update_elementwise=self.stage != 0,
-                           parameter_shapes=self._released_shapes)
+                           parameter_shapes=self._released_shapes, precision=self.precision)
         state_signature = _state_signature_of(captured)
         ctx = CompileContext(self.stage, self.ranks.world_size, self.ranks.rank, self.ranks.group_name,
-                             self.optimizer, captured, fake_mode, self.bucket_bytes, previous_plan=self._plan)
-        gm, history = run_pipeline(captured.gm, ctx, build_pipeline(self.stage, self.disable, self.prefetch_bytes),
+                             self.optimizer, captured, fake_mode, self.bucket_bytes, previous_plan=self._plan,
+                             precision=self.precision)
+        passes = build_pipeline(self.stage, self.disable, self.prefetch_bytes, mixed_precision=self.precision is not None)
+        gm, history = run_pipeline(captured.gm, ctx, passes,
                                    verify=self.verify, dump_dir=dump_dir_of(self.dump_dir))
         failures.check_ranks_agree(self.ranks, gm, ctx.shard_plan)   # before any of its collectives can hang
         program = Program.from_graph(gm)
@@ -179,6 +224,7 @@ class CompiledStep:
             self._captured = captured
             self._plan = ctx.shard_plan
             self._slots = slot_store.initial_slots(ctx.shard_plan, captured, self.model, self.optimizer)
+            self._slots.update(precision.initial_scaler_slots(self.precision, next(self.model.parameters()).device))
             self.optimizer.state.clear()   # the step owns the (sharded) optimizer state from now on
             self._release_model_parameters()
         self._state_signature = state_signature
@@ -275,7 +321,8 @@ class CompiledStep:
     @property
     def passes(self) -> list[str]:
         """The passes a compilation runs, in order (registered passes included, disabled ones not)."""
-        return ["capture", *[p.name for p in build_pipeline(self.stage, self.disable)]]
+        return ["capture", *[p.name for p in build_pipeline(self.stage, self.disable,
+                                                             mixed_precision=self.precision is not None)]]
 
     def graph(self, name: str = "insert_collectives") -> GraphSnapshot:
         """The program after pass ``name`` (of the plan the last call ran), printable as Python."""

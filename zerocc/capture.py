@@ -26,6 +26,7 @@ from . import graph as g
 from . import plans
 from .errors import CaptureError, ConfigError, ZeroccError, user_frame
 from .optimizer_step import check_elementwise, splice_update
+from . import precision as mixed
 from .tracing import fakeify, record_source_lines_of, trace_functional
 
 GRAD_OF = "zerocc_grad_of"   # meta key on gradient nodes: indices of the parameters it is the gradient of
@@ -107,6 +108,7 @@ def capture(
     optimizer_state: Sequence[dict[str, torch.Tensor]] | None = None,
     check_update_elementwise: bool = True,
     parameter_shapes: dict[str, tuple[int, ...]] | None = None,
+    precision: mixed.Precision | None = None,
 ) -> Captured:
     """Trace one training step of ``model`` and ``optimizer`` on ``inputs``.
 
@@ -114,6 +116,8 @@ def capture(
     runtime released (stage 3). ``optimizer_state`` gives, per trained parameter, the state tensors to trace
     with (defaults to ``optimizer.state``); empty dicts mean "first step": the
     optimizer initializes its state inside the graph the way it always does.
+    ``precision`` (``zerocc/precision.py``) traces forward and backward in its
+    ``param_dtype`` and, with loss scaling, adds the scale as a placeholder.
     """
     params_all = named_tensors(model, "param")
     buffers_all = named_tensors(model, "buffer")
@@ -157,24 +161,33 @@ def capture(
         raise ConfigError(f"the step got {len(inputs)} argument(s) but {num_targets} target(s) were declared")
     group_of = [info.group for info in param_infos]
 
-    def whole_step(params, frozen_params, buffers, states, lrs, batch):
+    def whole_step(params, frozen_params, buffers, states, lrs, batch, loss_scale):
+        model_inputs = tuple(batch[:num_model_inputs])
+        computed, frozen_computed = params, frozen_params
+        if precision is not None:   # forward and backward in param_dtype (zerocc/precision.py)
+            computed, frozen_computed, model_inputs = mixed.compute_values(precision, params, frozen_params, model_inputs)
         tensors = {}
-        for info, value in zip(param_infos, params):
+        for info, value in zip(param_infos, computed):
             tensors[info.name] = value
-        for info, value in zip(frozen_infos, frozen_params):
+        for info, value in zip(frozen_infos, frozen_computed):
             tensors[info.name] = value
         for info, value in zip(buffer_infos, buffers):
             tensors[info.name] = value
         with torch.enable_grad():
-            output = torch.func.functional_call(model, tensors, tuple(batch[:num_model_inputs]), tie_weights=True, strict=False)
+            output = torch.func.functional_call(model, tensors, model_inputs, tie_weights=True, strict=False)
             loss = extract_loss(output, batch[num_model_inputs:], loss_fn)
-            grads = torch.autograd.grad(loss, params, allow_unused=True)
+            differentiated = loss.float() * loss_scale[0] if loss_scale else loss
+            grads = torch.autograd.grad(differentiated, computed, allow_unused=True)
+        if precision is not None:
+            grads = mixed.master_grads(grads, params)
+            loss = loss.float()
         return loss.detach(), grads, list(buffers)   # the optimizer's step is spliced in after tracing
 
     record_source_lines_of(loss_fn)
     real_args = (
         [t for _, t in trained], [t for _, t in frozen], [t for _, t in buffers_all],
         [dict(s) for s in optimizer_state], learning_rates, list(inputs),
+        [torch.ones(())] if precision is not None and precision.loss_scale is not None else [],
     )
     fake_args = fakeify(fake_mode, real_args)
     with fake_mode:   # parameters released by the runtime: fakes of their true shape
@@ -201,6 +214,8 @@ def capture(
 
     leaves = _placeholder_layout(fake_args)
     _tag_placeholders(gm, leaves, param_infos, frozen_infos, buffer_infos, state_keys)
+    if precision is not None:
+        mixed.tag_parameter_casts(gm)
     # outputs: loss, grads (None for unused), buffers; then the optimizer's step over the used parameters
     out_nodes = list(g.output_node(gm).args[0])
     import torch.utils._pytree as pytree
@@ -263,7 +278,7 @@ def _splice_optimizer(gm, fake_mode, optimizer, grad_nodes, group_of, *, replica
 
 def _placeholder_layout(fake_args) -> list[tuple[str, int, str]]:
     """(role, index within role, readable name) for each flattened leaf, in placeholder order."""
-    params, frozen, buffers, states, lrs, batch = fake_args
+    params, frozen, buffers, states, lrs, batch, loss_scale = fake_args
     layout = []
     layout += [(g.ROLE_PARAM, i, "") for i in range(len(params))]
     layout += [(g.ROLE_FROZEN, i, "") for i in range(len(frozen))]
@@ -274,6 +289,7 @@ def _placeholder_layout(fake_args) -> list[tuple[str, int, str]]:
     import torch.utils._pytree as pytree
     for i, leaf in enumerate(pytree.tree_leaves(batch)):
         layout.append((g.ROLE_INPUT, i, ""))
+    layout += [(g.ROLE_LOSS_SCALE, i, "") for i in range(len(loss_scale))]
     return layout
 
 
@@ -300,6 +316,8 @@ def _tag_placeholders(gm, layout, param_infos, frozen_infos, buffer_infos, state
         elif role == g.ROLE_HYPER:
             base = f"lr_group{index}"
             slot = plans.lr_slot(index)
+        elif role == g.ROLE_LOSS_SCALE:
+            base, slot = "loss_scale", mixed.SCALE_SLOT
         else:
             base = f"input{index}"
         node.meta[g.SLOT] = slot

@@ -2,6 +2,7 @@
 
     capture              zerocc/capture.py       whole step -> one functional aten graph, nodes tagged
     shard                passes/shard.py         flat buckets, 1/N per rank; optimizer re-traced on the shards
+    mixed_precision      passes/mixed_precision.py   (only with param_dtype/reduce_dtype/loss_scale) casts, loss scaling
     insert_collectives   passes/insert_collectives.py   all_gather / reduce_scatter / all_reduce + waits
     schedule             passes/schedule.py      issue collectives early, wait late: prefetch and overlap
     plan_memory          passes/plan_memory.py   lifetimes on the final order -> offsets in pools (graph unchanged)
@@ -32,6 +33,7 @@ from . import registry
 from .context import CompileContext
 from .errors import ConfigError, PassError
 from .passes.insert_collectives import insert_collectives
+from .passes.mixed_precision import mixed_precision as cast_for_precision
 from .passes.plan_memory import plan_memory
 from .passes.schedule import schedule
 from .passes.shard import shard
@@ -57,10 +59,17 @@ class Pass:
 DEFAULT_PREFETCH_BYTES = 4 * 1024 * 1024
 
 
-def default_pipeline(stage: int, *, prefetch_bytes: int = DEFAULT_PREFETCH_BYTES) -> list[Pass]:
-    """The passes for ``stage``, in order. The same list for every stage: the plan differs, not the passes."""
+def default_pipeline(stage: int, *, prefetch_bytes: int = DEFAULT_PREFETCH_BYTES,
+                     mixed_precision: bool = False) -> list[Pass]:
+    """The passes for ``stage``, in order. The same list for every stage: the plan differs, not the passes.
+
+    ``mixed_precision`` (compile's ``param_dtype``/``reduce_dtype``/``loss_scale``) adds its pass after shard.
+    """
     return [
         Pass("shard", shard, essential="the runtime lays out its tensors by the shard plan"),   # parameters, gradients, optimizer state -> flat per-rank buckets
+        *([Pass("mixed_precision", cast_for_precision, requires=("shard",),
+                essential="the captured step computes in param_dtype; the buckets must be cast to it")]
+          if mixed_precision else []),                                                           # bf16 compute from fp32 master buckets, loss scaling
         Pass("insert_collectives", insert_collectives, requires=("shard",),
              essential="the shard pass's markers cannot run across ranks"),                      # the communication the buckets need
         Pass("schedule", functools.partial(schedule, prefetch_bytes=prefetch_bytes),
@@ -70,9 +79,9 @@ def default_pipeline(stage: int, *, prefetch_bytes: int = DEFAULT_PREFETCH_BYTES
 
 
 def build_pipeline(stage: int, disable: Sequence[str] = (), prefetch_bytes: int = DEFAULT_PREFETCH_BYTES,
-                   user_passes: Sequence[registry.UserPass] | None = None) -> list[Pass]:
+                   user_passes: Sequence[registry.UserPass] | None = None, mixed_precision: bool = False) -> list[Pass]:
     """``default_pipeline(stage)`` with the registered passes spliced in and the ``disable``d ones dropped."""
-    passes = default_pipeline(stage, prefetch_bytes=prefetch_bytes)
+    passes = default_pipeline(stage, prefetch_bytes=prefetch_bytes, mixed_precision=mixed_precision)
     user_passes = registry.registered() if user_passes is None else list(user_passes)
     for user in user_passes:
         names = [p.name for p in passes]

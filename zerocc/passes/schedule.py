@@ -70,8 +70,9 @@ def schedule(gm: fx.GraphModule, ctx: CompileContext, *, prefetch_bytes: int) ->
 
 
 def is_parameter_gather(node: fx.Node) -> bool:
-    """A stage 3 gather of a parameter shard (a placeholder): free to move anywhere before its wait."""
-    return g.is_all_gather(node) and node.args[0].op == "placeholder"
+    """A stage 3 gather of a parameter shard (a placeholder, or its mixed-precision cast): free to move
+    anywhere before its wait, the cast with it."""
+    return g.is_all_gather(node) and g.is_parameter_shard(node.args[0])
 
 
 def held_bytes(collective: fx.Node) -> int:
@@ -136,6 +137,9 @@ def _prefetch_parameter_gathers(graph: fx.Graph, prefetch_bytes: int) -> set[fx.
         while target is not wait_of(gather) and is_parameter_gather(target):
             target = target.next
         if target is not gather:
+            shard = gather.args[0]
+            if shard.op != "placeholder" and position[shard] > position[target]:
+                target.prepend(shard)   # the cast of the shard to param_dtype moves with its gather
             target.prepend(gather)
         position = {node: i for i, node in enumerate(graph.nodes)}
         if position[gather] < before:
