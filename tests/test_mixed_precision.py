@@ -128,3 +128,95 @@ def test_fp16_overflow_on_the_first_step_creates_no_state():
         assert torch.equal(loss, expected) and scale == expected_scale and same
     assert rows[0][5] and rows[0][2] == 2.0 ** 12 and rows[0][7] == []   # skipped: no optimizer state yet
     assert not rows[1][5] and rows[1][7]                                   # the next step creates it
+
+
+def _train_world_size_n(rank, world_size, name, precision, scaling):
+    """Per rank: the reference's losses and masters, then each stage's (and the loss scales)."""
+    data = batches(name, STEPS, 4 * world_size)
+    local = [tuple(t[rank * 4:(rank + 1) * 4] for t in batch) for batch in data]
+    dtype = precision["param_dtype"]
+    reference, _, loss_fn = build(name)
+    optimizer = adamw(reference)
+    scaler = None
+    if scaling is not None:
+        scaler = torch.amp.GradScaler("cpu", init_scale=scaling.init_scale, growth_interval=scaling.growth_interval)
+    expected = [mixed_eager_step(reference, optimizer, loss_fn, batch, dtype, scaler=scaler, world_size=world_size)
+                for batch in local]
+    results = {"reference": (expected, {k: v.clone() for k, v in reference.state_dict().items()},
+                             scaler.get_scale() if scaler else None)}
+    for stage in STAGES:
+        step = _compiled(name, stage, **precision, **({"loss_scale": scaling} if scaling else {}))
+        losses, skipped = [], []
+        for batch in local:
+            losses.append(step(*batch))
+            skipped.append(scaling is not None and bool(step._slots[zerocc.precision.FOUND_INF_SLOT] > 0))
+        results[stage] = (losses, step.full_state_dict(), step.loss_scale, skipped)
+    return results
+
+
+@pytest.mark.parametrize("case", ["bf16", "fp16_dynamic"])
+def test_world_size_2_matches_the_hand_written_reference(case):
+    """Every stage against the eager reference on 2 ranks.
+
+    Tolerance: the compiled step runs the same aten ops on the same values
+    as the reference (bf16 matmuls on the same local batch, gradients cast
+    to fp32 and summed by gloo, divided by 2, the fp32 AdamW); a sum of two
+    fp32 values is the same in any order, so we expect equality and allow
+    what test_numerics allows against DDP (rtol 1e-5 on losses, 1e-4 on
+    masters), far below one bf16 ulp (2**-8 = 4e-3 relative): a wrong cast
+    (an fp32 gather, a bf16 master, an unaveraged gradient) misses it by far.
+    """
+    precision = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
+    scaling = None
+    if case == "fp16_dynamic":   # 2**15 grows to 2**16, where the GPT's fp16 gradients overflow and a step is skipped
+        precision = {"param_dtype": torch.float16, "reduce_dtype": torch.float32}
+        scaling = zerocc.DynamicLossScale(init_scale=2.0 ** 15, growth_interval=1)
+    per_rank = distributed.run(_train_world_size_n, 2, "gpt", precision, scaling)
+    for rank, results in enumerate(per_rank):
+        expected_losses, expected_state, expected_scale = results["reference"]
+        for stage in STAGES:
+            losses, state, scale, skipped = results[stage]
+            assert scale == expected_scale, (stage, rank)
+            assert skipped == ([False, True, False] if scaling else [False] * STEPS), (stage, rank)
+            torch.testing.assert_close(torch.stack(losses), torch.stack(expected_losses), rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"stage {stage} rank {rank} losses: {m}")
+            for key, value in expected_state.items():
+                assert state[key].dtype == torch.float32
+                torch.testing.assert_close(state[key], value, rtol=1e-4, atol=1e-5,
+                                           msg=lambda m: f"stage {stage} rank {rank} {key}: {m}")
+
+
+class TwoHalves(torch.nn.Module):
+    """Two parameters that land in different ranks' shards of one bucket at world size 2."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Parameter(torch.full((64,), 0.5))
+        self.b = torch.nn.Parameter(torch.full((64,), 0.5))
+
+    def forward(self, x):
+        return (self.a * x[:, :64]).sum() + (self.b * x[:, 64:]).sum()
+
+
+def _one_rank_overflows(rank, world_size, stage):
+    """Rank 0's gradient of ``a`` overflows in fp16, nothing else does: every rank must skip."""
+    scaling = zerocc.DynamicLossScale(init_scale=2.0 ** 10)
+    model = TwoHalves()
+    step = zerocc.compile(model, adamw(model), stage=stage, param_dtype=torch.float16,
+                          reduce_dtype=torch.float32, loss_scale=scaling)
+    normal = (torch.full((4, 128), 0.01),)
+    huge = (torch.cat([torch.full((4, 64), 100.0), torch.full((4, 64), 0.01)], dim=1),)   # 4 * 100 * 2**10 > 65504
+    step(*normal)
+    before = step.full_state_dict()
+    step(*(huge if rank == 0 else normal))
+    owned = [piece.param for _, _, piece in step.shard_plan.owned_pieces()]
+    return before, step.full_state_dict(), step.loss_scale, owned
+
+
+def test_an_overflow_on_one_rank_skips_the_step_on_every_rank():
+    """At stage 3 each rank checks only its shard: the found-inf flag is all-reduced."""
+    for before, after, scale, owned in distributed.run(_one_rank_overflows, 2, 3):
+        assert len(owned) == 1                       # a on rank 0, b on rank 1: only rank 0 sees the inf
+        assert scale == 2.0 ** 9
+        for key, value in before.items():
+            assert torch.equal(after[key], value), key

@@ -80,6 +80,11 @@ def held_bytes(collective: fx.Node) -> int:
     return g.nbytes(collective.args[0]) if g.is_reduce_scatter(collective) else g.nbytes(collective)
 
 
+def _is_shard_cast(node: fx.Node) -> bool:
+    """A shard's cast to param_dtype (mixed precision): it goes with its gather."""
+    return node.op == "call_function" and g.is_parameter_shard(node)
+
+
 def wait_of(collective: fx.Node) -> fx.Node:
     (wait,) = [u for u in collective.users if g.is_wait(u)]
     return wait
@@ -134,7 +139,7 @@ def _prefetch_parameter_gathers(graph: fx.Graph, prefetch_bytes: int) -> set[fx.
         before = position[gather]
         # after the anchor and after any gather already placed there, so issue order is need order
         target = start if anchor is None else anchor.next
-        while target is not wait_of(gather) and is_parameter_gather(target):
+        while target is not wait_of(gather) and (is_parameter_gather(target) or _is_shard_cast(target)):
             target = target.next
         if target is not gather:
             shard = gather.args[0]
