@@ -388,6 +388,7 @@ class CompiledStep:
             "rank": self.ranks.rank,
             "param_count": param_count,
             "param_bytes": sum(i.numel * i.dtype.itemsize for i in [*self._captured.params, *self._captured.frozen]),
+            **precision.report_entries(self.precision, self._captured.params[0].dtype),
             "buckets": len(plan.buckets),
             "padding_elements": plan.padding_elements,
             "comm_bytes_per_step": comm,

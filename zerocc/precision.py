@@ -126,6 +126,18 @@ def resolve(param_dtype, reduce_dtype, loss_scale, cast_forward_inputs, model: t
     return Precision(param_dtype, reduce_dtype, loss_scale, cast_forward_inputs)
 
 
+def report_entries(precision: Precision | None, master: torch.dtype) -> dict[str, str]:
+    """``step.report()``'s precision lines: the dtypes parameters compute in and gradients are reduced in."""
+    def name(dtype):
+        return str(dtype).replace("torch.", "")
+    if precision is None:
+        return {"param_dtype": name(master), "reduce_dtype": name(master)}
+    entries = {"param_dtype": name(precision.compute_dtype(master)), "reduce_dtype": name(precision.reduction_dtype(master))}
+    if precision.loss_scale is not None:
+        entries["loss_scale"] = "dynamic"
+    return entries
+
+
 def initial_scaler_slots(precision: Precision | None, device) -> dict[str, torch.Tensor]:
     """The loss scale and growth tracker a step starts with, as GradScaler initializes them."""
     if precision is None or precision.loss_scale is None:
