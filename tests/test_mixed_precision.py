@@ -258,3 +258,43 @@ def test_gathers_move_param_dtype_bytes_and_reductions_reduce_dtype_bytes():
             assert padded * 2 < comm["all_gather"] <= 2 * padded * 2
             # loss scaling all-reduces one fp32 found-inf flag (counted twice, as all_reduce is)
             assert comm["all_reduce"] == (8 if "loss_scale" in precision else 0)
+
+
+def test_the_loss_scale_is_checkpointed(tmp_path):
+    scaling = zerocc.DynamicLossScale(init_scale=2.0 ** 13, growth_interval=1)
+    data = batches("mlp", 5, 8)
+    original = _compiled("mlp", 3, param_dtype=torch.float16, loss_scale=scaling)
+    for batch in data[:3]:
+        original(*batch)
+    assert original.loss_scale == 2.0 ** 16
+    zerocc.save_checkpoint(original, tmp_path / "ckpt")
+    resumed = _compiled("mlp", 3, param_dtype=torch.float16, loss_scale=scaling)
+    zerocc.load_checkpoint(resumed, tmp_path / "ckpt")     # before its first step
+    assert resumed.loss_scale == 2.0 ** 16
+    for batch in data[3:]:
+        assert torch.equal(resumed(*batch), original(*batch))
+        assert resumed.loss_scale == original.loss_scale
+    plain = _compiled("mlp", 3)                            # a step without loss scaling ignores the scale
+    zerocc.load_checkpoint(plain, tmp_path / "ckpt")
+
+
+def test_unsupported_precision_settings_are_refused_clearly():
+    model, _, loss_fn = build("mlp")
+    optimizer = adamw(model)
+    with pytest.raises(zerocc.ConfigError, match=r"param_dtype=torch.int8 is not supported: mixed precision computes"):
+        zerocc.compile(model, optimizer, param_dtype=torch.int8)
+    with pytest.raises(zerocc.ConfigError, match=r"reduce_dtype=torch.float8_e4m3fn is not supported"):
+        zerocc.compile(model, optimizer, reduce_dtype=torch.float8_e4m3fn)
+    with pytest.raises(zerocc.ConfigError, match=r"param_dtype must be a torch.dtype .* got 'bf16'"):
+        zerocc.compile(model, optimizer, param_dtype="bf16")
+    with pytest.raises(zerocc.ConfigError, match=r"loss_scale must be None, 'dynamic' or zerocc.DynamicLossScale"):
+        zerocc.compile(model, optimizer, param_dtype=torch.float16, loss_scale=128.0)
+    with pytest.raises(zerocc.ConfigError, match=r"backoff_factor must be in \(0, 1\), got 2.0; growth_interval must"):
+        zerocc.compile(model, optimizer, loss_scale=zerocc.DynamicLossScale(backoff_factor=2.0, growth_interval=0))
+    with pytest.warns(UserWarning, match=r"param_dtype=torch.float16 without loss scaling: small gradients underflow"):
+        zerocc.compile(model, optimizer, param_dtype=torch.float16)
+    low, _, _ = build("mlp")
+    low.to(torch.bfloat16)
+    with pytest.raises(zerocc.ConfigError, match=r"param_dtype=torch.float32 is wider than the model's parameters "
+                                                  r"\(torch.bfloat16\): the parameters are the master copy"):
+        zerocc.compile(low, adamw(low), param_dtype=torch.float32)

@@ -13,6 +13,7 @@ from . import checkpoint
 from . import graph as g
 from . import plans
 from . import precision
+from . import precision as precision_module   # where a parameter named ``precision`` shadows it
 from .precision import DynamicLossScale
 from .capture import Captured, capture, named_tensors
 from .context import CompileContext
@@ -126,6 +127,7 @@ class CompiledStep:
         self.verify = verify
         self.dump_dir = dump_dir
         self.precision = precision
+        self._scaler = precision_module.initial_scaler_slots(precision, next(model.parameters()).device)
         device = next(model.parameters()).device
         self.timeout = timeout
         self.ranks: Ranks = failures.with_timeout(resolve(group, device), timeout)
@@ -182,11 +184,14 @@ class CompiledStep:
     @property
     def loss_scale(self) -> float | None:
         """The current dynamic loss scale (None without loss scaling); reading it waits for the step."""
-        scale = (self._slots or {}).get(precision.SCALE_SLOT)
-        if scale is None:
-            scales = precision.initial_scaler_slots(self.precision, "cpu")
-            return float(scales[precision.SCALE_SLOT]) if scales else None
-        return float(scale)
+        scale = self.scaler_state().get(precision.SCALE_SLOT)
+        return None if scale is None else float(scale)
+
+    def scaler_state(self) -> dict[str, torch.Tensor]:
+        """The loss scale and its growth tracker, by slot (empty without loss scaling); checkpoints save them."""
+        if self._slots is None:
+            return dict(self._scaler)
+        return {slot: self._slots[slot] for slot in precision.SCALER_SLOTS if slot in self._slots}
 
     def _program_for(self, inputs):
         key = (self._input_signature(inputs), self._state_key(), hyperparameter_signature(self.optimizer))
@@ -224,7 +229,7 @@ class CompiledStep:
             self._captured = captured
             self._plan = ctx.shard_plan
             self._slots = slot_store.initial_slots(ctx.shard_plan, captured, self.model, self.optimizer)
-            self._slots.update(precision.initial_scaler_slots(self.precision, next(self.model.parameters()).device))
+            self._slots.update(self._scaler)   # created (or loaded from a checkpoint) before the first step
             self.optimizer.state.clear()   # the step owns the (sharded) optimizer state from now on
             self._release_model_parameters()
         self._state_signature = state_signature
