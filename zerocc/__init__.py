@@ -8,13 +8,14 @@ See ``zerocc/pipeline.py`` for the passes, in order.
 """
 from . import ops  # registers zerocc:: custom ops
 from .api import CompiledStep, compile
+from .precision import DynamicLossScale
 from .checkpoint import export_full_state_dict, load_checkpoint, save_checkpoint
 from .pipeline import register_pass, unregister_pass
 from .planning import Plan, plan
 from .errors import CaptureError, ConfigError, PassError, RecompileWarning, UnsupportedOptimizerError, ZeroccError
 from .runtime.failures import RankFailureError, RankMismatchError
 
-__all__ = ["compile", "CompiledStep", "plan", "Plan", "register_pass", "unregister_pass",
+__all__ = ["compile", "CompiledStep", "DynamicLossScale", "plan", "Plan", "register_pass", "unregister_pass",
            "save_checkpoint", "load_checkpoint", "export_full_state_dict",
            "ZeroccError", "ConfigError", "CaptureError", "PassError", "UnsupportedOptimizerError", "RecompileWarning",
            "RankFailureError", "RankMismatchError"]

@@ -14,6 +14,9 @@ import torch.nn as nn
 from . import checkpoint
 from . import graph as g
 from . import plans
+from . import precision
+from . import precision as precision_module   # where a parameter named ``precision`` shadows it
+from .precision import DynamicLossScale
 from .capture import Captured, capture, named_tensors
 from .context import CompileContext
 from .errors import ConfigError, RecompileWarning
@@ -71,6 +74,10 @@ def compile(
     static_shapes: bool = False,
     max_programs: int = DEFAULT_MAX_PROGRAMS,
     memory_budget: int | None = None,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+    loss_scale: "str | DynamicLossScale | None" = None,
+    cast_forward_inputs: bool = True,
 ) -> "CompiledStep":
     """Compile one training step of ``model`` with ``optimizer`` under ZeRO ``stage`` (0-3).
 
@@ -112,6 +119,15 @@ def compile(
     that cost least to recompute per byte until the scheduled step fits, and
     raises ``MemoryBudgetError`` naming the smallest peak it can reach when
     it cannot. ``step.checkpoint_plan`` says what it recomputes.
+
+    Mixed precision (``zerocc/precision.py``, FSDP2's ``MixedPrecisionPolicy``
+    semantics): ``param_dtype`` is the dtype forward and backward compute in
+    (parameters stay fp32 masters, stage 3 gathers in ``param_dtype``),
+    ``reduce_dtype`` the one gradients are reduced in (``param_dtype`` if not
+    given), ``cast_forward_inputs`` casts the model's floating inputs to
+    ``param_dtype``. ``loss_scale="dynamic"`` (or ``DynamicLossScale(...)``)
+    scales the loss and skips steps whose gradients overflow, as
+    ``torch.amp.GradScaler`` does; ``step.loss_scale`` reads the scale.
     """
     if stage not in STAGES:
         raise ConfigError(f"stage={stage!r} is not a ZeRO stage; use 0 (plain data parallel), 1, 2 or 3")
@@ -136,12 +152,13 @@ def compile(
     if isinstance(max_programs, bool) or not isinstance(max_programs, int) or max_programs < 1:
         raise ConfigError(f"max_programs must be a positive int (compiled programs kept, by input shape), "
                           f"got {max_programs!r}")
-    build_pipeline(stage, disable, clip=clip)   # unknown or essential names fail here, before any tracing
+    mixed = precision.resolve(param_dtype, reduce_dtype, loss_scale, cast_forward_inputs, model)
+    build_pipeline(stage, disable, clip=clip, mixed_precision=mixed is not None)   # unknown or essential names fail here
     return CompiledStep(model, optimizer, stage, loss_fn, num_targets, group, bucket_bytes,
                         prefetch_bytes=prefetch_bytes, timeout=timeout,
                         disable=tuple(disable), verify=verify, dump_dir=dump_dir,
                         grad_accumulation=grad_accumulation, clip=clip, static_shapes=bool(static_shapes),
-                        max_programs=max_programs, memory_budget=memory_budget)
+                        max_programs=max_programs, memory_budget=memory_budget, precision=mixed)
 
 
 def _check_clipping(max_norm, norm_type) -> tuple[float, float] | None:
@@ -169,7 +186,7 @@ class CompiledStep:
     def __init__(self, model, optimizer, stage, loss_fn, num_targets, group, bucket_bytes, *,
                  prefetch_bytes=DEFAULT_PREFETCH_BYTES, timeout=None, disable=(), verify=False, dump_dir=None,
                  grad_accumulation=1, clip=None, static_shapes=False, max_programs=DEFAULT_MAX_PROGRAMS,
-                 memory_budget=None):
+                 memory_budget=None, precision=None):
         self.model = model
         self.optimizer = optimizer
         self.stage = stage
@@ -186,6 +203,8 @@ class CompiledStep:
         self.static_shapes = static_shapes
         self.max_programs = max_programs
         self._eval_programs: dict[Any, Any] = {}   # zerocc/eval.py: forward-only programs, by input signature
+        self.precision = precision
+        self._scaler = precision_module.initial_scaler_slots(precision, next(model.parameters()).device)
         device = next(model.parameters()).device
         self.timeout = timeout
         self.ranks: Ranks = failures.with_timeout(resolve(group, device), timeout)
@@ -219,11 +238,39 @@ class CompiledStep:
                     del tensors
                     loss = program.run(self._slots, batch)
                 self._measured_peak_bytes[id(program)] = tracker.peak_bytes
+            self._drop_state_of_skipped_first_step(program, inputs)
         self.steps += 1
         self._after_step(ctx)
         # the step ran the optimizer's update; tell LR schedulers so, as optimizer.step() would
         self.optimizer._opt_called = True
         return loss
+
+    def _drop_state_of_skipped_first_step(self, program, inputs) -> None:
+        """A first step that overflowed under loss scaling leaves no optimizer state, as GradScaler would.
+
+        The graph keeps parameters and existing state with ``where``; state the
+        step creates has no old value to keep, so it is dropped here (one host
+        read of the flag, on programs that create state only).
+        """
+        created = [s for s in program.output_slots if s.startswith("state:") and s not in program.argument_slots]
+        if created and precision.FOUND_INF_SLOT in self._slots and bool(self._slots[precision.FOUND_INF_SLOT] > 0):
+            for slot in created:
+                del self._slots[slot]
+            # the next step is a first step again: the same program
+            self._programs[(self._input_signature(inputs), self._state_key(),
+                            hyperparameter_signature(self.optimizer))] = self._last
+
+    @property
+    def loss_scale(self) -> float | None:
+        """The current dynamic loss scale (None without loss scaling); reading it waits for the step."""
+        scale = self.scaler_state().get(precision.SCALE_SLOT)
+        return None if scale is None else float(scale)
+
+    def scaler_state(self) -> dict[str, torch.Tensor]:
+        """The loss scale and its growth tracker, by slot (empty without loss scaling); checkpoints save them."""
+        if self._slots is None:
+            return dict(self._scaler)
+        return {slot: self._slots[slot] for slot in precision.SCALER_SLOTS if slot in self._slots}
 
     def _program_for(self, inputs):
         key = (self._input_signature(inputs), self._state_key(), hyperparameter_signature(self.optimizer))
@@ -274,12 +321,15 @@ class CompiledStep:
         captured = capture(self.model, self.optimizer, inputs, loss_fn=self.loss_fn, num_targets=self.num_targets,
                            fake_mode=fake_mode, optimizer_state=optimizer_state,
                            check_update_elementwise=self.stage != 0,
-                           parameter_shapes=self._released_shapes, grad_accumulation=self.grad_accumulation)
+                           parameter_shapes=self._released_shapes, grad_accumulation=self.grad_accumulation,
+                           precision=self.precision)
         state_signature = _state_signature_of(captured)
         ctx = CompileContext(self.stage, self.ranks.world_size, self.ranks.rank, self.ranks.group_name,
-                             self.optimizer, captured, fake_mode, self.bucket_bytes, previous_plan=self._plan)
-        gm, history = run_pipeline(captured.gm, ctx, build_pipeline(self.stage, self.disable, self.prefetch_bytes,
-                                                                    clip=self.clip, memory_budget=self.memory_budget),
+                             self.optimizer, captured, fake_mode, self.bucket_bytes, previous_plan=self._plan,
+                             precision=self.precision)
+        passes = build_pipeline(self.stage, self.disable, self.prefetch_bytes, clip=self.clip,
+                                memory_budget=self.memory_budget, mixed_precision=self.precision is not None)
+        gm, history = run_pipeline(captured.gm, ctx, passes,
                                    verify=self.verify, dump_dir=dump_dir_of(self.dump_dir))
         failures.check_ranks_agree(self.ranks, gm, ctx.shard_plan)   # before any of its collectives can hang
         program = Program.from_graph(gm)
@@ -287,6 +337,7 @@ class CompiledStep:
             self._captured = captured
             self._plan = ctx.shard_plan
             self._slots = slot_store.initial_slots(ctx.shard_plan, captured, self.model, self.optimizer)
+            self._slots.update(self._scaler)   # created (or loaded from a checkpoint) before the first step
             self.optimizer.state.clear()   # the step owns the (sharded) optimizer state from now on
             self._release_model_parameters()
         self._state_signature = state_signature
@@ -383,7 +434,8 @@ class CompiledStep:
     @property
     def passes(self) -> list[str]:
         """The passes a compilation runs, in order (registered passes included, disabled ones not)."""
-        return ["capture", *[p.name for p in build_pipeline(self.stage, self.disable, clip=self.clip)]]
+        return ["capture", *[p.name for p in build_pipeline(self.stage, self.disable, clip=self.clip,
+                                                             mixed_precision=self.precision is not None)]]
 
     # -- training-loop features ---------------------------------------------------
     @property
@@ -467,6 +519,7 @@ class CompiledStep:
             "rank": self.ranks.rank,
             "param_count": param_count,
             "param_bytes": sum(i.numel * i.dtype.itemsize for i in [*self._captured.params, *self._captured.frozen]),
+            **precision.report_entries(self.precision, self._captured.params[0].dtype),
             "buckets": len(plan.buckets),
             "padding_elements": plan.padding_elements,
             "comm_bytes_per_step": comm,

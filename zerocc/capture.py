@@ -26,6 +26,7 @@ from . import graph as g
 from . import plans
 from .errors import CaptureError, ConfigError, ZeroccError, user_frame
 from .optimizer_step import check_elementwise, splice_update
+from . import precision as mixed
 from .tracing import fakeify, record_source_lines_of, trace_functional
 
 GRAD_OF = "zerocc_grad_of"   # meta key on gradient nodes: indices of the parameters it is the gradient of
@@ -127,6 +128,7 @@ def capture(
     check_update_elementwise: bool = True,
     parameter_shapes: dict[str, tuple[int, ...]] | None = None,
     grad_accumulation: int = 1,
+    precision: mixed.Precision | None = None,
 ) -> Captured:
     """Trace one training step of ``model`` and ``optimizer`` on ``inputs``.
 
@@ -139,6 +141,8 @@ def capture(
     micro-batch's activations are alive), as eager code does with
     ``(loss / K).backward()`` per micro-batch: gradients are summed in order,
     the loss is the sum of the K scaled losses, and the optimizer runs once.
+    ``precision`` (``zerocc/precision.py``) traces forward and backward in its
+    ``param_dtype`` and, with loss scaling, adds the scale as a placeholder.
     """
     params_all = named_tensors(model, "param")
     buffers_all = named_tensors(model, "buffer")
@@ -183,22 +187,33 @@ def capture(
     group_of = [info.group for info in param_infos]
     check_micro_batches(inputs, grad_accumulation)
 
-    def whole_step(params, frozen_params, buffers, states, lrs, batch):
+    def whole_step(params, frozen_params, buffers, states, lrs, batch, loss_scale):
+        computed, frozen_computed = params, frozen_params
+        if precision is not None:   # forward and backward in param_dtype (zerocc/precision.py)
+            computed, frozen_computed, _ = mixed.compute_values(precision, params, frozen_params, ())
         tensors = {}
-        for info, value in zip(param_infos, params):
+        for info, value in zip(param_infos, computed):
             tensors[info.name] = value
-        for info, value in zip(frozen_infos, frozen_params):
+        for info, value in zip(frozen_infos, frozen_computed):
             tensors[info.name] = value
         for info, value in zip(buffer_infos, buffers):
             tensors[info.name] = value
         total, grads = None, None
         for micro in micro_batches(batch, grad_accumulation):
+            micro_inputs = tuple(micro[:num_model_inputs])
+            if precision is not None:   # the model's floating inputs in param_dtype too
+                micro_inputs = mixed.compute_values(precision, (), (), micro_inputs)[2]
             with torch.enable_grad():
-                output = torch.func.functional_call(model, tensors, tuple(micro[:num_model_inputs]), tie_weights=True, strict=False)
+                output = torch.func.functional_call(model, tensors, micro_inputs, tie_weights=True, strict=False)
                 loss = extract_loss(output, micro[num_model_inputs:], loss_fn)
+                if precision is not None:
+                    loss = loss.float()
                 if grad_accumulation > 1:
                     loss = loss / grad_accumulation
-                micro_grads = torch.autograd.grad(loss, params, allow_unused=True)
+                differentiated = loss * loss_scale[0] if loss_scale else loss
+                micro_grads = torch.autograd.grad(differentiated, computed, allow_unused=True)
+            if precision is not None:
+                micro_grads = mixed.master_grads(micro_grads, params)
             # as AccumulateGrad does into .grad: the running sum, then this micro-batch's gradient
             grads = micro_grads if grads is None else tuple(
                 new if old is None else old if new is None else old + new for old, new in zip(grads, micro_grads))
@@ -209,6 +224,7 @@ def capture(
     real_args = (
         [t for _, t in trained], [t for _, t in frozen], [t for _, t in buffers_all],
         [dict(s) for s in optimizer_state], learning_rates, list(inputs),
+        [torch.ones(())] if precision is not None and precision.loss_scale is not None else [],
     )
     fake_args = fakeify(fake_mode, real_args)
     with fake_mode:   # parameters released by the runtime: fakes of their true shape
@@ -236,6 +252,8 @@ def capture(
     leaves = _placeholder_layout(fake_args)
     _refuse_writes_to_parameters(gm, leaves, param_infos, frozen_infos)
     _tag_placeholders(gm, leaves, param_infos, frozen_infos, buffer_infos, state_keys)
+    if precision is not None:
+        mixed.tag_parameter_casts(gm)
     # outputs: loss, grads (None for unused), buffers; then the optimizer's step over the used parameters
     out_nodes = list(g.output_node(gm).args[0])
     import torch.utils._pytree as pytree
@@ -318,7 +336,7 @@ def _refuse_writes_to_parameters(gm, layout, param_infos, frozen_infos) -> None:
 
 def _placeholder_layout(fake_args) -> list[tuple[str, int, str]]:
     """(role, index within role, readable name) for each flattened leaf, in placeholder order."""
-    params, frozen, buffers, states, lrs, batch = fake_args
+    params, frozen, buffers, states, lrs, batch, loss_scale = fake_args
     layout = []
     layout += [(g.ROLE_PARAM, i, "") for i in range(len(params))]
     layout += [(g.ROLE_FROZEN, i, "") for i in range(len(frozen))]
@@ -329,6 +347,7 @@ def _placeholder_layout(fake_args) -> list[tuple[str, int, str]]:
     import torch.utils._pytree as pytree
     for i, leaf in enumerate(pytree.tree_leaves(batch)):
         layout.append((g.ROLE_INPUT, i, ""))
+    layout += [(g.ROLE_LOSS_SCALE, i, "") for i in range(len(loss_scale))]
     return layout
 
 
@@ -355,6 +374,8 @@ def _tag_placeholders(gm, layout, param_infos, frozen_infos, buffer_infos, state
         elif role == g.ROLE_HYPER:
             base = f"lr_group{index}"
             slot = plans.lr_slot(index)
+        elif role == g.ROLE_LOSS_SCALE:
+            base, slot = "loss_scale", mixed.SCALE_SLOT
         else:
             base = f"input{index}"
         node.meta[g.SLOT] = slot

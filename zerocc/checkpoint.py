@@ -51,6 +51,7 @@ from .errors import ConfigError
 META_FILE = "zerocc.json"
 FORMAT_VERSION = 1
 STEPS_KEY = "zerocc/steps"
+SCALER_PREFIX = "zerocc/loss_scale/"   # optional on load: a step without loss scaling ignores it, one with starts afresh
 
 
 def model_key(fqn: str) -> str:
@@ -74,9 +75,10 @@ class _Part:
 
 # -- what this rank holds ---------------------------------------------------------
 def _parts(step) -> dict[str, _Part]:
-    if step._slots is None:
-        return _parts_before_compile(step)
-    return _parts_of_slots(step)
+    parts = _parts_before_compile(step) if step._slots is None else _parts_of_slots(step)
+    for slot, tensor in step.scaler_state().items():   # the dynamic loss scale (zerocc/precision.py)
+        parts[SCALER_PREFIX + slot.split(":", 1)[1]] = _whole(SCALER_PREFIX + slot.split(":", 1)[1], tensor)
+    return parts
 
 
 def _parts_before_compile(step) -> dict[str, _Part]:
@@ -193,8 +195,10 @@ def load_state_dict(step, state: dict[str, object]) -> None:
         step.steps = int(state[STEPS_KEY])
     parts = _parts(step)
     given = {k for k in state if k != STEPS_KEY}
-    missing = sorted(k for k in parts if k not in given and not (step._slots is None and k.startswith("optim/")))
-    unknown = sorted(k for k in given if k not in parts and not (step._slots is None and k.startswith("optim/")))
+    missing = sorted(k for k in parts if k not in given and not (step._slots is None and k.startswith("optim/"))
+                     and not k.startswith(SCALER_PREFIX))
+    unknown = sorted(k for k in given if k not in parts and not (step._slots is None and k.startswith("optim/"))
+                     and not k.startswith(SCALER_PREFIX))
     if missing or unknown:
         raise ConfigError(
             "the state dict does not fit this model and optimizer:\n"
@@ -202,7 +206,7 @@ def load_state_dict(step, state: dict[str, object]) -> None:
             + "".join(f"  - not in this model/optimizer: {k}\n" for k in unknown[:10])
             + "  load a checkpoint of the same model, with the same optimizer type")
     if step._slots is None:
-        _install_optimizer_state(step, {k: state[k] for k in given if k not in parts})
+        _install_optimizer_state(step, {k: state[k] for k in given if k not in parts and not k.startswith(SCALER_PREFIX)})
     with torch.no_grad():
         for key in given & parts.keys():
             _copy_into(parts[key], _sources(state[key]))

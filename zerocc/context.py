@@ -9,6 +9,7 @@ import torch
 from .capture import Captured
 from .memory_plan import MemoryPlan
 from .plans import CheckpointPlan, Schedule, ShardPlan
+from .precision import Precision
 
 
 @dataclasses.dataclass
@@ -29,6 +30,7 @@ class CompileContext:
     previous_plan: ShardPlan | None = None   # buckets of an earlier compilation, kept so slots stay valid
     traces: dict | None = None      # optimizer subgraphs traced so far, reused across plans (zerocc.plan)
     planning: bool = False          # zerocc.plan: fake tensors only, the graph is never run, no real group
+    precision: Precision | None = None   # mixed precision settings (zerocc/precision.py); None: the model's dtype
     # decided by passes
     shard_plan: ShardPlan | None = None
     checkpoint_plan: CheckpointPlan | None = None   # place_checkpoints: forward values recomputed in backward

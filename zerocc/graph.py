@@ -23,6 +23,7 @@ SLOT = "zerocc_slot"          # placeholders: the runtime's persistent tensor th
 RECOMPUTED = "zerocc_recomputed"  # backward copies of forward nodes (place_checkpoints): the node recomputed
 OUTPUT_SLOTS = "zerocc_output_slots"  # gm.meta: for each output after the loss, the slot it replaces
 VAL = "val"                   # FakeTensor (or SymFloat) of the node's value, as make_fx writes it
+PRECISION_CAST = "zerocc_precision_cast"  # casts mixed precision adds: "param" (master -> param_dtype), ...
 
 # placeholder roles
 ROLE_PARAM = "param"                  # a trainable parameter (before shard) or a flat bucket (after)
@@ -31,6 +32,7 @@ ROLE_BUFFER = "buffer"                # a module buffer (BatchNorm running stats
 ROLE_STATE = "optimizer_state"        # one tensor of optimizer state
 ROLE_HYPER = "hyperparameter"         # a per-param-group scalar read each step (the learning rate)
 ROLE_INPUT = "input"                  # the user's batch
+ROLE_LOSS_SCALE = "loss_scale"        # the dynamic loss scale and its growth tracker (zerocc/precision.py)
 
 # phases
 FORWARD = "forward"
@@ -68,6 +70,13 @@ def is_broadcast(node: fx.Node) -> bool:
 
 def is_wait(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target is c10d.wait_tensor.default
+
+
+def is_parameter_shard(node: fx.Node) -> bool:
+    """A bucket's persistent shard (a placeholder), or its cast to the compute dtype under mixed precision."""
+    if node.op == "call_function" and node.meta.get(PRECISION_CAST) == "param":
+        node = node.args[0]
+    return node.op == "placeholder"
 
 
 def is_collective(node: fx.Node) -> bool:

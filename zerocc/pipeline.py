@@ -2,6 +2,7 @@
 
     capture              zerocc/capture.py       whole step -> one functional aten graph, nodes tagged
     shard                passes/shard.py         flat buckets, 1/N per rank; optimizer re-traced on the shards
+    mixed_precision      passes/mixed_precision.py   (only with param_dtype/reduce_dtype/loss_scale) casts, loss scaling
     clip_gradients       passes/clip_gradients.py   (only with clip_grad_norm=) global-norm clipping before the update
     place_checkpoints    passes/place_checkpoints.py   under a memory budget: recompute activations in backward
     insert_collectives   passes/insert_collectives.py   all_gather / reduce_scatter / all_reduce + waits
@@ -35,6 +36,7 @@ from .context import CompileContext
 from .errors import ConfigError, MemoryBudgetError, PassError
 from .passes.clip_gradients import clip_gradients
 from .passes.insert_collectives import insert_collectives
+from .passes.mixed_precision import mixed_precision as cast_for_precision
 from .passes.place_checkpoints import place_checkpoints
 from .passes.plan_memory import plan_memory
 from .passes.schedule import schedule
@@ -63,16 +65,22 @@ DEFAULT_PREFETCH_BYTES = 4 * 1024 * 1024
 
 def default_pipeline(stage: int, *, prefetch_bytes: int = DEFAULT_PREFETCH_BYTES,
                      clip: tuple[float, float] | None = None,
-                     memory_budget: int | None = None) -> list[Pass]:
+                     memory_budget: int | None = None,
+                     mixed_precision: bool = False) -> list[Pass]:
     """The passes for ``stage``, in order. The same list for every stage: the plan differs, not the passes.
 
-    ``clip`` is ``(max_norm, norm_type)`` when ``compile(clip_grad_norm=...)`` asked for clipping.
+    ``clip`` is ``(max_norm, norm_type)`` when ``compile(clip_grad_norm=...)`` asked for clipping;
+    ``mixed_precision`` (compile's ``param_dtype``/``reduce_dtype``/``loss_scale``) adds its pass after shard.
     """
     clipping = [] if clip is None else [
         Pass("clip_gradients", functools.partial(clip_gradients, max_norm=clip[0], norm_type=clip[1]),
              requires=("shard",), essential="compile(clip_grad_norm=...) asked for clipped gradients")]
+    precision = [Pass("mixed_precision", cast_for_precision, requires=("shard",),
+                      essential="the captured step computes in param_dtype; the buckets must be cast to it")
+                 ] if mixed_precision else []
     return [
         Pass("shard", shard, essential="the runtime lays out its tensors by the shard plan"),   # parameters, gradients, optimizer state -> flat per-rank buckets
+        *precision,                                                                              # bf16 compute from fp32 master buckets, loss scaling
         *clipping,                                                                               # global-norm clipping between reduction and update
         Pass("place_checkpoints", functools.partial(place_checkpoints, memory_budget=memory_budget,
                                                     prefetch_bytes=prefetch_bytes),
@@ -88,9 +96,11 @@ def default_pipeline(stage: int, *, prefetch_bytes: int = DEFAULT_PREFETCH_BYTES
 def build_pipeline(stage: int, disable: Sequence[str] = (), prefetch_bytes: int = DEFAULT_PREFETCH_BYTES,
                    user_passes: Sequence[registry.UserPass] | None = None,
                    clip: tuple[float, float] | None = None,
-                   memory_budget: int | None = None) -> list[Pass]:
+                   memory_budget: int | None = None,
+                   mixed_precision: bool = False) -> list[Pass]:
     """``default_pipeline(stage)`` with the registered passes spliced in and the ``disable``d ones dropped."""
-    passes = default_pipeline(stage, prefetch_bytes=prefetch_bytes, clip=clip, memory_budget=memory_budget)
+    passes = default_pipeline(stage, prefetch_bytes=prefetch_bytes, clip=clip, memory_budget=memory_budget,
+                              mixed_precision=mixed_precision)
     user_passes = registry.registered() if user_passes is None else list(user_passes)
     for user in user_passes:
         names = [p.name for p in passes]

@@ -49,7 +49,7 @@ def insert_collectives(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModul
         if node.target is ops.reduce_gradient:
             _lower_reduce(gm, ctx, node)
             counts["reduce_scatter" if node.args[2] else "all_reduce"] += 1
-        elif ctx.stage == 3 and node.args[0].op == "placeholder":
+        elif ctx.stage == 3 and g.is_parameter_shard(node.args[0]):
             counts["all_gather"] += _lower_parameter_gather(gm, ctx, node)
         else:
             _replace_with_gather(gm, ctx, node)

@@ -70,13 +70,19 @@ def schedule(gm: fx.GraphModule, ctx: CompileContext, *, prefetch_bytes: int) ->
 
 
 def is_parameter_gather(node: fx.Node) -> bool:
-    """A stage 3 gather of a parameter shard (a placeholder): free to move anywhere before its wait."""
-    return g.is_all_gather(node) and node.args[0].op == "placeholder"
+    """A stage 3 gather of a parameter shard (a placeholder, or its mixed-precision cast): free to move
+    anywhere before its wait, the cast with it."""
+    return g.is_all_gather(node) and g.is_parameter_shard(node.args[0])
 
 
 def held_bytes(collective: fx.Node) -> int:
     """The full-size buffer an in-flight collective holds: the gathered output, or the unreduced input."""
     return g.nbytes(collective.args[0]) if g.is_reduce_scatter(collective) else g.nbytes(collective)
+
+
+def _is_shard_cast(node: fx.Node) -> bool:
+    """A shard's cast to param_dtype (mixed precision): it goes with its gather."""
+    return node.op == "call_function" and g.is_parameter_shard(node)
 
 
 def wait_of(collective: fx.Node) -> fx.Node:
@@ -133,9 +139,12 @@ def _prefetch_parameter_gathers(graph: fx.Graph, prefetch_bytes: int) -> set[fx.
         before = position[gather]
         # after the anchor and after any gather already placed there, so issue order is need order
         target = start if anchor is None else anchor.next
-        while target is not wait_of(gather) and is_parameter_gather(target):
+        while target is not wait_of(gather) and (is_parameter_gather(target) or _is_shard_cast(target)):
             target = target.next
         if target is not gather:
+            shard = gather.args[0]
+            if shard.op != "placeholder" and position[shard] > position[target]:
+                target.prepend(shard)   # the cast of the shard to param_dtype moves with its gather
             target.prepend(gather)
         position = {node: i for i, node in enumerate(graph.nodes)}
         if position[gather] < before:

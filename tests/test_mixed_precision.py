@@ -1,0 +1,299 @@
+"""Mixed precision, compiled: bf16 compute from fp32 masters, reductions in reduce_dtype, fp16 loss scaling.
+
+The reference is hand-written eager PyTorch doing the same thing
+(``mixed_eager_step``): cast the fp32 master parameters to the compute
+dtype, run forward and backward there, cast each gradient to fp32, average
+it over ranks (all_reduce, then divide by N, as DDP does), and step the fp32
+optimizer on the masters; with loss scaling, ``torch.amp.GradScaler`` scales
+the loss, unscales, skips and updates the scale. At world size 1 the compiled
+step equals it bit for bit; at world size 2 too (see the test for why).
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import zerocc
+from tests import distributed
+from tests.models import batches, build
+
+STAGES = (0, 1, 2, 3)
+STEPS = 3
+
+
+def adamw(model):
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def mixed_eager_step(master, optimizer, loss_fn, batch, dtype, *, scaler=None, world_size=1):
+    """One step of hand-written mixed precision: low-precision compute, fp32 masters, averaged fp32 gradients."""
+    low = copy.deepcopy(master)        # keeps tied weights tied
+    for param in low.parameters():
+        param.data = param.data.to(dtype)
+    inputs = [t.to(dtype) if t.is_floating_point() else t for t in batch[:-1]] if loss_fn else list(batch)
+    loss = low(*inputs) if loss_fn is None else loss_fn(low(*inputs), batch[-1])
+    if scaler is not None:
+        scaler.scale(loss.float()).backward()
+    else:
+        loss.backward()
+    for param, computed in zip(master.parameters(), low.parameters()):
+        param.grad = None if computed.grad is None else computed.grad.to(param.dtype)
+        if param.grad is not None and world_size > 1:
+            dist.all_reduce(param.grad)
+            param.grad.div_(world_size)
+    if scaler is not None:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.detach().float()
+
+
+def _compiled(name, stage, **precision):
+    model, _, loss_fn = build(name)
+    return zerocc.compile(model, adamw(model), stage=stage, loss_fn=loss_fn, **precision)
+
+
+@pytest.mark.parametrize("name,stage", [("mlp", 0), ("mlp", 1), ("mlp", 2), ("mlp", 3), ("gpt", 3)])
+def test_bf16_world_size_1_equals_the_hand_written_reference_bit_for_bit(name, stage):
+    reference, _, loss_fn = build(name)
+    reference_optimizer = adamw(reference)
+    step = _compiled(name, stage, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for batch in batches(name, STEPS, 8):
+        expected = mixed_eager_step(reference, reference_optimizer, loss_fn, batch, torch.bfloat16)
+        loss = step(*batch)
+        assert loss.dtype == torch.float32
+        assert torch.equal(loss, expected)
+    full = step.full_state_dict()
+    for key, value in reference.state_dict().items():
+        assert full[key].dtype == torch.float32, key      # the masters stay fp32
+        assert torch.equal(full[key], value), key
+
+
+def _persistent(step):
+    """The step's parameter buckets and optimizer state, copied."""
+    return {k: v.clone() for k, v in step._slots.items() if k.startswith(("bucket:", "state:"))}
+
+
+def _fp16_against_grad_scaler(name, stage, scaling, steps):
+    """Per step: (compiled loss, reference loss, compiled scale, reference scale, state equal, skipped exactly)."""
+    reference, _, loss_fn = build(name)
+    reference_optimizer = adamw(reference)
+    scaler = torch.amp.GradScaler("cpu", init_scale=scaling.init_scale, growth_factor=scaling.growth_factor,
+                                  backoff_factor=scaling.backoff_factor, growth_interval=scaling.growth_interval)
+    step = _compiled(name, stage, param_dtype=torch.float16, reduce_dtype=torch.float32, loss_scale=scaling)
+    rows = []
+    for batch in batches(name, steps, 8):
+        before = _persistent(step) if step._slots is not None else None
+        expected = mixed_eager_step(reference, reference_optimizer, loss_fn, batch, torch.float16, scaler=scaler)
+        loss = step(*batch)
+        skipped = bool(step._slots[zerocc.precision.FOUND_INF_SLOT] > 0)
+        after = _persistent(step)
+        unchanged = before is not None and before.keys() == after.keys() and all(
+            torch.equal(before[k], after[k]) for k in before)
+        full = step.full_state_dict()
+        same = all(torch.equal(full[k], v) for k, v in reference.state_dict().items())
+        rows.append((loss, expected, step.loss_scale, scaler.get_scale(), same, skipped, unchanged,
+                     sorted(k for k in step._slots if k.startswith("state:"))))
+    return rows
+
+
+def test_fp16_dynamic_loss_scale_matches_grad_scaler_and_skips_overflow_exactly(stage=3):
+    # growth every step from 2**13: the scale doubles until the gradients overflow in fp16, then halves
+    scaling = zerocc.DynamicLossScale(init_scale=2.0 ** 13, growth_interval=1)
+    rows = _fp16_against_grad_scaler("mlp", stage, scaling, 6)
+    for loss, expected, scale, expected_scale, same, skipped, unchanged, _ in rows:
+        assert torch.equal(loss, expected)
+        assert scale == expected_scale
+        assert same
+        if skipped:
+            assert unchanged                     # params, optimizer state and its step counter untouched
+    scales = [row[2] for row in rows]
+    skips = [i for i, row in enumerate(rows) if row[5]]
+    assert skips and all(scales[i] == scales[i - 1] / 2 for i in skips), scales   # a skip halves the scale
+    assert scales[0] == 2.0 ** 14                                                   # a good step doubles it
+
+
+def test_fp16_overflow_on_the_first_step_creates_no_state():
+    # fp16 overflows at 65504: a scale of 2**40 overflows, the backoff brings it to 2**12, which does not
+    scaling = zerocc.DynamicLossScale(init_scale=2.0 ** 40, backoff_factor=2.0 ** -28, growth_interval=3)
+    rows = _fp16_against_grad_scaler("gpt", 3, scaling, 3)
+    for loss, expected, scale, expected_scale, same, *_ in rows:
+        assert torch.equal(loss, expected) and scale == expected_scale and same
+    assert rows[0][5] and rows[0][2] == 2.0 ** 12 and rows[0][7] == []   # skipped: no optimizer state yet
+    assert not rows[1][5] and rows[1][7]                                   # the next step creates it
+
+
+def _train_world_size_n(rank, world_size, name, precision, scaling):
+    """Per rank: the reference's losses and masters, then each stage's (and the loss scales)."""
+    data = batches(name, STEPS, 4 * world_size)
+    local = [tuple(t[rank * 4:(rank + 1) * 4] for t in batch) for batch in data]
+    dtype = precision["param_dtype"]
+    reference, _, loss_fn = build(name)
+    optimizer = adamw(reference)
+    scaler = None
+    if scaling is not None:
+        scaler = torch.amp.GradScaler("cpu", init_scale=scaling.init_scale, growth_interval=scaling.growth_interval)
+    expected = [mixed_eager_step(reference, optimizer, loss_fn, batch, dtype, scaler=scaler, world_size=world_size)
+                for batch in local]
+    results = {"reference": (expected, {k: v.clone() for k, v in reference.state_dict().items()},
+                             scaler.get_scale() if scaler else None)}
+    for stage in STAGES:
+        step = _compiled(name, stage, **precision, **({"loss_scale": scaling} if scaling else {}))
+        losses, skipped = [], []
+        for batch in local:
+            losses.append(step(*batch))
+            skipped.append(scaling is not None and bool(step._slots[zerocc.precision.FOUND_INF_SLOT] > 0))
+        results[stage] = (losses, step.full_state_dict(), step.loss_scale, skipped)
+    return results
+
+
+@pytest.mark.parametrize("case", ["bf16", "fp16_dynamic"])
+def test_world_size_2_matches_the_hand_written_reference(case):
+    """Every stage against the eager reference on 2 ranks.
+
+    Tolerance: the compiled step runs the same aten ops on the same values
+    as the reference (bf16 matmuls on the same local batch, gradients cast
+    to fp32 and summed by gloo, divided by 2, the fp32 AdamW); a sum of two
+    fp32 values is the same in any order, so we expect equality and allow
+    what test_numerics allows against DDP (rtol 1e-5 on losses, 1e-4 on
+    masters), far below one bf16 ulp (2**-8 = 4e-3 relative): a wrong cast
+    (an fp32 gather, a bf16 master, an unaveraged gradient) misses it by far.
+    """
+    precision = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
+    scaling, name = None, "mlp"   # the GPT (tied weights, attention) is checked bit for bit at world size 1
+    if case == "fp16_dynamic":   # the MLP's fp16 gradients overflow at 2**18 on steps 1 and 3 (at 2**17 step 2 passes)
+        precision = {"param_dtype": torch.float16, "reduce_dtype": torch.float32}
+        scaling, name = zerocc.DynamicLossScale(init_scale=2.0 ** 18, growth_interval=1), "mlp"
+    per_rank = distributed.run(_train_world_size_n, 2, name, precision, scaling)
+    for rank, results in enumerate(per_rank):
+        expected_losses, expected_state, expected_scale = results["reference"]
+        for stage in STAGES:
+            losses, state, scale, skipped = results[stage]
+            assert scale == expected_scale, (stage, rank)
+            assert skipped == ([True, False, True] if scaling else [False] * STEPS), (stage, rank)
+            torch.testing.assert_close(torch.stack(losses), torch.stack(expected_losses), rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"stage {stage} rank {rank} losses: {m}")
+            for key, value in expected_state.items():
+                assert state[key].dtype == torch.float32
+                torch.testing.assert_close(state[key], value, rtol=1e-4, atol=1e-5,
+                                           msg=lambda m: f"stage {stage} rank {rank} {key}: {m}")
+
+
+class TwoHalves(torch.nn.Module):
+    """Two parameters that land in different ranks' shards of one bucket at world size 2."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Parameter(torch.full((64,), 0.5))
+        self.b = torch.nn.Parameter(torch.full((64,), 0.5))
+
+    def forward(self, x):
+        return (self.a * x[:, :64]).sum() + (self.b * x[:, 64:]).sum()
+
+
+def _one_rank_overflows(rank, world_size, stage):
+    """Rank 0's gradient of ``a`` overflows in fp16, nothing else does: every rank must skip."""
+    scaling = zerocc.DynamicLossScale(init_scale=2.0 ** 10)
+    model = TwoHalves()
+    step = zerocc.compile(model, adamw(model), stage=stage, param_dtype=torch.float16,
+                          reduce_dtype=torch.float32, loss_scale=scaling)
+    normal = (torch.full((4, 128), 0.01),)
+    huge = (torch.cat([torch.full((4, 64), 100.0), torch.full((4, 64), 0.01)], dim=1),)   # 4 * 100 * 2**10 > 65504
+    step(*normal)
+    before = step.full_state_dict()
+    step(*(huge if rank == 0 else normal))
+    owned = [piece.param for _, _, piece in step.shard_plan.owned_pieces()]
+    return before, step.full_state_dict(), step.loss_scale, owned
+
+
+def test_an_overflow_on_one_rank_skips_the_step_on_every_rank():
+    """At stage 3 each rank checks only its shard: the found-inf flag is all-reduced."""
+    for before, after, scale, owned in distributed.run(_one_rank_overflows, 2, 3):
+        assert len(owned) == 1                       # a on rank 0, b on rank 1: only rank 0 sees the inf
+        assert scale == 2.0 ** 9
+        for key, value in before.items():
+            assert torch.equal(after[key], value), key
+
+
+def _volumes(rank, world_size):
+    """Per configuration: the report and what one steady-state step really issues (tests/test_communication.py)."""
+    from tests.test_communication import CountCollectives
+    configurations = [(0, {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}),
+                      (2, {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}),
+                      (3, {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}),
+                      (3, {"param_dtype": torch.float16, "loss_scale": "dynamic"})]        # reduced in fp16 too
+    results = []
+    for stage, precision in configurations:
+        model, _, loss_fn = build("gpt")
+        step = zerocc.compile(model, adamw(model), stage=stage, loss_fn=loss_fn, bucket_bytes=16 * 1024, **precision)
+        data = batches("gpt", 3, 2, seed=rank)
+        step(*data[0])
+        step(*data[1])
+        with CountCollectives() as counter:
+            step(*data[2])
+        results.append((stage, precision, step.report(), dict(counter.calls), dict(counter.bytes)))
+    return results
+
+
+def test_gathers_move_param_dtype_bytes_and_reductions_reduce_dtype_bytes():
+    for stage, precision, report, calls, volume in distributed.run(_volumes, 2)[0]:
+        assert calls == report["collectives_per_step"]
+        assert volume == {k: v for k, v in report["comm_bytes_per_step"].items() if v}
+        padded = report["param_count"] + report["padding_elements"]        # elements, all trained here
+        reduce_bytes = 4 if precision.get("reduce_dtype") is torch.float32 else 2
+        comm = report["comm_bytes_per_step"]
+        assert report["param_dtype"] == str(precision["param_dtype"]).replace("torch.", "")
+        if stage == 0:
+            assert comm["all_reduce"] == 2 * padded * reduce_bytes and comm["all_gather"] == 0
+        elif stage == 2:   # compute in bf16, but the updated fp32 masters are gathered (docs/design.md)
+            assert comm["reduce_scatter"] == padded * reduce_bytes and comm["all_gather"] == padded * 4
+        else:              # bf16 gathers: half of test_communication's fp32 bytes
+            assert comm["reduce_scatter"] == padded * reduce_bytes
+            assert padded * 2 < comm["all_gather"] <= 2 * padded * 2
+            # loss scaling all-reduces one fp32 found-inf flag (counted twice, as all_reduce is)
+            assert comm["all_reduce"] == (8 if "loss_scale" in precision else 0)
+
+
+def test_the_loss_scale_is_checkpointed(tmp_path):
+    scaling = zerocc.DynamicLossScale(init_scale=2.0 ** 13, growth_interval=1)
+    data = batches("mlp", 5, 8)
+    original = _compiled("mlp", 3, param_dtype=torch.float16, loss_scale=scaling)
+    for batch in data[:3]:
+        original(*batch)
+    assert original.loss_scale == 2.0 ** 16
+    zerocc.save_checkpoint(original, tmp_path / "ckpt")
+    resumed = _compiled("mlp", 3, param_dtype=torch.float16, loss_scale=scaling)
+    zerocc.load_checkpoint(resumed, tmp_path / "ckpt")     # before its first step
+    assert resumed.loss_scale == 2.0 ** 16
+    for batch in data[3:]:
+        assert torch.equal(resumed(*batch), original(*batch))
+        assert resumed.loss_scale == original.loss_scale
+    plain = _compiled("mlp", 3)                            # a step without loss scaling ignores the scale
+    zerocc.load_checkpoint(plain, tmp_path / "ckpt")
+
+
+def test_unsupported_precision_settings_are_refused_clearly():
+    model, _, loss_fn = build("mlp")
+    optimizer = adamw(model)
+    with pytest.raises(zerocc.ConfigError, match=r"param_dtype=torch.int8 is not supported: mixed precision computes"):
+        zerocc.compile(model, optimizer, param_dtype=torch.int8)
+    with pytest.raises(zerocc.ConfigError, match=r"reduce_dtype=torch.float8_e4m3fn is not supported"):
+        zerocc.compile(model, optimizer, reduce_dtype=torch.float8_e4m3fn)
+    with pytest.raises(zerocc.ConfigError, match=r"param_dtype must be a torch.dtype .* got 'bf16'"):
+        zerocc.compile(model, optimizer, param_dtype="bf16")
+    with pytest.raises(zerocc.ConfigError, match=r"loss_scale must be None, 'dynamic' or zerocc.DynamicLossScale"):
+        zerocc.compile(model, optimizer, param_dtype=torch.float16, loss_scale=128.0)
+    with pytest.raises(zerocc.ConfigError, match=r"backoff_factor must be in \(0, 1\), got 2.0; growth_interval must"):
+        zerocc.compile(model, optimizer, loss_scale=zerocc.DynamicLossScale(backoff_factor=2.0, growth_interval=0))
+    with pytest.warns(UserWarning, match=r"param_dtype=torch.float16 without loss scaling: small gradients underflow"):
+        zerocc.compile(model, optimizer, param_dtype=torch.float16)
+    low, _, _ = build("mlp")
+    low.to(torch.bfloat16)
+    with pytest.raises(zerocc.ConfigError, match=r"param_dtype=torch.float32 is wider than the model's parameters "
+                                                  r"\(torch.bfloat16\): the parameters are the master copy"):
+        zerocc.compile(low, adamw(low), param_dtype=torch.float32)

@@ -1,0 +1,205 @@
+"""mixed_precision: compute in param_dtype from fp32 master buckets, reduce in reduce_dtype, scale the loss.
+
+Requires: ``shard`` (bucket placeholders, their ``ops.unshard`` and
+``ops.reduce_gradient`` markers), and a capture traced with a ``Precision``
+(``zerocc/precision.py``): each trained parameter is read through a cast to
+``param_dtype`` tagged ``PRECISION_CAST``; gradients are in the master dtype.
+Establishes, before ``insert_collectives`` lowers the markers:
+
+  - parameters: each bucket is cast once to ``param_dtype``: the local shard
+    before its ``unshard`` at stage 3 (so the all_gather moves half the bytes
+    of fp32), the full bucket at stages 0-2; the parameters forward and
+    backward read are views of that cast. The per-parameter casts go.
+    (Stages 1-2 still all-gather the updated fp32 parameters: the full fp32
+    bucket every rank holds is the model's parameters, read by checkpoints.)
+  - gradients: each bucket is cast to ``reduce_dtype`` before its
+    ``reduce_gradient`` and back to the master dtype after it, when they
+    differ.
+  - loss scaling: the reduced gradients are checked for inf/nan and
+    unscaled (``* (1 / scale)``, the reciprocal taken in float64 as
+    ``GradScaler`` does); at stages 1-3 the found-inf flag is all-reduced
+    (ranks check different shards); every updated parameter bucket and
+    optimizer state is ``where(found_inf, old, new)``, so a skipped step
+    leaves them, the step counter included, exactly unchanged while the graph
+    stays static; the scale and its growth tracker are updated by
+    ``aten._amp_update_scale``, GradScaler's own kernel. State the first
+    step creates has no old value: the runtime drops it when that step
+    overflowed (``api.CompiledStep``).
+"""
+from __future__ import annotations
+
+import collections
+import operator
+
+import torch
+import torch.fx as fx
+
+from .. import graph as g
+from .. import ops, plans
+from .. import precision as mixed
+from ..context import CompileContext
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+
+
+def mixed_precision(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
+    """Cast buckets to the compute dtype, gradients to the reduce dtype; scale the loss dynamically."""
+    precision = ctx.precision
+    if precision is None:
+        ctx.notes["mixed_precision"] = "full precision: nothing to do"
+        return gm
+    counts: collections.Counter = collections.Counter()
+    for bucket in ctx.shard_plan.buckets:
+        counts["bucket casts"] += _cast_parameters(gm, ctx, bucket)
+    reduced = []
+    for marker in [n for n in gm.graph.nodes if n.op == "call_function" and n.target is ops.reduce_gradient]:
+        node, cast = _reduce_in(gm, ctx, marker, precision)
+        reduced.append(node)
+        counts["gradient casts"] += cast
+    if precision.loss_scale is not None:
+        counts["guarded outputs"] += _scale_loss(gm, ctx, reduced, precision.loss_scale)
+    g.eliminate_dead_code(gm)
+    gm.graph.lint()
+    gm.recompile()
+    ctx.notes["mixed_precision"] = f"{precision.describe()}: " + ", ".join(f"{v} {k}" for k, v in counts.items())
+    return gm
+
+
+def _cast_parameters(gm: fx.GraphModule, ctx: CompileContext, bucket: plans.Bucket) -> int:
+    """Read the bucket's parameters as views of one cast of the bucket (of its shard, before the gather)."""
+    graph = gm.graph
+    casts = [n for n in graph.nodes if n.meta.get(g.PRECISION_CAST) == "param"
+             and n.args[0].meta.get(g.BUCKET) == bucket.index and n.args[0].target is aten.view.default]
+    if not casts:
+        return 0   # param_dtype is the bucket's dtype, or nothing reads the bucket
+    dtype = casts[0].meta[g.VAL].dtype
+    order = g.topological_index(gm)
+    first_slice = min((cast.args[0].args[0] for cast in casts), key=order.get)
+    full = first_slice.args[0]
+    if full.op == "call_function" and full.target is ops.unshard:   # stage 3: cast the shard, gather the cast
+        shard = full.args[0]
+        with graph.inserting_before(full):
+            low = g.call(graph, ctx.fake_mode, aten._to_copy.default, shard, dtype=dtype)
+        full.args = (low, *full.args[1:])
+        with ctx.fake_mode:
+            full.meta[g.VAL] = torch.empty(bucket.numel, dtype=dtype, device=full.meta[g.VAL].device)
+        source = full
+    else:                                                            # stages 0-2: cast the full bucket
+        with graph.inserting_before(first_slice):
+            low = g.call(graph, ctx.fake_mode, aten._to_copy.default, full, dtype=dtype)
+        source = low
+    low.meta.update({g.PRECISION_CAST: "param", g.PHASE: first_slice.meta.get(g.PHASE, g.FORWARD),
+                     g.BUCKET: bucket.index})
+    for cast in casts:
+        view = cast.args[0]
+        old_slice = view.args[0]
+        with graph.inserting_before(old_slice):
+            flat = g.call(graph, ctx.fake_mode, aten.slice.Tensor, source, *old_slice.args[1:])
+            low_view = g.call(graph, ctx.fake_mode, aten.view.default, flat, *view.args[1:])
+        for new, old in ((flat, old_slice), (low_view, view)):
+            new.meta.update({g.PHASE: old.meta.get(g.PHASE), g.BUCKET: bucket.index})
+        cast.replace_all_uses_with(low_view)
+        graph.erase_node(cast)
+    return 1
+
+
+def _reduce_in(gm: fx.GraphModule, ctx: CompileContext, marker: fx.Node, precision: mixed.Precision):
+    """Reduce the bucket's gradient in the reduce dtype; returns the master-dtype result and casts added."""
+    graph = gm.graph
+    flat = marker.args[0]
+    master = flat.meta[g.VAL].dtype
+    dtype = precision.reduction_dtype(master)
+    if dtype == master:
+        return marker, 0
+    bucket = marker.meta.get(g.BUCKET)
+    with graph.inserting_before(marker):
+        low = g.call(graph, ctx.fake_mode, aten._to_copy.default, flat, dtype=dtype)
+    low.meta.update({g.PHASE: g.BACKWARD, g.BUCKET: bucket})
+    marker.args = (low, *marker.args[1:])
+    value = marker.meta[g.VAL]
+    with ctx.fake_mode:
+        marker.meta[g.VAL] = torch.empty(value.shape, dtype=dtype, device=value.device)
+    with graph.inserting_after(marker):
+        back = g.call(graph, ctx.fake_mode, aten._to_copy.default, marker, dtype=master)
+    # communication bookkeeping, like the averaging division: schedule moves it to its first use
+    back.meta.update({g.PHASE: g.COMMUNICATION, g.BUCKET: bucket})
+    marker.replace_all_uses_with(back, delete_user_cb=lambda user: user is not back)
+    return back, 2
+
+
+def _scale_loss(gm: fx.GraphModule, ctx: CompileContext, reduced: list[fx.Node], scaling: mixed.DynamicLossScale) -> int:
+    """Unscale and check the reduced gradients; skip the update on inf/nan; update the scale."""
+    graph = gm.graph
+    fake = ctx.fake_mode
+    (scale,) = [n for n in g.placeholders(gm, g.ROLE_LOSS_SCALE) if n.meta[g.SLOT] == mixed.SCALE_SLOT]
+    with graph.inserting_after(scale):
+        tracker = graph.placeholder("loss_scale_growth_tracker")
+    with fake:
+        tracker_value = torch.zeros((), dtype=torch.int32, device=scale.meta[g.VAL].device)
+    tracker.meta.update({g.ROLE: g.ROLE_LOSS_SCALE, g.SLOT: mixed.GROWTH_TRACKER_SLOT, g.VAL: tracker_value})
+
+    output = g.output_node(gm)
+    order = g.topological_index(gm)
+    used = [n for n in reduced if n.users]   # a rank owning no piece of a bucket reads none of it
+    if not used:
+        raise AssertionError("loss scaling: no reduced gradient is read by the optimizer")
+    with graph.inserting_before(min((u for n in used for u in n.users), key=order.get)):
+        # GradScaler.unscale_: inv_scale = scale.double().reciprocal().float()
+        double = g.call(graph, fake, aten._to_copy.default, scale, dtype=torch.float64)
+        reciprocal = g.call(graph, fake, aten.reciprocal.default, double)
+        inverse = g.call(graph, fake, aten._to_copy.default, reciprocal, dtype=torch.float32)
+    new_nodes = [double, reciprocal, inverse]
+    flags = []
+    for node in used:
+        users = list(node.users)
+        with graph.inserting_before(min(users, key=order.get)):
+            finite = g.call(graph, fake, aten.isfinite.default, node)
+            every = g.call(graph, fake, aten.all.default, finite)
+            bad = g.call(graph, fake, aten.logical_not.default, every)
+            unscaled = g.call(graph, fake, aten.mul.Tensor, node, inverse)
+        new_nodes += [finite, every, bad, unscaled]
+        flags.append(bad)
+        for user in users:
+            user.replace_input_with(node, unscaled)
+
+    with graph.inserting_before(output):
+        found = flags[0]
+        for flag in flags[1:]:
+            found = g.call(graph, fake, aten.logical_or.default, found, flag)
+            new_nodes.append(found)
+        found_inf = g.call(graph, fake, aten._to_copy.default, found, dtype=torch.float32)
+        new_nodes.append(found_inf)
+        if ctx.world_size > 1 and ctx.stage >= 1:   # each rank checked its own shards
+            started = graph.call_function(c10d.all_reduce.default, (found_inf, "max", ctx.group_name))
+            waited = graph.call_function(c10d.wait_tensor.default, (started,))
+            for node in (started, waited):
+                node.meta.update({g.VAL: found_inf.meta[g.VAL], g.PHASE: g.COMMUNICATION, g.BUCKET: None})
+            found_inf = waited
+        skip = g.call(graph, fake, aten.gt.Scalar, found_inf, 0)
+        new_nodes.append(skip)
+        old_of = {n.meta[g.SLOT]: n for n in g.placeholders(gm) if n.meta.get(g.SLOT)}
+        loss, *values = output.args[0]
+        guarded = 0
+        for position, (slot, value) in enumerate(zip(gm.meta[g.OUTPUT_SLOTS], values)):
+            kind = slot.split(":")[0]
+            if kind in ("bucket", "param", "state") and slot in old_of and value is not old_of[slot]:
+                condition = skip
+                device = g.tensor_meta(value).device
+                if device != g.tensor_meta(skip).device:   # Adam's step count lives on the CPU
+                    condition = g.call(graph, fake, aten._to_copy.default, skip, device=device)
+                    new_nodes.append(condition)
+                values[position] = g.call(graph, fake, aten.where.self, condition, old_of[slot], value)
+                new_nodes.append(values[position])
+                guarded += 1
+        new_scale = g.call(graph, fake, aten._amp_update_scale.default, scale, tracker, found_inf,
+                           float(scaling.growth_factor), float(scaling.backoff_factor), int(scaling.growth_interval))
+        scale_out = g.call(graph, fake, operator.getitem, new_scale, 0)
+        tracker_out = g.call(graph, fake, operator.getitem, new_scale, 1)
+        new_nodes += [new_scale, scale_out, tracker_out]
+    for node in new_nodes:
+        node.meta.setdefault(g.PHASE, g.OPTIMIZER)
+    output.args = ([loss, *values, scale_out, tracker_out, found_inf],)
+    gm.meta[g.OUTPUT_SLOTS] = [*gm.meta[g.OUTPUT_SLOTS], mixed.SCALE_SLOT, mixed.GROWTH_TRACKER_SLOT,
+                               mixed.FOUND_INF_SLOT]
+    return guarded

@@ -1,0 +1,173 @@
+"""Mixed precision settings: what ``compile(param_dtype=..., reduce_dtype=..., loss_scale=...)`` means.
+
+The semantics are FSDP2's ``MixedPrecisionPolicy``, with ZeRO's layout:
+
+  - the persistent parameters (the buckets, or at stage 3 this rank's shard)
+    stay in the model's dtype (fp32): they are the master copy the optimizer
+    updates, and the optimizer state lives beside them in the same dtype;
+  - forward and backward compute in ``param_dtype``: capture traces the step
+    on parameters cast to it (``capture.py``), and the ``mixed_precision``
+    pass (``passes/mixed_precision.py``) casts each bucket once, before its
+    all_gather at stage 3, so gathers move ``param_dtype`` bytes;
+  - floating inputs of the model are cast to ``param_dtype``
+    (``cast_forward_inputs``); the targets handed to ``loss_fn`` are not;
+    buffers (BatchNorm statistics) keep their dtype; the loss is returned in
+    fp32;
+  - gradients are cast to the master dtype per parameter (capture), then each
+    bucket is reduced in ``reduce_dtype`` (``param_dtype`` when not given, as
+    FSDP2 does) and cast back to the master dtype for the optimizer;
+  - ``loss_scale`` (``"dynamic"`` or a ``DynamicLossScale``) multiplies the
+    loss by a scale held in a slot, unscales the reduced gradients, skips the
+    update when any of them is not finite and updates the scale exactly as
+    ``torch.amp.GradScaler`` does.
+
+This module holds the settings and the names of the slots they add; it
+imports nothing from capture or the passes, which both read it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+from . import graph as g
+from .errors import ConfigError
+
+# The runtime's slots for loss scaling (``plans`` names the others). The
+# scale and the growth tracker persist from step to step and are
+# checkpointed; ``found_inf`` is written by every step (1.0 when it skipped).
+SCALE_SLOT = "loss_scale:scale"
+GROWTH_TRACKER_SLOT = "loss_scale:growth_tracker"
+FOUND_INF_SLOT = "loss_scale:found_inf"
+SCALER_SLOTS = (SCALE_SLOT, GROWTH_TRACKER_SLOT)
+
+
+@dataclasses.dataclass(frozen=True)
+class DynamicLossScale:
+    """Dynamic loss scaling, as ``torch.amp.GradScaler`` does it (same defaults)."""
+    init_scale: float = 2.0 ** 16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+
+    def check(self) -> None:
+        problems = []
+        if not (isinstance(self.init_scale, (int, float)) and self.init_scale > 0):
+            problems.append(f"init_scale must be a positive number, got {self.init_scale!r}")
+        if not (isinstance(self.growth_factor, (int, float)) and self.growth_factor > 1):
+            problems.append(f"growth_factor must be > 1, got {self.growth_factor!r}")
+        if not (isinstance(self.backoff_factor, (int, float)) and 0 < self.backoff_factor < 1):
+            problems.append(f"backoff_factor must be in (0, 1), got {self.backoff_factor!r}")
+        if not (isinstance(self.growth_interval, int) and self.growth_interval >= 1):
+            problems.append(f"growth_interval must be a positive int, got {self.growth_interval!r}")
+        if problems:
+            raise ConfigError("loss_scale: " + "; ".join(problems))
+
+
+@dataclasses.dataclass(frozen=True)
+class Precision:
+    """The dtypes a compiled step computes and reduces in, and its loss scaling (None: none)."""
+    param_dtype: torch.dtype | None
+    reduce_dtype: torch.dtype | None
+    loss_scale: DynamicLossScale | None = None
+    cast_forward_inputs: bool = True
+
+    def compute_dtype(self, master: torch.dtype) -> torch.dtype:
+        return self.param_dtype or master
+
+    def reduction_dtype(self, master: torch.dtype) -> torch.dtype:
+        return self.reduce_dtype or self.param_dtype or master
+
+    def describe(self) -> str:
+        def name(dtype):
+            return str(dtype).replace("torch.", "") if dtype is not None else "the model's dtype"
+        text = f"compute in {name(self.param_dtype)}, reduce in {name(self.reduce_dtype or self.param_dtype)}"
+        if self.loss_scale is not None:
+            text += f", dynamic loss scale from {self.loss_scale.init_scale:g}"
+        return text
+
+
+def _check_dtype(keyword: str, dtype) -> None:
+    if dtype is None:
+        return
+    if not isinstance(dtype, torch.dtype):
+        raise ConfigError(f"{keyword} must be a torch.dtype (torch.bfloat16, torch.float16, torch.float32), got {dtype!r}")
+    if not dtype.is_floating_point or dtype.itemsize < 2:
+        raise ConfigError(f"{keyword}={dtype} is not supported: mixed precision computes and reduces in a "
+                          "floating dtype of 16 bits or more (torch.bfloat16, torch.float16, torch.float32)")
+
+
+def resolve(param_dtype, reduce_dtype, loss_scale, cast_forward_inputs, model: torch.nn.Module) -> Precision | None:
+    """Check ``compile``'s precision keywords against the model; None when they ask for nothing."""
+    _check_dtype("param_dtype", param_dtype)
+    _check_dtype("reduce_dtype", reduce_dtype)
+    if loss_scale == "dynamic":
+        loss_scale = DynamicLossScale()
+    if loss_scale is not None and not isinstance(loss_scale, DynamicLossScale):
+        raise ConfigError(f"loss_scale must be None, 'dynamic' or zerocc.DynamicLossScale(...), got {loss_scale!r}")
+    if loss_scale is not None:
+        loss_scale.check()
+    if not isinstance(cast_forward_inputs, bool):
+        raise ConfigError(f"cast_forward_inputs must be a bool, got {cast_forward_inputs!r}")
+    if param_dtype is None and reduce_dtype is None and loss_scale is None:
+        return None
+    masters = sorted({str(p.dtype) for p in model.parameters() if p.requires_grad})
+    narrow = [d for d in masters if param_dtype is not None and getattr(torch, d.split(".")[1]).itemsize < param_dtype.itemsize]
+    if narrow:
+        raise ConfigError(f"param_dtype={param_dtype} is wider than the model's parameters ({', '.join(narrow)}): "
+                          "the parameters are the master copy, so they must be at least as wide; "
+                          "build the model in torch.float32 and pass param_dtype=torch.bfloat16")
+    if param_dtype is torch.float16 and loss_scale is None:
+        warnings.warn("param_dtype=torch.float16 without loss scaling: small gradients underflow to zero in "
+                      "float16; pass loss_scale='dynamic' (or use torch.bfloat16)", UserWarning, stacklevel=3)
+    return Precision(param_dtype, reduce_dtype, loss_scale, cast_forward_inputs)
+
+
+def report_entries(precision: Precision | None, master: torch.dtype) -> dict[str, str]:
+    """``step.report()``'s precision lines: the dtypes parameters compute in and gradients are reduced in."""
+    def name(dtype):
+        return str(dtype).replace("torch.", "")
+    if precision is None:
+        return {"param_dtype": name(master), "reduce_dtype": name(master)}
+    entries = {"param_dtype": name(precision.compute_dtype(master)), "reduce_dtype": name(precision.reduction_dtype(master))}
+    if precision.loss_scale is not None:
+        entries["loss_scale"] = "dynamic"
+    return entries
+
+
+def initial_scaler_slots(precision: Precision | None, device) -> dict[str, torch.Tensor]:
+    """The loss scale and growth tracker a step starts with, as GradScaler initializes them."""
+    if precision is None or precision.loss_scale is None:
+        return {}
+    return {SCALE_SLOT: torch.full((), float(precision.loss_scale.init_scale), dtype=torch.float32, device=device),
+            GROWTH_TRACKER_SLOT: torch.zeros((), dtype=torch.int32, device=device)}
+
+
+# -- used by capture while it traces ------------------------------------------------
+def compute_values(precision: Precision, params, frozen, model_inputs):
+    """Parameters, frozen parameters and the model's floating inputs, cast to ``param_dtype``."""
+    dtype = precision.param_dtype
+    if dtype is None:
+        return params, frozen, model_inputs
+
+    def cast(value):
+        return value.to(dtype) if isinstance(value, torch.Tensor) and value.is_floating_point() else value
+    if precision.cast_forward_inputs:
+        model_inputs = pytree.tree_map(cast, model_inputs)
+    return [cast(p) for p in params], [cast(p) for p in frozen], model_inputs
+
+
+def master_grads(grads, params):
+    """Each gradient in its parameter's (master) dtype; the bucket is cast to ``reduce_dtype`` later."""
+    return [None if grad is None else grad.to(param.dtype) for grad, param in zip(grads, params)]
+
+
+def tag_parameter_casts(gm: fx.GraphModule) -> None:
+    """Mark the casts of trained parameters to ``param_dtype``: the mixed_precision pass moves them to buckets."""
+    for placeholder in g.placeholders(gm, g.ROLE_PARAM):
+        for user in placeholder.users:
+            if user.op == "call_function" and user.target is torch.ops.aten._to_copy.default:
+                user.meta[g.PRECISION_CAST] = "param"
