@@ -13,7 +13,9 @@ from tests.models import batches, build
 
 COLLECTIVES = {
     "all_gather_into_tensor": "all_gather",
+    "all_gather_into_tensor_out": "all_gather",          # into an arena (passes/place_buffers.py)
     "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter_tensor_out": "reduce_scatter",
     "all_reduce": "all_reduce",
     "broadcast": "broadcast",
 }

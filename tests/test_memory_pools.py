@@ -57,7 +57,7 @@ def test_pools_place_outputs_exactly_and_the_run_holds_what_was_planned(name, st
     reference, _, loss_fn = build(name)
     reference_optimizer = adamw(reference)
     model, _, _ = build(name)
-    step = zerocc.compile(model, adamw(model), stage=stage, loss_fn=loss_fn)   # memory_pools=True: the default
+    step = zerocc.compile(model, adamw(model), stage=stage, loss_fn=loss_fn, memory_pools=True)
     for batch in batches(name, 3, 8):
         assert torch.equal(step(*batch), eager_step(reference, reference_optimizer, loss_fn, batch))
     for key, value in reference.state_dict().items():
@@ -102,6 +102,7 @@ def test_pools_off_is_plain_allocation_with_the_same_numbers():
     assert report["arena_bytes"] == 0 and not step.memory_plan.arenas and not step.memory_plan.unplanned
     assert report["planned_peak_bytes"] == step.memory_plan.planned_bytes
     assert all(torch.equal(a, b) for a, b in zip(losses[True], losses[False]))
+    assert "place_buffers" not in zerocc.compile(model, adamw(model)).passes   # off unless asked for
     with pytest.raises(zerocc.ConfigError, match=r"memory_pools must be True or False, got 'yes'"):
         zerocc.compile(model, adamw(model), memory_pools="yes")
 

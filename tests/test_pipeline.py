@@ -39,8 +39,7 @@ def planned_gpt(world_size=4, **settings):
 
 def test_passes_are_listed_and_every_graph_is_readable_python():
     step = compiled_mlp()
-    assert step.passes == ["capture", "shard", "insert_collectives", "schedule", "plan_memory",
-                            "place_buffers"]
+    assert step.passes == ["capture", "shard", "insert_collectives", "schedule", "plan_memory"]
     shard = str(step.graph("shard"))
     assert shard.startswith("# after pass 01 'shard': ")
     assert "reduce_gradient" in shard.splitlines()[0]
@@ -68,12 +67,11 @@ def test_a_registered_pass_sees_the_plans_and_can_be_disabled():
 
     zerocc.register_pass(count_buckets, after="shard")
     step = compiled_mlp()
-    assert step.passes == ["capture", "shard", "count_buckets", "insert_collectives", "schedule", "plan_memory",
-                            "place_buffers"]
+    assert step.passes == ["capture", "shard", "count_buckets", "insert_collectives", "schedule", "plan_memory"]
     assert seen == [1]
     assert "# 1 buckets seen" in str(step.graph("count_buckets"))
     assert compiled_mlp(disable=["count_buckets"]).passes == ["capture", "shard", "insert_collectives", "schedule",
-                                                               "plan_memory", "place_buffers"]
+                                                               "plan_memory"]
     assert seen == [1]
 
 
@@ -130,12 +128,11 @@ def test_verify_compares_collective_order_across_ranks():
 def test_dump_dir_setting_and_environment_variable(tmp_path, monkeypatch):
     compiled_mlp(dump_dir=str(tmp_path / "set"))
     assert sorted(os.listdir(tmp_path / "set")) == ["000_capture.py", "001_shard.py", "002_insert_collectives.py",
-                                                    "003_schedule.py", "004_plan_memory.py", "005_place_buffers.py",
-                                                    "memory_plan.json"]
+                                                    "003_schedule.py", "004_plan_memory.py", "memory_plan.json"]
     assert (tmp_path / "set" / "001_shard.py").read_text().startswith("# after pass 01 'shard'")
     monkeypatch.setenv("ZEROCC_DUMP_DIR", str(tmp_path / "env"))
     planned_gpt()
-    assert len(os.listdir(tmp_path / "env")) == 7   # six passes and the memory plan
+    assert len(os.listdir(tmp_path / "env")) == 6   # five passes and the memory plan
 
 
 def test_explain_says_what_the_passes_decided():

@@ -68,7 +68,7 @@ def default_pipeline(stage: int, *, prefetch_bytes: int = DEFAULT_PREFETCH_BYTES
         Pass("schedule", functools.partial(schedule, prefetch_bytes=prefetch_bytes),
              requires=("insert_collectives",)),                                                   # prefetch gathers, overlap reductions
         Pass("plan_memory", plan_memory, requires=("shard",)),                                   # lifetimes -> offsets in pools; nothing moves nodes after it
-        Pass("place_buffers", place_buffers, requires=("plan_memory",)),                         # outputs into arenas at their offsets (compile(memory_pools=False) drops it)
+        Pass("place_buffers", place_buffers, requires=("plan_memory",)),                         # outputs into an arena at their offsets (only with compile(memory_pools=True))
     ]
 
 
