@@ -93,7 +93,15 @@ def place_buffers(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
                           for b in buffers]
             del placed[name]
 
-    pools, offsets = [p for p in plan.pools if p.name == PERSISTENT_POOL], {}
+    in_place = _updates_in_place(gm, plan, nodes)   # root node name -> the placeholder of the slot it replaces
+    pools, offsets = [], {}
+    for pool in plan.pools:
+        if pool.name == PERSISTENT_POOL:
+            members = [b for b in pool.buffers if b.name not in in_place]
+            lifetimes = [Lifetime(b.name, b.bytes, b.start, b.end) for b in members]
+            persistent_offsets, size, order = place(lifetimes)
+            pools.append(Pool(pool.name, size, lower_bound(lifetimes), order,
+                              tuple(dataclasses.replace(b, offset=persistent_offsets[b.name]) for b in members)))
     for arena in dict.fromkeys(ARENA_OF_POOL.get(p.name, p.name) for p in plan.pools if p.name != PERSISTENT_POOL):
         members = [b for buffers in placed.values() for b in buffers if b.pool == arena]
         if not members:
@@ -121,14 +129,66 @@ def place_buffers(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
                 views.append(view)
         node.target = out_op
         node.kwargs = {**node.kwargs, **dict(zip(out_names, views))}
+    for name, slot in in_place.items():
+        node = nodes[name]
+        out_op, (out_name,) = out_variant(node.target)
+        node.target = out_op
+        node.kwargs = {**node.kwargs, out_name: slot}
     gm.graph.lint()
     gm.recompile()
 
     new = ctx.memory_plan
     ctx.notes["place_buffers"] = (f"{sum(len(b) for b in placed.values())} buffers placed in {len(arenas)} arenas "
                                   f"({megabytes(new.arena_bytes)}); {len(new.unplanned)} unplanned "
-                                  f"({megabytes(new.unplanned_bytes)}); planned peak {megabytes(new.planned_peak_bytes)}")
+                                  f"({megabytes(new.unplanned_bytes)}); {len(in_place)} updates written into the "
+                                  f"slots they replace; planned peak {megabytes(new.planned_peak_bytes)}")
     return gm
+
+
+def _updates_in_place(gm: fx.GraphModule, plan: MemoryPlan, nodes: dict[str, fx.Node]) -> dict[str, fx.Node]:
+    """Updated slots that can be written into the storage of the slot they replace, as eager's optimizers do.
+
+    The step is functional: the new parameters and optimizer state are fresh
+    tensors, alive beside the old ones at the end of the step, the peak. The
+    node allocating a new value writes into the old slot instead when it has
+    a backend ``out=`` kernel, the two have the same size, stride and dtype,
+    and nothing reads the old value after it (a collective reads until its
+    wait); an elementwise op may be the last reader itself.
+    """
+    position = {name: i for i, name in enumerate(plan.positions)}
+    slots = {n.meta.get(g.SLOT): n for n in g.placeholders(gm) if n.meta.get(g.SLOT)}
+    persistent = {b.name: b for b in plan.pool(PERSISTENT_POOL).buffers} if any(
+        p.name == PERSISTENT_POOL for p in plan.pools) else {}
+    root_of = {alias: b for b in persistent.values() for alias in (b.name, *b.aliases)}
+    outputs = g.output_node(gm).args[0][1:]
+    chosen: dict[str, fx.Node] = {}
+    for slot_name, value in zip(gm.meta.get(g.OUTPUT_SLOTS, ()), outputs):
+        old = slots.get(slot_name)
+        root = root_of.get(value.name) if isinstance(value, fx.Node) else None
+        if old is None or root is None or "[" in root.name or root.name in chosen or root.role != "updated state":
+            continue
+        node = nodes[root.name]
+        old_value, new_value = old.meta.get(g.VAL), node.meta.get(g.VAL)
+        if not (isinstance(old_value, torch.Tensor) and isinstance(new_value, torch.Tensor)
+                and old_value.shape == new_value.shape and old_value.stride() == new_value.stride()
+                and old_value.dtype == new_value.dtype and old_value.device == new_value.device):
+            continue
+        if not isinstance(_placeable_outputs(node, [root], len(plan.positions)), list):
+            continue
+        old_buffer = persistent.get(old.name)
+        readers = [u for name in (old.name, *(old_buffer.aliases if old_buffer else ())) for u in nodes[name].users]
+        last_read = max((_read_until(u, position) for u in readers), default=-1)
+        here = position[root.name]
+        elementwise = torch.Tag.pointwise in getattr(node.target, "tags", ())
+        if last_read < here or (last_read == here and elementwise):
+            chosen[root.name] = old
+    return chosen
+
+
+def _read_until(user: fx.Node, position: dict[str, int]) -> int:
+    if g.is_collective(user):
+        return max((position[w.name] for w in user.users if g.is_wait(w)), default=position[user.name])
+    return position[user.name]
 
 
 def _values(node: fx.Node) -> list:
