@@ -79,6 +79,18 @@ def test_pools_place_outputs_exactly_and_the_run_holds_what_was_planned(name, st
         (user,) = view.users
         out_arguments = [a.name for a in user.target._schema.arguments if a.is_out]
         assert view in [user.kwargs[name] for name in out_arguments], user.format_node()
+    # the optimizer's updates write into the slots they replace, and nothing reads an old value afterwards
+    order = {n: i for i, n in enumerate(final.graph.nodes)}
+    written = [(n, v) for n in final.graph.nodes if n.op == "call_function" for v in n.kwargs.values()
+               if isinstance(v, torch.fx.Node) and v.op == "placeholder" and v.meta[g.ROLE] != g.ROLE_ARENA]
+    assert written
+    persistent = {b.name: b for b in plan.pool("persistent").buffers}
+    by_name = {n.name: n for n in final.graph.nodes}
+    for writer, slot in written:
+        views = [by_name[name] for name in persistent[slot.name].aliases]
+        for reader in [u for view in (slot, *views) for u in view.users if u is not writer]:
+            until = max([order[w] for w in reader.users if g.is_wait(w)], default=order[reader])
+            assert until < order[writer], (reader.name, writer.name)
     # what is not placed is listed, with its bytes and why
     assert all(u.reason and (u.bytes is None or u.bytes >= 0) for u in plan.unplanned)
     assert any(u.reason == "a value of the step's result: it outlives the step" for u in plan.unplanned)  # the loss
