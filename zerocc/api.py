@@ -70,9 +70,9 @@ def compile(
     writes the program after every pass as ``{i:03d}_{pass}.py`` there.
     ``memory_pools=True`` allocates each pool of the memory plan once, as an
     arena, and has every op that can write there (through its ``out=``
-    variant) place its output at its planned offset; ``False`` (the default:
-    the arena raises the peak of live tensor bytes by a quarter to a third on
-    the example GPT, README "Memory pools") leaves every tensor to PyTorch's
+    variant) place its output at its planned offset, and writes the
+    optimizer's updates into the slots they replace; ``False`` (the default,
+    README "Memory pools" says why) leaves every tensor to PyTorch's
     allocator (it drops the ``place_buffers`` pass).
     """
     if stage not in STAGES:

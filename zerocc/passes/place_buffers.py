@@ -21,7 +21,9 @@ tensor it returns is such a buffer. Not placed: values that outlive the step
 (the loss), ops without such an overload (flash attention, layer norm, ops
 that create tensors), outputs sized by the data (already unplanned by
 ``plan_memory``). The persistent pool (slots, and the values that replace
-them) is not an arena: the runtime keeps those tensors between steps.
+them) is not an arena: the runtime keeps those tensors between steps; but a
+value that replaces a slot is written into the old slot's storage when
+nothing reads the old value after it (``_updates_in_place``).
 
 The computation is unchanged: an ``out=`` overload runs the kernel its
 functional overload runs, into memory given instead of allocated
