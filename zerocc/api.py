@@ -26,6 +26,7 @@ from .pipeline import DEFAULT_PREFETCH_BYTES, GraphSnapshot, build_pipeline, dum
 from .memory_plan import MemoryPlan
 from .runtime import failures
 from .runtime import slots as slot_store
+from .runtime.arenas import Arenas
 from .runtime.memory import LiveBytesTracker
 from .runtime.process_group import Ranks, resolve
 from .runtime.program import Program
@@ -78,6 +79,7 @@ def compile(
     reduce_dtype: torch.dtype | None = None,
     loss_scale: "str | DynamicLossScale | None" = None,
     cast_forward_inputs: bool = True,
+    memory_pools: bool = False,
 ) -> "CompiledStep":
     """Compile one training step of ``model`` with ``optimizer`` under ZeRO ``stage`` (0-3).
 
@@ -128,6 +130,13 @@ def compile(
     ``param_dtype``. ``loss_scale="dynamic"`` (or ``DynamicLossScale(...)``)
     scales the loss and skips steps whose gradients overflow, as
     ``torch.amp.GradScaler`` does; ``step.loss_scale`` reads the scale.
+
+    ``memory_pools=True`` allocates each pool of the memory plan once, as an
+    arena, and has every op that can write there (through its ``out=``
+    variant) place its output at its planned offset, and writes the
+    optimizer's updates into the slots they replace; ``False`` (the default,
+    README "Memory pools" says why) leaves every tensor to PyTorch's
+    allocator (it drops the ``place_buffers`` pass).
     """
     if stage not in STAGES:
         raise ConfigError(f"stage={stage!r} is not a ZeRO stage; use 0 (plain data parallel), 1, 2 or 3")
@@ -145,6 +154,10 @@ def compile(
         raise ConfigError(f"memory_budget must be a positive int (bytes per rank) or None, got {memory_budget!r}")
     if num_targets is None:
         num_targets = 1 if loss_fn is not None else 0
+    if not isinstance(memory_pools, bool):
+        raise ConfigError(f"memory_pools must be True or False, got {memory_pools!r}")
+    if not memory_pools and "place_buffers" not in disable:
+        disable = (*disable, "place_buffers")
     if isinstance(grad_accumulation, bool) or not isinstance(grad_accumulation, int) or grad_accumulation < 1:
         raise ConfigError(f"grad_accumulation must be a positive int (the number of micro-batches a batch is split "
                           f"into), got {grad_accumulation!r}")
@@ -219,6 +232,7 @@ class CompiledStep:
         self._released_shapes: dict[str, tuple[int, ...]] = {}
         self._last: tuple[Program, CompileContext, list[GraphSnapshot]] | None = None
         self._measured_peak_bytes: dict[int, int] = {}   # by id(program): measured at its first run
+        self._arenas = Arenas()   # the memory pools' arenas, shared by this step's programs
         self.compile_seconds = 0.0
         if self.ranks.world_size > 1:
             self._sync_initial_state()
@@ -233,7 +247,8 @@ class CompiledStep:
             if id(program) in self._measured_peak_bytes:
                 loss = program.run(self._slots, batch)
             else:   # the first run of a program also measures its peak of live tensor bytes
-                tensors = [t for t in [*self._slots.values(), *batch] if isinstance(t, torch.Tensor)]
+                tensors = [t for t in [*self._slots.values(), *batch, *self._arenas.tensors()]
+                           if isinstance(t, torch.Tensor)]
                 with LiveBytesTracker(tensors) as tracker:
                     del tensors
                     loss = program.run(self._slots, batch)
@@ -332,7 +347,7 @@ class CompiledStep:
         gm, history = run_pipeline(captured.gm, ctx, passes,
                                    verify=self.verify, dump_dir=dump_dir_of(self.dump_dir))
         failures.check_ranks_agree(self.ranks, gm, ctx.shard_plan)   # before any of its collectives can hang
-        program = Program.from_graph(gm)
+        program = Program.from_graph(gm, self._arenas)
         if self._slots is None:
             self._captured = captured
             self._plan = ctx.shard_plan
@@ -525,8 +540,11 @@ class CompiledStep:
             "comm_bytes_per_step": comm,
             "collectives_per_step": dict(counts),
             "model_state_bytes_per_rank": held,
-            "planned_peak_bytes": ctx.memory_plan.planned_bytes,
-            "lower_bound_bytes": ctx.memory_plan.lower_bound_bytes,
+            "memory_pools": bool(ctx.memory_plan.arenas),
+            "planned_peak_bytes": ctx.memory_plan.planned_peak_bytes,
+            "lower_bound_bytes": ctx.memory_plan.lower_bound_peak_bytes,
+            "arena_bytes": self._arenas.nbytes,
+            "unplanned_bytes": ctx.memory_plan.unplanned_bytes,
             "live_peak_bytes": ctx.memory_plan.live_peak_bytes,
             "measured_peak_bytes": self._measured_peak_bytes.get(id(program)),
             "compile_seconds": round(self.compile_seconds, 3),

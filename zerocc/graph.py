@@ -33,6 +33,7 @@ ROLE_STATE = "optimizer_state"        # one tensor of optimizer state
 ROLE_HYPER = "hyperparameter"         # a per-param-group scalar read each step (the learning rate)
 ROLE_INPUT = "input"                  # the user's batch
 ROLE_LOSS_SCALE = "loss_scale"        # the dynamic loss scale and its growth tracker (zerocc/precision.py)
+ROLE_ARENA = "arena"                  # a memory arena the runtime allocates once (passes/place_buffers.py)
 
 # phases
 FORWARD = "forward"
@@ -53,11 +54,13 @@ def output_node(gm: fx.GraphModule) -> fx.Node:
 
 
 def is_all_gather(node: fx.Node) -> bool:
-    return node.op == "call_function" and node.target is c10d.all_gather_into_tensor.default
+    return node.op == "call_function" and node.target in (c10d.all_gather_into_tensor.default,
+                                                          c10d.all_gather_into_tensor_out.default)
 
 
 def is_reduce_scatter(node: fx.Node) -> bool:
-    return node.op == "call_function" and node.target is c10d.reduce_scatter_tensor.default
+    return node.op == "call_function" and node.target in (c10d.reduce_scatter_tensor.default,
+                                                          c10d.reduce_scatter_tensor_out.default)
 
 
 def is_all_reduce(node: fx.Node) -> bool:

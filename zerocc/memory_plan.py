@@ -66,6 +66,21 @@ class Buffer:
 
 
 @dataclasses.dataclass(frozen=True)
+class Unplanned:
+    """A storage of the step that no pool holds: PyTorch's allocator gives it memory when it runs."""
+    name: str
+    role: str
+    bytes: int | None    # aligned size; None when it depends on the data (known only when the step runs)
+    start: int
+    end: int
+    reason: str
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "role": self.role, "bytes": self.bytes, "start": self.start, "end": self.end,
+                "reason": self.reason}
+
+
+@dataclasses.dataclass(frozen=True)
 class Pool:
     """One arena: buffers of related roles at fixed offsets."""
     name: str
@@ -90,6 +105,8 @@ class MemoryPlan:
     positions: tuple[str, ...]      # the schedule: node name at each position
     phases: tuple[str, ...]         # the phase of the node at each position ("" where untagged)
     alignment: int = ALIGNMENT_BYTES
+    unplanned: tuple[Unplanned, ...] = ()   # storages no pool holds, each with the reason
+    arenas: tuple[str, ...] = ()    # pools the runtime allocates once and places outputs in (place_buffers)
 
     @property
     def planned_bytes(self) -> int:
@@ -106,6 +123,50 @@ class MemoryPlan:
         """The most bytes alive at any one position, all pools together (what one shared heap could reach)."""
         return max(self.live_bytes_by_role().total(), default=0)
 
+    @property
+    def arena_bytes(self) -> int:
+        """What the runtime allocates once for the arenas (0 without them)."""
+        return sum(p.bytes for p in self.pools if p.name in self.arenas)
+
+    @property
+    def unplanned_bytes(self) -> int:
+        """Bytes of the unplanned storages whose size is known, added up (not all alive at once)."""
+        return sum(u.bytes or 0 for u in self.unplanned)
+
+    @property
+    def outside_peak_bytes(self) -> int:
+        """The most bytes alive at one position outside the arenas: non-arena pools' buffers and unplanned ones."""
+        deltas = [0] * (len(self.positions) + 1)
+        outside = [(b.bytes, b.start, b.end) for p in self.pools if p.name not in self.arenas for b in p.buffers]
+        outside += [(u.bytes or 0, u.start, u.end) for u in self.unplanned]
+        for size, start, end in outside:
+            deltas[start] += size
+            deltas[end + 1] -= size
+        peak = running = 0
+        for delta in deltas:
+            running += delta
+            peak = max(peak, running)
+        return peak
+
+    @property
+    def planned_peak_bytes(self) -> int:
+        """The most bytes this rank is planned to hold during the step.
+
+        With arenas: the arenas (held all step) plus the most bytes alive at
+        once outside them (the slots, the values that replace them, unplanned
+        storages). Without: every pool's planned size, as if each were an arena.
+        """
+        if not self.arenas:
+            return self.planned_bytes
+        return self.arena_bytes + self.outside_peak_bytes
+
+    @property
+    def lower_bound_peak_bytes(self) -> int:
+        """``planned_peak_bytes`` with every arena at its lower bound: what no layout of the same arenas beats."""
+        if not self.arenas:
+            return self.lower_bound_bytes
+        return sum(p.lower_bound_bytes for p in self.pools if p.name in self.arenas) + self.outside_peak_bytes
+
     def buffers(self) -> list[Buffer]:
         return [b for p in self.pools for b in p.buffers]
 
@@ -118,9 +179,9 @@ class MemoryPlan:
     def live_bytes_by_role(self) -> "LiveBytes":
         """Live bytes at every position, per role."""
         by_role = {role: [0] * (len(self.positions) + 1) for role in ROLES}
-        for buffer in self.buffers():
-            by_role[buffer.role][buffer.start] += buffer.bytes
-            by_role[buffer.role][buffer.end + 1] -= buffer.bytes
+        for buffer in [*self.buffers(), *self.unplanned]:
+            by_role[buffer.role][buffer.start] += buffer.bytes or 0
+            by_role[buffer.role][buffer.end + 1] -= buffer.bytes or 0
         for role, deltas in by_role.items():
             running = 0
             for i, delta in enumerate(deltas):
@@ -132,11 +193,23 @@ class MemoryPlan:
     # -- reading it ------------------------------------------------------------------
     def summary(self) -> str:
         """One line per pool and one for the whole plan."""
-        lines = [pool.summary() for pool in self.pools]
+        lines = [pool.summary() + (", an arena" if pool.name in self.arenas else "") for pool in self.pools]
+        if self.unplanned:
+            reasons = {}
+            for u in self.unplanned:
+                reasons[u.reason] = reasons.get(u.reason, 0) + 1
+            unknown = sum(u.bytes is None for u in self.unplanned)
+            lines.append(f"unplanned: {len(self.unplanned)} buffers, {megabytes(self.unplanned_bytes)}"
+                         + (f" and {unknown} of a size known only at run time" if unknown else "") + " ("
+                         + "; ".join(f"{count} {reason}" for reason, count in sorted(reasons.items())) + ")")
         ratio = self.planned_bytes / self.lower_bound_bytes if self.lower_bound_bytes else 1.0
         lines.append(f"total: {megabytes(self.planned_bytes)} planned, lower bound {megabytes(self.lower_bound_bytes)}, "
                      f"{ratio:.2f}x; at most {megabytes(self.live_peak_bytes)} alive at once, "
                      f"{len(self.positions)} positions")
+        if self.arenas:
+            lines.append(f"arenas: {megabytes(self.arena_bytes)} allocated once; planned peak "
+                         f"{megabytes(self.planned_peak_bytes)} with at most {megabytes(self.outside_peak_bytes)} "
+                         "outside them")
         return "\n".join(lines)
 
     def table(self) -> str:
@@ -145,6 +218,9 @@ class MemoryPlan:
         for pool in self.pools:
             for b in sorted(pool.buffers, key=lambda b: (b.start, b.offset)):
                 rows.append((b.name, b.role, f"{b.bytes:,}", f"{b.offset:,}", f"{b.start}-{b.end}", pool.name))
+        for u in sorted(self.unplanned, key=lambda u: u.start):
+            size = "?" if u.bytes is None else f"{u.bytes:,}"
+            rows.append((u.name, u.role, size, "-", f"{u.start}-{u.end}", f"unplanned: {u.reason}"))
         widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
         right = {2, 3}
         return "\n".join("  ".join(cell.rjust(w) if i in right else cell.ljust(w)
@@ -161,6 +237,9 @@ class MemoryPlan:
             "planned_bytes": self.planned_bytes,
             "live_peak_bytes": self.live_peak_bytes,
             "positions": len(self.positions),
+            "arenas": list(self.arenas),
+            "planned_peak_bytes": self.planned_peak_bytes,
+            "unplanned": [u.to_dict() for u in self.unplanned],
         }
 
     def plot(self, path: str, title: str | None = None) -> str:

@@ -8,6 +8,7 @@
     insert_collectives   passes/insert_collectives.py   all_gather / reduce_scatter / all_reduce + waits
     schedule             passes/schedule.py      issue collectives early, wait late: prefetch and overlap
     plan_memory          passes/plan_memory.py   lifetimes on the final order -> offsets in pools (graph unchanged)
+    place_buffers        passes/place_buffers.py  pools become arenas; ops write at their offsets through out=
 
 Every pass is ``(gm, ctx) -> gm`` and writes its decisions onto ``ctx``.
 ``build_pipeline`` takes ``default_pipeline``, drops the passes the user
@@ -38,6 +39,7 @@ from .passes.clip_gradients import clip_gradients
 from .passes.insert_collectives import insert_collectives
 from .passes.mixed_precision import mixed_precision as cast_for_precision
 from .passes.place_checkpoints import place_checkpoints
+from .passes.place_buffers import place_buffers
 from .passes.plan_memory import plan_memory
 from .passes.schedule import schedule
 from .passes.shard import shard
@@ -89,7 +91,8 @@ def default_pipeline(stage: int, *, prefetch_bytes: int = DEFAULT_PREFETCH_BYTES
              essential="the shard pass's markers cannot run across ranks"),                      # the communication the buckets need
         Pass("schedule", functools.partial(schedule, prefetch_bytes=prefetch_bytes),
              requires=("insert_collectives",)),                                                   # prefetch gathers, overlap reductions
-        Pass("plan_memory", plan_memory, requires=("shard",)),                                   # lifetimes -> offsets in pools; keep it last
+        Pass("plan_memory", plan_memory, requires=("shard",)),                                   # lifetimes -> offsets in pools; nothing moves nodes after it
+        Pass("place_buffers", place_buffers, requires=("plan_memory",)),                         # outputs into an arena at their offsets (only with compile(memory_pools=True))
     ]
 
 

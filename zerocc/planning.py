@@ -45,7 +45,7 @@ def plan(model: nn.Module, optimizer: torch.optim.Optimizer, stage: int = 3, wor
          example_inputs: Sequence[Any], loss_fn: Callable | None = None, num_targets: int | None = None,
          param_dtype: torch.dtype | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES, rank: int = 0,
          disable: Sequence[str] = (), verify: bool = False, dump_dir: str | None = None,
-         progress: bool | Callable[[str], None] = False) -> "Plan":
+         progress: bool | Callable[[str], None] = False, memory_pools: bool = False) -> "Plan":
     """Plan one steady-state training step at ``world_size`` ranks without running it.
 
     Returns a ``Plan`` with the same ``report()``, ``graph(name)``, ``passes``,
@@ -53,7 +53,8 @@ def plan(model: nn.Module, optimizer: torch.optim.Optimizer, stage: int = 3, wor
     """
     return Planner(model, optimizer, example_inputs=example_inputs, loss_fn=loss_fn, num_targets=num_targets,
                    param_dtype=param_dtype, bucket_bytes=bucket_bytes, progress=progress
-                   ).plan(stage, world_size, rank=rank, disable=disable, verify=verify, dump_dir=dump_dir)
+                   ).plan(stage, world_size, rank=rank, disable=disable, verify=verify, dump_dir=dump_dir,
+                          memory_pools=memory_pools)
 
 
 class Planner:
@@ -93,7 +94,9 @@ class Planner:
         return self._captures[elementwise_check]
 
     def plan(self, stage: int, world_size: int, *, rank: int = 0, disable: Sequence[str] = (), verify: bool = False,
-             dump_dir: str | None = None) -> "Plan":
+             dump_dir: str | None = None, memory_pools: bool = False) -> "Plan":
+        if not memory_pools and "place_buffers" not in disable:   # as compile(): arenas only when asked for
+            disable = (*disable, "place_buffers")
         if stage not in (0, 1, 2, 3):
             raise ConfigError(f"stage={stage!r} is not a ZeRO stage; use 0 (plain data parallel), 1, 2 or 3")
         if not isinstance(world_size, int) or world_size < 1 or not 0 <= rank < world_size:

@@ -14,7 +14,8 @@ output; ``reshape`` and ``contiguous`` only when the value allows a view).
 The outputs of a multi-output op live at least as long as the op's tuple,
 which the program holds until its last ``getitem``. Slots read by the step
 live across the whole step; values that replace slots (and the loss) live
-to the end.
+to the end. A collective's inputs live until its wait: it reads them while
+the program runs on. Tensors sized by the data are listed as unplanned.
 
 Pools group buffers by role (``memory_plan.POOLS``): persistent shards and
 optimizer state, gathered parameters, activations and temporaries, gradient
@@ -33,7 +34,7 @@ import torch.utils._pytree as pytree
 
 from .. import graph as g
 from ..context import CompileContext
-from ..memory_plan import (ALIGNMENT_BYTES, POOL_OF_ROLE, POOLS, Buffer, Lifetime, MemoryPlan, Pool, align,
+from ..memory_plan import (ALIGNMENT_BYTES, POOL_OF_ROLE, POOLS, Buffer, Lifetime, MemoryPlan, Pool, Unplanned, align,
                            lower_bound, megabytes, place)
 
 aten = torch.ops.aten
@@ -61,7 +62,7 @@ def plan_memory(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
 def memory_plan_of(gm: fx.GraphModule) -> MemoryPlan:
     """The plan for ``gm`` in its current node order (any FX graph with ``val`` meta; zerocc's tags refine roles)."""
     nodes = list(gm.graph.nodes)
-    buffers = buffer_lifetimes(gm)
+    buffers, unplanned = _lifetimes_and_unplanned(gm)
     pools = []
     for pool_name in POOLS:
         members = [b for b in buffers if POOL_OF_ROLE[b[1]] == pool_name]
@@ -73,11 +74,16 @@ def memory_plan_of(gm: fx.GraphModule) -> MemoryPlan:
                        for name, role, nbytes, s, e, names in members)
         pools.append(Pool(pool_name, size, lower_bound(lifetimes), order, placed))
     phases = tuple(str(node.meta.get(g.PHASE, "")) for node in nodes)
-    return MemoryPlan(tuple(pools), tuple(node.name for node in nodes), phases, ALIGNMENT_BYTES)
+    return MemoryPlan(tuple(pools), tuple(node.name for node in nodes), phases, ALIGNMENT_BYTES, tuple(unplanned))
 
 
 def buffer_lifetimes(gm: fx.GraphModule) -> list[tuple[str, str, int, int, int, tuple[str, ...]]]:
     """Every storage of ``gm`` in its node order, unplaced: (name, role, aligned bytes, start, end, aliases)."""
+    return _lifetimes_and_unplanned(gm)[0]
+
+
+def _lifetimes_and_unplanned(gm: fx.GraphModule):
+    """``buffer_lifetimes``, and the tensors whose size depends on the data (``Unplanned``, bytes None)."""
     nodes = list(gm.graph.nodes)
     position = {node: i for i, node in enumerate(nodes)}
     last = len(nodes) - 1
@@ -92,7 +98,7 @@ def buffer_lifetimes(gm: fx.GraphModule) -> list[tuple[str, str, int, int, int, 
             start.setdefault(key, 0 if node.op == "placeholder" else position[node])
             if node.op == "placeholder":
                 end[key] = last
-            reach = max((position[user] for user in node.users), default=position[node])
+            reach = max((_released_at(user, position) for user in node.users), default=position[node])
             end[key] = max(end.get(key, position[node]), reach)
             if key[0] is not node:
                 aliases.setdefault(key, []).append(node.name)
@@ -105,14 +111,27 @@ def buffer_lifetimes(gm: fx.GraphModule) -> list[tuple[str, str, int, int, int, 
             if index > 0 and index - 1 < len(output_slots):
                 updated.add(key)
 
-    buffers = []
+    buffers, unplanned = [], []
     for key in start:
         node, index = key
-        size = _storage_bytes(_value_of(node, index))
+        value = _value_of(node, index)
         role = _role(node, index, key in updated)
         name = node.name if index is None else f"{node.name}[{index}]"
+        if _data_dependent(value):
+            size = "x".join(str(s) for s in value.shape) or "1"
+            unplanned.append(Unplanned(name, role, None, start[key], end[key],
+                                       f"size depends on the data ({size} elements)"))
+            continue
+        size = _storage_bytes(value)
         buffers.append((name, role, align(size), start[key], end[key], tuple(aliases.get(key, ()))))
-    return buffers
+    return buffers, unplanned
+
+
+def _released_at(user: fx.Node, position: dict[fx.Node, int]) -> int:
+    """Where ``user`` is done reading its inputs: a collective reads them until its wait, as it runs meanwhile."""
+    if g.is_collective(user):
+        return max((position[w] for w in user.users if g.is_wait(w)), default=position[user])
+    return position[user]
 
 
 def _storage_roots(nodes: list[fx.Node]) -> dict[fx.Node, tuple]:
@@ -187,15 +206,17 @@ def _value_of(node: fx.Node, index: int | None):
     return value
 
 
-def _storage_bytes(value) -> int:
-    """Bytes of the storage a fresh ``value`` needs (its strides may skip elements).
+def _data_dependent(value) -> bool:
+    """Is ``value`` a tensor whose size depends on the data (boolean-mask indexing, ``nonzero``)?
 
-    0 if it is no tensor, or if its size depends on the data (boolean-mask
-    indexing): such a tensor cannot be placed ahead of time.
+    Such a tensor cannot be placed ahead of time: the plan lists it as unplanned.
     """
-    if not isinstance(value, torch.Tensor):
-        return 0
-    if not all(is_concrete_int(x) for x in (*value.shape, *value.stride())):
+    return isinstance(value, torch.Tensor) and not all(is_concrete_int(x) for x in (*value.shape, *value.stride()))
+
+
+def _storage_bytes(value) -> int:
+    """Bytes of the storage a fresh ``value`` needs (its strides may skip elements); 0 if it is no tensor."""
+    if not isinstance(value, torch.Tensor) or _data_dependent(value):
         return 0
     if value.numel() == 0:
         return 0

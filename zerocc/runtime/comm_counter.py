@@ -21,6 +21,8 @@ COLLECTIVE_OPS = {
     # _c10d_functional (zerocc)
     "all_gather_into_tensor": ("all_gather", None), "reduce_scatter_tensor": ("reduce_scatter", 0),
     "all_reduce": ("all_reduce", 0), "broadcast": ("broadcast", 0),
+    "all_gather_into_tensor_out": ("all_gather", None),          # into an arena (passes/place_buffers.py)
+    "reduce_scatter_tensor_out": ("reduce_scatter", 0),
     # c10d, in place (torch.distributed, DDP, FSDP2, DeepSpeed)
     "_allgather_base_": ("all_gather", 0), "allgather_into_tensor_coalesced_": ("all_gather", 0),
     "allgather_": ("all_gather", 0), "_reduce_scatter_base_": ("reduce_scatter", 1),

@@ -1,4 +1,4 @@
-"""Runs one emitted program: reads slots and the batch, calls the graph, rebinds slots."""
+"""Runs one emitted program: reads slots, arenas and the batch, calls the graph, rebinds slots."""
 from __future__ import annotations
 
 import dataclasses
@@ -7,18 +7,21 @@ import torch
 import torch.fx as fx
 
 from .. import graph as g
+from .arenas import Arenas, is_arena_slot
 
 
 @dataclasses.dataclass
 class Program:
     """A compiled step: the final graph and how its arguments and results map to slots."""
     gm: fx.GraphModule
-    argument_slots: list[str | None]     # per placeholder: the slot it reads, or None for a batch input
+    argument_slots: list[str | None]     # per placeholder: the slot (or arena) it reads, or None for a batch input
     input_positions: list[int | None]    # per placeholder: index into the batch's tensors, or None
     output_slots: list[str]              # per output after the loss: the slot it replaces
+    arenas: Arenas | None = None         # where placed outputs live (passes/place_buffers.py), if any
 
     @classmethod
-    def from_graph(cls, gm: fx.GraphModule) -> "Program":
+    def from_graph(cls, gm: fx.GraphModule, arenas: Arenas | None = None) -> "Program":
+        """The program for ``gm``; its arenas are reserved in ``arenas`` (shared by a step's programs)."""
         slots, positions = [], []
         for node in g.placeholders(gm):
             if node.meta[g.ROLE] == g.ROLE_INPUT:
@@ -27,11 +30,21 @@ class Program:
             else:
                 slots.append(node.meta[g.SLOT])
                 positions.append(None)
-        return cls(gm, slots, positions, list(gm.meta[g.OUTPUT_SLOTS]))
+            if node.meta[g.ROLE] == g.ROLE_ARENA:
+                value = node.meta[g.VAL]
+                arenas = arenas if arenas is not None else Arenas()
+                arenas.reserve(node.meta[g.SLOT], value.numel(), value.device)
+        return cls(gm, slots, positions, list(gm.meta[g.OUTPUT_SLOTS]), arenas)
 
     def run(self, slots: dict[str, torch.Tensor], batch: list) -> torch.Tensor:
-        arguments = [slots[slot] if slot is not None else batch[position]
-                     for slot, position in zip(self.argument_slots, self.input_positions)]
+        arguments = []
+        for slot, position in zip(self.argument_slots, self.input_positions):
+            if slot is None:
+                arguments.append(batch[position])
+            elif is_arena_slot(slot):
+                arguments.append(self.arenas[slot])
+            else:
+                arguments.append(slots[slot])
         loss, *results = self.gm(*arguments)
         del arguments
         for slot, value in zip(self.output_slots, results):

@@ -1,0 +1,190 @@
+"""Memory pools as arenas (passes/place_buffers.py, runtime/arenas.py): placed, exact, and measured as planned."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import zerocc
+from tests import distributed
+from tests.models import batches, build, eager_step
+from zerocc import graph as g
+from zerocc.memory_plan import ALIGNMENT_BYTES, overlapping_pairs
+from zerocc.passes.place_buffers import out_variant
+from zerocc.runtime.arenas import arena_view
+
+aten = torch.ops.aten
+
+
+def adamw(model):
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def check_measured_is_planned(report, plan):
+    """The run holds what the plan says: arenas, plus what lives outside them at its peak.
+
+    The plan rounds every buffer outside the arenas up to 64 bytes (Adam's step
+    counters are 4-byte tensors, an MLP's biases 20 bytes); the run counts
+    exact storage sizes. So measured may be below planned by at most 63 bytes
+    per buffer outside the arenas, and never above.
+    """
+    assert report["memory_pools"]
+    outside = len(plan.unplanned) + sum(len(p.buffers) for p in plan.pools if p.name not in plan.arenas)
+    rounding = (ALIGNMENT_BYTES - 1) * outside
+    assert report["planned_peak_bytes"] - rounding <= report["measured_peak_bytes"] <= report["planned_peak_bytes"]
+    assert report["lower_bound_bytes"] <= report["planned_peak_bytes"]
+
+
+def test_out_variants_are_found_by_schema():
+    assert out_variant(aten.mm.default) == (aten.mm.out, ("out",))
+    assert out_variant(aten.add.Tensor) == (aten.add.out, ("out",))
+    assert out_variant(aten.native_layer_norm.default) == (aten.native_layer_norm.out, ("out0", "out1", "out2"))
+    assert out_variant(aten.t.default) is None                                      # a view
+    assert out_variant(aten._scaled_dot_product_flash_attention_for_cpu.default) is None   # none exists
+
+
+def test_arena_view_is_the_bytes_at_the_offset():
+    arena = torch.zeros(1024, dtype=torch.uint8)
+    view = arena_view(arena, 128, (3, 4), (1, 3), torch.float32)
+    view.copy_(torch.arange(12.0).view(3, 4))
+    assert view.untyped_storage().data_ptr() == arena.untyped_storage().data_ptr()
+    assert torch.equal(arena[128: 128 + 48].view(torch.float32), torch.arange(12.0).view(3, 4).t().reshape(-1))
+    assert arena[:128].eq(0).all() and arena[176:].eq(0).all()
+
+
+@pytest.mark.parametrize("name, stage", [("gpt", 3), ("cnn", 2), ("mlp", 0)])
+def test_pools_place_outputs_exactly_and_the_run_holds_what_was_planned(name, stage):
+    reference, _, loss_fn = build(name)
+    reference_optimizer = adamw(reference)
+    model, _, _ = build(name)
+    step = zerocc.compile(model, adamw(model), stage=stage, loss_fn=loss_fn, memory_pools=True)
+    for batch in batches(name, 3, 8):
+        assert torch.equal(step(*batch), eager_step(reference, reference_optimizer, loss_fn, batch))
+    for key, value in reference.state_dict().items():
+        assert torch.equal(step.full_state_dict()[key], value), key
+
+    plan = step.memory_plan
+    assert plan.arenas == ("arena",) and {b.role for b in plan.pool("arena").buffers} >= {"activations"}
+    assert overlapping_pairs(plan.buffers()) == []
+    for pool in plan.pools:
+        assert all(b.offset % ALIGNMENT_BYTES == 0 and b.offset + b.bytes <= pool.bytes for b in pool.buffers)
+    # every buffer of an arena is written in place: one view of its arena per placed output
+    final = step.graph("place_buffers").graph_module
+    views = [n for n in final.graph.nodes if n.target is arena_view]
+    placed = [b for p in plan.pools if p.name in plan.arenas for b in p.buffers]
+    assert len(views) == len(placed) > 0
+    arenas = g.placeholders(final, g.ROLE_ARENA)
+    assert sorted(n.meta[g.SLOT] for n in arenas) == sorted(f"arena:{p}" for p in plan.arenas)
+    for view in views:
+        (user,) = view.users
+        out_arguments = [a.name for a in user.target._schema.arguments if a.is_out]
+        assert view in [user.kwargs[name] for name in out_arguments], user.format_node()
+    # the optimizer's updates write into the slots they replace, and nothing reads an old value afterwards
+    order = {n: i for i, n in enumerate(final.graph.nodes)}
+    written = [(n, v) for n in final.graph.nodes if n.op == "call_function" for v in n.kwargs.values()
+               if isinstance(v, torch.fx.Node) and v.op == "placeholder" and v.meta[g.ROLE] != g.ROLE_ARENA]
+    assert written
+    persistent = {b.name: b for b in plan.pool("persistent").buffers}
+    by_name = {n.name: n for n in final.graph.nodes}
+    for writer, slot in written:
+        views = [by_name[name] for name in persistent[slot.name].aliases]
+        for reader in [u for view in (slot, *views) for u in view.users if u is not writer]:
+            until = max([order[w] for w in reader.users if g.is_wait(w)], default=order[reader])
+            assert until < order[writer], (reader.name, writer.name)
+    # what is not placed is listed, with its bytes and why
+    assert all(u.reason and (u.bytes is None or u.bytes >= 0) for u in plan.unplanned)
+    assert any(u.reason == "a value of the step's result: it outlives the step" for u in plan.unplanned)  # the loss
+    assert "an arena" in plan.summary() and "unplanned: " in plan.summary()
+    assert "unplanned: " in str(plan) and plan.to_dict()["arenas"] == list(plan.arenas)
+
+    report = step.report()
+    check_measured_is_planned(report, plan)
+    assert report["arena_bytes"] == plan.arena_bytes   # both programs' arenas are the same size here
+
+
+def test_pools_off_is_plain_allocation_with_the_same_numbers():
+    losses = {}
+    for pools in (True, False):
+        model, _, loss_fn = build("gpt")
+        step = zerocc.compile(model, adamw(model), stage=3, loss_fn=loss_fn, memory_pools=pools)
+        losses[pools] = [step(*batch) for batch in batches("gpt", 2, 8)]
+        report = step.report()
+        assert report["memory_pools"] is pools
+        assert ("place_buffers" in step.passes) is pools
+    assert report["arena_bytes"] == 0 and not step.memory_plan.arenas and not step.memory_plan.unplanned
+    assert report["planned_peak_bytes"] == step.memory_plan.planned_bytes
+    assert all(torch.equal(a, b) for a, b in zip(losses[True], losses[False]))
+    assert "place_buffers" not in zerocc.compile(model, adamw(model)).passes   # off unless asked for
+    with pytest.raises(zerocc.ConfigError, match=r"memory_pools must be True or False, got 'yes'"):
+        zerocc.compile(model, adamw(model), memory_pools="yes")
+
+
+class BooleanMask(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(12, 5)
+
+    def forward(self, x):
+        return self.linear(x[x.sum(1) > 0]).square().mean()   # how many rows: depends on the data
+
+
+@pytest.mark.parametrize("memory_pools", [True, False])
+def test_data_dependent_sizes_are_listed_as_unplanned(memory_pools):
+    torch.manual_seed(0)
+    reference, model = BooleanMask(), BooleanMask()
+    model.load_state_dict(reference.state_dict())
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    step = zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), stage=3, memory_pools=memory_pools)
+    for seed in range(3):
+        x = torch.randn(8, 12, generator=torch.Generator().manual_seed(seed))
+        reference_optimizer.zero_grad()
+        expected = reference(x)
+        expected.backward()
+        reference_optimizer.step()
+        assert torch.equal(step(x), expected.detach())
+    plan = step.memory_plan
+    sized_by_data = [u for u in plan.unplanned if u.reason.startswith("size depends on the data")]
+    assert sized_by_data and all(u.bytes is None for u in sized_by_data)
+    assert all(b.bytes > 0 or b.name not in {u.name for u in sized_by_data} for b in plan.buffers())
+    assert "of a size known only at run time" in plan.summary()
+
+
+def test_a_collectives_inputs_live_until_its_wait():
+    # a collective reads its input while the program runs on: the bytes may not be reused before the wait
+    model, _, _ = build("gpt")
+    planned = zerocc.plan(model, adamw(model), stage=2, world_size=4, example_inputs=batches("gpt", 1, 2)[0],
+                          bucket_bytes=16 * 1024)
+    plan = planned.memory_plan
+    position = {name: i for i, name in enumerate(plan.positions)}
+    lives = {b.name: b for b in [*plan.buffers(), *plan.unplanned]}
+    gm = planned.graph("plan_memory").graph_module
+    checked = 0
+    for node in gm.graph.nodes:
+        if g.is_reduce_scatter(node) and node.args[0].name in lives:
+            wait = next(u for u in node.users if g.is_wait(u))
+            assert lives[node.args[0].name].end >= position[wait.name] > position[node.name]
+            checked += 1
+    assert checked > 0
+
+
+def _two_ranks(rank, world_size):
+    results = {}
+    for stage in (0, 3):
+        losses = {}
+        for pools in (False, True) if stage == 3 else (True,):   # stage 0 against plain allocation: test_numerics
+            model, _, loss_fn = build("gpt")
+            step = zerocc.compile(model, adamw(model), stage=stage, loss_fn=loss_fn, memory_pools=pools)
+            losses[pools] = [step(*batch) for batch in batches("gpt", 2, 4, seed=1 + rank)]
+        results[stage] = (losses, step.report(), step.memory_plan)
+    return results
+
+
+def test_world_size_2_places_gathered_parameters_and_gradients_exactly():
+    for result in distributed.run(_two_ranks, 2):
+        for stage, (losses, report, plan) in result.items():
+            if False in losses:
+                assert all(torch.equal(a, b) for a, b in zip(losses[True], losses[False])), stage
+            check_measured_is_planned(report, plan)
+        arena = {b.role for b in result[3][2].pool("arena").buffers}
+        assert "gathered parameters" in arena     # all_gather_into_tensor_out writes into the arena
+        assert "gradient buckets" in {b.role for b in result[0][2].pool("arena").buffers}

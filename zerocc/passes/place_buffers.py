@@ -1,0 +1,268 @@
+"""place_buffers: make the memory plan real. Placed ops write into arenas through their ``out=`` variants.
+
+Requires: ``plan_memory`` (``ctx.memory_plan``), and that nothing moves
+nodes afterwards. Establishes: one placeholder per arena (role
+``graph.ROLE_ARENA``, slot ``arena:<pool>``, a fake ``uint8`` value of the
+arena's size) that the runtime fills with a tensor it allocates once
+(``runtime/arenas.py``); every placed node calls its ``out=`` overload with
+``out=arena_view(arena, offset, size, stride, dtype)``; ``ctx.memory_plan``
+replaced by a plan whose non-persistent pools become arenas
+(``ARENA_OF_POOL``: one arena for all of them) holding only placed buffers
+(laid out again, so no arena reserves room for what it does not hold) and whose
+``unplanned`` list names every other storage of the step, with its bytes
+and the reason.
+
+A buffer of the non-persistent pools (gathered parameters, activations,
+gradient buckets, communication) is placed when the node that allocates it
+has an ``out=`` overload taking the same arguments, implemented by a kernel
+of the device's backend (an ``out=`` that only calls the functional op and
+copies, as PyTorch generates for some, would allocate anyway), and every
+tensor it returns is such a buffer. Not placed: values that outlive the step
+(the loss), ops without such an overload (flash attention, layer norm, ops
+that create tensors), outputs sized by the data (already unplanned by
+``plan_memory``). The persistent pool (slots, and the values that replace
+them) is not an arena: the runtime keeps those tensors between steps; but a
+value that replaces a slot is written into the old slot's storage when
+nothing reads the old value after it (``_updates_in_place``).
+
+The computation is unchanged: an ``out=`` overload runs the kernel its
+functional overload runs, into memory given instead of allocated
+(``tests/test_memory_pools.py`` checks bit equality with eager).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+import torch.fx as fx
+
+from .. import graph as g
+from ..context import CompileContext
+from ..memory_plan import Buffer, Lifetime, MemoryPlan, Pool, Unplanned, lower_bound, megabytes, place
+from ..runtime.arenas import arena_slot, arena_view
+
+c10d = torch.ops._c10d_functional
+
+# Pools whose buffers the runtime holds between steps: never an arena.
+PERSISTENT_POOL = "persistent"
+
+# The arena each pool's placed buffers go to. One arena for all of them: the roles' peaks come at
+# different times (gathered parameters and activations in forward, gradient buckets in backward), so one
+# shared arena is smaller than one per role; measured on examples/gpt.py (2 layers, stage 3, one rank):
+# 20.97 MB against 27.94 MB (README, "Memory pools"). Map a pool to its own name for an arena per role.
+ARENA_OF_POOL = {"gathered parameters": "arena", "activations": "arena", "gradient buckets": "arena",
+                 "communication": "arena"}
+
+# Collectives whose functional form has a twin writing into a given tensor (the one inductor uses).
+_COLLECTIVE_OUT = {
+    c10d.all_gather_into_tensor.default: c10d.all_gather_into_tensor_out.default,
+    c10d.reduce_scatter_tensor.default: c10d.reduce_scatter_tensor_out.default,
+}
+
+_BACKEND_KEY = {"cpu": "CPU", "cuda": "CUDA"}
+
+
+def place_buffers(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
+    """Allocate the plan's pools as arenas and point every op that can write into one at its offset."""
+    plan = ctx.memory_plan
+    if plan is None:
+        return gm
+    nodes = {node.name: node for node in gm.graph.nodes}
+    last = len(plan.positions) - 1
+    by_node: dict[str, list[Buffer]] = {}
+    for buffer in plan.buffers():
+        if buffer.pool != PERSISTENT_POOL:
+            arena = ARENA_OF_POOL.get(buffer.pool, buffer.pool)
+            by_node.setdefault(buffer.name.split("[")[0], []).append(dataclasses.replace(buffer, pool=arena))
+
+    placed: dict[str, list[Buffer]] = {}   # node name -> its buffers, one per tensor output, in output order
+    unplanned = list(plan.unplanned)
+    for name, buffers in by_node.items():
+        outputs = _placeable_outputs(nodes[name], buffers, last)
+        if isinstance(outputs, str):
+            unplanned += [Unplanned(b.name, b.role, b.bytes, b.start, b.end, outputs) for b in buffers]
+        else:
+            placed[name] = outputs
+
+    devices: dict[str, torch.device] = {}
+    for name, buffers in list(placed.items()):
+        device = _values(nodes[name])[0].device
+        pool = buffers[0].pool
+        devices.setdefault(pool, device)
+        if devices[pool] != device:
+            unplanned += [Unplanned(b.name, b.role, b.bytes, b.start, b.end, f"on {device}, its arena on {devices[pool]}")
+                          for b in buffers]
+            del placed[name]
+
+    in_place = _updates_in_place(gm, plan, nodes)   # root node name -> the placeholder of the slot it replaces
+    pools, offsets = [], {}
+    for pool in plan.pools:
+        if pool.name == PERSISTENT_POOL:
+            members = [b for b in pool.buffers if b.name not in in_place]
+            lifetimes = [Lifetime(b.name, b.bytes, b.start, b.end) for b in members]
+            persistent_offsets, size, order = place(lifetimes)
+            pools.append(Pool(pool.name, size, lower_bound(lifetimes), order,
+                              tuple(dataclasses.replace(b, offset=persistent_offsets[b.name]) for b in members)))
+    for arena in dict.fromkeys(ARENA_OF_POOL.get(p.name, p.name) for p in plan.pools if p.name != PERSISTENT_POOL):
+        members = [b for buffers in placed.values() for b in buffers if b.pool == arena]
+        if not members:
+            continue
+        lifetimes = [Lifetime(b.name, b.bytes, b.start, b.end) for b in members]
+        arena_offsets, size, order = place(lifetimes)
+        offsets.update(arena_offsets)
+        pools.append(Pool(arena, size, lower_bound(lifetimes), order,
+                          tuple(dataclasses.replace(b, offset=arena_offsets[b.name]) for b in members)))
+    arenas = tuple(p.name for p in pools if p.name != PERSISTENT_POOL)
+    unplanned.sort(key=lambda u: (u.start, u.name))
+    ctx.memory_plan = dataclasses.replace(plan, pools=tuple(pools), unplanned=tuple(unplanned), arenas=arenas)
+
+    arena_nodes = _add_arena_placeholders(gm, ctx, [p for p in pools if p.name in arenas], devices)
+    for name, buffers in placed.items():
+        node = nodes[name]
+        out_op, out_names = out_variant(node.target)
+        views = []
+        with gm.graph.inserting_before(node):
+            for buffer, value in zip(buffers, _values(node)):
+                view = gm.graph.call_function(arena_view, (arena_nodes[buffer.pool], offsets[buffer.name],
+                                                           tuple(int(s) for s in value.shape),
+                                                           tuple(int(s) for s in value.stride()), value.dtype))
+                view.meta.update({g.VAL: value, g.PHASE: node.meta.get(g.PHASE)})
+                views.append(view)
+        node.target = out_op
+        node.kwargs = {**node.kwargs, **dict(zip(out_names, views))}
+    for name, slot in in_place.items():
+        node = nodes[name]
+        out_op, (out_name,) = out_variant(node.target)
+        node.target = out_op
+        node.kwargs = {**node.kwargs, out_name: slot}
+    gm.graph.lint()
+    gm.recompile()
+
+    new = ctx.memory_plan
+    ctx.notes["place_buffers"] = (f"{sum(len(b) for b in placed.values())} buffers placed in {len(arenas)} arenas "
+                                  f"({megabytes(new.arena_bytes)}); {len(new.unplanned)} unplanned "
+                                  f"({megabytes(new.unplanned_bytes)}); {len(in_place)} updates written into the "
+                                  f"slots they replace; planned peak {megabytes(new.planned_peak_bytes)}")
+    return gm
+
+
+def _updates_in_place(gm: fx.GraphModule, plan: MemoryPlan, nodes: dict[str, fx.Node]) -> dict[str, fx.Node]:
+    """Updated slots that can be written into the storage of the slot they replace, as eager's optimizers do.
+
+    The step is functional: the new parameters and optimizer state are fresh
+    tensors, alive beside the old ones at the end of the step, the peak. The
+    node allocating a new value writes into the old slot instead when it has
+    a backend ``out=`` kernel, the two have the same size, stride and dtype,
+    and nothing reads the old value after it (a collective reads until its
+    wait); an elementwise op may be the last reader itself.
+    """
+    position = {name: i for i, name in enumerate(plan.positions)}
+    slots = {n.meta.get(g.SLOT): n for n in g.placeholders(gm) if n.meta.get(g.SLOT)}
+    persistent = {b.name: b for b in plan.pool(PERSISTENT_POOL).buffers} if any(
+        p.name == PERSISTENT_POOL for p in plan.pools) else {}
+    root_of = {alias: b for b in persistent.values() for alias in (b.name, *b.aliases)}
+    outputs = g.output_node(gm).args[0][1:]
+    chosen: dict[str, fx.Node] = {}
+    for slot_name, value in zip(gm.meta.get(g.OUTPUT_SLOTS, ()), outputs):
+        old = slots.get(slot_name)
+        root = root_of.get(value.name) if isinstance(value, fx.Node) else None
+        if old is None or root is None or "[" in root.name or root.name in chosen or root.role != "updated state":
+            continue
+        node = nodes[root.name]
+        old_value, new_value = old.meta.get(g.VAL), node.meta.get(g.VAL)
+        if not (isinstance(old_value, torch.Tensor) and isinstance(new_value, torch.Tensor)
+                and old_value.shape == new_value.shape and old_value.stride() == new_value.stride()
+                and old_value.dtype == new_value.dtype and old_value.device == new_value.device):
+            continue
+        if not isinstance(_placeable_outputs(node, [root], len(plan.positions)), list):
+            continue
+        old_buffer = persistent.get(old.name)
+        readers = [u for name in (old.name, *(old_buffer.aliases if old_buffer else ())) for u in nodes[name].users]
+        last_read = max((_read_until(u, position) for u in readers), default=-1)
+        here = position[root.name]
+        elementwise = torch.Tag.pointwise in getattr(node.target, "tags", ())
+        if last_read < here or (last_read == here and elementwise):
+            chosen[root.name] = old
+    return chosen
+
+
+def _read_until(user: fx.Node, position: dict[str, int]) -> int:
+    if g.is_collective(user):
+        return max((position[w.name] for w in user.users if g.is_wait(w)), default=position[user.name])
+    return position[user.name]
+
+
+def _values(node: fx.Node) -> list:
+    value = node.meta.get(g.VAL)
+    return list(value) if isinstance(value, (tuple, list)) else [value]
+
+
+def _placeable_outputs(node: fx.Node, buffers: list[Buffer], last: int) -> list[Buffer] | str:
+    """The node's buffers in output order if it can write them all into arenas, else why not."""
+    if any(b.end >= last for b in buffers):
+        return "a value of the step's result: it outlives the step"
+    if any(b.bytes == 0 for b in buffers):
+        return "empty"
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return "not an aten op"
+    found = out_variant(node.target)
+    if found is None:
+        return "no out= variant"
+    values = _values(node)
+    if not all(isinstance(v, torch.Tensor) for v in values) or len(values) != len(found[1]):
+        return "returns more than tensors"
+    if isinstance(node.meta.get(g.VAL), (tuple, list)):
+        by_name = {b.name: b for b in buffers}
+        ordered = [by_name.get(f"{node.name}[{i}]") for i in range(len(values))]
+        if any(b is None for b in ordered):
+            return "another output is not in an arena pool"
+    else:
+        ordered = buffers
+    if node.target not in _COLLECTIVE_OUT:
+        key = _BACKEND_KEY.get(values[0].device.type)
+        if key is None or not torch._C._dispatch_has_kernel_for_dispatch_key(found[0].name(), key):
+            return "out= variant only copies"
+    if len({v.device for v in values}) != 1:
+        return "outputs on several devices"
+    return ordered
+
+
+@functools.cache
+def out_variant(op: torch._ops.OpOverload) -> tuple[torch._ops.OpOverload, tuple[str, ...]] | None:
+    """The overload of ``op`` that writes its results into given tensors, and the names of those arguments.
+
+    It must take the same arguments as ``op`` (names and types) plus one
+    ``out`` argument per result, as ``aten.mm.out`` does for ``aten.mm``.
+    """
+    if op in _COLLECTIVE_OUT:
+        return _COLLECTIVE_OUT[op], ("out",)
+    schema = op._schema
+    if not schema.returns or any(r.alias_info is not None or str(r.type) != "Tensor" for r in schema.returns):
+        return None
+    wanted = [(a.name, str(a.type)) for a in schema.arguments]
+    packet = getattr(getattr(torch.ops, op.namespace), schema.name.split("::")[-1])
+    for overload in packet.overloads():
+        candidate = getattr(packet, overload)
+        arguments = candidate._schema.arguments
+        outs = [a.name for a in arguments if a.is_out]
+        rest = [(a.name, str(a.type)) for a in arguments if not a.is_out]
+        if outs and rest == wanted and len(outs) == len(schema.returns):
+            return candidate, tuple(outs)
+    return None
+
+
+def _add_arena_placeholders(gm: fx.GraphModule, ctx: CompileContext, pools: list[Pool],
+                            devices: dict[str, torch.device]) -> dict[str, fx.Node]:
+    """One placeholder per arena, after the others: the runtime passes each arena's tensor in."""
+    placeholders = g.placeholders(gm)
+    arena_nodes = {}
+    anchor = placeholders[-1]
+    for pool in pools:
+        with gm.graph.inserting_after(anchor):
+            node = gm.graph.placeholder("arena_" + pool.name.replace(" ", "_"))
+        with ctx.fake_mode:
+            value = torch.empty(pool.bytes, dtype=torch.uint8, device=devices[pool.name])
+        node.meta.update({g.ROLE: g.ROLE_ARENA, g.SLOT: arena_slot(pool.name), g.VAL: value})
+        arena_nodes[pool.name] = anchor = node
+    return arena_nodes

@@ -1,0 +1,54 @@
+"""Memory arenas: one byte tensor per pool of the memory plan, allocated once, outputs placed inside.
+
+``passes/place_buffers.py`` rewrites the program so that each placed op
+writes into ``arena_view(arena, offset, size, stride, dtype)`` through its
+``out=`` variant; the arenas reach the program as arguments (placeholders
+with role ``graph.ROLE_ARENA``). One ``Arenas`` serves every program of a
+compiled step (the first step's and the steady state's never run at once),
+each arena grown to the largest size any of them plans.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def arena_slot(pool: str) -> str:
+    """The name the program's arena placeholder reads (``arena:activations``)."""
+    return f"arena:{pool}"
+
+
+def is_arena_slot(slot: str | None) -> bool:
+    return slot is not None and slot.startswith("arena:")
+
+
+def arena_view(arena: torch.Tensor, offset: int, size: tuple[int, ...], stride: tuple[int, ...],
+               dtype: torch.dtype) -> torch.Tensor:
+    """A tensor of ``size``, ``stride`` and ``dtype`` over the bytes of ``arena`` from ``offset`` on."""
+    # offsets are multiples of 64 bytes (memory_plan.ALIGNMENT_BYTES): every dtype's element divides them
+    return arena.view(dtype).as_strided(size, stride, offset // dtype.itemsize)
+
+
+class Arenas:
+    """The arenas of one compiled step, by slot name (``arena:activations``): grown, never shrunk."""
+
+    def __init__(self):
+        self._tensors: dict[str, torch.Tensor] = {}
+
+    def reserve(self, slot: str, nbytes: int, device: torch.device) -> None:
+        """Make the arena ``slot`` at least ``nbytes`` long on ``device``."""
+        held = self._tensors.get(slot)
+        if held is not None and held.numel() >= nbytes and held.device == torch.device(device):
+            return
+        self._tensors.pop(slot, None)   # let the old one go before the larger one is allocated
+        # uninitialized on purpose: every placed op writes its output before anything reads it
+        self._tensors[slot] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def __getitem__(self, slot: str) -> torch.Tensor:
+        return self._tensors[slot]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return list(self._tensors.values())
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() for t in self._tensors.values())
