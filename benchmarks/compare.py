@@ -64,8 +64,10 @@ def make_optimizer(params):
 ZEROCC_OPTIONS = {}   # bucket_bytes / prefetch_bytes from the command line, else zerocc's defaults
 
 
-def build_zerocc(stage, bucket_bytes=None):
+def build_zerocc(stage, bucket_bytes=None, memory_pools=False):
     options = dict(ZEROCC_OPTIONS, **({} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}))
+    if memory_pools:
+        options["memory_pools"] = True
 
     def build():
         torch.manual_seed(0)
@@ -75,13 +77,14 @@ def build_zerocc(stage, bucket_bytes=None):
 
 
 def system(name):
-    """The builder for ``name``: one of SYSTEMS, or ``zerocc-<stage>@<MiB>`` for a bucket-size variant."""
+    """The builder for ``name``: one of SYSTEMS, or a zerocc variant ``zerocc-<stage>[@<bucket MiB>][+pools]``."""
     if name in SYSTEMS:
         return SYSTEMS[name]
-    match = re.fullmatch(r"zerocc-([0-3])@([0-9.]+)", name)
+    match = re.fullmatch(r"zerocc-([0-3])(?:@([0-9.]+))?(\+pools)?", name)
     if match is None:
-        raise SystemExit(f"unknown system {name!r}: one of {', '.join(SYSTEMS)} or zerocc-<stage>@<bucket MiB>")
-    return build_zerocc(int(match[1]), int(float(match[2]) * 2**20))
+        raise SystemExit(f"unknown system {name!r}: one of {', '.join(SYSTEMS)} or zerocc-<stage>[@<bucket MiB>][+pools]")
+    bucket_bytes = None if match[2] is None else int(float(match[2]) * 2**20)
+    return build_zerocc(int(match[1]), bucket_bytes, memory_pools=match[3] is not None)
 
 
 def eager_step(model, optimizer):
@@ -157,7 +160,7 @@ def barrier():
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--systems", default=",".join(SYSTEMS),
-                        help="comma-separated; zerocc-3@1 is stage 3 with 1 MiB buckets (a bucket-size sweep)")
+                        help="comma-separated; zerocc-3@1 is stage 3 with 1 MiB buckets, zerocc-3+pools with memory_pools=True")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--steps", type=int, default=3, help="steps per system per round")
@@ -192,7 +195,7 @@ def main():
                 step = builders[name]()
                 for i in range(args.warmup):
                     step(*data[i])
-                tracker.track_external(*step.__self__._slots.values())
+                tracker.track_external(*step.__self__._slots.values(), *step.__self__._arenas.tensors())
             else:
                 with tracker:
                     step = builders[name]()
