@@ -30,6 +30,17 @@ def TinyGPT(vocab=64, d=32, layers=2, heads=4, seq=16):
     return GPT(vocab=vocab, d_model=d, layers=layers, heads=heads, seq=seq, gpt2_init=False)
 
 
+class BooleanMask(nn.Module):
+    """Boolean-mask indexing: how many rows reach the linear layer depends on the data."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(12, 5)
+
+    def forward(self, x):
+        return self.linear(x[x.sum(1) > 0]).square().mean()
+
+
 class ConvNet(nn.Module):
     """A CNN with BatchNorm, whose running statistics are buffers the step updates."""
 

@@ -7,7 +7,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import zerocc
-from tests.models import MLP, batches
+from tests.models import BooleanMask, MLP, batches
 
 
 def test_stage_out_of_range():
@@ -144,15 +144,6 @@ def test_sparse_gradients():
     step = zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=lambda out, target: out.sum())
     with pytest.raises(zerocc.ConfigError, match=r"parameter\(s\) 0.weight get sparse gradients"):
         step(torch.tensor([1, 2]), torch.zeros(1))
-
-
-class BooleanMask(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.linear = nn.Linear(12, 5)
-
-    def forward(self, x):
-        return self.linear(x[x.sum(1) > 0]).square().mean()   # how many rows: depends on the data
 
 
 def test_data_dependent_shapes_trace_symbolically_not_baked_in():

@@ -3,11 +3,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn as nn
 
 import zerocc
 from tests import distributed
-from tests.models import batches, build, eager_step
+from tests.models import BooleanMask, batches, build, eager_step
 from zerocc import graph as g
 from zerocc.memory_plan import ALIGNMENT_BYTES, overlapping_pairs
 from zerocc.passes.place_buffers import out_variant
@@ -117,15 +116,6 @@ def test_pools_off_is_plain_allocation_with_the_same_numbers():
     assert "place_buffers" not in zerocc.compile(model, adamw(model)).passes   # off unless asked for
     with pytest.raises(zerocc.ConfigError, match=r"memory_pools must be True or False, got 'yes'"):
         zerocc.compile(model, adamw(model), memory_pools="yes")
-
-
-class BooleanMask(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.linear = nn.Linear(12, 5)
-
-    def forward(self, x):
-        return self.linear(x[x.sum(1) > 0]).square().mean()   # how many rows: depends on the data
 
 
 @pytest.mark.parametrize("memory_pools", [True, False])

@@ -159,3 +159,12 @@ def eliminate_dead_code(gm: fx.GraphModule) -> None:
     one rank would leave the others waiting (or mismatched) forever.
     """
     gm.graph.eliminate_dead_code(is_impure_node=lambda node: node.is_impure() or is_communication(node))
+
+
+def unique_attribute(gm: fx.GraphModule, prefix: str) -> str:
+    """A name for a new attribute of ``gm``: ``prefix``, or ``prefix_1``, ``prefix_2``... if taken."""
+    name, i = prefix, 0
+    while hasattr(gm, name):
+        i += 1
+        name = f"{prefix}_{i}"
+    return name

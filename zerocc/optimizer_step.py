@@ -224,7 +224,7 @@ def splice_update(
         attributes = {}
         for node in sub.graph.nodes:
             if node.op == "get_attr":
-                attributes[node.target] = _unique_attr(gm, node.target)
+                attributes[node.target] = g.unique_attribute(gm, "opt" + node.target)
                 gm.register_buffer(attributes[node.target], getattr(sub, node.target))
         traced[key] = (sub, spec, attributes)
 
@@ -289,11 +289,3 @@ def _propagate_fake(node: fx.Node, fake_mode) -> None:
         return
     with fake_mode:
         node.meta[g.VAL] = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
-
-
-def _unique_attr(gm: fx.GraphModule, base: str) -> str:
-    name, i = f"opt{base}", 0
-    while hasattr(gm, name):
-        i += 1
-        name = f"opt{base}_{i}"
-    return name

@@ -85,7 +85,7 @@ def clip_gradients(gm: fx.GraphModule, ctx: CompileContext, *, max_norm: float, 
                 total, *clipped = [env[n] for n in node.args[0]]
                 break
             if node.op == "get_attr":   # a constant (the zero norm of a rank that owns no piece)
-                name = _unique_attr(gm, node.target)
+                name = g.unique_attribute(gm, "clip_" + node.target)
                 gm.register_buffer(name, getattr(sub, node.target))
                 copied = graph.get_attr(name)
                 copied.meta.update(node.meta)
@@ -107,11 +107,3 @@ def clip_gradients(gm: fx.GraphModule, ctx: CompileContext, *, max_norm: float, 
     ctx.notes["clip_gradients"] = (f"max_norm={max_norm}, norm_type={norm_type}: {len(pieces)} pieces clipped, "
                                    f"+{reductions} all_reduce of the local norm")
     return gm
-
-
-def _unique_attr(gm: fx.GraphModule, base: str) -> str:
-    name, i = f"clip_{base}", 0
-    while hasattr(gm, name):
-        i += 1
-        name = f"clip_{base}_{i}"
-    return name
