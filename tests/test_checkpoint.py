@@ -5,7 +5,6 @@ A checkpoint is compared by its contents: every entry read back whole
 """
 from __future__ import annotations
 
-import multiprocessing
 import os
 
 import pytest
@@ -234,7 +233,7 @@ def test_interrupted_save_keeps_the_previous_checkpoint(tmp_path, where):
     zerocc.save_checkpoint(step, path)
     before = read_whole(path)
 
-    process = multiprocessing.get_context("spawn").Process(target=_killed_save, args=(path, where))
+    process = distributed.process(_killed_save, path, where)
     process.start()
     process.join(120)
     assert process.exitcode == 17

@@ -1,7 +1,6 @@
 """Failures end cleanly: a dead rank is an error on the others within the timeout; diverged ranks fail at compile."""
 from __future__ import annotations
 
-import multiprocessing
 import os
 import tempfile
 import time
@@ -32,10 +31,9 @@ def _tolerant_entry(rank, world_size, port, folder, fn, args):
 
 def run_tolerant(fn, world_size, *args, limit=180):
     """Like ``distributed.run``, but a rank may exit early: returns (results or None, exit codes), by rank."""
-    context = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory() as folder:
         port = distributed.free_port()
-        processes = [context.Process(target=_tolerant_entry, args=(r, world_size, port, folder, fn, args))
+        processes = [distributed.process(_tolerant_entry, r, world_size, port, folder, fn, args)
                      for r in range(world_size)]
         for process in processes:
             process.start()
