@@ -25,7 +25,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from . import graph as g
 from . import plans
 from .errors import CaptureError, ConfigError, ZeroccError, user_frame
-from .optimizer_step import check_elementwise, splice_update
+from .optimizer_step import REPLICATE_IF_ELEMENTWISE, check_elementwise, splice_update
 from . import precision as mixed
 from .tracing import fakeify, record_source_lines_of, trace_functional
 
@@ -264,8 +264,7 @@ def capture(
     if sparse:
         raise ConfigError(f"parameter(s) {', '.join(sparse)} get sparse gradients (nn.Embedding(sparse=True)?); "
                           "zerocc shards dense gradients only: use sparse=False")
-    new_param_nodes, new_state_dicts = _splice_optimizer(gm, fake_mode, optimizer, grad_nodes, group_of,
-                                                         replicate=check_update_elementwise)
+    new_param_nodes, new_state_dicts = _splice_optimizer(gm, fake_mode, optimizer, grad_nodes, group_of)
     new_state_keys = [tuple(sorted(d)) for d in new_state_dicts]
     unused = [i for i, grad in enumerate(grad_nodes) if grad is None]
     for i, grad in enumerate(grad_nodes):
@@ -291,22 +290,24 @@ def capture(
                     len(inputs), new_state_keys)
 
 
-def _splice_optimizer(gm, fake_mode, optimizer, grad_nodes, group_of, *, replicate):
+def _splice_optimizer(gm, fake_mode, optimizer, grad_nodes, group_of):
     """The optimizer's own ``step()`` over the parameters the loss reaches, traced apart and spliced in.
 
     Returns, per parameter, its new value and new state (the placeholders
     themselves for a parameter the loss does not reach). Tracing the update
-    apart lets it be traced once per class of look-alike parameters at
-    stages 1-3 (``optimizer_step.splice_update``).
+    apart lets it be traced once per class of look-alike parameters when the
+    update is elementwise (``optimizer_step.splice_update``).
     """
     params = g.placeholders(gm, g.ROLE_PARAM)
     states: list[dict[str, fx.Node]] = [{} for _ in params]
     for node in g.placeholders(gm, g.ROLE_STATE):
         states[node.meta[g.INDEX]][node.meta["zerocc_state_key"]] = node
     used = [i for i, grad in enumerate(grad_nodes) if grad is not None]
+
     stepped, stepped_states, _ = splice_update(
         gm, fake_mode, optimizer, [params[i] for i in used], [grad_nodes[i] for i in used],
-        [states[i] for i in used], g.placeholders(gm, g.ROLE_HYPER), [group_of[i] for i in used], replicate=replicate)
+        [states[i] for i in used], g.placeholders(gm, g.ROLE_HYPER), [group_of[i] for i in used],
+        replicate=REPLICATE_IF_ELEMENTWISE)
     new_params, new_states = list(params), [dict(s) for s in states]
     for position, i in enumerate(used):
         new_params[i] = stepped[position]

@@ -118,12 +118,8 @@ _ELEMENTWISE_EXTRAS = {
 }
 
 
-def check_elementwise(nodes: Sequence[fx.Node], optimizer: torch.optim.Optimizer) -> None:
-    """Refuse an update that mixes elements of a parameter (a norm, a matmul, a row mean).
-
-    zerocc runs the update on the slice of each parameter a rank owns, which is
-    only the same computation if every element is updated on its own.
-    """
+def elementwise_offenders(nodes: Sequence[fx.Node]) -> list[fx.Node]:
+    """The nodes of an update that mix elements of a parameter (a norm, a matmul, a row mean)."""
     offenders = []
     for node in nodes:
         if node.op != "call_function":
@@ -145,6 +141,16 @@ def check_elementwise(nodes: Sequence[fx.Node], optimizer: torch.optim.Optimizer
             continue
         else:
             offenders.append(node)
+    return offenders
+
+
+def check_elementwise(nodes: Sequence[fx.Node], optimizer: torch.optim.Optimizer) -> None:
+    """Refuse an update that mixes elements of a parameter (a norm, a matmul, a row mean).
+
+    zerocc runs the update on the slice of each parameter a rank owns, which is
+    only the same computation if every element is updated on its own.
+    """
+    offenders = elementwise_offenders(nodes)
     if offenders:
         by_op: dict[str, list[fx.Node]] = {}
         for node in offenders:
@@ -162,6 +168,9 @@ def check_elementwise(nodes: Sequence[fx.Node], optimizer: torch.optim.Optimizer
         )
 
 
+REPLICATE_IF_ELEMENTWISE = "if elementwise"
+
+
 def splice_update(
     gm: fx.GraphModule,
     fake_mode,
@@ -172,7 +181,7 @@ def splice_update(
     learning_rates: Sequence[fx.Node],
     group_of: Sequence[int],
     *,
-    replicate: bool,
+    replicate: bool | str,
     cache: dict | None = None,
 ) -> tuple[list[fx.Node], list[dict[str, fx.Node]], list[fx.Node]]:
     """Trace ``optimizer.step()`` over ``params`` and splice it into ``gm`` before the output.
@@ -185,8 +194,18 @@ def splice_update(
     ``check_elementwise`` requires anyway. Tracing is the costly part of
     compilation (a GPT's layers share a dozen classes), copying is cheap.
     ``cache`` keeps traced classes for later calls with the same fake mode
-    (a planner planning many world sizes).
+    (a planner planning many world sizes). With ``REPLICATE_IF_ELEMENTWISE``
+    (stage 0, which takes any optimizer), the update is replicated if its
+    per-class trace is elementwise and traced over all parameters at once if not.
     """
+    if replicate == REPLICATE_IF_ELEMENTWISE:
+        stepped, stepped_states, added = splice_update(
+            gm, fake_mode, optimizer, params, grads, states, learning_rates, group_of, replicate=True, cache=cache)
+        if not elementwise_offenders(added):
+            return stepped, stepped_states, added
+        for node in reversed(added):
+            gm.graph.erase_node(node)
+        replicate = False
     from .tracing import trace_functional   # tracing imports nothing from here; kept local for clarity
     import torch.utils._pytree as pytree
 

@@ -30,7 +30,7 @@ from .. import graph as g
 from .. import ops, plans
 from ..capture import GRAD_OF
 from ..context import CompileContext
-from ..optimizer_step import splice_update
+from ..optimizer_step import REPLICATE_IF_ELEMENTWISE, splice_update
 
 aten = torch.ops.aten
 
@@ -258,12 +258,13 @@ def _inline_optimizer(gm, ctx, piece_inputs, state_nodes, lr_nodes):
     """Trace ``optimizer.step()`` over the pieces and splice it in before the output.
 
     At stages 1-3 the update is elementwise (capture checked it), so it is
-    traced once per class of look-alike pieces and copied for the others.
+    traced once per class of look-alike pieces and copied for the others; at
+    stage 0, which takes any optimizer, only if it turns out elementwise.
     """
     new_pieces, new_states, added = splice_update(
         gm, ctx.fake_mode, ctx.optimizer,
         [p for *_, p, _ in piece_inputs], [gr for *_, gr in piece_inputs], state_nodes, lr_nodes,
-        [bucket.group for bucket, *_ in piece_inputs], replicate=ctx.stage != 0, cache=ctx.traces)
+        [bucket.group for bucket, *_ in piece_inputs], replicate=True if ctx.stage != 0 else REPLICATE_IF_ELEMENTWISE, cache=ctx.traces)
     for node in added:
         node.meta[g.PHASE] = g.OPTIMIZER
     return new_pieces, new_states
