@@ -51,6 +51,7 @@ class LiveBytesTracker(TorchDispatchMode):
         for value in pytree.tree_leaves(result):
             if isinstance(value, torch.Tensor):
                 self._add(value)
-        self._sweep()
-        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        if self.live_bytes > self.peak_bytes:   # counting released storages too: maybe a new peak
+            self._sweep()                        # (sweeping only lowers the count, so skip it otherwise)
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
         return result
