@@ -224,9 +224,25 @@ def splice_update(
         with fake_mode:
             return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
 
-    traced = {}   # class -> (subgraph, output spec, constants registered on gm)
+    def family(i):
+        """A class's key without the shapes: classes in one family differ only in the parameter's shape."""
+        param = params[i].meta[g.VAL]
+
+        def relative(node):
+            value = node.meta[g.VAL]
+            return ("like the parameter" if value.shape == param.shape else tuple(value.shape),
+                    value.dtype, str(value.device), value.is_contiguous())
+        return (param.dtype, str(param.device), param.is_contiguous(), relative(grads[i]), group_of[i],
+                tuple((k, relative(n)) for k, n in sorted(states[i].items())))
+
+    traced = {}   # class -> (subgraph, output spec, constants registered on gm, traced for another shape)
+    shape_free_traces = {}   # family -> its first class's key, when that trace holds for any shape
     for key, indices in members.items():
         chosen = indices[:1] if replicate else indices
+        borrowed = shape_free_traces.get(family(indices[0])) if replicate else None
+        if borrowed is not None:
+            traced[key] = (*traced[borrowed][:3], True)
+            continue
         cache_key = (key, id(optimizer), tuple(describe(n) for n in learning_rates))
         if replicate and cache is not None and cache_key in cache:
             sub, spec = cache[cache_key]
@@ -245,7 +261,9 @@ def splice_update(
             if node.op == "get_attr":
                 attributes[node.target] = g.unique_attribute(gm, "opt" + node.target)
                 gm.register_buffer(attributes[node.target], getattr(sub, node.target))
-        traced[key] = (sub, spec, attributes)
+        traced[key] = (sub, spec, attributes, False)
+        if replicate and _holds_for_any_shape(sub):
+            shape_free_traces[family(indices[0])] = key
 
     graph = gm.graph
     output = g.output_node(gm)
@@ -257,7 +275,7 @@ def splice_update(
     copies_of: collections.Counter = collections.Counter()
     with graph.inserting_before(output):
         for key, indices in order:
-            sub, spec, attributes = traced[key]
+            sub, spec, attributes, reshaped = traced[key]
             sources = [*[params[i] for i in indices], *[grads[i] for i in indices],
                        *[n for i in indices for _, n in sorted(states[i].items())], *learning_rates]
             env = dict(zip(g.placeholders(sub), sources))
@@ -274,7 +292,9 @@ def splice_update(
                     copied.meta.update(node.meta)
                 else:
                     copied = graph.node_copy(node, lambda n: env[n])
-                    if not first_copy:
+                    if reshaped:
+                        _propagate_fake(copied, fake_mode, broadcast=True)
+                    elif not first_copy:
                         _propagate_fake(copied, fake_mode)
                 added.append(copied)
                 env[node] = copied
@@ -285,13 +305,47 @@ def splice_update(
     return new_params, new_states, added
 
 
-def _propagate_fake(node: fx.Node, fake_mode) -> None:
+# Ops whose output has the broadcast shape of their tensor inputs, besides those tagged pointwise.
+_BROADCASTING_EXTRAS = {
+    aten._local_scalar_dense.default, aten.clone.default, aten.copy.default,
+    aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default, aten.full_like.default,
+    aten._to_copy.default, aten.lift_fresh_copy.default, aten.scalar_tensor.default,
+    aten.detach.default, aten.alias.default,
+}
+
+
+def _holds_for_any_shape(sub: fx.GraphModule) -> bool:
+    """Whether a traced update is the same sequence of ops whatever the parameter's shape.
+
+    True when every op broadcasts its inputs (pointwise ops, ``*_like``
+    factories, copies) and every tensor is contiguous: no op takes a size, a
+    dimension or an offset, so the trace of one shape serves every shape, and
+    a copy's values are re-shaped by ``_propagate_fake(broadcast=True)``.
+    """
+    for node in sub.graph.nodes:
+        value = node.meta.get(g.VAL)
+        if isinstance(value, torch.Tensor) and not value.is_contiguous():
+            return False
+        if node.op != "call_function":
+            continue
+        target = node.target
+        if isinstance(target, torch._ops.OpOverload):
+            if torch.Tag.pointwise not in target.tags and target not in _BROADCASTING_EXTRAS:
+                return False
+        elif getattr(target, "__module__", "") not in ("_operator", "math"):
+            return False
+    return True
+
+
+def _propagate_fake(node: fx.Node, fake_mode, broadcast: bool = False) -> None:
     """Give a copied node its own fake value, so copies never look like aliases of one another.
 
     A fresh empty tensor of the same layout, except for views, which are
     re-derived from their (copied) input so that they still alias it.
     Running every op again under the fake mode would cost ~4 ms a node
-    (measured: the symbolic step counts defeat its cache).
+    (measured: the symbolic step counts defeat its cache). With ``broadcast``
+    (a trace borrowed from a parameter of another shape, see
+    ``_holds_for_any_shape``) the fresh tensor takes its inputs' broadcast shape.
     """
     value = node.meta.get(g.VAL)
     if node.op != "call_function" or not isinstance(value, torch.Tensor):
@@ -305,6 +359,12 @@ def _propagate_fake(node: fx.Node, fake_mode) -> None:
         args, kwargs = pytree.tree_map(value_of, (node.args, node.kwargs))
         with fake_mode:
             node.meta[g.VAL] = node.target(*args, **kwargs)
+        return
+    if broadcast:
+        shapes = [a.meta[g.VAL].shape for a in node.all_input_nodes if isinstance(a.meta.get(g.VAL), torch.Tensor)]
+        with fake_mode:
+            node.meta[g.VAL] = torch.empty(torch.broadcast_shapes(*shapes) if shapes else value.shape,
+                                           dtype=value.dtype, device=value.device)
         return
     with fake_mode:
         node.meta[g.VAL] = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
