@@ -238,7 +238,7 @@ class Recomputation:
         expensive_sweep = self._sweep(lambda price: self.cut(NEGLIGIBLE, price), "expensive_cost")
         plans: list[frozenset] = []
         for cut in [*cheap_sweep, *expensive_sweep[1:]]:
-            if cut.recompute and cut.recompute not in plans:
+            if (cut.cheap_cost or cut.expensive_cost) and cut.recompute not in plans:   # not views alone
                 plans.append(cut.recompute)
         return plans
 
