@@ -71,23 +71,9 @@ def place_checkpoints(gm: fx.GraphModule, ctx: CompileContext, *, memory_budget:
     peak = before
     if before.bytes > memory_budget:
         plans = analysis.plans()
-        # the peak is not monotone in the plans (copies alive in backward can outweigh what a plan saves):
-        # when the last plan does not fit, sample the order and search below the first sample that does
-        low, high = 0, len(plans) - 1
-        if not plans or peak_of(high).bytes > memory_budget:
-            samples = _spread(len(plans) - 1) if plans else []
-            fitting = [k for k in samples if peak_of(k).bytes <= memory_budget]
-            if not fitting:
-                _refuse(memory_budget, before, min([peak_of(k) for k in samples], default=before),
-                        len(analysis.candidates))
-            high = fitting[0]
-            low = max([k for k in samples if k < high], default=-1) + 1
-        while low < high:   # invariant: plan high fits
-            middle = (low + high) // 2
-            if peak_of(middle).bytes <= memory_budget:
-                high = middle
-            else:
-                low = middle + 1
+        high = _first_fitting(len(plans), lambda index: peak_of(index).bytes <= memory_budget)
+        if high is None:
+            _refuse(memory_budget, before, min(peaks.values(), default=before), len(analysis.candidates))
         recompute, peak = plans[high], peak_of(high)
         clones = _recompute(gm, recompute)
         g.eliminate_dead_code(gm)
@@ -205,6 +191,31 @@ def _highest_over_ranks(peak: _Peak, ctx: CompileContext) -> _Peak:
     peaks: list = [None] * ctx.world_size
     dist.all_gather_object(peaks, peak, group=_resolve_process_group(ctx.group_name))
     return max(peaks)
+
+
+def _first_fitting(count: int, fits) -> int | None:
+    """The first of ``count`` plans that fits, by binary search (None when none of the sampled ones does).
+
+    The peak is not monotone in the plans (copies alive in backward can outweigh what a plan saves): when the
+    last plan does not fit, sample the order and search below the first sample that does.
+    """
+    if count == 0:
+        return None
+    low, high = 0, count - 1
+    if not fits(high):
+        samples = _spread(count - 1)
+        fitting = [k for k in samples if fits(k)]
+        if not fitting:
+            return None
+        high = fitting[0]
+        low = max([k for k in samples if k < high], default=-1) + 1
+    while low < high:   # invariant: plan high fits
+        middle = (low + high) // 2
+        if fits(middle):
+            high = middle
+        else:
+            low = middle + 1
+    return high
 
 
 def _spread(count: int, samples: int = 8) -> list[int]:
