@@ -34,7 +34,6 @@ the cut sees.
 from __future__ import annotations
 
 import dataclasses
-import math
 import operator
 
 import networkx as nx
