@@ -31,7 +31,7 @@ import time
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint as checkpoint
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 import zerocc
 from examples.gpt import GPT, random_batch
@@ -63,9 +63,19 @@ def _time_steps(step, steps):
     return min(times)   # the least disturbed run: four jobs share this machine's two cores
 
 
+# The flop counter has formulas for the CUDA attention kernels only: CPU's flash attention counted the same way
+# (attention is recomputed by both sides, so leaving it out would hide part of the recomputation).
+_CPU_ATTENTION = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu:
+        lambda query, key, value, *args, **kwargs: sdpa_flop_count(query, key, value),
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward:
+        lambda grad, query, key, value, *args, **kwargs: sdpa_backward_flop_count(grad, query, key, value),
+}
+
+
 def _flops(step) -> int:
     """FLOPs of one step as torch.utils.flop_counter counts them (matmuls, attention): no timing noise."""
-    with FlopCounterMode(display=False) as counter:
+    with FlopCounterMode(display=False, custom_mapping=_CPU_ATTENTION) as counter:
         step()
     return counter.get_total_flops()
 

@@ -45,16 +45,19 @@ def plan(model: nn.Module, optimizer: torch.optim.Optimizer, stage: int = 3, wor
          example_inputs: Sequence[Any], loss_fn: Callable | None = None, num_targets: int | None = None,
          param_dtype: torch.dtype | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES, rank: int = 0,
          disable: Sequence[str] = (), verify: bool = False, dump_dir: str | None = None,
-         progress: bool | Callable[[str], None] = False, memory_pools: bool = False) -> "Plan":
+         progress: bool | Callable[[str], None] = False, memory_pools: bool = False,
+         memory_budget: int | None = None) -> "Plan":
     """Plan one steady-state training step at ``world_size`` ranks without running it.
 
     Returns a ``Plan`` with the same ``report()``, ``graph(name)``, ``passes``,
     ``explain()`` (and ``memory_plan`` when a pass made one) as a compiled step.
+    ``memory_budget`` (bytes per rank) plans activation checkpointing as
+    ``zerocc.compile`` does; ``Plan.checkpoint_plan`` says what it recomputes.
     """
     return Planner(model, optimizer, example_inputs=example_inputs, loss_fn=loss_fn, num_targets=num_targets,
                    param_dtype=param_dtype, bucket_bytes=bucket_bytes, progress=progress
                    ).plan(stage, world_size, rank=rank, disable=disable, verify=verify, dump_dir=dump_dir,
-                          memory_pools=memory_pools)
+                          memory_pools=memory_pools, memory_budget=memory_budget)
 
 
 class Planner:
@@ -94,14 +97,16 @@ class Planner:
         return self._captures[elementwise_check]
 
     def plan(self, stage: int, world_size: int, *, rank: int = 0, disable: Sequence[str] = (), verify: bool = False,
-             dump_dir: str | None = None, memory_pools: bool = False) -> "Plan":
+             dump_dir: str | None = None, memory_pools: bool = False, memory_budget: int | None = None) -> "Plan":
         if not memory_pools and "place_buffers" not in disable:   # as compile(): arenas only when asked for
             disable = (*disable, "place_buffers")
         if stage not in (0, 1, 2, 3):
             raise ConfigError(f"stage={stage!r} is not a ZeRO stage; use 0 (plain data parallel), 1, 2 or 3")
         if not isinstance(world_size, int) or world_size < 1 or not 0 <= rank < world_size:
             raise ConfigError(f"world_size must be a positive int and 0 <= rank < world_size, got {world_size!r}, {rank!r}")
-        passes = build_pipeline(stage, disable)
+        if memory_budget is not None and (not isinstance(memory_budget, int) or memory_budget <= 0):
+            raise ConfigError(f"memory_budget must be a positive int (bytes per rank) or None, got {memory_budget!r}")
+        passes = build_pipeline(stage, disable, memory_budget=memory_budget)
         captured, fake_mode, capture_seconds = self._captured(stage != 0)
         started = time.perf_counter()
         working = dataclasses_replace_gm(captured, copy_graph_module(captured.gm))
@@ -145,6 +150,11 @@ class Plan:
         """The memory plan, when the pipeline has a pass that makes one (else None)."""
         return getattr(self.ctx, "memory_plan", None)
 
+    @property
+    def checkpoint_plan(self) -> plans.CheckpointPlan | None:
+        """What ``memory_budget`` made backward recompute (None without a budget)."""
+        return self.ctx.checkpoint_plan
+
     def report(self) -> dict:
         captured = self.ctx.captured
         infos = [*captured.params, *captured.frozen]
@@ -162,6 +172,7 @@ class Plan:
             "collectives_per_step": counts,
             "model_state_bytes_per_rank": model_state_bytes(self.gm, self.ctx, self.param_dtype),
             "plan_seconds": {k: round(v, 3) for k, v in self.seconds.items()},
+            "checkpoint": self.ctx.checkpoint_plan.to_dict() if self.ctx.checkpoint_plan is not None else None,
             "accounting": ("mixed precision modeled in accounting only: params and grads in param_dtype, "
                            "fp32 master params counted with optimizer state") if self.param_dtype else "as compiled",
         }

@@ -1,0 +1,313 @@
+"""What the checkpoint planner may recompute, at what cost, and the min-cuts that choose it.
+
+Used by ``passes/place_checkpoints.py`` (the pass: it rewrites the graph and
+measures each plan's true peak); this module only reads a graph.
+
+A plan is the set of forward nodes copied into backward. It comes from a
+split-node minimum cut (what PyTorch's min-cut partitioner does): every
+forward node ``n`` is two vertices ``n.in -> n.out`` joined by an edge whose
+capacity is the bytes of ``n``'s storage; ``n.out -> u.in`` for each forward
+user (unbounded), ``n.out -> sink`` when backward reads ``n`` (unbounded).
+A cut separates what forward keeps (the ``in -> out`` edges cut: saved
+storages) from what backward recomputes (nodes whose ``in`` is on the sink
+side). Nodes that must not be recomputed (random ops, collectives and the
+shard pass's markers, mutating ops, scalar reads) hang from the source by an
+unbounded edge, so a cut cannot pass through them: their outputs are saved.
+Parameters hang from the source with a free ``in -> out`` edge: at stage 3 a
+copy that reads one reads the backward gather (``insert_collectives``).
+
+Recomputing has a price: ``source -> n.in`` carries ``price * cost(n)`` and
+is cut exactly when ``n`` is recomputed, so the cut minimises bytes kept plus
+the priced recomputation. Costs are FLOPs for expensive ops (matmuls,
+convolutions, attention) and elements written for the rest, each scaled by a
+small factor growing with forward position so that identical layers do not
+switch at the same price (earlier layers are recomputed first: the last
+layer's copies are alive at the start of backward, usually the peak). The
+plans are the breakpoints of two parametric sweeps (Eisner-Severance: a new
+cut is solved only where two known plans' lines cross): first the price of
+cheap ops falls from prohibitive to near zero with expensive ops banned,
+then the price of expensive ops falls likewise. This orders plans from least
+to most recomputation, each the fewest bytes kept for its recompute cost: the
+knapsack over expensive ops by FLOPs per byte, solved exactly for the bytes
+the cut sees.
+"""
+from __future__ import annotations
+
+import dataclasses
+import operator
+
+import networkx as nx
+import torch
+import torch.fx as fx
+from torch.utils.flop_counter import flop_registry, sdpa_flop_count
+
+from . import graph as g
+from . import ops
+
+aten = torch.ops.aten
+
+# Attention kernels whose FLOPs the flop counter's registry does not know by this name.
+_ATTENTION = {aten._scaled_dot_product_flash_attention_for_cpu.default}
+
+# Prices, in bytes kept per unit of cost: above PROHIBITIVE nothing of that kind is worth recomputing, at
+# NEGLIGIBLE everything that saves a byte is. A cheap op's cost is elements written; an expensive one's FLOPs.
+PROHIBITIVE = 1e3
+NEGLIGIBLE = 1e-6
+_SPREAD = 0.05   # identical layers' costs differ by up to 5% with position
+
+
+def is_alias(node: fx.Node) -> bool:
+    """Does the node's value share its input's storage (a view; a reshape is counted as one)?"""
+    if node.op != "call_function":
+        return False
+    if node.target is operator.getitem:   # an element of a tuple of views is a view
+        return isinstance(node.args[0], fx.Node) and is_alias(node.args[0])
+    if node.target in (aten._unsafe_view.default, aten.reshape.default):
+        return True
+    if isinstance(node.target, torch._ops.OpOverload):
+        returns = node.target._schema.returns
+        return bool(returns) and returns[0].alias_info is not None and not returns[0].alias_info.is_write
+    return False
+
+
+def is_random(node: fx.Node) -> bool:
+    """An op that draws random numbers: recomputing it would draw different ones."""
+    if not isinstance(node.target, torch._ops.OpOverload) or torch.Tag.nondeterministic_seeded not in node.target.tags:
+        return False
+    # attention kernels are tagged for their dropout; without dropout they are deterministic
+    for argument, value in zip(node.target._schema.arguments, node.args):
+        if argument.name == "dropout_p":
+            return value != 0
+    return "dropout_p" not in node.kwargs or node.kwargs["dropout_p"] != 0
+
+
+def forward_region(nodes) -> set[fx.Node]:
+    """The forward nodes, and the backward views of them that autograd places next to the forward op (the
+    getitems of a saved mean, the detach of a saved output): reading those is not yet backward."""
+    region: set[fx.Node] = set()
+    for node in nodes:
+        if node.op != "call_function" or g.RECOMPUTED in node.meta:
+            continue
+        phase = node.meta.get(g.PHASE)
+        if phase == g.FORWARD or phase == g.BACKWARD and (node.target is operator.getitem or is_alias(node)) and all(
+                i in region or i.op == "placeholder" for i in node.all_input_nodes):
+            region.add(node)
+    return region
+
+
+def is_backward(node: fx.Node, region: set[fx.Node]) -> bool:
+    """Does backward proper compute the node (not a view of forward's, not a recomputed copy)?"""
+    return node.meta.get(g.PHASE) == g.BACKWARD and node not in region and g.RECOMPUTED not in node.meta
+
+
+def storage_bytes(value) -> int:
+    values = value if isinstance(value, (tuple, list)) else (value,)
+    return sum(v.numel() * v.element_size() for v in values if isinstance(v, torch.Tensor))
+
+
+def _is_tensor_value(value) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    return isinstance(value, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in value) and all(
+        v is None or isinstance(v, torch.Tensor) for v in value)
+
+
+@dataclasses.dataclass(frozen=True)
+class Cut:
+    """One plan: the forward nodes recomputed, and what the cut counted (bytes kept, costs of the recomputed)."""
+    recompute: frozenset
+    kept_bytes: float
+    cheap_cost: float      # elements written by recomputed cheap ops (position-scaled)
+    expensive_cost: float  # FLOPs of recomputed expensive ops (position-scaled)
+
+
+class Recomputation:
+    """The forward nodes of one graph: which may be recomputed, their bytes and costs, and plans by min-cut."""
+
+    def __init__(self, gm: fx.GraphModule):
+        self.nodes = list(gm.graph.nodes)
+        self.position = {node: i for i, node in enumerate(self.nodes)}
+        self.region = forward_region(self.nodes)
+        self.parameter_views = self._parameter_views()
+        self.recomputable = {n for n in self.nodes if self._may_recompute(n)}
+        self.forward = [n for n in self.nodes if n.op == "placeholder" or self._in_forward(n)]
+        self.read_by_backward = {n for n in self.forward if any(self.is_backward(u) for u in n.users)}
+        self._flops: dict[fx.Node, int] = {}
+        self.forward_flops = sum(self.flops(n) for n in self.forward if n.op == "call_function")
+        self.candidates = [n for n in self.read_by_backward if n in self.recomputable and not is_alias(n)]
+        self._network = self._build_network()
+
+    def _in_forward(self, node: fx.Node) -> bool:
+        return node in self.region
+
+    def is_backward(self, node: fx.Node) -> bool:
+        return is_backward(node, self.region)
+
+    def _parameter_views(self) -> set[fx.Node]:
+        """Placeholders, the shard pass's markers and views of them: alive anyway, and owned by insert_collectives."""
+        found = set()
+        for node in self.nodes:
+            if node.op == "placeholder":
+                found.add(node)
+            elif node.op == "call_function" and node.all_input_nodes and node.all_input_nodes[0] in found and (
+                    node.target in (ops.unshard, ops.reduce_gradient) or is_alias(node)):
+                found.add(node)
+        return found
+
+    def _may_recompute(self, node: fx.Node) -> bool:
+        if not self._in_forward(node) or node in self.parameter_views:
+            return False
+        if node.target is operator.getitem:   # an element of a tuple: recomputed with the tuple
+            return isinstance(node.args[0], fx.Node) and self._may_recompute(node.args[0])
+        if not isinstance(node.target, torch._ops.OpOverload):
+            return False   # Python arithmetic on symbolic scalars, custom callables
+        if g.is_communication(node) or node.target in (ops.unshard, ops.reduce_gradient) or is_random(node):
+            return False
+        if node.target._schema.is_mutable or node.is_impure():
+            return False
+        return _is_tensor_value(node.meta.get(g.VAL))
+
+    def flops(self, node: fx.Node) -> int:
+        """FLOPs of matmuls, convolutions and attention (the flop counter's formulas); elements written otherwise."""
+        if node not in self._flops:
+            self._flops[node] = _flops(node)
+        return self._flops[node]
+
+    def is_expensive(self, node: fx.Node) -> bool:
+        return node.target in _ATTENTION or (isinstance(node.target, torch._ops.OpOverload)
+                                             and node.target.overloadpacket in flop_registry)
+
+    def bytes_of(self, node: fx.Node) -> int:
+        return storage_bytes(node.meta.get(g.VAL))
+
+    # -- the network and its cuts --------------------------------------------------------------
+
+    def _build_network(self) -> nx.DiGraph:
+        """The split-node network, prices left out (``cut`` sets the ``source -> in`` edges)."""
+        network = nx.DiGraph()
+        network.add_nodes_from(("source", "sink"))
+        count = len(self.nodes)
+        self._costs: dict[fx.Node, tuple[bool, float]] = {}   # node -> (expensive, position-scaled cost)
+        for node in self.forward:
+            inside, outside = (node, "in"), (node, "out")
+            if node in self.parameter_views:
+                network.add_edge("source", inside)
+                network.add_edge(inside, outside, capacity=0.0)
+            elif node not in self.recomputable:
+                network.add_edge("source", inside)   # unbounded: never recomputed; kept whole if backward reads it
+                network.add_edge(inside, outside, capacity=float(self.bytes_of(node)))
+            else:
+                tuple_valued = isinstance(node.meta.get(g.VAL), (tuple, list))
+                if not (is_alias(node) or tuple_valued):   # a view or a tuple is kept as its storages
+                    network.add_edge(inside, outside, capacity=float(self.bytes_of(node)))
+                else:
+                    network.add_edge(inside, outside)
+                if not is_alias(node):
+                    scale = 1.0 + _SPREAD * self.position[node] / count
+                    self._costs[node] = (self.is_expensive(node), float(self.flops(node)) * scale)
+            for user in node.users:
+                if self._in_forward(user):
+                    network.add_edge(outside, (user, "in"))
+            if node in self.read_by_backward:
+                network.add_edge(outside, "sink")
+        return network
+
+    def cut(self, cheap_price: float, expensive_price: float | None) -> Cut:
+        """The plan keeping the fewest bytes plus priced recomputation (expensive ops banned when its price is None)."""
+        network = self._network
+        for node, (expensive, cost) in self._costs.items():
+            network.add_edge("source", (node, "in"))
+            edge = network["source"][(node, "in")]
+            if expensive and expensive_price is None:
+                edge.pop("capacity", None)   # unbounded
+            else:
+                edge["capacity"] = (expensive_price if expensive else cheap_price) * cost
+        _, (_, sink_side) = nx.minimum_cut(network, "source", "sink")
+        recompute = frozenset(n for n in self.recomputable if (n, "in") in sink_side)
+        kept = sum(data.get("capacity", 0.0) for node in self.forward
+                   for data in [network[(node, "in")].get((node, "out"), {})]
+                   if (node, "in") not in sink_side and (node, "out") in sink_side)
+        cheap = sum(c for n, (e, c) in self._costs.items() if n in recompute and not e)
+        expensive = sum(c for n, (e, c) in self._costs.items() if n in recompute and e)
+        return Cut(recompute, kept, cheap, expensive)
+
+    def plans(self) -> list[frozenset]:
+        """Plans from least to most recomputation: the breakpoints of the two parametric sweeps."""
+        cheap_sweep = self._sweep(lambda price: self.cut(price, None), "cheap_cost")
+        expensive_sweep = self._sweep(lambda price: self.cut(NEGLIGIBLE, price), "expensive_cost")
+        plans: list[frozenset] = []
+        for cut in [*cheap_sweep, *expensive_sweep[1:]]:
+            if (cut.cheap_cost or cut.expensive_cost) and cut.recompute not in plans:   # not views alone
+                plans.append(cut.recompute)
+        return plans
+
+    @staticmethod
+    def _sweep(solve, priced: str) -> list[Cut]:
+        """Every plan optimal for some price between PROHIBITIVE and NEGLIGIBLE, by least priced cost."""
+        def fixed(cut):   # what the cut pays besides the priced cost
+            return cut.kept_bytes + (0.0 if priced == "cheap_cost" else NEGLIGIBLE * cut.cheap_cost)
+
+        high, low = solve(PROHIBITIVE), solve(NEGLIGIBLE)
+        found = {id(high): high, id(low): low}
+        pending = [(high, low)]
+        while pending:
+            left, right = pending.pop()   # left recomputes less and keeps more
+            more, less = getattr(right, priced) - getattr(left, priced), fixed(left) - fixed(right)
+            if more <= 0 or less <= 0:
+                continue
+            price = less / more   # where both lines cross
+            middle = solve(price)
+            value = fixed(middle) + price * getattr(middle, priced)
+            if value < fixed(left) + price * getattr(left, priced) - 1e-6 * max(1.0, abs(value)) and \
+                    middle.recompute not in (left.recompute, right.recompute):
+                found[id(middle)] = middle
+                pending += [(left, middle), (middle, right)]
+        return sorted(found.values(), key=lambda c: (getattr(c, priced), -fixed(c)))
+
+    def kept_bytes(self, recompute) -> int:
+        """Bytes of the forward storages backward (or a copy) reads under ``recompute``, parameters aside."""
+        copies = self.closure(recompute)
+        read = {i for n in copies for i in n.all_input_nodes if i not in recompute}
+        read |= {n for n in self.read_by_backward if n not in recompute}
+        return sum(self.bytes_of(self._storage(n)) for n in {self._storage(n) for n in read}
+                   if n not in self.parameter_views and not isinstance(n.meta.get(g.VAL), (tuple, list)))
+
+    def _storage(self, node: fx.Node) -> fx.Node:
+        while is_alias(node) and node.all_input_nodes:
+            node = node.all_input_nodes[0]
+        return node
+
+    def closure(self, recompute) -> set[fx.Node]:
+        """The nodes copied into backward: the recomputed ones backward reads, and the recomputed ones they read."""
+        found: set[fx.Node] = set()
+        stack = [n for n in recompute if n in self.read_by_backward]
+        while stack:
+            node = stack.pop()
+            if node not in found:
+                found.add(node)
+                stack.extend(i for i in node.all_input_nodes if i in recompute and i not in found)
+        return found
+
+
+def _flops(node: fx.Node) -> int:
+    if node.op != "call_function" or is_alias(node):
+        return 0
+    value = node.meta.get(g.VAL)
+
+    def fake(argument):
+        return argument.meta.get(g.VAL) if isinstance(argument, fx.Node) else argument
+    args = [fake(a) for a in node.args]
+    kwargs = {k: fake(v) for k, v in node.kwargs.items()}
+    target = node.target
+    try:
+        if target in _ATTENTION:
+            query, key, value_ = args[:3]
+            return int(sdpa_flop_count(query.shape, key.shape, value_.shape))
+        if isinstance(target, torch._ops.OpOverload) and target.overloadpacket in flop_registry:
+            return int(flop_registry[target.overloadpacket](*args, **kwargs, out_val=value))
+    except Exception:   # a formula that does not take these arguments: count elements instead
+        pass
+    if target is operator.getitem:
+        return 0
+    values = value if isinstance(value, (tuple, list)) else (value,)
+    return sum(int(v.numel()) for v in values if isinstance(v, torch.Tensor))
