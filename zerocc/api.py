@@ -158,9 +158,7 @@ def compile(
         raise ConfigError(f"memory_pools must be True or False, got {memory_pools!r}")
     if not memory_pools and "place_buffers" not in disable:
         disable = (*disable, "place_buffers")
-    if isinstance(grad_accumulation, bool) or not isinstance(grad_accumulation, int) or grad_accumulation < 1:
-        raise ConfigError(f"grad_accumulation must be a positive int (the number of micro-batches a batch is split "
-                          f"into), got {grad_accumulation!r}")
+    check_grad_accumulation(grad_accumulation)
     clip = _check_clipping(clip_grad_norm, clip_norm_type)
     if isinstance(max_programs, bool) or not isinstance(max_programs, int) or max_programs < 1:
         raise ConfigError(f"max_programs must be a positive int (compiled programs kept, by input shape), "
@@ -172,6 +170,12 @@ def compile(
                         disable=tuple(disable), verify=verify, dump_dir=dump_dir,
                         grad_accumulation=grad_accumulation, clip=clip, static_shapes=bool(static_shapes),
                         max_programs=max_programs, memory_budget=memory_budget, precision=mixed)
+
+
+def check_grad_accumulation(grad_accumulation) -> None:
+    if isinstance(grad_accumulation, bool) or not isinstance(grad_accumulation, int) or grad_accumulation < 1:
+        raise ConfigError(f"grad_accumulation must be a positive int (the number of micro-batches a batch is split "
+                          f"into), got {grad_accumulation!r}")
 
 
 def _check_clipping(max_norm, norm_type) -> tuple[float, float] | None:
@@ -359,11 +363,16 @@ class CompiledStep:
         return program, ctx, history
 
     def _after_step(self, ctx: CompileContext) -> None:
-        """Keep the user's module usable at stages 0-2: its parameters view the new buckets."""
+        """Keep the user's module usable at stages 0-2: its parameters view the new buckets.
+
+        Buckets whose masters are sharded (mixed precision at stages 1-2) are
+        released as at stage 3: no rank holds them whole.
+        """
         if self.stage == 3:
             return
         views = slot_store.parameter_views(self._plan, self._captured, {
-            b.index: self._slots[plans.bucket_slot(b.index)] for b in self._plan.buckets})
+            b.index: self._slots[plans.bucket_slot(b.index)] for b in self._plan.buckets
+            if not self._plan.holds_shard(b)})
         tensors = {names[0]: t for names, t in named_tensors(self.model, "param")}
         for index, view in views.items():
             tensors[self._captured.params[index].name].data = view
@@ -372,18 +381,17 @@ class CompiledStep:
             buffers[info.name].data = self._slots[plans.buffer_slot(info.name)]
 
     def _release_model_parameters(self) -> None:
-        if self.stage == 3:
-            tensors = {names[0]: t for names, t in named_tensors(self.model, "param")}
-            for index in self._plan_param_indices():
-                info = self._captured.params[index]
-                param = tensors[info.name]
-                self._released_shapes[info.name] = info.shape
-                param.data = torch.empty(0, dtype=param.dtype, device=param.device)
-        else:
-            self._after_step(None)
+        tensors = {names[0]: t for names, t in named_tensors(self.model, "param")}
+        for index in self._plan_param_indices(sharded_only=True):
+            info = self._captured.params[index]
+            param = tensors[info.name]
+            self._released_shapes[info.name] = info.shape
+            param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+        self._after_step(None)
 
-    def _plan_param_indices(self):
-        return [s.param for b in self._plan.buckets for s in b.segments]
+    def _plan_param_indices(self, sharded_only: bool = False):
+        return [s.param for b in self._plan.buckets for s in b.segments
+                if not sharded_only or self._plan.holds_shard(b)]
 
     def _sync_initial_state(self) -> None:
         """Every rank starts from rank 0's parameters and buffers, as DDP does."""
