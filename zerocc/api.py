@@ -80,6 +80,7 @@ def compile(
     loss_scale: "str | DynamicLossScale | None" = None,
     cast_forward_inputs: bool = True,
     memory_pools: bool = False,
+    gather_per_micro_batch: bool = True,
 ) -> "CompiledStep":
     """Compile one training step of ``model`` with ``optimizer`` under ZeRO ``stage`` (0-3).
 
@@ -131,6 +132,13 @@ def compile(
     scales the loss and skips steps whose gradients overflow, as
     ``torch.amp.GradScaler`` does; ``step.loss_scale`` reads the scale.
 
+    ``gather_per_micro_batch`` (stage 3 with ``grad_accumulation`` > 1):
+    gather each bucket again for every micro-batch's forward and backward
+    (the default, ZeRO-3's memory: no gathered copy outlives its
+    micro-batch), or, with ``False``, once for all forwards and once for all
+    backwards (K times fewer gathers; both copies alive across the
+    micro-batches: README, "Training-loop features", has the numbers).
+
     ``memory_pools=True`` allocates each pool of the memory plan once, as an
     arena, and has every op that can write there (through its ``out=``
     variant) place its output at its planned offset, and writes the
@@ -156,6 +164,8 @@ def compile(
         num_targets = 1 if loss_fn is not None else 0
     if not isinstance(memory_pools, bool):
         raise ConfigError(f"memory_pools must be True or False, got {memory_pools!r}")
+    if not isinstance(gather_per_micro_batch, bool):
+        raise ConfigError(f"gather_per_micro_batch must be True or False, got {gather_per_micro_batch!r}")
     if not memory_pools and "place_buffers" not in disable:
         disable = (*disable, "place_buffers")
     check_grad_accumulation(grad_accumulation)
@@ -169,7 +179,8 @@ def compile(
                         prefetch_bytes=prefetch_bytes, timeout=timeout,
                         disable=tuple(disable), verify=verify, dump_dir=dump_dir,
                         grad_accumulation=grad_accumulation, clip=clip, static_shapes=bool(static_shapes),
-                        max_programs=max_programs, memory_budget=memory_budget, precision=mixed)
+                        max_programs=max_programs, memory_budget=memory_budget, precision=mixed,
+                        gather_per_micro_batch=gather_per_micro_batch)
 
 
 def check_grad_accumulation(grad_accumulation) -> None:
@@ -203,7 +214,7 @@ class CompiledStep:
     def __init__(self, model, optimizer, stage, loss_fn, num_targets, group, bucket_bytes, *,
                  prefetch_bytes=DEFAULT_PREFETCH_BYTES, timeout=None, disable=(), verify=False, dump_dir=None,
                  grad_accumulation=1, clip=None, static_shapes=False, max_programs=DEFAULT_MAX_PROGRAMS,
-                 memory_budget=None, precision=None):
+                 memory_budget=None, precision=None, gather_per_micro_batch=True):
         self.model = model
         self.optimizer = optimizer
         self.stage = stage
@@ -216,6 +227,7 @@ class CompiledStep:
         self.verify = verify
         self.dump_dir = dump_dir
         self.grad_accumulation = grad_accumulation
+        self.gather_per_micro_batch = gather_per_micro_batch
         self.clip = clip                      # (max_norm, norm_type) or None
         self.static_shapes = static_shapes
         self.max_programs = max_programs
@@ -345,7 +357,7 @@ class CompiledStep:
         state_signature = _state_signature_of(captured)
         ctx = CompileContext(self.stage, self.ranks.world_size, self.ranks.rank, self.ranks.group_name,
                              self.optimizer, captured, fake_mode, self.bucket_bytes, previous_plan=self._plan,
-                             precision=self.precision)
+                             precision=self.precision, gather_per_micro_batch=self.gather_per_micro_batch)
         passes = build_pipeline(self.stage, self.disable, self.prefetch_bytes, clip=self.clip,
                                 memory_budget=self.memory_budget, mixed_precision=self.precision is not None)
         gm, history = run_pipeline(captured.gm, ctx, passes,
