@@ -224,6 +224,7 @@ def _volumes(rank, world_size):
     """Per configuration: the report and what one steady-state step really issues (tests/test_communication.py)."""
     from tests.test_communication import CountCollectives
     configurations = [(0, {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}),
+                      (1, {"param_dtype": torch.bfloat16}),                                 # reduced in bf16 too
                       (2, {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}),
                       (3, {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}),
                       (3, {"param_dtype": torch.float16, "loss_scale": "dynamic"})]        # reduced in fp16 too
@@ -250,8 +251,11 @@ def test_gathers_move_param_dtype_bytes_and_reductions_reduce_dtype_bytes():
         assert report["param_dtype"] == str(precision["param_dtype"]).replace("torch.", "")
         if stage == 0:
             assert comm["all_reduce"] == 2 * padded * reduce_bytes and comm["all_gather"] == 0
-        elif stage == 2:   # compute in bf16, but the updated fp32 masters are gathered (docs/design.md)
-            assert comm["reduce_scatter"] == padded * reduce_bytes and comm["all_gather"] == padded * 4
+        elif stage in (1, 2):   # the updated fp32 master shards are gathered cast to bf16: once, 2 bytes each
+            assert comm["reduce_scatter"] == padded * reduce_bytes and comm["all_gather"] == padded * 2
+            assert comm["all_reduce"] == 0
+            held = report["model_state_bytes_per_rank"]
+            assert held["params"] == padded * 2 + padded // 2 * 4     # the bf16 bucket, the fp32 master shard
         else:              # bf16 gathers: half of test_communication's fp32 bytes
             assert comm["reduce_scatter"] == padded * reduce_bytes
             assert padded * 2 < comm["all_gather"] <= 2 * padded * 2
@@ -297,3 +301,43 @@ def test_unsupported_precision_settings_are_refused_clearly():
     with pytest.raises(zerocc.ConfigError, match=r"param_dtype=torch.float32 is wider than the model's parameters "
                                                   r"\(torch.bfloat16\): the parameters are the master copy"):
         zerocc.compile(low, adamw(low), param_dtype=torch.float32)
+
+
+def _bf16_stage_2_checkpoint(rank, world_size, folder):
+    """Train 2 steps, save, train 2 more; resume into a step that already ran and into a fresh one."""
+    precision = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
+    data = [tuple(t[rank * 4:(rank + 1) * 4] for t in batch) for batch in batches("mlp", 4, 4 * world_size)]
+
+    def fresh(seed):
+        model, _, loss_fn = build("mlp", seed)
+        return zerocc.compile(model, adamw(model), stage=2, loss_fn=loss_fn, **precision)
+    original = fresh(0)
+    for batch in data[:2]:
+        original(*batch)
+    zerocc.save_checkpoint(original, f"{folder}/ckpt")
+    saved = original.full_state_dict()
+    slots = {k: (tuple(v.shape), v.dtype) for k, v in original._slots.items() if k.startswith(("bucket", "compute"))}
+    expected = [original(*batch) for batch in data[2:]]
+    ran = fresh(7)
+    ran(*data[0])                                         # compiled, other weights: the load rebuilds compute:<i>
+    zerocc.load_checkpoint(ran, f"{folder}/ckpt")
+    after_running = [ran(*batch) for batch in data[2:]]
+    before = fresh(7)
+    zerocc.load_checkpoint(before, f"{folder}/ckpt")      # before the first step: whole, into the model
+    before_running = [before(*batch) for batch in data[2:]]
+    return saved, slots, expected, after_running, before_running, original.shard_plan.buckets[0].shard_numel
+
+
+def test_stage_2_bf16_keeps_fp32_master_shards_checkpoints_them_and_resumes_exactly(tmp_path):
+    from tests.test_checkpoint import read_whole
+    per_rank = distributed.run(_bf16_stage_2_checkpoint, 2, str(tmp_path))
+    on_disk = read_whole(str(tmp_path / "ckpt"))
+    for saved, slots, expected, after_running, before_running, shard_numel in per_rank:
+        assert slots["bucket:0"] == ((shard_numel,), torch.float32)          # this rank's shard of the masters
+        assert slots["compute:0"] == ((2 * shard_numel,), torch.bfloat16)    # the whole bucket, in bf16
+        for key, value in saved.items():
+            assert value.dtype == torch.float32
+            assert on_disk[f"model/{key}"].dtype == torch.float32
+            assert torch.equal(on_disk[f"model/{key}"], value.reshape(-1)), key   # the fp32 masters, whole
+        assert all(torch.equal(a, b) for a, b in zip(after_running, expected)), (after_running, expected)
+        assert all(torch.equal(a, b) for a, b in zip(before_running, expected)), (before_running, expected)

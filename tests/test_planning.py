@@ -39,7 +39,7 @@ def paper_planner(layers: int) -> Planner:
         model = GPT(layers=layers, **PAPER_GPT)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
     tokens = torch.zeros(1, PAPER_GPT["seq"], dtype=torch.long, device="meta")
-    return Planner(model, optimizer, example_inputs=(tokens, tokens), param_dtype=torch.bfloat16)
+    return Planner(model, optimizer, example_inputs=(tokens, tokens), accounting_dtype=torch.bfloat16)
 
 
 def decimals(value) -> int:
@@ -110,8 +110,65 @@ def test_plan_refuses_bad_settings():
     optimizer = torch.optim.AdamW(model.parameters())
     with pytest.raises(zerocc.ConfigError, match="world_size must be a positive int"):
         zerocc.plan(model, optimizer, world_size=0, example_inputs=batches("mlp", 1, 2)[0])
-    with pytest.raises(zerocc.ConfigError, match="param_dtype must be a floating torch.dtype"):
+    with pytest.raises(zerocc.ConfigError, match=r"param_dtype=torch.int8 is not supported: mixed precision computes"):
         zerocc.plan(model, optimizer, param_dtype=torch.int8, example_inputs=batches("mlp", 1, 2)[0])
+    with pytest.raises(zerocc.ConfigError, match="accounting_dtype must be a floating torch.dtype"):
+        zerocc.plan(model, optimizer, accounting_dtype=torch.int8, example_inputs=batches("mlp", 1, 2)[0])
+    with pytest.raises(zerocc.ConfigError, match="give param_dtype .* or accounting_dtype .*, not both"):
+        zerocc.plan(model, optimizer, param_dtype=torch.bfloat16, accounting_dtype=torch.bfloat16,
+                    example_inputs=batches("mlp", 1, 2)[0])
+    with pytest.raises(zerocc.ConfigError, match=r"grad_accumulation=3 does not divide the batch along dim 0"):
+        zerocc.plan(model, optimizer, grad_accumulation=3, example_inputs=batches("mlp", 1, 2)[0])
+    with pytest.raises(zerocc.ConfigError, match=r"clip_grad_norm must be a positive finite number"):
+        zerocc.plan(model, optimizer, clip_grad_norm=-1.0, example_inputs=batches("mlp", 1, 2)[0])
+    with pytest.raises(zerocc.ConfigError, match=r"zerocc.plan does not take group=: a plan runs no collective"):
+        zerocc.plan(model, optimizer, group=None, example_inputs=batches("mlp", 1, 2)[0])
+    with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\) 'bucket_size'"):
+        zerocc.plan(model, optimizer, bucket_size=1, example_inputs=batches("mlp", 1, 2)[0])
+
+
+# compile's keywords, all at once: a plan of this configuration is what the compiled step runs
+CONFIGURATION = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, grad_accumulation=2,
+                     clip_grad_norm=0.5, loss_scale="dynamic", memory_pools=True, bucket_bytes=4 * 1024,
+                     prefetch_bytes=8 * 1024, static_shapes=True, max_programs=4, timeout=30.0)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_plan_takes_compiles_keywords_and_plans_what_the_compiled_step_runs(stage):
+    model, _, loss_fn = build("mlp")
+    batch = batches("mlp", 2, 8)
+    planned = zerocc.plan(model, torch.optim.AdamW(model.parameters(), lr=1e-2), stage=stage, loss_fn=loss_fn,
+                          example_inputs=batch[0], **CONFIGURATION)
+    compiled_model, _, _ = build("mlp")
+    step = zerocc.compile(compiled_model, torch.optim.AdamW(compiled_model.parameters(), lr=1e-2), stage=stage,
+                          loss_fn=loss_fn, **CONFIGURATION)
+    for b in batch:   # the second call compiles the steady state, which the planner plans
+        step(*b)
+    assert planned.passes == step.passes
+    report, compiled = planned.report(), step.report()
+    for key in ("model_state_bytes_per_rank", "comm_bytes_per_step", "param_dtype", "reduce_dtype", "loss_scale",
+                "buckets", "param_bytes"):
+        assert report[key] == compiled[key], key
+    assert planned.memory_plan.live_peak_bytes == compiled["live_peak_bytes"]
+    assert planned.memory_plan.planned_peak_bytes == compiled["planned_peak_bytes"]
+    assert report["accounting"] == "as compiled"
+
+
+def test_plan_of_mixed_precision_at_world_size_64_gathers_bf16():
+    model, _, loss_fn = build("gpt")
+    planner = Planner(model, torch.optim.AdamW(model.parameters(), lr=1e-2), example_inputs=batches("gpt", 1, 2)[0],
+                      param_dtype=torch.bfloat16, reduce_dtype=torch.float32, bucket_bytes=16 * 1024)
+    for stage in (1, 2, 3):
+        report = planner.plan(stage, 64).report()
+        padded = report["param_count"] + report["padding_elements"]
+        comm = report["comm_bytes_per_step"]
+        assert comm["reduce_scatter"] == padded * 4, stage                 # fp32 reductions
+        if stage < 3:
+            assert comm["all_gather"] == padded * 2, stage                 # the updated shards, in bf16, once
+            assert report["model_state_bytes_per_rank"]["params"] == padded * 2 + padded // 64 * 4
+        else:
+            assert padded * 2 < comm["all_gather"] <= 2 * padded * 2, stage
+    assert not dist.is_initialized()
 
 
 def test_cli_prints_the_table_and_writes_the_plot(tmp_path, capsys):

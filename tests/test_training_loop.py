@@ -311,3 +311,44 @@ def test_static_shapes_refuses_a_new_shape():
                        r"\(7, 5\) float32 and the step was compiled for shapes \(8, 12\) float32, \(8, 5\) float32; "
                        r"pad or cut the batch"):
         step(*batches("mlp", 1, 7)[0])
+
+
+def test_stage_3_accumulation_gathers_per_micro_batch_unless_told_not_to():
+    """Planned at 8 ranks (fake tensors): per micro-batch, the gathered peak stays that of one batch."""
+    model, _, loss_fn = build("gpt")
+    optimizer = adamw(model)
+    results = {}
+    for k, per_micro_batch in ((1, True), (4, True), (4, False)):
+        plan = zerocc.plan(model, optimizer, stage=3, world_size=8, loss_fn=loss_fn, bucket_bytes=16 * 1024,
+                           prefetch_bytes=32 * 1024,   # below the model: every gather cannot be issued at once
+                           example_inputs=batches("gpt", 1, 4 * k)[0], grad_accumulation=k,
+                           gather_per_micro_batch=per_micro_batch)
+        gathered = next(p.lower_bound_bytes for p in plan.memory_plan.pools if p.name == "gathered parameters")
+        results[k, per_micro_batch] = (plan.report(), gathered)
+    (one, one_peak), (each, each_peak), (kept, kept_peak) = results[1, True], results[4, True], results[4, False]
+    assert each["collectives_per_step"]["all_gather"] == 4 * one["collectives_per_step"]["all_gather"]
+    assert each["comm_bytes_per_step"]["all_gather"] == 4 * one["comm_bytes_per_step"]["all_gather"]
+    assert kept["comm_bytes_per_step"]["all_gather"] == one["comm_bytes_per_step"]["all_gather"]
+    assert each_peak <= 1.05 * one_peak          # no gathered copy outlives its micro-batch
+    padded = (one["param_count"] + one["padding_elements"]) * 4
+    assert kept_peak >= 1.9 * padded > 3 * one_peak   # kept: a forward and a backward copy of (nearly) every bucket
+
+
+def _both_gather_modes(rank, world_size):
+    data = [tuple(t[rank * 8:(rank + 1) * 8] for t in batch) for batch in batches("gpt", 2, 8 * world_size)]
+    results = []
+    for per_micro_batch in (True, False):
+        model, _, loss_fn = build("gpt")
+        step = zerocc.compile(model, adamw(model), stage=3, loss_fn=loss_fn, grad_accumulation=2,
+                              bucket_bytes=16 * 1024, gather_per_micro_batch=per_micro_batch)
+        losses = [step(*batch) for batch in data]
+        results.append((losses, step.full_state_dict(), step.report()["collectives_per_step"]["all_gather"]))
+    return results
+
+
+def test_stage_3_gather_modes_train_the_same_at_world_size_2():
+    """Only when parameters are gathered differs: the losses and parameters are the same bit for bit."""
+    for (losses, state, gathers), (kept_losses, kept_state, kept_gathers) in distributed.run(_both_gather_modes, 2):
+        assert all(torch.equal(a, b) for a, b in zip(losses, kept_losses))
+        assert all(torch.equal(state[k], kept_state[k]) for k in state)
+        assert gathers == 2 * kept_gathers

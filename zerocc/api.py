@@ -80,6 +80,7 @@ def compile(
     loss_scale: "str | DynamicLossScale | None" = None,
     cast_forward_inputs: bool = True,
     memory_pools: bool = False,
+    gather_per_micro_batch: bool = True,
 ) -> "CompiledStep":
     """Compile one training step of ``model`` with ``optimizer`` under ZeRO ``stage`` (0-3).
 
@@ -131,6 +132,13 @@ def compile(
     scales the loss and skips steps whose gradients overflow, as
     ``torch.amp.GradScaler`` does; ``step.loss_scale`` reads the scale.
 
+    ``gather_per_micro_batch`` (stage 3 with ``grad_accumulation`` > 1):
+    gather each bucket again for every micro-batch's forward and backward
+    (the default, ZeRO-3's memory: no gathered copy outlives its
+    micro-batch), or, with ``False``, once for all forwards and once for all
+    backwards (K times fewer gathers; both copies alive across the
+    micro-batches: README, "Training-loop features", has the numbers).
+
     ``memory_pools=True`` allocates each pool of the memory plan once, as an
     arena, and has every op that can write there (through its ``out=``
     variant) place its output at its planned offset, and writes the
@@ -156,11 +164,11 @@ def compile(
         num_targets = 1 if loss_fn is not None else 0
     if not isinstance(memory_pools, bool):
         raise ConfigError(f"memory_pools must be True or False, got {memory_pools!r}")
+    if not isinstance(gather_per_micro_batch, bool):
+        raise ConfigError(f"gather_per_micro_batch must be True or False, got {gather_per_micro_batch!r}")
     if not memory_pools and "place_buffers" not in disable:
         disable = (*disable, "place_buffers")
-    if isinstance(grad_accumulation, bool) or not isinstance(grad_accumulation, int) or grad_accumulation < 1:
-        raise ConfigError(f"grad_accumulation must be a positive int (the number of micro-batches a batch is split "
-                          f"into), got {grad_accumulation!r}")
+    check_grad_accumulation(grad_accumulation)
     clip = _check_clipping(clip_grad_norm, clip_norm_type)
     if isinstance(max_programs, bool) or not isinstance(max_programs, int) or max_programs < 1:
         raise ConfigError(f"max_programs must be a positive int (compiled programs kept, by input shape), "
@@ -171,7 +179,14 @@ def compile(
                         prefetch_bytes=prefetch_bytes, timeout=timeout,
                         disable=tuple(disable), verify=verify, dump_dir=dump_dir,
                         grad_accumulation=grad_accumulation, clip=clip, static_shapes=bool(static_shapes),
-                        max_programs=max_programs, memory_budget=memory_budget, precision=mixed)
+                        max_programs=max_programs, memory_budget=memory_budget, precision=mixed,
+                        gather_per_micro_batch=gather_per_micro_batch)
+
+
+def check_grad_accumulation(grad_accumulation) -> None:
+    if isinstance(grad_accumulation, bool) or not isinstance(grad_accumulation, int) or grad_accumulation < 1:
+        raise ConfigError(f"grad_accumulation must be a positive int (the number of micro-batches a batch is split "
+                          f"into), got {grad_accumulation!r}")
 
 
 def _check_clipping(max_norm, norm_type) -> tuple[float, float] | None:
@@ -199,7 +214,7 @@ class CompiledStep:
     def __init__(self, model, optimizer, stage, loss_fn, num_targets, group, bucket_bytes, *,
                  prefetch_bytes=DEFAULT_PREFETCH_BYTES, timeout=None, disable=(), verify=False, dump_dir=None,
                  grad_accumulation=1, clip=None, static_shapes=False, max_programs=DEFAULT_MAX_PROGRAMS,
-                 memory_budget=None, precision=None):
+                 memory_budget=None, precision=None, gather_per_micro_batch=True):
         self.model = model
         self.optimizer = optimizer
         self.stage = stage
@@ -212,6 +227,7 @@ class CompiledStep:
         self.verify = verify
         self.dump_dir = dump_dir
         self.grad_accumulation = grad_accumulation
+        self.gather_per_micro_batch = gather_per_micro_batch
         self.clip = clip                      # (max_norm, norm_type) or None
         self.static_shapes = static_shapes
         self.max_programs = max_programs
@@ -341,7 +357,7 @@ class CompiledStep:
         state_signature = _state_signature_of(captured)
         ctx = CompileContext(self.stage, self.ranks.world_size, self.ranks.rank, self.ranks.group_name,
                              self.optimizer, captured, fake_mode, self.bucket_bytes, previous_plan=self._plan,
-                             precision=self.precision)
+                             precision=self.precision, gather_per_micro_batch=self.gather_per_micro_batch)
         passes = build_pipeline(self.stage, self.disable, self.prefetch_bytes, clip=self.clip,
                                 memory_budget=self.memory_budget, mixed_precision=self.precision is not None)
         gm, history = run_pipeline(captured.gm, ctx, passes,
@@ -359,11 +375,16 @@ class CompiledStep:
         return program, ctx, history
 
     def _after_step(self, ctx: CompileContext) -> None:
-        """Keep the user's module usable at stages 0-2: its parameters view the new buckets."""
+        """Keep the user's module usable at stages 0-2: its parameters view the new buckets.
+
+        Buckets whose masters are sharded (mixed precision at stages 1-2) are
+        released as at stage 3: no rank holds them whole.
+        """
         if self.stage == 3:
             return
         views = slot_store.parameter_views(self._plan, self._captured, {
-            b.index: self._slots[plans.bucket_slot(b.index)] for b in self._plan.buckets})
+            b.index: self._slots[plans.bucket_slot(b.index)] for b in self._plan.buckets
+            if not self._plan.holds_shard(b)})
         tensors = {names[0]: t for names, t in named_tensors(self.model, "param")}
         for index, view in views.items():
             tensors[self._captured.params[index].name].data = view
@@ -372,18 +393,17 @@ class CompiledStep:
             buffers[info.name].data = self._slots[plans.buffer_slot(info.name)]
 
     def _release_model_parameters(self) -> None:
-        if self.stage == 3:
-            tensors = {names[0]: t for names, t in named_tensors(self.model, "param")}
-            for index in self._plan_param_indices():
-                info = self._captured.params[index]
-                param = tensors[info.name]
-                self._released_shapes[info.name] = info.shape
-                param.data = torch.empty(0, dtype=param.dtype, device=param.device)
-        else:
-            self._after_step(None)
+        tensors = {names[0]: t for names, t in named_tensors(self.model, "param")}
+        for index in self._plan_param_indices(sharded_only=True):
+            info = self._captured.params[index]
+            param = tensors[info.name]
+            self._released_shapes[info.name] = info.shape
+            param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+        self._after_step(None)
 
-    def _plan_param_indices(self):
-        return [s.param for b in self._plan.buckets for s in b.segments]
+    def _plan_param_indices(self, sharded_only: bool = False):
+        return [s.param for b in self._plan.buckets for s in b.segments
+                if not sharded_only or self._plan.holds_shard(b)]
 
     def _sync_initial_state(self) -> None:
         """Every rank starts from rank 0's parameters and buffers, as DDP does."""

@@ -46,6 +46,7 @@ from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetada
 
 from . import plans
 from .capture import named_tensors
+from .runtime import slots as slot_store
 from .errors import ConfigError
 
 META_FILE = "zerocc.json"
@@ -102,7 +103,6 @@ def _whole(key: str, tensor: torch.Tensor) -> _Part:
 def _parts_of_slots(step) -> dict[str, _Part]:
     plan, captured, slots = step._plan, step._captured, step._slots
     parts: dict[str, _Part] = {}
-    sharded_params = plan.stage == 3
     bucketed = {}
     for bucket in plan.buckets:
         for segment in bucket.segments:
@@ -114,7 +114,7 @@ def _parts_of_slots(step) -> dict[str, _Part]:
             continue
         bucket, segment = bucketed[index]
         flat = slots[plans.bucket_slot(bucket.index)]
-        if sharded_params and bucket.shards > 1:
+        if plan.holds_shard(bucket) and bucket.shards > 1:   # stage 3, or fp32 masters under mixed precision
             local = [(p.param_offset, flat[p.shard_offset: p.shard_offset + p.numel])
                      for p in bucket.pieces(plan.rank) if p.param == index]
             parts[key] = _Part(key, info.numel, False, local, _owners(bucket, index), like=flat)
@@ -210,6 +210,8 @@ def load_state_dict(step, state: dict[str, object]) -> None:
     with torch.no_grad():
         for key in given & parts.keys():
             _copy_into(parts[key], _sources(state[key]))
+        if step._slots is not None:   # the param_dtype copies of loaded masters (stages 1-2; a collective)
+            slot_store.refresh_compute_copies(step._plan, step._slots, step.ranks.group)
 
 
 def _copy_into(part: _Part, sources: list[tuple[int, torch.Tensor]]) -> None:

@@ -96,7 +96,7 @@ def plan_command(args) -> int:
     say(f"built {type(model).__name__} with {param_count:,} parameters on {args.device}")
     optimizer = OPTIMIZERS[args.optimizer](model.parameters(), args.lr)
     param_dtype = getattr(torch, args.param_dtype) if args.param_dtype else None
-    planner = Planner(model, optimizer, example_inputs=inputs, param_dtype=param_dtype,
+    planner = Planner(model, optimizer, example_inputs=inputs, accounting_dtype=param_dtype,
                       bucket_bytes=int(args.bucket_mb * 1024 * 1024), progress=say)
     stages = [int(s) for s in str(args.stage).split(",")]
     world_sizes = [int(w) for w in str(args.world_size).split(",")]

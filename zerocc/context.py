@@ -31,6 +31,7 @@ class CompileContext:
     traces: dict | None = None      # optimizer subgraphs traced so far, reused across plans (zerocc.plan)
     planning: bool = False          # zerocc.plan: fake tensors only, the graph is never run, no real group
     precision: Precision | None = None   # mixed precision settings (zerocc/precision.py); None: the model's dtype
+    gather_per_micro_batch: bool = True  # stage 3, grad_accumulation > 1: gather again for every micro-batch
     # decided by passes
     shard_plan: ShardPlan | None = None
     checkpoint_plan: CheckpointPlan | None = None   # place_checkpoints: forward values recomputed in backward

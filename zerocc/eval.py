@@ -71,11 +71,11 @@ def _compile(step, inputs: tuple) -> EvalProgram:
     loose = [info for index, info in enumerate(captured.params) if index not in in_plan]   # trained, but unused
     slots = ([plans.bucket_slot(b.index) for b in plan.buckets] + [plans.param_slot(i.name) for i in loose]
              + [plans.frozen_slot(i.name) for i in captured.frozen] + [plans.buffer_slot(i.name) for i in captured.buffers])
-    gather = step.stage == 3 and plan.world_size > 1
+    gathered = [plan.holds_shard(b) and plan.world_size > 1 for b in plan.buckets]   # masters sharded
 
     def forward(buckets, tensors, batch):
         by_name = dict(zip([i.name for i in loose + captured.frozen + captured.buffers], tensors))
-        for bucket, flat in zip(plan.buckets, buckets):
+        for bucket, flat, gather in zip(plan.buckets, buckets, gathered):
             full = flat
             if gather:   # this rank's shard -> the whole bucket, as the training step's forward gathers it
                 full = c10d.wait_tensor(c10d.all_gather_into_tensor(flat, plan.world_size, step.ranks.group_name))

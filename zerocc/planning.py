@@ -7,13 +7,24 @@ no tensor of the model's size is allocated. The plan is of the steady state:
 capture is given fake optimizer state whose structure comes from one real
 ``step()`` of the user's optimizer over a one-element tensor per param group.
 
-Mixed precision (ZeRO paper: bf16/fp16 parameters and gradients, fp32 master
-parameters and optimizer state, 2 + 2 + 12 bytes per parameter with Adam) is
-not compiled yet. With ``param_dtype`` set, the planner models it in its
-accounting only: parameters, gradients and communication are counted in
-``param_dtype`` bytes, and an fp32 master copy of the parameters this rank
-updates is counted with the optimizer state. The graph itself stays in the
-model's dtype.
+The keywords are ``zerocc.compile``'s, with the same meaning and the same
+checks: ``param_dtype`` / ``reduce_dtype`` / ``loss_scale`` run the
+``mixed_precision`` pass, ``grad_accumulation`` traces K micro-batches,
+``clip_grad_norm`` adds the ``clip_gradients`` pass, ``memory_pools`` the
+``place_buffers`` pass; the report counts the bytes of the planned graph.
+``timeout``, ``static_shapes`` and ``max_programs`` only concern a running
+step (accepted, no effect on the plan); ``group`` is refused: a plan has a
+``world_size`` and no process group.
+
+``accounting_dtype`` is the ZeRO paper's accounting instead (its Table 1:
+fp16 parameters and gradients, fp32 master parameters and optimizer state,
+2 + 2 + 12 bytes per parameter with Adam): the graph stays in the model's
+dtype and parameters, gradients and communication are counted in
+``accounting_dtype`` bytes, an fp32 master copy of the parameters this rank
+updates with the optimizer state. The compiled layout differs from it (the
+gradients zerocc keeps are in the master dtype, and at stage 3 the rank
+holds only the fp32 master shard), so use ``param_dtype`` to plan what
+``compile`` will run.
 """
 from __future__ import annotations
 
@@ -32,7 +43,8 @@ from . import plans
 from .capture import Captured, capture, named_tensors
 from .context import CompileContext
 from .errors import ConfigError
-from .pipeline import GraphSnapshot, build_pipeline, copy_graph, dump_dir_of, run_pipeline
+from . import precision as mixed
+from .pipeline import DEFAULT_PREFETCH_BYTES, GraphSnapshot, build_pipeline, copy_graph, dump_dir_of, run_pipeline
 from .tracing import make_fake_mode
 
 # The collectives of a plan name this group; the graph is never run.
@@ -43,39 +55,81 @@ DEFAULT_BUCKET_BYTES = 4 * 1024 * 1024   # as zerocc.compile's default
 
 def plan(model: nn.Module, optimizer: torch.optim.Optimizer, stage: int = 3, world_size: int = 1, *,
          example_inputs: Sequence[Any], loss_fn: Callable | None = None, num_targets: int | None = None,
-         param_dtype: torch.dtype | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES, rank: int = 0,
+         param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None, loss_scale=None,
+         cast_forward_inputs: bool = True, grad_accumulation: int = 1, clip_grad_norm: float | None = None,
+         clip_norm_type: float = 2.0, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+         prefetch_bytes: int = DEFAULT_PREFETCH_BYTES, rank: int = 0,
          disable: Sequence[str] = (), verify: bool = False, dump_dir: str | None = None,
          progress: bool | Callable[[str], None] = False, memory_pools: bool = False,
-         memory_budget: int | None = None) -> "Plan":
+         accounting_dtype: torch.dtype | None = None, gather_per_micro_batch: bool = True,
+         memory_budget: int | None = None, **runtime_only) -> "Plan":
     """Plan one steady-state training step at ``world_size`` ranks without running it.
 
-    Returns a ``Plan`` with the same ``report()``, ``graph(name)``, ``passes``,
-    ``explain()`` (and ``memory_plan`` when a pass made one) as a compiled step.
+    Takes ``zerocc.compile``'s keywords (see the module docstring for the few
+    that only concern a running step). Returns a ``Plan`` with the same
+    ``report()``, ``graph(name)``, ``passes``, ``explain()`` (and
+    ``memory_plan`` when a pass made one) as a compiled step.
     ``memory_budget`` (bytes per rank) plans activation checkpointing as
     ``zerocc.compile`` does; ``Plan.checkpoint_plan`` says what it recomputes.
     """
+    check_runtime_only(runtime_only)
     return Planner(model, optimizer, example_inputs=example_inputs, loss_fn=loss_fn, num_targets=num_targets,
-                   param_dtype=param_dtype, bucket_bytes=bucket_bytes, progress=progress
+                   param_dtype=param_dtype, reduce_dtype=reduce_dtype, loss_scale=loss_scale,
+                   cast_forward_inputs=cast_forward_inputs, grad_accumulation=grad_accumulation,
+                   clip_grad_norm=clip_grad_norm, clip_norm_type=clip_norm_type, prefetch_bytes=prefetch_bytes,
+                   bucket_bytes=bucket_bytes, progress=progress, accounting_dtype=accounting_dtype,
+                   gather_per_micro_batch=gather_per_micro_batch,
                    ).plan(stage, world_size, rank=rank, disable=disable, verify=verify, dump_dir=dump_dir,
                           memory_pools=memory_pools, memory_budget=memory_budget)
+
+
+# compile keywords that only concern a running step: a plan accepts them and they change nothing in it
+RUNTIME_ONLY = ("timeout", "static_shapes", "max_programs")
+
+
+def check_runtime_only(keywords: dict) -> None:
+    """Refuse what a plan cannot honour (a process group, unknown keywords); accept the runtime-only ones."""
+    if "group" in keywords:
+        raise ConfigError("zerocc.plan does not take group=: a plan runs no collective, it has a world_size "
+                          "(and rank) instead; pass world_size=<the group's size>")
+    unknown = sorted(k for k in keywords if k not in RUNTIME_ONLY)
+    if unknown:
+        raise TypeError(f"zerocc.plan() got unexpected keyword argument(s) {', '.join(map(repr, unknown))}")
 
 
 class Planner:
     """Captures a model's step once (per stage kind) and plans it for many stages and world sizes."""
 
     def __init__(self, model, optimizer, *, example_inputs, loss_fn=None, num_targets=None, param_dtype=None,
-                 bucket_bytes=DEFAULT_BUCKET_BYTES, progress=False):
+                 reduce_dtype=None, loss_scale=None, cast_forward_inputs=True, grad_accumulation=1,
+                 clip_grad_norm=None, clip_norm_type=2.0, prefetch_bytes=DEFAULT_PREFETCH_BYTES,
+                 bucket_bytes=DEFAULT_BUCKET_BYTES, progress=False, accounting_dtype=None,
+                 gather_per_micro_batch=True):
+        from .api import check_grad_accumulation, _check_clipping
         if not isinstance(model, nn.Module):
             raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ConfigError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        if param_dtype is not None and not (isinstance(param_dtype, torch.dtype) and param_dtype.is_floating_point):
-            raise ConfigError(f"param_dtype must be a floating torch.dtype (torch.bfloat16, ...), got {param_dtype!r}")
+        if accounting_dtype is not None and not (isinstance(accounting_dtype, torch.dtype)
+                                                 and accounting_dtype.is_floating_point):
+            raise ConfigError(f"accounting_dtype must be a floating torch.dtype (torch.bfloat16, ...), "
+                              f"got {accounting_dtype!r}")
+        if accounting_dtype is not None and param_dtype is not None:
+            raise ConfigError("give param_dtype (plan the mixed precision compile runs) or accounting_dtype "
+                              "(the ZeRO paper's accounting over a full-precision graph), not both")
+        if not isinstance(prefetch_bytes, int) or prefetch_bytes < 0:
+            raise ConfigError(f"prefetch_bytes must be a non-negative int, got {prefetch_bytes!r}")
+        check_grad_accumulation(grad_accumulation)
+        self.clip = _check_clipping(clip_grad_norm, clip_norm_type)
+        self.precision = mixed.resolve(param_dtype, reduce_dtype, loss_scale, cast_forward_inputs, model)
+        self.grad_accumulation = grad_accumulation
+        self.gather_per_micro_batch = bool(gather_per_micro_batch)
+        self.prefetch_bytes = prefetch_bytes
         self.model, self.optimizer = model, optimizer
         self.example_inputs = tuple(example_inputs)
         self.loss_fn = loss_fn
         self.num_targets = (1 if loss_fn is not None else 0) if num_targets is None else num_targets
-        self.param_dtype = param_dtype
+        self.param_dtype = accounting_dtype   # the paper's accounting (None: count the graph as compiled)
         self.bucket_bytes = bucket_bytes
         self.say = (lambda line: print(f"[zerocc plan] {line}", file=sys.stderr, flush=True)) if progress is True \
             else (progress or None)
@@ -89,7 +143,8 @@ class Planner:
             state = fake_optimizer_state(self.model, self.optimizer, fake_mode)
             captured = capture(self.model, self.optimizer, self.example_inputs, loss_fn=self.loss_fn,
                                num_targets=self.num_targets, fake_mode=fake_mode, optimizer_state=state,
-                               check_update_elementwise=elementwise_check)
+                               check_update_elementwise=elementwise_check,
+                               grad_accumulation=self.grad_accumulation, precision=self.precision)
             seconds = time.perf_counter() - started
             if self.say:
                 self.say(f"capture: {len(captured.gm.graph.nodes)} nodes, {seconds:.1f} s")
@@ -106,29 +161,32 @@ class Planner:
             raise ConfigError(f"world_size must be a positive int and 0 <= rank < world_size, got {world_size!r}, {rank!r}")
         if memory_budget is not None and (not isinstance(memory_budget, int) or memory_budget <= 0):
             raise ConfigError(f"memory_budget must be a positive int (bytes per rank) or None, got {memory_budget!r}")
-        passes = build_pipeline(stage, disable, memory_budget=memory_budget)
+        passes = build_pipeline(stage, disable, self.prefetch_bytes, clip=self.clip, memory_budget=memory_budget,
+                                mixed_precision=self.precision is not None)
         captured, fake_mode, capture_seconds = self._captured(stage != 0)
         started = time.perf_counter()
         working = dataclasses_replace_gm(captured, copy_graph_module(captured.gm))
         ctx = CompileContext(stage, world_size, rank, PLANNING_GROUP if world_size > 1 else None, self.optimizer,
                              working, fake_mode, self.bucket_bytes, planning=True,
-                             traces=self._traces.setdefault(stage != 0, {}))
+                             traces=self._traces.setdefault(stage != 0, {}), precision=self.precision,
+                             gather_per_micro_batch=self.gather_per_micro_batch)
         gm, history = run_pipeline(working.gm, ctx, passes, verify=verify, dump_dir=dump_dir_of(dump_dir),
                                    progress=self.say)
         seconds = {"capture": capture_seconds, "passes": time.perf_counter() - started}
         if self.say:
             self.say(f"planned stage {stage} at world size {world_size}: {seconds['passes']:.1f} s")
-        return Plan(gm, ctx, history, self.param_dtype, seconds)
+        return Plan(gm, ctx, history, self.param_dtype, seconds, self.precision)
 
 
 class Plan:
     """The outcome of ``zerocc.plan``: what one rank would hold and send per step, and the graphs that say so."""
 
     def __init__(self, gm: fx.GraphModule, ctx: CompileContext, history: list[GraphSnapshot],
-                 param_dtype: torch.dtype | None, seconds: dict[str, float]):
+                 param_dtype: torch.dtype | None, seconds: dict[str, float], precision=None):
         self.gm, self.ctx, self.history = gm, ctx, history
         self.stage, self.world_size, self.rank = ctx.stage, ctx.world_size, ctx.rank
-        self.param_dtype = param_dtype
+        self.param_dtype = param_dtype   # accounting_dtype: the ZeRO paper's accounting
+        self.precision = precision
         self.seconds = seconds
 
     @property
@@ -165,7 +223,8 @@ class Plan:
             "rank": self.rank,
             "param_count": sum(i.numel for i in infos),
             "param_bytes": sum(i.numel * (self.param_dtype or i.dtype).itemsize for i in infos),
-            "param_dtype": str(self.param_dtype or captured.params[0].dtype).replace("torch.", ""),
+            **mixed.report_entries(self.precision, captured.params[0].dtype),
+            **({"param_dtype": str(self.param_dtype).replace("torch.", "")} if self.param_dtype else {}),
             "buckets": len(self.shard_plan.buckets),
             "padding_elements": self.shard_plan.padding_elements,
             "comm_bytes_per_step": comm,
@@ -173,8 +232,9 @@ class Plan:
             "model_state_bytes_per_rank": model_state_bytes(self.gm, self.ctx, self.param_dtype),
             "plan_seconds": {k: round(v, 3) for k, v in self.seconds.items()},
             "checkpoint": self.ctx.checkpoint_plan.to_dict() if self.ctx.checkpoint_plan is not None else None,
-            "accounting": ("mixed precision modeled in accounting only: params and grads in param_dtype, "
-                           "fp32 master params counted with optimizer state") if self.param_dtype else "as compiled",
+            "accounting": ("the ZeRO paper's mixed precision accounting (accounting_dtype): params and grads in "
+                           "accounting_dtype, fp32 master params counted with optimizer state")
+                          if self.param_dtype else "as compiled",
         }
 
     def explain(self) -> str:

@@ -74,12 +74,24 @@ class ShardPlan:
     rank: int
     buckets: tuple[Bucket, ...]
     bucket_bytes: int                # the target size buckets were filled to
+    # mixed precision (compile(param_dtype=...)): the dtype forward and backward compute in. At stages
+    # 1-2 a bucket of another dtype keeps its masters as this rank's shard (slot bucket:<i>, with the
+    # optimizer state) and the full bucket in param_dtype (slot compute:<i>), which the update gathers.
+    param_dtype: torch.dtype | None = None
 
     def bucket_of(self, param: int) -> Bucket:
         for bucket in self.buckets:
             if param in bucket.params:
                 return bucket
         raise KeyError(param)
+
+    def holds_shard(self, bucket: Bucket) -> bool:
+        """Does this rank's ``bucket:<i>`` slot hold only its shard (stage 3; fp32 masters under mixed precision)?"""
+        return self.stage == 3 or self.has_compute_copy(bucket)
+
+    def has_compute_copy(self, bucket: Bucket) -> bool:
+        """Stages 1-2 with a ``param_dtype``: the full bucket is kept in it (slot ``compute:<i>``), the masters sharded."""
+        return self.stage in (1, 2) and self.param_dtype is not None and self.param_dtype != bucket.dtype
 
     def owned_pieces(self) -> Iterator[tuple[Bucket, int, Piece]]:
         """(bucket, piece number, piece) for every piece whose optimizer state lives on this rank."""
@@ -117,6 +129,11 @@ def state_slot(owner: str, key: str) -> str:
 
 def bucket_slot(index: int) -> str:
     return f"bucket:{index}"
+
+
+def compute_slot(index: int) -> str:
+    """Stages 1-2 under mixed precision: the full bucket in ``param_dtype``, what forward and backward read."""
+    return f"compute:{index}"
 
 
 def piece_owner(bucket: int, number: int) -> str:

@@ -46,8 +46,9 @@ def clip_gradients(gm: fx.GraphModule, ctx: CompileContext, *, max_norm: float, 
     markers = {n.meta[g.BUCKET]: n for n in graph.nodes
                if n.op == "call_function" and n.target is ops.reduce_gradient}
     # the optimizer's gradient pieces: slices of a reduced bucket, keyed by their start in it
-    slices = {(bucket, user.args[2]): user for bucket, marker in markers.items() for user in marker.users
-              if user.target is aten.slice.Tensor and user.meta.get(g.PHASE) == g.OPTIMIZER}
+    slices = {(_reduced_bucket(node, markers), node.args[2]): node for node in graph.nodes
+              if node.op == "call_function" and node.target is aten.slice.Tensor
+              and node.meta.get(g.PHASE) == g.OPTIMIZER and _reduced_bucket(node, markers) is not None}
     pieces = []   # (param, offset in param, slice node, shape to view it as)
     for bucket, _, piece in plan.owned_pieces():
         node = slices[(bucket.index, piece.shard_offset)]
@@ -107,3 +108,17 @@ def clip_gradients(gm: fx.GraphModule, ctx: CompileContext, *, max_norm: float, 
     ctx.notes["clip_gradients"] = (f"max_norm={max_norm}, norm_type={norm_type}: {len(pieces)} pieces clipped, "
                                    f"+{reductions} all_reduce of the local norm")
     return gm
+
+
+# what mixed_precision puts between a reduction and the optimizer's slices: the cast back from
+# reduce_dtype, and loss scaling's unscale (``* (1 / scale)``)
+_PASS_THROUGH = (aten._to_copy.default, aten.mul.Tensor)
+
+
+def _reduced_bucket(piece: fx.Node, markers: dict[int, fx.Node]) -> int | None:
+    """The bucket whose reduced gradient ``piece`` slices (through mixed precision's casts), or None."""
+    source = piece.args[0]
+    while source.op == "call_function" and source.target in _PASS_THROUGH:
+        source = source.args[0]
+    bucket = source.meta.get(g.BUCKET)
+    return bucket if markers.get(bucket) is source else None

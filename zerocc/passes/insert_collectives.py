@@ -8,7 +8,9 @@ Establishes: no markers left. At world size N > 1 each marker becomes a
                       twice: before its first forward use and again before its
                       first backward use, and views of the parameter that
                       backward reads are re-derived from the second gather, so
-                      nothing keeps the forward copy alive through backward.
+                      nothing keeps the forward copy alive through backward;
+                      with grad_accumulation=K, twice per micro-batch (unless
+                      compile(gather_per_micro_batch=False)).
   reduce_gradient  -> reduce_scatter_tensor (or all_reduce at stage 0) of the
                       sum, divided by N: gradients are averaged as DDP does.
   buffers the step updates (BatchNorm statistics) are broadcast from rank 0 at
@@ -19,6 +21,7 @@ communicate. Collectives are waited right away here; ``schedule`` moves waits.
 """
 from __future__ import annotations
 
+import bisect
 import operator
 
 import torch
@@ -45,12 +48,13 @@ def insert_collectives(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModul
         return gm
 
     counts = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0, "broadcast": 0}
+    segments = _phase_segments(gm, ctx)
     for node in markers:
         if node.target is ops.reduce_gradient:
             _lower_reduce(gm, ctx, node)
             counts["reduce_scatter" if node.args[2] else "all_reduce"] += 1
         elif ctx.stage == 3 and g.is_parameter_shard(node.args[0]):
-            counts["all_gather"] += _lower_parameter_gather(gm, ctx, node)
+            counts["all_gather"] += _lower_parameter_gather(gm, ctx, node, segments)
         else:
             _replace_with_gather(gm, ctx, node)
             counts["all_gather"] += 1
@@ -114,8 +118,38 @@ def _is_alias(node: fx.Node) -> bool:
     return False
 
 
-def _lower_parameter_gather(gm, ctx, marker) -> int:
-    """Stage 3: gather for forward, gather again for backward; returns how many gathers."""
+def _phase_segments(gm, ctx) -> dict[fx.Node, tuple[int, int]]:
+    """Which gathered copy of a bucket each node reads: stage 3 gathers once per segment that uses the bucket.
+
+    A segment is (micro-batch, forward or not): one forward and one backward
+    for a single batch. With ``grad_accumulation=K`` capture traces the
+    micro-batches in turn and adds each micro-batch's loss to the running
+    total (``total + loss.detach()``) right after its backward: those running
+    totals, the chain of adds under the returned loss, end the micro-batches.
+    So each micro-batch gathers again and no gathered copy outlives its
+    micro-batch. With ``ctx.gather_per_micro_batch`` off every node is in
+    micro-batch 0: both copies stay alive across the micro-batches (K times
+    fewer gathers, a higher peak). Nodes of backward that forward computes
+    (a norm's saved statistics) count as backward, as with one batch.
+    """
+    order = g.topological_index(gm)
+    ends, node = [], g.output_node(gm).args[0][0]
+    while ctx.gather_per_micro_batch and node.op == "call_function" and node.target is aten.add.Tensor \
+            and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+        ends.append(order[node])
+    ends.sort()
+    return {node: (bisect.bisect_left(ends, order[node]), 0 if node.meta.get(g.PHASE) in (g.FORWARD, None) else 1)
+            for node in gm.graph.nodes}
+
+
+def _lower_parameter_gather(gm, ctx, marker, segments: dict[fx.Node, tuple[int, int]]) -> int:
+    """Stage 3: gather for the first segment that reads the bucket (forward), again for each later one.
+
+    Returns how many gathers. Views of the parameter that later segments
+    read are re-derived from their own gather, so nothing keeps an earlier
+    copy alive (``_phase_segments`` says what a segment is).
+    """
     graph = gm.graph
     shard, bucket = marker.args[0], marker.meta.get(g.BUCKET)
     # views of the gathered bucket: everything reachable from it through aliasing ops
@@ -125,38 +159,41 @@ def _lower_parameter_gather(gm, ctx, marker) -> int:
             if user not in views and _is_alias(user):
                 views.add(user)
                 stack.append(user)
-    backward_uses = [(user, view) for view in views for user in view.users
-                     if user not in views and user.meta.get(g.PHASE) not in (g.FORWARD, None) and user.op != "output"]
+    first_segment = min(segments[user] for view in views for user in view.users if user not in views)
+    later_uses: dict[tuple[int, int], list[tuple[fx.Node, fx.Node]]] = {}
+    for view in views:
+        for user in view.users:
+            if user not in views and user.op != "output" and segments[user] != first_segment:
+                later_uses.setdefault(segments[user], []).append((user, view))
 
     with graph.inserting_before(marker):
         forward = _gather(graph, ctx, shard, marker.meta[g.VAL], bucket)
     marker.replace_all_uses_with(forward)
     graph.erase_node(marker)
     views.discard(marker)
-    if not backward_uses:
-        return 1
+    for segment, uses in sorted(later_uses.items()):
+        first = min(user for user, _ in uses)   # fx nodes compare by graph position, O(1)
+        copies: dict[fx.Node, fx.Node] = {}
+        phase = first.meta.get(g.PHASE, g.BACKWARD)
 
-    first = min(user for user, _ in backward_uses)   # fx nodes compare by graph position, O(1)
-    copies: dict[fx.Node, fx.Node] = {}
+        def copy_of(node: fx.Node) -> fx.Node:
+            if node is forward:
+                return gathered
+            if node not in views:
+                return node
+            if node not in copies:
+                for source in node.all_input_nodes:
+                    copy_of(source)
+                copied = graph.node_copy(node, copy_of)
+                copied.meta[g.PHASE] = phase
+                copies[node] = copied
+            return copies[node]
 
-    def copy_of(node: fx.Node) -> fx.Node:
-        if node is forward:
-            return backward
-        if node not in views:
-            return node
-        if node not in copies:
-            for source in node.all_input_nodes:
-                copy_of(source)
-            copied = graph.node_copy(node, copy_of)
-            copied.meta[g.PHASE] = g.BACKWARD
-            copies[node] = copied
-        return copies[node]
-
-    with graph.inserting_before(first):
-        backward = _gather(graph, ctx, shard, forward.meta[g.VAL], bucket)
-        for user, view in backward_uses:
-            user.replace_input_with(view, copy_of(view))
-    return 2
+        with graph.inserting_before(first):
+            gathered = _gather(graph, ctx, shard, forward.meta[g.VAL], bucket)
+            for user, view in uses:
+                user.replace_input_with(view, copy_of(view))
+    return 1 + len(later_uses)
 
 
 def _broadcast_updated_buffers(gm, ctx) -> int:

@@ -10,8 +10,11 @@ Establishes, before ``insert_collectives`` lowers the markers:
     before its ``unshard`` at stage 3 (so the all_gather moves half the bytes
     of fp32), the full bucket at stages 0-2; the parameters forward and
     backward read are views of that cast. The per-parameter casts go.
-    (Stages 1-2 still all-gather the updated fp32 parameters: the full fp32
-    bucket every rank holds is the model's parameters, read by checkpoints.)
+    At stages 1-2 (as DeepSpeed's bf16 ZeRO-1/2) the fp32 masters become
+    this rank's shard (slot ``bucket:<i>``, beside the optimizer state) and
+    the full bucket is kept in ``param_dtype`` (slot ``compute:<i>``), which
+    forward and backward read; the update casts the new master shard to
+    ``param_dtype`` and gathers that, so gathers move ``param_dtype`` bytes.
   - gradients: each bucket is cast to ``reduce_dtype`` before its
     ``reduce_gradient`` and back to the master dtype after it, when they
     differ.
@@ -85,12 +88,15 @@ def _cast_parameters(gm: fx.GraphModule, ctx: CompileContext, bucket: plans.Buck
         with ctx.fake_mode:
             full.meta[g.VAL] = torch.empty(bucket.numel, dtype=dtype, device=full.meta[g.VAL].device)
         source = full
+    elif ctx.shard_plan.has_compute_copy(bucket):                    # stages 1-2: read the kept param_dtype copy
+        low = source = _shard_masters(gm, ctx, bucket, full, dtype)
     else:                                                            # stages 0-2: cast the full bucket
         with graph.inserting_before(first_slice):
             low = g.call(graph, ctx.fake_mode, aten._to_copy.default, full, dtype=dtype)
         source = low
-    low.meta.update({g.PRECISION_CAST: "param", g.PHASE: first_slice.meta.get(g.PHASE, g.FORWARD),
-                     g.BUCKET: bucket.index})
+    if low.op != "placeholder":
+        low.meta.update({g.PRECISION_CAST: "param", g.PHASE: first_slice.meta.get(g.PHASE, g.FORWARD),
+                         g.BUCKET: bucket.index})
     for cast in casts:
         view = cast.args[0]
         old_slice = view.args[0]
@@ -101,7 +107,60 @@ def _cast_parameters(gm: fx.GraphModule, ctx: CompileContext, bucket: plans.Buck
             new.meta.update({g.PHASE: old.meta.get(g.PHASE), g.BUCKET: bucket.index})
         cast.replace_all_uses_with(low_view)
         graph.erase_node(cast)
+        for node in (view, old_slice):   # the master's views: dead now, and a sharded master has no such range
+            if not node.users:
+                graph.erase_node(node)
+    if low.op == "placeholder":
+        readers = [u for u in full.users if u.meta.get(g.PHASE) != g.OPTIMIZER]
+        assert not readers, f"bucket {bucket.index}: the sharded master is still read outside the update: {readers}"
     return 1
+
+
+def _shard_masters(gm: fx.GraphModule, ctx: CompileContext, bucket: plans.Bucket, full: fx.Node,
+                   dtype: torch.dtype) -> fx.Node:
+    """Stages 1-2: keep the fp32 masters as this rank's shard and the full bucket in ``dtype``; returns the latter.
+
+    As DeepSpeed's bf16 ZeRO-1/2: the slot ``bucket:<i>`` becomes this rank's
+    shard of the masters (the optimizer reads its pieces from it), a new slot
+    ``compute:<i>`` holds the whole bucket in ``dtype`` (forward and backward
+    read it), and the update casts the new master shard to ``dtype`` before
+    the ``unshard`` that gathers it into the new ``compute:<i>``: the gather
+    moves ``dtype`` bytes, and no rank holds the full fp32 bucket.
+    """
+    graph = gm.graph
+    plan = ctx.shard_plan
+    device = full.meta[g.VAL].device
+    with graph.inserting_after(full):
+        compute = graph.placeholder(f"compute{bucket.index}")
+    with ctx.fake_mode:
+        compute_value = torch.empty(bucket.numel, dtype=dtype, device=device)
+        full.meta[g.VAL] = torch.empty(bucket.shard_numel, dtype=bucket.dtype, device=device)
+    compute.meta.update({g.ROLE: g.ROLE_PARAM, g.INDEX: bucket.index, g.BUCKET: bucket.index,
+                         g.SLOT: plans.compute_slot(bucket.index), g.VAL: compute_value})
+    # the update's pieces were sliced from the full bucket at this rank's offset; the shard starts at 0
+    base = plan.rank * bucket.shard_numel if bucket.shards > 1 else 0
+    for user in list(full.users):
+        if user.meta.get(g.PHASE) == g.OPTIMIZER and user.target is aten.slice.Tensor:
+            _, dim, start, stop = user.args
+            user.args = (full, dim, start - base, stop - base)
+    # the update: new master shard -> bucket:<i>; its cast, gathered -> compute:<i>
+    output = g.output_node(gm)
+    loss, *values = output.args[0]
+    slots = list(gm.meta[g.OUTPUT_SLOTS])
+    position = slots.index(plans.bucket_slot(bucket.index))
+    gathered = values[position]
+    assert gathered.target is ops.unshard, f"bucket {bucket.index}: the update is not gathered by an unshard"
+    new_shard = gathered.args[0]
+    with graph.inserting_before(gathered):
+        low = g.call(graph, ctx.fake_mode, aten._to_copy.default, new_shard, dtype=dtype)
+    low.meta.update({g.PHASE: g.OPTIMIZER, g.BUCKET: bucket.index})
+    gathered.args = (low, *gathered.args[1:])
+    with ctx.fake_mode:
+        gathered.meta[g.VAL] = torch.empty(bucket.numel, dtype=dtype, device=device)
+    values[position] = new_shard
+    output.args = ([loss, *values, gathered],)
+    gm.meta[g.OUTPUT_SLOTS] = [*slots, plans.compute_slot(bucket.index)]
+    return compute
 
 
 def _reduce_in(gm: fx.GraphModule, ctx: CompileContext, marker: fx.Node, precision: mixed.Precision):
@@ -183,7 +242,7 @@ def _scale_loss(gm: fx.GraphModule, ctx: CompileContext, reduced: list[fx.Node],
         guarded = 0
         for position, (slot, value) in enumerate(zip(gm.meta[g.OUTPUT_SLOTS], values)):
             kind = slot.split(":")[0]
-            if kind in ("bucket", "param", "state") and slot in old_of and value is not old_of[slot]:
+            if kind in ("bucket", "compute", "param", "state") and slot in old_of and value is not old_of[slot]:
                 condition = skip
                 device = g.tensor_meta(value).device
                 if device != g.tensor_meta(skip).device:   # Adam's step count lives on the CPU

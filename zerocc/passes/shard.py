@@ -223,7 +223,8 @@ def choose_buckets(gm: fx.GraphModule, ctx: CompileContext, trained: list[fx.Nod
     closed.sort(key=lambda bucket: bucket[0])     # buckets in order of their first use
     buckets = [plans.Bucket(index, key[0], key[1], tuple(segments), numel, shards)
                for index, (_, key, segments, numel) in enumerate(closed)]
-    return plans.ShardPlan(ctx.stage, ctx.world_size, ctx.rank, tuple(buckets), ctx.bucket_bytes)
+    param_dtype = ctx.precision.param_dtype if ctx.precision is not None else None
+    return plans.ShardPlan(ctx.stage, ctx.world_size, ctx.rank, tuple(buckets), ctx.bucket_bytes, param_dtype)
 
 
 def _empty(ctx: CompileContext, numel: int, dtype: torch.dtype, device) -> torch.Tensor:

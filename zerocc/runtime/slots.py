@@ -28,7 +28,9 @@ def initial_slots(plan: ShardPlan, captured: Captured, model: torch.nn.Module,
             info = captured.params[segment.param]
             full[segment.offset: segment.offset + segment.numel] = tensors[info.name].detach().reshape(-1)
             bucketed.add(segment.param)
-        if plan.stage == 3:
+        if plan.has_compute_copy(bucket):   # mixed precision at stages 1-2: the full bucket in param_dtype
+            slots[plans.compute_slot(bucket.index)] = full.to(plan.param_dtype)
+        if plan.holds_shard(bucket):
             start = plan.rank * bucket.shard_numel
             slots[plans.bucket_slot(bucket.index)] = full[start: start + bucket.shard_numel].clone()
         else:
@@ -58,11 +60,11 @@ def initial_slots(plan: ShardPlan, captured: Captured, model: torch.nn.Module,
 
 
 def full_buckets(plan: ShardPlan, slots: dict[str, torch.Tensor], group) -> dict[int, torch.Tensor]:
-    """Each bucket's full flat tensor; at stage 3 gathered from every rank's shard (a collective)."""
+    """Each bucket's full flat tensor; gathered from every rank's shard where ranks hold shards (a collective)."""
     result = {}
     for bucket in plan.buckets:
         local = slots[plans.bucket_slot(bucket.index)]
-        if plan.stage == 3 and plan.world_size > 1:
+        if plan.holds_shard(bucket) and plan.world_size > 1:
             full = torch.empty(bucket.numel, dtype=local.dtype, device=local.device)
             dist.all_gather_single(full, local.contiguous(), group=group)
             result[bucket.index] = full
@@ -71,10 +73,25 @@ def full_buckets(plan: ShardPlan, slots: dict[str, torch.Tensor], group) -> dict
     return result
 
 
+def refresh_compute_copies(plan: ShardPlan, slots: dict[str, torch.Tensor], group) -> None:
+    """Stages 1-2 under mixed precision: rebuild each ``compute:<i>`` from the master shards (after a load)."""
+    for bucket in plan.buckets:
+        if not plan.has_compute_copy(bucket):
+            continue
+        low = slots[plans.bucket_slot(bucket.index)].to(plan.param_dtype)
+        if plan.world_size > 1:
+            full = torch.empty(bucket.numel, dtype=low.dtype, device=low.device)
+            dist.all_gather_single(full, low.contiguous(), group=group)
+            low = full
+        slots[plans.compute_slot(bucket.index)].copy_(low)
+
+
 def parameter_views(plan: ShardPlan, captured: Captured, buckets: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
-    """Each bucketed parameter, by index, as a view of its full bucket."""
+    """Each parameter of the buckets given (by index), as a view of its full bucket."""
     views = {}
     for bucket in plan.buckets:
+        if bucket.index not in buckets:
+            continue
         full = buckets[bucket.index]
         for segment in bucket.segments:
             info = captured.params[segment.param]
