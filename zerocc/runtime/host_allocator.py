@@ -43,15 +43,16 @@ def keep_freed_host_memory(mmap_threshold: int = MMAP_THRESHOLD_BYTES, trim_thre
     Process-wide and lasting: call it once, before training. See the module's
     docstring for what it costs (the resident set keeps its high-water mark).
     """
+    settings = ((M_MMAP_THRESHOLD, mmap_threshold), (M_TRIM_THRESHOLD, trim_threshold), (M_TOP_PAD, top_pad))
+    for _, value in settings:
+        if not isinstance(value, int) or not 0 <= value <= 2**31 - 1:
+            raise ValueError(f"mallopt values are non-negative ints below 2**31, got {value!r}")
     libc = _glibc()
     if libc is None:
         return False
-    settings = ((M_MMAP_THRESHOLD, mmap_threshold), (M_TRIM_THRESHOLD, trim_threshold), (M_TOP_PAD, top_pad))
     for option, value in settings:
-        if not 0 <= value <= 2**31 - 1:
-            raise ValueError(f"mallopt values are non-negative ints below 2**31, got {value!r}")
         if libc.mallopt(option, value) != 1:
-            raise ValueError(f"glibc refused mallopt({option}, {value}) (the mmap threshold is at most 32 MiB)")
+            raise ValueError(f"glibc refused mallopt({option}, {value})")
     return True
 
 
