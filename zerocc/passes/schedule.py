@@ -181,8 +181,9 @@ def _keep_forward_gathers(graph: fx.Graph, prefetch_bytes: int) -> list[int]:
         if is_parameter_gather(node) and node.meta.get(g.BUCKET) is not None:
             twice.setdefault(node.meta[g.BUCKET], []).append(node)
     pairs = [nodes for nodes in twice.values() if len(nodes) == 2]   # graph order: (forward, backward)
-    pairs.sort(key=lambda nodes: _positions(graph)[nodes[1]])
-    kept, extensions = [], []   # extensions: (forward copy's wait, backward's first use, bytes) held beyond forward
+    position = _positions(graph)
+    pairs.sort(key=lambda nodes: position[nodes[1]])
+    kept, extensions = [], []   # extensions: (forward's last use, backward's uses, bytes) held beyond forward
     for forward, backward in pairs:
         position = _positions(graph)
         forward_wait, backward_wait = wait_of(forward), wait_of(backward)
@@ -191,7 +192,8 @@ def _keep_forward_gathers(graph: fx.Graph, prefetch_bytes: int) -> list[int]:
             held = _gathered_bytes_over(graph, position, last_forward_use, position[backward], extensions)
             if held + held_bytes(forward) > prefetch_bytes:
                 continue
-            extensions.append((forward_wait, list(backward_wait.users), held_bytes(forward)))
+            nodes = list(graph.nodes)
+            extensions.append((nodes[last_forward_use], list(backward_wait.users), held_bytes(forward)))
         shard = backward.args[0]
         backward_wait.replace_all_uses_with(forward_wait)
         graph.erase_node(backward_wait)
@@ -229,8 +231,7 @@ def _gathered_bytes_over(graph: fx.Graph, position: dict[fx.Node, int], start: i
                          extensions: list) -> int:
     """The most bytes in flight (parameter gathers issued, not waited) or kept from forward, over (start, stop)."""
     in_flight, peak, waits = 0, 0, {}
-    kept_spans = [(_last_use(wait, position), min(position[u] for u in users), size)
-                  for wait, users, size in extensions]
+    kept_spans = [(position[last], min(position[u] for u in users), size) for last, users, size in extensions]
     for node in graph.nodes:
         index = position[node]
         if index >= stop:
