@@ -18,10 +18,23 @@ Per system, in this order:
     reduce-scatter moves the full tensor's bytes, an all-reduce twice them);
   - then every system is timed, interleaved: ``--repeats`` rounds, each round
     running ``--steps`` steps of every system, the order rotating from round
-    to round so that machine noise falls on every system alike.
+    to round so that machine noise falls on every system alike. Besides the
+    wall-clock step time, the process's CPU time per step is taken (every
+    thread: compute and gloo's communication threads), which is steadier than
+    wall-clock time on a machine shared with other jobs, and counts what
+    communication costs on a CPU, where it competes with compute for cores.
 Every system takes the same number of steps, so the final losses compare.
 
-Writes benchmarks/results/compare.{md,json,png} (rank 0) and prints the table.
+``--malloc tuned`` re-executes every rank, before anything is imported,
+with glibc's allocator told to keep freed memory (``TUNED_MALLOC``: no
+mmap for blocks under 32 MiB, no trimming below 4 GiB, 256 MiB of top
+pad), so that large blocks freed in one step are reused in the next instead
+of being returned to the OS and faulted back in. Every system shares the
+process, so every system runs under the same allocator settings.
+
+Writes benchmarks/results/compare[-tuned].{md,json,png} (rank 0) and prints the table;
+with ``--malloc tuned`` the table also lists the rows of the last default run
+(compare.json) beside the tuned ones, marked by their allocator.
 """
 from __future__ import annotations
 
@@ -33,6 +46,20 @@ import re
 import statistics
 import sys
 import time
+
+# glibc reads these once, at start-up: --malloc tuned re-executes the process with them
+TUNED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "33554432", "MALLOC_TRIM_THRESHOLD_": "4294967296",
+                "MALLOC_TOP_PAD_": "268435456"}
+
+
+def _reexec_with_malloc_settings() -> None:
+    """Under ``--malloc tuned``, replace this process by itself with TUNED_MALLOC in its environment."""
+    tuned = "--malloc=tuned" in sys.argv or any(a == "--malloc" and b == "tuned" for a, b in zip(sys.argv, sys.argv[1:]))
+    if tuned and any(os.environ.get(k) != v for k, v in TUNED_MALLOC.items()):
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **TUNED_MALLOC})
+
+
+_reexec_with_malloc_settings()   # before torch is imported: the same pid, so torchrun keeps watching it
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("DS_BUILD_OPS", "0")
@@ -168,7 +195,12 @@ def main():
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
     parser.add_argument("--bucket-bytes", type=int, help="zerocc's bucket_bytes (default: zerocc's)")
     parser.add_argument("--prefetch-bytes", type=int, help="zerocc's prefetch_bytes (default: zerocc's)")
+    parser.add_argument("--malloc", choices=("default", "tuned", "mallopt"), default="default",
+                        help="tuned: re-execute with TUNED_MALLOC (glibc keeps freed memory); mallopt: the same "
+                             "through zerocc.keep_freed_host_memory() at start; either for every system alike")
     args = parser.parse_args()
+    if args.malloc == "mallopt":
+        zerocc.keep_freed_host_memory()
     if args.bucket_bytes is not None:
         ZEROCC_OPTIONS["bucket_bytes"] = args.bucket_bytes
     if args.prefetch_bytes is not None:
@@ -222,15 +254,17 @@ def main():
 
     running = [n for n in names if n in steps]
     times = {n: [] for n in running}
+    cpu_times = {n: [] for n in running}   # this process's CPU time, every thread (gloo's too)
     cursor = {n: args.warmup + 1 for n in running}
     for round_index in range(args.repeats):
         shift = round_index % len(running)
         for name in running[shift:] + running[:shift]:
             barrier()
-            started = time.perf_counter()
+            started, cpu_started = time.perf_counter(), time.process_time()
             for _ in range(args.steps):
                 losses[name].append(steps[name](*data[cursor[name]]))
                 cursor[name] += 1
+            cpu_times[name].append((time.process_time() - cpu_started) / args.steps)
             barrier()
             times[name].append((time.perf_counter() - started) / args.steps)
 
@@ -241,6 +275,7 @@ def main():
         results[name] = {
             "step_seconds_median": statistics.median(times[name]),
             "step_seconds_all": times[name],
+            "cpu_seconds_median": statistics.median(cpu_times[name]),
             "peak_live_bytes": peak[name],
             "comm_bytes_per_step": comm[name],
             "collectives_per_step": calls[name],
@@ -252,6 +287,10 @@ def main():
     dist.all_gather(gathered, peaks[0])
     for i, name in enumerate(running):
         results[name]["peak_live_bytes_per_rank"] = [int(t[i]) for t in gathered]
+    cpu = torch.tensor([results[n]["cpu_seconds_median"] for n in running], dtype=torch.float64)
+    dist.all_reduce(cpu)
+    for i, name in enumerate(running):
+        results[name]["cpu_seconds_per_rank_mean"] = cpu[i].item() / world
     if rank == 0:
         write(results, failed, args, world)
     dist.destroy_process_group()
@@ -259,40 +298,55 @@ def main():
 
 def write(results, failed, args, world):
     os.makedirs(args.out, exist_ok=True)
-    names = list(results)
+    suffix = "" if args.malloc == "default" else f"-{args.malloc}"
+    runs = [(args.malloc, results, failed)]
+    earlier = os.path.join(args.out, "compare.json")
+    if args.malloc != "default" and os.path.exists(earlier):   # the default run's rows beside these
+        with open(earlier) as f:
+            previous = json.load(f)
+        runs.insert(0, (previous["args"].get("malloc", "default"), previous["results"], previous["failed"]))
     params = sum(p.numel() for p in GPT().parameters())
     lines = [f"GPT {params / 1e6:.2f}M parameters (examples/gpt.py defaults), batch {BATCH} x 128 tokens per rank, AdamW, "
              f"{world} gloo ranks, {args.threads} thread(s) per rank; median of {args.repeats} interleaved rounds of "
-             f"{args.steps} steps after {args.warmup} warm-up steps.", "",
-             "| system | step time (ms) | vs DDP | peak live MiB / rank | comm MiB / step | collectives / step | final loss |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
-    ddp = results.get("DDP", {}).get("step_seconds_median")
-    for name in names:
-        r = results[name]
-        ms = r["step_seconds_median"] * 1e3
-        ratio = f"{r['step_seconds_median'] / ddp:.2f}" if ddp else "-"
-        lines.append(f"| {name} | {ms:.1f} | {ratio} | {max(r['peak_live_bytes_per_rank']) / 2**20:.1f} | "
-                     f"{sum(r['comm_bytes_per_step'].values()) / 2**20:.1f} | {sum(r['collectives_per_step'].values())} | "
-                     f"{r['final_loss']:.6f} |")
-    for name, why in failed.items():
-        lines.append(f"| {name} | failed: {why[:200]} | | | | | |")
-    if "zerocc-3" in results:
-        z = results["zerocc-3"]
-        lines.append("")
+             f"{args.steps} steps after {args.warmup} warm-up steps. malloc: glibc's defaults, or tuned "
+             f"({' '.join(f'{k}={v}' for k, v in TUNED_MALLOC.items())}); ratios are to DDP in the same run.", "",
+             "| system | malloc | step time (ms) | vs DDP | CPU ms / step / rank | vs DDP | peak live MiB / rank | "
+             "comm MiB / step | collectives / step | final loss |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for malloc, run, run_failed in runs:
+        ddp = run.get("DDP", {})
+        for name, r in run.items():
+            ms = r["step_seconds_median"] * 1e3
+            ratio = f"{r['step_seconds_median'] / ddp['step_seconds_median']:.2f}" if ddp else "-"
+            cpu = r.get("cpu_seconds_per_rank_mean")
+            cpu_ms = "-" if cpu is None else f"{cpu * 1e3:.1f}"
+            cpu_ratio = f"{cpu / ddp['cpu_seconds_per_rank_mean']:.2f}" if cpu and "cpu_seconds_per_rank_mean" in ddp else "-"
+            lines.append(f"| {name} | {malloc} | {ms:.1f} | {ratio} | {cpu_ms} | {cpu_ratio} | "
+                         f"{max(r['peak_live_bytes_per_rank']) / 2**20:.1f} | "
+                         f"{sum(r['comm_bytes_per_step'].values()) / 2**20:.1f} | "
+                         f"{sum(r['collectives_per_step'].values())} | {r['final_loss']:.6f} |")
+        for name, why in run_failed.items():
+            lines.append(f"| {name} | {malloc} | failed: {why[:200]} | | | | | | | |")
+    lines.append("")
+    for malloc, run, _ in runs:
+        z = run.get("zerocc-3")
         for peer in ("DDP", "FSDP2", "DeepSpeed-3"):
-            if peer in results:
-                p = results[peer]
-                lines.append(f"- zerocc-3 / {peer}: step time {z['step_seconds_median'] / p['step_seconds_median']:.2f}, "
-                             f"peak live bytes {max(z['peak_live_bytes_per_rank']) / max(p['peak_live_bytes_per_rank']):.2f}, "
+            if z is not None and peer in run:
+                p = run[peer]
+                cpu = (f"CPU time {z['cpu_seconds_per_rank_mean'] / p['cpu_seconds_per_rank_mean']:.2f}, "
+                       if "cpu_seconds_per_rank_mean" in z and "cpu_seconds_per_rank_mean" in p else "")
+                lines.append(f"- malloc {malloc}: zerocc-3 / {peer}: step time "
+                             f"{z['step_seconds_median'] / p['step_seconds_median']:.2f}, {cpu}peak live bytes "
+                             f"{max(z['peak_live_bytes_per_rank']) / max(p['peak_live_bytes_per_rank']):.2f}, "
                              f"final loss difference {abs(z['final_loss'] - p['final_loss']):.2e}")
     table = "\n".join(lines) + "\n"
     print(table)
-    with open(os.path.join(args.out, "compare.md"), "w") as f:
+    with open(os.path.join(args.out, f"compare{suffix}.md"), "w") as f:
         f.write(table)
-    with open(os.path.join(args.out, "compare.json"), "w") as f:
+    with open(os.path.join(args.out, f"compare{suffix}.json"), "w") as f:
         json.dump({"results": results, "failed": failed, "args": vars(args)}, f, indent=1)
     try:
-        plot(results, os.path.join(args.out, "compare.png"))
+        plot(results, os.path.join(args.out, f"compare{suffix}.png"))
     except ImportError as error:
         print(f"no plot ({error}); pip install -e '.[bench]'")
 

@@ -9,6 +9,10 @@ drops the second all_gather: one bucket more stays alive through the turn
 of the step, one all_gather less goes over the wire. It reads the shard
 plan the passes before it decided (``ctx.shard_plan``) and writes its
 count note on ``ctx.notes`` like every built-in pass.
+
+The built-in ``schedule`` pass now does this itself where it fits in
+``prefetch_bytes`` (``ctx.schedule.kept_buckets``); this pass does it
+unconditionally, and shows its effect best with ``disable=["schedule"]``.
 """
 from __future__ import annotations
 
@@ -56,10 +60,10 @@ def main() -> None:
         model = GPT(layers=2)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     batch = (torch.zeros(2, 128, dtype=torch.long, device="meta"),) * 2
-    before = zerocc.plan(model, optimizer, stage=3, world_size=8, example_inputs=batch)
+    before = zerocc.plan(model, optimizer, stage=3, world_size=8, example_inputs=batch, disable=["schedule"])
     zerocc.register_pass(keep_last_bucket_gathered, after="insert_collectives")
     try:
-        after = zerocc.plan(model, optimizer, stage=3, world_size=8, example_inputs=batch)
+        after = zerocc.plan(model, optimizer, stage=3, world_size=8, example_inputs=batch, disable=["schedule"])
     finally:
         zerocc.unregister_pass("keep_last_bucket_gathered")
     print("passes:", ", ".join(after.passes))

@@ -258,7 +258,9 @@ def test_gathers_move_param_dtype_bytes_and_reductions_reduce_dtype_bytes():
             assert held["params"] == padded * 2 + padded // 2 * 4     # the bf16 bucket, the fp32 master shard
         else:              # bf16 gathers: half of test_communication's fp32 bytes
             assert comm["reduce_scatter"] == padded * reduce_bytes
-            assert padded * 2 < comm["all_gather"] <= 2 * padded * 2
+            # each bucket gathered once for forward, again for backward unless the schedule
+            # kept forward's copy (test_communication)
+            assert padded * 2 <= comm["all_gather"] <= 2 * padded * 2
             # loss scaling all-reduces one fp32 found-inf flag (counted twice, as all_reduce is)
             assert comm["all_reduce"] == (8 if "loss_scale" in precision else 0)
 

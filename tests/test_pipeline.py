@@ -147,9 +147,10 @@ def test_explain_says_what_the_passes_decided():
 
 
 def test_custom_pass_example_drops_one_gather():
-    before = planned_gpt().report()
+    # without the schedule pass, which keeps forward copies within prefetch_bytes by itself
+    before = planned_gpt(disable=["schedule"]).report()
     zerocc.register_pass(keep_last_bucket_gathered, after="insert_collectives")
-    after_plan = planned_gpt(verify=True)
+    after_plan = planned_gpt(verify=True, disable=["schedule"])
     after = after_plan.report()
     assert after["collectives_per_step"]["all_gather"] == before["collectives_per_step"]["all_gather"] - 1
     last = after_plan.shard_plan.buckets[-1]
@@ -162,7 +163,8 @@ def _train_with_and_without_the_custom_pass(rank, world_size):
         if register:
             zerocc.register_pass(keep_last_bucket_gathered, after="insert_collectives")
         model, _, loss_fn = build("gpt")
-        step = zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-2), stage=3, bucket_bytes=16 * 1024)
+        step = zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-2), stage=3, bucket_bytes=16 * 1024,
+                              disable=["schedule"])   # which keeps forward copies within prefetch_bytes by itself
         data = batches("gpt", 2, 4 * world_size)
         results.append([step(*[t[rank * 4:(rank + 1) * 4] for t in batch]) for batch in data])
         results.append(step.report()["collectives_per_step"]["all_gather"])

@@ -99,9 +99,14 @@ def test_plan_reports_the_papers_communication_volume_without_a_process_group():
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     planner = Planner(model, optimizer, example_inputs=batches("gpt", 1, 2)[0], bucket_bytes=16 * 1024)
     for stage, factor in ((1, 2), (2, 2), (3, 3)):
-        report = planner.plan(stage, 64).report()
+        # stage 3 as the paper counts it, every bucket gathered again for backward: without the
+        # schedule pass, which keeps forward's copy of a bucket where it is alive anyway
+        report = planner.plan(stage, 64, disable=("schedule",) if stage == 3 else ()).report()
         moved = sum(report["comm_bytes_per_step"].values())
         assert report["param_bytes"] * factor <= moved <= report["param_bytes"] * factor * 1.05, stage
+    report = planner.plan(3, 64).report()
+    moved = sum(report["comm_bytes_per_step"].values())
+    assert report["param_bytes"] * 2 <= moved < report["param_bytes"] * 3
     assert not dist.is_initialized()
 
 

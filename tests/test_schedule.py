@@ -10,6 +10,8 @@ import functools
 import pytest
 import torch
 
+import zerocc
+from tests import distributed
 from tests.models import batches, build
 from zerocc import graph as g
 from zerocc.capture import capture
@@ -147,6 +149,73 @@ def test_world_size_1_is_untouched():
     names = [snapshot.name for snapshot in history]
     after, before = history[names.index("schedule")], history[names.index("schedule") - 1]
     assert after.code.splitlines()[1:] == before.code.splitlines()[1:]
+
+
+def _gathers_by_bucket(gm):
+    found = {}
+    for node in gm.graph.nodes:
+        if is_parameter_gather(node):
+            found.setdefault(node.meta[g.BUCKET], []).append(node)
+    return found
+
+
+def _phases_reading(wait):
+    """The phases of the nodes that read ``wait`` or a view of it."""
+    phases, stack, seen = set(), [wait], {wait}
+    while stack:
+        for user in stack.pop().users:
+            phases.add(user.meta.get(g.PHASE))
+            returns = getattr(getattr(user.target, "_schema", None), "returns", None)
+            if returns and returns[0].alias_info is not None and user not in seen:
+                seen.add(user)
+                stack.append(user)
+    return phases
+
+
+@pytest.mark.parametrize("prefetch_bytes", [0, 64 * 1024])
+def test_backward_reads_forward_gather_where_it_is_kept(prefetch_bytes):
+    gm, ctx, history = compiled(3, prefetch_bytes=prefetch_bytes)
+    kept = set(ctx.schedule.kept_buckets)
+    assert kept, "the tied embedding's bucket is alive from the first block to the output layer: kept for free"
+    before = _gathers_by_bucket(history[[h.name for h in history].index("schedule") - 1].graph_module)
+    after = _gathers_by_bucket(gm)
+    for bucket, gathers in after.items():
+        if bucket in kept:
+            (gather,) = gathers
+            assert {g.FORWARD, g.BACKWARD} <= _phases_reading(wait_of(gather))
+            assert len(before[bucket]) == 2
+        else:
+            assert len(gathers) == len(before[bucket])
+    assert sum(1 for c in ctx.schedule.collectives if c.kind == "all_gather") == sum(map(len, after.values()))
+    assert f"{len(kept)} kept from forward into backward" in ctx.notes["schedule"]
+
+
+def test_a_larger_bound_keeps_more_and_the_turn_of_the_step_is_kept():
+    _, free, _ = compiled(3, prefetch_bytes=0)
+    _, bounded, _ = compiled(3, prefetch_bytes=64 * 1024)
+    assert set(free.schedule.kept_buckets) <= set(bounded.schedule.kept_buckets)
+    last_forward = max(b.index for b in bounded.shard_plan.buckets)   # buckets are in first-use order
+    assert last_forward in bounded.schedule.kept_buckets
+
+
+def _train_with_and_without_schedule(rank, world_size):
+    results = []
+    for disable in ((), ("schedule",)):
+        model, _, loss_fn = build("gpt")
+        step = zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-2), stage=3, loss_fn=loss_fn,
+                              bucket_bytes=SMALL_BUCKETS, prefetch_bytes=64 * 1024, disable=disable)
+        data = batches("gpt", 3, 4 * world_size)
+        losses = [step(*[t[rank * 4:(rank + 1) * 4] for t in batch]) for batch in data]
+        results.append((losses, step.full_state_dict(), step.report()["collectives_per_step"]["all_gather"]))
+    return results
+
+
+def test_kept_gathers_train_bit_for_bit_as_gathering_twice():
+    for (losses, state, gathers), (losses_unscheduled, state_unscheduled, gathers_twice) in distributed.run(
+            _train_with_and_without_schedule, 2):
+        assert gathers < gathers_twice
+        assert all(torch.equal(a, b) for a, b in zip(losses, losses_unscheduled))
+        assert all(torch.equal(state[k], state_unscheduled[k]) for k in state)
 
 
 def _train_on_gpu(rank, world_size, port, folder):

@@ -160,6 +160,7 @@ class Schedule:
     collectives: tuple[ScheduledCollective, ...]  # in issue order
     max_gather_bytes_in_flight: int
     max_reduce_bytes_in_flight: int
+    kept_buckets: tuple[int, ...] = ()           # stage 3: backward reads forward's gather, not a second one
 
 
 @dataclasses.dataclass(frozen=True)

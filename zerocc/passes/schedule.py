@@ -14,7 +14,16 @@ Establishes: a ``Schedule`` on ``ctx``, and a node order in which
   - a reduce-scatter is issued as soon as its bucket's gradients are final
     (``shard`` puts it there) and waited where its shard is used, or earlier
     where waiting later would keep more than ``prefetch_bytes`` of unreduced
-    gradient buckets alive: an in-flight collective holds its full-size input.
+    gradient buckets alive: an in-flight collective holds its full-size input;
+  - at stage 3, backward reads forward's gather of a bucket instead of
+    gathering it again when forward's copy is still alive where the second
+    gather would be issued (it costs no memory: the two copies overlapped),
+    or dies shortly before, as long as the bytes kept beyond forward's last
+    use, with the gathers in flight meanwhile, stay within ``prefetch_bytes``.
+    That is the turn of the step: the buckets forward uses last (and the
+    embedding a tied output layer reads) are needed first by backward, and
+    their second gather could not be hidden behind compute (the loss is
+    short), so it was the longest wait of the step.
 
 Only collectives, waits and the averaging divisions move; compute keeps its
 traced order, so random ops run in eager's order. Every decision is a function
@@ -29,6 +38,9 @@ same graph overlaps on both, the runtime adds nothing.
 """
 from __future__ import annotations
 
+import operator
+
+import torch
 import torch.fx as fx
 
 from .. import graph as g
@@ -50,6 +62,8 @@ def schedule(gm: fx.GraphModule, ctx: CompileContext, *, prefetch_bytes: int) ->
     original_order = {node: i for i, node in enumerate(collectives)}
     sunk = _sink_waits(graph)
     prefetched = _prefetch_parameter_gathers(graph, prefetch_bytes)
+    kept = _keep_forward_gathers(graph, prefetch_bytes)
+    prefetched &= set(graph.nodes)   # less the backward gathers just dropped
     bounded = _bound_reductions_in_flight(graph, prefetch_bytes)
     graph.lint()
     gm.recompile()
@@ -61,10 +75,12 @@ def schedule(gm: fx.GraphModule, ctx: CompileContext, *, prefetch_bytes: int) ->
               for n in issued),
         max_in_flight(gm, is_parameter_gather),
         max_in_flight(gm, g.is_reduce_scatter),
+        tuple(kept),
     )
     moved = sum(1 for a, b in zip(issued, sorted(issued, key=original_order.get)) if a is not b)
     ctx.notes["schedule"] = (f"{sunk} waits moved to first use, {len(prefetched)} gathers prefetched "
-                             f"({moved} collectives reordered), {bounded} reduce-scatter waits moved earlier "
+                             f"({moved} collectives reordered), {len(kept)} kept from forward into backward "
+                             f"(-{len(kept)} all_gather), {bounded} reduce-scatter waits moved earlier "
                              f"to keep <= {prefetch_bytes:,} bytes in flight")
     return gm
 
@@ -150,6 +166,85 @@ def _prefetch_parameter_gathers(graph: fx.Graph, prefetch_bytes: int) -> set[fx.
         if position[gather] < before:
             prefetched.add(gather)
     return prefetched
+
+
+def _keep_forward_gathers(graph: fx.Graph, prefetch_bytes: int) -> list[int]:
+    """Drop the backward gather of a bucket whose forward copy can serve backward; returns the buckets.
+
+    A bucket's forward copy is kept when it is still alive where its backward
+    gather is issued (free), or when the bytes of kept copies beyond their
+    last forward use plus the gathers in flight stay within ``prefetch_bytes``
+    over that gap. Buckets are taken in the order backward gathers them.
+    """
+    twice: dict[int, list[fx.Node]] = {}
+    for node in graph.nodes:
+        if is_parameter_gather(node) and node.meta.get(g.BUCKET) is not None:
+            twice.setdefault(node.meta[g.BUCKET], []).append(node)
+    pairs = [nodes for nodes in twice.values() if len(nodes) == 2]   # graph order: (forward, backward)
+    position = _positions(graph)
+    pairs.sort(key=lambda nodes: position[nodes[1]])
+    kept, extensions = [], []   # extensions: (forward's last use, backward's uses, bytes) held beyond forward
+    for forward, backward in pairs:
+        position = _positions(graph)
+        forward_wait, backward_wait = wait_of(forward), wait_of(backward)
+        last_forward_use = _last_use(forward_wait, position)
+        if position[backward] > last_forward_use:
+            held = _gathered_bytes_over(graph, position, last_forward_use, position[backward], extensions)
+            if held + held_bytes(forward) > prefetch_bytes:
+                continue
+            nodes = list(graph.nodes)
+            extensions.append((nodes[last_forward_use], list(backward_wait.users), held_bytes(forward)))
+        shard = backward.args[0]
+        backward_wait.replace_all_uses_with(forward_wait)
+        graph.erase_node(backward_wait)
+        graph.erase_node(backward)
+        if shard.op != "placeholder" and not shard.users:
+            graph.erase_node(shard)   # the shard's cast to param_dtype went with the gather
+        kept.append(forward.meta[g.BUCKET])
+    return kept
+
+
+def _positions(graph: fx.Graph) -> dict[fx.Node, int]:
+    return {node: i for i, node in enumerate(graph.nodes)}
+
+
+def _last_use(value: fx.Node, position: dict[fx.Node, int]) -> int:
+    """The last position that reads ``value`` or a view of it (through ops whose schema returns an alias)."""
+    last, seen, stack = position[value], {value}, [value]
+    while stack:
+        for user in stack.pop().users:
+            last = max(last, position[user])
+            if user not in seen and _is_alias(user):
+                seen.add(user)
+                stack.append(user)
+    return last
+
+
+def _is_alias(node: fx.Node) -> bool:
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return node.op == "call_function" and node.target is operator.getitem
+    returns = node.target._schema.returns
+    return bool(returns) and returns[0].alias_info is not None and not returns[0].alias_info.is_write
+
+
+def _gathered_bytes_over(graph: fx.Graph, position: dict[fx.Node, int], start: int, stop: int,
+                         extensions: list) -> int:
+    """The most bytes in flight (parameter gathers issued, not waited) or kept from forward, over (start, stop)."""
+    in_flight, peak, waits = 0, 0, {}
+    kept_spans = [(position[last], min(position[u] for u in users), size) for last, users, size in extensions]
+    for node in graph.nodes:
+        index = position[node]
+        if index >= stop:
+            break
+        if is_parameter_gather(node):
+            in_flight += held_bytes(node)
+            waits[wait_of(node)] = held_bytes(node)
+        elif node in waits:
+            in_flight -= waits.pop(node)
+        if index > start:
+            kept = sum(size for begin, end, size in kept_spans if begin < index < end)
+            peak = max(peak, in_flight + kept)
+    return peak
 
 
 def _bound_reductions_in_flight(graph: fx.Graph, prefetch_bytes: int) -> int:

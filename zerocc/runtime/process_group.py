@@ -21,6 +21,10 @@ def resolve(group=None, device: torch.device | None = None) -> Ranks:
     if group is None:
         if not dist.is_initialized() and "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
             backend = "nccl" if device is not None and device.type == "cuda" else "gloo"
+            if backend == "nccl":
+                # NCCL binds a communicator to the current device: without this every rank would
+                # claim cuda:0 ("Duplicate GPU detected") whatever device the model is on
+                torch.cuda.set_device(_cuda_device(device))
             dist.init_process_group(backend=backend)
         if not dist.is_initialized():
             return Ranks(1, 0, None, None)
@@ -28,3 +32,10 @@ def resolve(group=None, device: torch.device | None = None) -> Ranks:
     world_size = dist.get_world_size(group)
     rank = dist.get_rank(group)
     return Ranks(world_size, rank, group, group.group_name)
+
+
+def _cuda_device(device: torch.device) -> torch.device:
+    """``device`` with its index: the model's, or torchrun's LOCAL_RANK for a bare ``cuda``."""
+    if device.index is not None:
+        return device
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
