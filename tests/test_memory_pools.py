@@ -141,7 +141,8 @@ def test_pools_never_reuse_the_bytes_of_a_piece_still_read(stage):
     assert step.memory_plan.arenas
 
 
-def test_pools_off_is_plain_allocation_with_the_same_numbers():
+def test_pools_off_is_plain_allocation_with_the_same_numbers(monkeypatch):
+    monkeypatch.delenv("ZEROCC_MEMORY_POOLS", raising=False)
     losses = {}
     for pools in (True, False):
         model, _, loss_fn = build("gpt")
@@ -156,6 +157,23 @@ def test_pools_off_is_plain_allocation_with_the_same_numbers():
     assert "place_buffers" not in zerocc.compile(model, adamw(model)).passes   # off unless asked for
     with pytest.raises(zerocc.ConfigError, match=r"memory_pools must be True or False, got 'yes'"):
         zerocc.compile(model, adamw(model), memory_pools="yes")
+    with pytest.raises(zerocc.ConfigError, match=r"'place_buffers' cannot be disabled: compile\(memory_pools=True\)"):
+        zerocc.compile(model, adamw(model), memory_pools=True, disable=["place_buffers"])
+
+
+def test_the_environment_sets_the_default_and_an_argument_overrides_it(monkeypatch):
+    model, _, loss_fn = build("mlp")
+    monkeypatch.setenv("ZEROCC_MEMORY_POOLS", "1")
+    assert "place_buffers" in zerocc.compile(model, adamw(model)).passes
+    planned = zerocc.plan(model, adamw(model), example_inputs=batches("mlp", 1, 2)[0], loss_fn=loss_fn)
+    assert "place_buffers" in planned.passes and planned.memory_plan.arenas
+    assert "place_buffers" not in zerocc.compile(model, adamw(model), memory_pools=False).passes
+    monkeypatch.setenv("ZEROCC_MEMORY_POOLS", "0")
+    assert "place_buffers" not in zerocc.compile(model, adamw(model)).passes
+    assert "place_buffers" in zerocc.compile(model, adamw(model), memory_pools=True).passes
+    monkeypatch.setenv("ZEROCC_MEMORY_POOLS", "on")
+    with pytest.raises(zerocc.ConfigError, match=r"\$ZEROCC_MEMORY_POOLS must be 1 \(memory pools on\) or 0 \(off\), got 'on'"):
+        zerocc.compile(model, adamw(model))
 
 
 @pytest.mark.parametrize("memory_pools", [True, False])

@@ -32,7 +32,7 @@ from . import plans
 from .capture import Captured, capture, named_tensors
 from .context import CompileContext
 from .errors import ConfigError
-from .pipeline import GraphSnapshot, build_pipeline, copy_graph, dump_dir_of, run_pipeline
+from .pipeline import GraphSnapshot, build_pipeline, copy_graph, dump_dir_of, memory_pools_of, run_pipeline
 from .tracing import make_fake_mode
 
 # The collectives of a plan name this group; the graph is never run.
@@ -45,7 +45,7 @@ def plan(model: nn.Module, optimizer: torch.optim.Optimizer, stage: int = 3, wor
          example_inputs: Sequence[Any], loss_fn: Callable | None = None, num_targets: int | None = None,
          param_dtype: torch.dtype | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES, rank: int = 0,
          disable: Sequence[str] = (), verify: bool = False, dump_dir: str | None = None,
-         progress: bool | Callable[[str], None] = False, memory_pools: bool = False) -> "Plan":
+         progress: bool | Callable[[str], None] = False, memory_pools: bool | None = None) -> "Plan":
     """Plan one steady-state training step at ``world_size`` ranks without running it.
 
     Returns a ``Plan`` with the same ``report()``, ``graph(name)``, ``passes``,
@@ -94,14 +94,12 @@ class Planner:
         return self._captures[elementwise_check]
 
     def plan(self, stage: int, world_size: int, *, rank: int = 0, disable: Sequence[str] = (), verify: bool = False,
-             dump_dir: str | None = None, memory_pools: bool = False) -> "Plan":
-        if not memory_pools and "place_buffers" not in disable:   # as compile(): arenas only when asked for
-            disable = (*disable, "place_buffers")
+             dump_dir: str | None = None, memory_pools: bool | None = None) -> "Plan":
         if stage not in (0, 1, 2, 3):
             raise ConfigError(f"stage={stage!r} is not a ZeRO stage; use 0 (plain data parallel), 1, 2 or 3")
         if not isinstance(world_size, int) or world_size < 1 or not 0 <= rank < world_size:
             raise ConfigError(f"world_size must be a positive int and 0 <= rank < world_size, got {world_size!r}, {rank!r}")
-        passes = build_pipeline(stage, disable)
+        passes = build_pipeline(stage, disable, memory_pools=memory_pools_of(memory_pools))   # as compile()
         captured, fake_mode, capture_seconds = self._captured(stage != 0)
         started = time.perf_counter()
         working = dataclasses_replace_gm(captured, copy_graph_module(captured.gm))
