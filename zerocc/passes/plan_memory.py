@@ -20,7 +20,8 @@ the program runs on. Tensors sized by the data are listed as unplanned.
 Pools group buffers by role (``memory_plan.POOLS``): persistent shards and
 optimizer state, gathered parameters, activations and temporaries, gradient
 buckets, communication buffers. Each pool is laid out by greedy best-fit in
-two orders (by size, by start), keeping the smaller, and reports its lower
+four orders (``memory_plan.ORDERS``) improved by promotion (``memory_plan.place``),
+keeping the smallest, and reports its lower
 bound, the most bytes its buffers hold at once.
 """
 from __future__ import annotations
@@ -181,7 +182,10 @@ def _input_sharing_storage(node: fx.Node) -> fx.Node | None:
     """The input whose fake value has the storage of the node's value (or of its first tensor output), if any.
 
     A safety net under the schemas: fake tensors track storages, so an op
-    that returns a view without declaring it is still seen as one.
+    that returns a view without declaring it is still seen as one. A value
+    that *is* its input's value object says nothing: passes give a node it
+    builds its input's value when only the shape matters (a broadcast's
+    result is a fresh tensor).
     """
     value = node.meta.get(g.VAL)
     if isinstance(value, (tuple, list)):
@@ -189,7 +193,8 @@ def _input_sharing_storage(node: fx.Node) -> fx.Node | None:
     storage = _storage_id(value)
     if storage is None:
         return None
-    return next((i for i in node.all_input_nodes if _storage_id(i.meta.get(g.VAL)) == storage), None)
+    return next((i for i in node.all_input_nodes
+                 if i.meta.get(g.VAL) is not value and _storage_id(i.meta.get(g.VAL)) == storage), None)
 
 
 def _storage_id(value) -> int | None:
