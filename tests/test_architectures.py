@@ -25,12 +25,13 @@ RNN_GAP = pytest.mark.xfail(strict=True, reason="RNN gradients differ from eager
 NAMES = [pytest.param(n, marks=RNN_GAP) if n == "recurrent" else n for n in sorted(ARCHITECTURES)]
 
 
+@pytest.mark.parametrize("memory_pools", [False, True], ids=["plain", "pools"])
 @pytest.mark.parametrize("name", NAMES)
-def test_world_size_1_equals_eager_bit_for_bit(name, stage=3):
+def test_world_size_1_equals_eager_bit_for_bit(name, memory_pools, stage=3):
     reference = build_architecture(name)
     reference_optimizer = two_groups(reference)
     model = build_architecture(name)
-    step = zerocc.compile(model, two_groups(model), stage=stage)
+    step = zerocc.compile(model, two_groups(model), stage=stage, memory_pools=memory_pools)
     for batch in architecture_batches(name, 3, 4):
         assert torch.equal(step(*batch), eager_step(reference, reference_optimizer, None, batch))
     full = step.full_state_dict()
@@ -38,11 +39,14 @@ def test_world_size_1_equals_eager_bit_for_bit(name, stage=3):
         assert torch.equal(full[key], value), key
 
 
-def test_recurrent_matches_eager_within_float_tolerance():
+# the strict xfail above would hide any larger error: this bounds it, with pools too (before unsafe_split's
+# pieces were known as views, pools put the loss off by 4e-4)
+@pytest.mark.parametrize("memory_pools", [False, True], ids=["plain", "pools"])
+def test_recurrent_matches_eager_within_float_tolerance(memory_pools):
     reference = build_architecture("recurrent")
     reference_optimizer = two_groups(reference)
     model = build_architecture("recurrent")
-    step = zerocc.compile(model, two_groups(model), stage=3)
+    step = zerocc.compile(model, two_groups(model), stage=3, memory_pools=memory_pools)
     for batch in architecture_batches("recurrent", 3, 4):
         torch.testing.assert_close(step(*batch), eager_step(reference, reference_optimizer, None, batch),
                                    rtol=1e-6, atol=1e-7)

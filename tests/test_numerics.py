@@ -1,8 +1,10 @@
 """The contract: the compiled step trains exactly like eager PyTorch.
 
 World size 1: every stage equals eager bit for bit (torch.equal), losses and
-parameters, for several steps. World size N: every stage matches DDP on the
-same global batch within float tolerance.
+parameters, for several steps, with plain allocation and with memory pools
+(``compile(memory_pools=True)``: outputs written into arenas at planned
+offsets). World size N: every stage matches DDP on the same global batch
+within float tolerance (with pools too, for the GPT at 2 ranks).
 """
 from __future__ import annotations
 
@@ -22,13 +24,15 @@ def adamw(model):
     return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
 
 
+@pytest.mark.parametrize("memory_pools", [False, True], ids=["plain", "pools"])
 @pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("name", ["mlp", "gpt", "cnn"])
-def test_world_size_1_equals_eager_bit_for_bit(name, stage):
+def test_world_size_1_equals_eager_bit_for_bit(name, stage, memory_pools):
     reference, _, loss_fn = build(name)
     reference_optimizer = adamw(reference)
     model, _, _ = build(name)
-    step = zerocc.compile(model, adamw(model), stage=stage, loss_fn=loss_fn)
+    step = zerocc.compile(model, adamw(model), stage=stage, loss_fn=loss_fn, memory_pools=memory_pools)
+    assert bool(step.passes[-1] == "place_buffers") is memory_pools
     for batch in batches(name, STEPS, 8):
         expected = eager_step(reference, reference_optimizer, loss_fn, batch)
         assert torch.equal(step(*batch), expected)
@@ -77,7 +81,7 @@ def test_learning_rate_schedule_is_read_every_step():
         assert torch.equal(step.full_state_dict()[key], value), key
 
 
-def _train_all_stages(rank, world_size, name):
+def _train_all_stages(rank, world_size, name, memory_pools=None):
     """Per rank: DDP's losses and final state, then each stage's."""
     data = batches(name, STEPS, 4 * world_size)
     local = [tuple(t[rank * 4:(rank + 1) * 4] for t in batch) for batch in data]
@@ -88,16 +92,17 @@ def _train_all_stages(rank, world_size, name):
     results = {"ddp": (expected, {k: v.clone() for k, v in reference.state_dict().items()})}
     for stage in STAGES:
         model, _, _ = build(name)
-        step = zerocc.compile(model, adamw(model), stage=stage, loss_fn=loss_fn)
+        step = zerocc.compile(model, adamw(model), stage=stage, loss_fn=loss_fn, memory_pools=memory_pools)
         losses = [step(*batch) for batch in local]
         results[stage] = (losses, step.full_state_dict())
     return results
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-@pytest.mark.parametrize("name", ["mlp", "gpt", "cnn"])
-def test_world_size_n_matches_ddp(name, world_size):
-    per_rank = distributed.run(_train_all_stages, world_size, name)
+@pytest.mark.parametrize("name, world_size, memory_pools", [
+    *[(name, world_size, None) for world_size in (2, 4) for name in ("mlp", "gpt", "cnn")],   # None: the default
+    ("gpt", 2, True)])
+def test_world_size_n_matches_ddp(name, world_size, memory_pools):
+    per_rank = distributed.run(_train_all_stages, world_size, name, memory_pools)
     for rank, results in enumerate(per_rank):
         expected_losses, expected_state = results["ddp"]
         for stage in STAGES:

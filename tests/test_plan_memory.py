@@ -11,9 +11,11 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import zerocc
 from tests import distributed
-from tests.models import batches, build
+from tests.architectures import ARCHITECTURES, architecture_batches, build_architecture
+from tests.models import ZOO, batches, build
 from zerocc.memory_plan import (ALIGNMENT_BYTES, ORDERS, Buffer, Lifetime, align, best_fit, lower_bound,
                                 overlapping_pairs, place)
+from zerocc.passes import plan_memory
 from zerocc.passes.plan_memory import memory_plan_of
 
 # the issue's target: every pool within 5% of the most bytes its buffers hold at once
@@ -41,8 +43,7 @@ def test_overlap_checker_finds_a_clash():
 @settings(max_examples=200, deadline=None)
 @given(lifetime_sets)
 def test_no_two_live_buffers_share_bytes(lifetimes):
-    for order in ORDERS:
-        offsets = best_fit(lifetimes, order)
+    for offsets in [best_fit(lifetimes, order) for order in ORDERS] + [place(lifetimes)[0]]:   # place promotes too
         assert overlapping_pairs(as_buffers(lifetimes, offsets)) == []
         assert all(offset % ALIGNMENT_BYTES == 0 for offset in offsets.values())
 
@@ -110,6 +111,28 @@ def test_outputs_of_a_multi_output_op_are_separate_buffers_and_split_pieces_are_
     assert overlapping_pairs(plan.buffers()) == []
 
 
+@pytest.mark.parametrize("known", [True, False])
+def test_pieces_of_unsafe_chunk_are_views_though_the_schema_does_not_say_so(known, monkeypatch):
+    # unsafe_split's schema declares no alias; its pieces are views all the same (a GRU cell's gates).
+    # known=False: without the list of such ops, the values' shared storage still says so (zerocc traces on
+    # fake tensors, which track storages)
+    if not known:
+        monkeypatch.setattr(plan_memory, "_UNDECLARED_VIEWS", set())
+
+    def fn(x, w):
+        reset, update = (x @ w).unsafe_chunk(2, 1)
+        gate = torch.sigmoid(reset)
+        return (gate * update).sum()
+
+    gm = make_fx(fn, tracing_mode="fake")(torch.randn(4, 3), torch.randn(3, 8))
+    plan = memory_plan_of(gm)
+    buffers, position = {b.name: b for b in plan.buffers()}, {n.name: i for i, n in enumerate(gm.graph.nodes)}
+    assert not any(name.startswith(("unsafe_split", "getitem")) for name in buffers)
+    assert {"getitem", "getitem_1"} <= set(buffers["mm"].aliases)
+    assert buffers["mm"].end == position["mul"]              # update is read by the product, after the sigmoid
+    assert overlapping_pairs(plan.buffers()) == []
+
+
 # -- real training steps ---------------------------------------------------------------
 
 def _check_plan(step):
@@ -143,6 +166,25 @@ def test_zoo_stage_3_plan_is_within_5_percent_of_the_lower_bound(name):
     text = str(plan)
     assert text.splitlines()[0].split() == ["tensor", "role", "bytes", "offset", "live", "range", "pool"]
     assert "activations: " in text and " planned, lower bound " in text
+
+
+@pytest.mark.parametrize("name", [*ZOO, *sorted(ARCHITECTURES)])
+def test_every_model_of_the_zoo_is_planned_within_5_percent_of_the_lower_bound(name):
+    # the issue's target, on every model the tests train, at stage 3 on 2 ranks (gathered parameters,
+    # gradient buckets, broadcast statistics), with plain allocation and with the arena of memory pools
+    if name in ZOO:
+        model, _, loss_fn = build(name)
+        optimizer, example = torch.optim.AdamW(model.parameters()), batches(name, 1, 4)[0]
+    else:
+        model, loss_fn = build_architecture(name), None
+        optimizer, example = torch.optim.AdamW(model.parameters()), architecture_batches(name, 1, 4)[0]
+    planner = zerocc.planning.Planner(model, optimizer, example_inputs=example, loss_fn=loss_fn)
+    for memory_pools in (False, True):
+        plan = planner.plan(3, 2, memory_pools=memory_pools).memory_plan
+        assert overlapping_pairs(plan.buffers()) == []
+        for pool in plan.pools:
+            assert pool.lower_bound_bytes <= pool.bytes <= WITHIN_LOWER_BOUND * pool.lower_bound_bytes, \
+                (memory_pools, pool.summary())
 
 
 def _two_ranks(rank, world_size):

@@ -38,8 +38,7 @@ def compile_graph(stage, rank=0, *, world_size=2, prefetch_bytes=1 << 30, bucket
     captured = capture(model, optimizer, batches(name, 1, 4)[0], loss_fn=loss_fn, num_targets=1 if loss_fn else 0,
                        fake_mode=fake_mode, check_update_elementwise=stage != 0)
     ctx = CompileContext(stage, world_size, rank, "unused", optimizer, captured, fake_mode, bucket_bytes)
-    passes = [p for p in default_pipeline(stage, prefetch_bytes=prefetch_bytes)
-              if p.name != "place_buffers"]   # as compile(memory_pools=False), the default, runs it
+    passes = default_pipeline(stage, prefetch_bytes=prefetch_bytes)
     gm, history = run_pipeline(captured.gm, ctx, passes)
     return gm, ctx, history
 

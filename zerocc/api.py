@@ -22,7 +22,7 @@ from .context import CompileContext
 from .errors import ConfigError, RecompileWarning
 from .optimizer_step import hyperparameter_signature, live_hyperparameters
 from .passes.clip_gradients import GRAD_NORM_SLOT
-from .pipeline import DEFAULT_PREFETCH_BYTES, GraphSnapshot, build_pipeline, dump_dir_of, run_pipeline
+from .pipeline import DEFAULT_PREFETCH_BYTES, GraphSnapshot, build_pipeline, dump_dir_of, memory_pools_of, run_pipeline
 from .memory_plan import MemoryPlan
 from .runtime import failures
 from .runtime import slots as slot_store
@@ -79,7 +79,7 @@ def compile(
     reduce_dtype: torch.dtype | None = None,
     loss_scale: "str | DynamicLossScale | None" = None,
     cast_forward_inputs: bool = True,
-    memory_pools: bool = False,
+    memory_pools: bool | None = None,
     gather_per_micro_batch: bool = True,
 ) -> "CompiledStep":
     """Compile one training step of ``model`` with ``optimizer`` under ZeRO ``stage`` (0-3).
@@ -142,9 +142,10 @@ def compile(
     ``memory_pools=True`` allocates each pool of the memory plan once, as an
     arena, and has every op that can write there (through its ``out=``
     variant) place its output at its planned offset, and writes the
-    optimizer's updates into the slots they replace; ``False`` (the default,
-    README "Memory pools" says why) leaves every tensor to PyTorch's
-    allocator (it drops the ``place_buffers`` pass).
+    optimizer's updates into the slots they replace (the ``place_buffers``
+    pass); ``False`` leaves every tensor to PyTorch's allocator. ``None``
+    (the default) reads ``$ZEROCC_MEMORY_POOLS`` (``1`` on; unset or ``0``
+    off, README "Memory pools" says why).
     """
     if stage not in STAGES:
         raise ConfigError(f"stage={stage!r} is not a ZeRO stage; use 0 (plain data parallel), 1, 2 or 3")
@@ -162,25 +163,23 @@ def compile(
         raise ConfigError(f"memory_budget must be a positive int (bytes per rank) or None, got {memory_budget!r}")
     if num_targets is None:
         num_targets = 1 if loss_fn is not None else 0
-    if not isinstance(memory_pools, bool):
-        raise ConfigError(f"memory_pools must be True or False, got {memory_pools!r}")
+    memory_pools = memory_pools_of(memory_pools)
     if not isinstance(gather_per_micro_batch, bool):
         raise ConfigError(f"gather_per_micro_batch must be True or False, got {gather_per_micro_batch!r}")
-    if not memory_pools and "place_buffers" not in disable:
-        disable = (*disable, "place_buffers")
     check_grad_accumulation(grad_accumulation)
     clip = _check_clipping(clip_grad_norm, clip_norm_type)
     if isinstance(max_programs, bool) or not isinstance(max_programs, int) or max_programs < 1:
         raise ConfigError(f"max_programs must be a positive int (compiled programs kept, by input shape), "
                           f"got {max_programs!r}")
     mixed = precision.resolve(param_dtype, reduce_dtype, loss_scale, cast_forward_inputs, model)
-    build_pipeline(stage, disable, clip=clip, mixed_precision=mixed is not None)   # unknown or essential names fail here
+    build_pipeline(stage, disable, clip=clip, mixed_precision=mixed is not None,
+                   memory_pools=memory_pools)   # unknown or essential names fail here
     return CompiledStep(model, optimizer, stage, loss_fn, num_targets, group, bucket_bytes,
                         prefetch_bytes=prefetch_bytes, timeout=timeout,
                         disable=tuple(disable), verify=verify, dump_dir=dump_dir,
                         grad_accumulation=grad_accumulation, clip=clip, static_shapes=bool(static_shapes),
                         max_programs=max_programs, memory_budget=memory_budget, precision=mixed,
-                        gather_per_micro_batch=gather_per_micro_batch)
+                        gather_per_micro_batch=gather_per_micro_batch, memory_pools=memory_pools)
 
 
 def check_grad_accumulation(grad_accumulation) -> None:
@@ -214,7 +213,7 @@ class CompiledStep:
     def __init__(self, model, optimizer, stage, loss_fn, num_targets, group, bucket_bytes, *,
                  prefetch_bytes=DEFAULT_PREFETCH_BYTES, timeout=None, disable=(), verify=False, dump_dir=None,
                  grad_accumulation=1, clip=None, static_shapes=False, max_programs=DEFAULT_MAX_PROGRAMS,
-                 memory_budget=None, precision=None, gather_per_micro_batch=True):
+                 memory_budget=None, precision=None, gather_per_micro_batch=True, memory_pools=False):
         self.model = model
         self.optimizer = optimizer
         self.stage = stage
@@ -233,6 +232,7 @@ class CompiledStep:
         self.max_programs = max_programs
         self._eval_programs: dict[Any, Any] = {}   # zerocc/eval.py: forward-only programs, by input signature
         self.precision = precision
+        self.memory_pools = memory_pools
         self._scaler = precision_module.initial_scaler_slots(precision, next(model.parameters()).device)
         device = next(model.parameters()).device
         self.timeout = timeout
@@ -359,7 +359,8 @@ class CompiledStep:
                              self.optimizer, captured, fake_mode, self.bucket_bytes, previous_plan=self._plan,
                              precision=self.precision, gather_per_micro_batch=self.gather_per_micro_batch)
         passes = build_pipeline(self.stage, self.disable, self.prefetch_bytes, clip=self.clip,
-                                memory_budget=self.memory_budget, mixed_precision=self.precision is not None)
+                                memory_budget=self.memory_budget, mixed_precision=self.precision is not None,
+                                memory_pools=self.memory_pools)
         gm, history = run_pipeline(captured.gm, ctx, passes,
                                    verify=self.verify, dump_dir=dump_dir_of(self.dump_dir))
         failures.check_ranks_agree(self.ranks, gm, ctx.shard_plan)   # before any of its collectives can hang
@@ -470,7 +471,8 @@ class CompiledStep:
     def passes(self) -> list[str]:
         """The passes a compilation runs, in order (registered passes included, disabled ones not)."""
         return ["capture", *[p.name for p in build_pipeline(self.stage, self.disable, clip=self.clip,
-                                                             mixed_precision=self.precision is not None)]]
+                                                             mixed_precision=self.precision is not None,
+                                                             memory_pools=self.memory_pools)]]
 
     # -- training-loop features ---------------------------------------------------
     @property

@@ -8,7 +8,7 @@
     insert_collectives   passes/insert_collectives.py   all_gather / reduce_scatter / all_reduce + waits
     schedule             passes/schedule.py      issue collectives early, wait late: prefetch and overlap
     plan_memory          passes/plan_memory.py   lifetimes on the final order -> offsets in pools (graph unchanged)
-    place_buffers        passes/place_buffers.py  pools become arenas; ops write at their offsets through out=
+    place_buffers        passes/place_buffers.py  (only with memory_pools=) pools become arenas; ops write at their offsets through out=
 
 Every pass is ``(gm, ctx) -> gm`` and writes its decisions onto ``ctx``.
 ``build_pipeline`` takes ``default_pipeline``, drops the passes the user
@@ -49,6 +49,9 @@ PassFn = Callable[[fx.GraphModule, CompileContext], fx.GraphModule]
 # The environment variable that turns dumps on without touching the code.
 DUMP_DIR_VARIABLE = "ZEROCC_DUMP_DIR"
 
+# The environment variable that sets memory_pools where compile() and plan() are not given it: "1" on, "0" off.
+MEMORY_POOLS_VARIABLE = "ZEROCC_MEMORY_POOLS"
+
 
 @dataclasses.dataclass(frozen=True)
 class Pass:
@@ -68,11 +71,13 @@ DEFAULT_PREFETCH_BYTES = 4 * 1024 * 1024
 def default_pipeline(stage: int, *, prefetch_bytes: int = DEFAULT_PREFETCH_BYTES,
                      clip: tuple[float, float] | None = None,
                      memory_budget: int | None = None,
-                     mixed_precision: bool = False) -> list[Pass]:
+                     mixed_precision: bool = False,
+                     memory_pools: bool = False) -> list[Pass]:
     """The passes for ``stage``, in order. The same list for every stage: the plan differs, not the passes.
 
     ``clip`` is ``(max_norm, norm_type)`` when ``compile(clip_grad_norm=...)`` asked for clipping;
-    ``mixed_precision`` (compile's ``param_dtype``/``reduce_dtype``/``loss_scale``) adds its pass after shard.
+    ``mixed_precision`` (compile's ``param_dtype``/``reduce_dtype``/``loss_scale``) adds its pass after shard;
+    ``memory_pools`` (compile's ``memory_pools=True``) adds ``place_buffers`` last.
     """
     clipping = [] if clip is None else [
         Pass("clip_gradients", functools.partial(clip_gradients, max_norm=clip[0], norm_type=clip[1]),
@@ -80,6 +85,8 @@ def default_pipeline(stage: int, *, prefetch_bytes: int = DEFAULT_PREFETCH_BYTES
     precision = [Pass("mixed_precision", cast_for_precision, requires=("shard",),
                       essential="the captured step computes in param_dtype; the buckets must be cast to it")
                  ] if mixed_precision else []
+    pools = [Pass("place_buffers", place_buffers, requires=("plan_memory",),
+                  essential="compile(memory_pools=True) asked for arenas")] if memory_pools else []
     return [
         Pass("shard", shard, essential="the runtime lays out its tensors by the shard plan"),   # parameters, gradients, optimizer state -> flat per-rank buckets
         *precision,                                                                              # bf16 compute from fp32 master buckets, loss scaling
@@ -92,7 +99,7 @@ def default_pipeline(stage: int, *, prefetch_bytes: int = DEFAULT_PREFETCH_BYTES
         Pass("schedule", functools.partial(schedule, prefetch_bytes=prefetch_bytes),
              requires=("insert_collectives",)),                                                   # prefetch gathers, overlap reductions
         Pass("plan_memory", plan_memory, requires=("shard",)),                                   # lifetimes -> offsets in pools; nothing moves nodes after it
-        Pass("place_buffers", place_buffers, requires=("plan_memory",)),                         # outputs into an arena at their offsets (only with compile(memory_pools=True))
+        *pools,                                                                                  # outputs into an arena at their offsets
     ]
 
 
@@ -100,10 +107,11 @@ def build_pipeline(stage: int, disable: Sequence[str] = (), prefetch_bytes: int 
                    user_passes: Sequence[registry.UserPass] | None = None,
                    clip: tuple[float, float] | None = None,
                    memory_budget: int | None = None,
-                   mixed_precision: bool = False) -> list[Pass]:
+                   mixed_precision: bool = False,
+                   memory_pools: bool = False) -> list[Pass]:
     """``default_pipeline(stage)`` with the registered passes spliced in and the ``disable``d ones dropped."""
     passes = default_pipeline(stage, prefetch_bytes=prefetch_bytes, clip=clip, memory_budget=memory_budget,
-                              mixed_precision=mixed_precision)
+                              mixed_precision=mixed_precision, memory_pools=memory_pools)
     user_passes = registry.registered() if user_passes is None else list(user_passes)
     for user in user_passes:
         names = [p.name for p in passes]
@@ -209,6 +217,18 @@ def dump_dir_of(setting: str | os.PathLike | None) -> str | None:
     return os.environ.get(DUMP_DIR_VARIABLE) or None
 
 
+def memory_pools_of(setting: bool | None) -> bool:
+    """Whether to place buffers in arenas: the ``memory_pools`` setting, else ``$ZEROCC_MEMORY_POOLS``, else off."""
+    if setting is None:
+        value = os.environ.get(MEMORY_POOLS_VARIABLE, "").strip()
+        if value not in ("", "0", "1"):
+            raise ConfigError(f"${MEMORY_POOLS_VARIABLE} must be 1 (memory pools on) or 0 (off), got {value!r}")
+        return value == "1"
+    if not isinstance(setting, bool):
+        raise ConfigError(f"memory_pools must be True or False, got {setting!r}")
+    return setting
+
+
 def run_pipeline(gm: fx.GraphModule, ctx: CompileContext, passes: list[Pass], *, verify: bool = False,
                  dump_dir: str | None = None, progress: Callable[[str], None] | None = None,
                  ) -> tuple[fx.GraphModule, list[GraphSnapshot]]:
@@ -269,7 +289,7 @@ def register_pass(fn: PassFn, *, after: str | None = None, before: str | None = 
     if not callable(fn):
         raise ConfigError(f"register_pass needs a callable (graph_module, ctx) -> graph_module, got {type(fn).__name__}")
     name = name or getattr(fn, "__name__", "user_pass")
-    valid = [p.name for p in default_pipeline(3)] + [p.name for p in registry.registered()]
+    valid = [p.name for p in default_pipeline(3, memory_pools=True)] + [p.name for p in registry.registered()]
     anchor = after if after is not None else before
     if anchor not in valid:
         raise ConfigError(f"register_pass({name!r}): no pass named {anchor!r}; the passes are: {', '.join(valid)}")

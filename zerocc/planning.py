@@ -44,7 +44,8 @@ from .capture import Captured, capture, named_tensors
 from .context import CompileContext
 from .errors import ConfigError
 from . import precision as mixed
-from .pipeline import DEFAULT_PREFETCH_BYTES, GraphSnapshot, build_pipeline, copy_graph, dump_dir_of, run_pipeline
+from .pipeline import (DEFAULT_PREFETCH_BYTES, GraphSnapshot, build_pipeline, copy_graph, dump_dir_of,
+                       memory_pools_of, run_pipeline)
 from .tracing import make_fake_mode
 
 # The collectives of a plan name this group; the graph is never run.
@@ -60,7 +61,7 @@ def plan(model: nn.Module, optimizer: torch.optim.Optimizer, stage: int = 3, wor
          clip_norm_type: float = 2.0, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
          prefetch_bytes: int = DEFAULT_PREFETCH_BYTES, rank: int = 0,
          disable: Sequence[str] = (), verify: bool = False, dump_dir: str | None = None,
-         progress: bool | Callable[[str], None] = False, memory_pools: bool = False,
+         progress: bool | Callable[[str], None] = False, memory_pools: bool | None = None,
          accounting_dtype: torch.dtype | None = None, gather_per_micro_batch: bool = True,
          memory_budget: int | None = None, **runtime_only) -> "Plan":
     """Plan one steady-state training step at ``world_size`` ranks without running it.
@@ -152,9 +153,7 @@ class Planner:
         return self._captures[elementwise_check]
 
     def plan(self, stage: int, world_size: int, *, rank: int = 0, disable: Sequence[str] = (), verify: bool = False,
-             dump_dir: str | None = None, memory_pools: bool = False, memory_budget: int | None = None) -> "Plan":
-        if not memory_pools and "place_buffers" not in disable:   # as compile(): arenas only when asked for
-            disable = (*disable, "place_buffers")
+            dump_dir: str | None = None, memory_pools: bool | None = None, memory_budget: int | None = None) -> "Plan":
         if stage not in (0, 1, 2, 3):
             raise ConfigError(f"stage={stage!r} is not a ZeRO stage; use 0 (plain data parallel), 1, 2 or 3")
         if not isinstance(world_size, int) or world_size < 1 or not 0 <= rank < world_size:
@@ -162,7 +161,8 @@ class Planner:
         if memory_budget is not None and (not isinstance(memory_budget, int) or memory_budget <= 0):
             raise ConfigError(f"memory_budget must be a positive int (bytes per rank) or None, got {memory_budget!r}")
         passes = build_pipeline(stage, disable, self.prefetch_bytes, clip=self.clip, memory_budget=memory_budget,
-                                mixed_precision=self.precision is not None)
+                                mixed_precision=self.precision is not None,
+                                memory_pools=memory_pools_of(memory_pools))   # as compile()
         captured, fake_mode, capture_seconds = self._captured(stage != 0)
         started = time.perf_counter()
         working = dataclasses_replace_gm(captured, copy_graph_module(captured.gm))

@@ -20,7 +20,8 @@ the program runs on. Tensors sized by the data are listed as unplanned.
 Pools group buffers by role (``memory_plan.POOLS``): persistent shards and
 optimizer state, gathered parameters, activations and temporaries, gradient
 buckets, communication buffers. Each pool is laid out by greedy best-fit in
-two orders (by size, by start), keeping the smaller, and reports its lower
+four orders (``memory_plan.ORDERS``) improved by promotion (``memory_plan.place``),
+keeping the smallest, and reports its lower
 bound, the most bytes its buffers hold at once.
 """
 from __future__ import annotations
@@ -41,6 +42,11 @@ aten = torch.ops.aten
 
 # Ops whose result is a view of their input only when the input's layout allows one.
 _VIEW_IF_POSSIBLE = {aten.reshape.default, aten.contiguous.default, aten.flatten.using_ints, aten.reshape_as.default}
+
+# Ops returning views of their input whose schema declares no alias ("unsafe": autograd does not track the
+# views). The GRU cell splits its gates with unsafe_split; seen as fresh storages, a view's bytes were
+# reused while it was still read (the recurrent model of tests/architectures.py under memory pools).
+_UNDECLARED_VIEWS = {aten.unsafe_split.Tensor, aten.unsafe_split_with_sizes.default, aten.unsafe_chunk.default}
 
 _PLACEHOLDER_ROLES = {
     g.ROLE_PARAM: "parameters", g.ROLE_FROZEN: "parameters", g.ROLE_BUFFER: "buffers",
@@ -163,10 +169,41 @@ def _storage_roots(nodes: list[fx.Node]) -> dict[fx.Node, tuple]:
 
 
 def _returns_alias(node: fx.Node) -> bool:
+    """Does the node return views of an input: its schema says so, or its fake value shares an input's storage?"""
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
         return False
     returns = node.target._schema.returns
-    return bool(returns) and returns[0].alias_info is not None
+    if node.target in _UNDECLARED_VIEWS or bool(returns) and returns[0].alias_info is not None:
+        return True
+    return _input_sharing_storage(node) is not None
+
+
+def _input_sharing_storage(node: fx.Node) -> fx.Node | None:
+    """The input whose fake value has the storage of the node's value (or of its first tensor output), if any.
+
+    A safety net under the schemas: fake tensors track storages, so an op
+    that returns a view without declaring it is still seen as one. A value
+    that *is* its input's value object says nothing: passes give a node it
+    builds its input's value when only the shape matters (a broadcast's
+    result is a fresh tensor).
+    """
+    value = node.meta.get(g.VAL)
+    if isinstance(value, (tuple, list)):
+        value = next((v for v in value if isinstance(v, torch.Tensor)), None)
+    storage = _storage_id(value)
+    if storage is None:
+        return None
+    return next((i for i in node.all_input_nodes
+                 if i.meta.get(g.VAL) is not value and _storage_id(i.meta.get(g.VAL)) == storage), None)
+
+
+def _storage_id(value) -> int | None:
+    if not isinstance(value, torch.Tensor):
+        return None
+    try:
+        return value.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):   # a tensor without storage (sparse, nested)
+        return None
 
 
 def _aliased_input(node: fx.Node) -> fx.Node | None:
@@ -177,6 +214,9 @@ def _aliased_input(node: fx.Node) -> fx.Node | None:
         for argument, value in zip(schema.arguments, node.args):
             if argument.alias_info is not None and argument.alias_info.before_set & wanted:
                 return value if isinstance(value, fx.Node) else None
+    sharing = _input_sharing_storage(node)
+    if sharing is not None:
+        return sharing
     first = node.args[0] if node.args else None
     return first if isinstance(first, fx.Node) else None
 
