@@ -135,8 +135,33 @@ class ScaleGradient(torch.autograd.Function):
         return grad * 0.5
 
 
+@torch.library.custom_op("zerocc_tests::scaled_tanh", mutates_args=())
+def scaled_tanh(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """A custom op (torch.library): one opaque node in the traced graph, with its own fake and backward."""
+    return torch.tanh(x) * scale
+
+
+@scaled_tanh.register_fake
+def _scaled_tanh_fake(x, scale):
+    return torch.empty_like(x)
+
+
+def _scaled_tanh_setup(ctx, inputs, output):
+    x, scale = inputs
+    ctx.save_for_backward(x)
+    ctx.scale = scale
+
+
+def _scaled_tanh_backward(ctx, grad):
+    (x,) = ctx.saved_tensors
+    return grad * ctx.scale * (1 - torch.tanh(x) ** 2), None
+
+
+scaled_tanh.register_autograd(_scaled_tanh_backward, setup_context=_scaled_tanh_setup)
+
+
 class FrozenAndCustom(nn.Module):
-    """A frozen embedding (requires_grad=False), a custom autograd Function, a tied weight used twice."""
+    """A frozen layer (requires_grad=False), a custom autograd Function, a custom op, a weight used twice."""
 
     def __init__(self):
         super().__init__()
@@ -148,7 +173,7 @@ class FrozenAndCustom(nn.Module):
     def forward(self, x, y):
         h = torch.tanh(self.frozen(x))
         h = torch.tanh(self.shared(ScaleGradient.apply(h)))
-        h = torch.tanh(self.shared(h))          # the same weight, used a second time
+        h = scaled_tanh(self.shared(h), 0.5)    # the same weight, used a second time, through a custom op
         return F.mse_loss(self.head(h), y)
 
 

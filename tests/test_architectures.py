@@ -82,3 +82,13 @@ def test_world_size_2_matches_ddp():
             for key, value in expected_state.items():
                 torch.testing.assert_close(state[key], value, rtol=1e-4, atol=1e-5,
                                            msg=lambda m: f"{name} rank {rank} {key}: {m}")
+
+
+def test_a_custom_op_stays_one_opaque_node_in_every_graph():
+    """zerocc_tests::scaled_tanh (a torch.library custom op with its own backward) is not traced through."""
+    model = build_architecture("frozen_custom")
+    step = zerocc.compile(model, two_groups(model), stage=3)
+    step(*architecture_batches("frozen_custom", 1, 4)[0])
+    graph = str(step.graph("insert_collectives"))
+    assert "torch.ops.zerocc_tests.scaled_tanh.default(" in graph
+    assert graph.count("torch.ops.zerocc_tests.scaled_tanh.default(") == 1   # forward only; backward is its own
