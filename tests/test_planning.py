@@ -171,8 +171,11 @@ def test_plan_of_mixed_precision_at_world_size_64_gathers_bf16():
         if stage < 3:
             assert comm["all_gather"] == padded * 2, stage                 # the updated shards, in bf16, once
             assert report["model_state_bytes_per_rank"]["params"] == padded * 2 + padded // 64 * 4
-        else:
-            assert padded * 2 < comm["all_gather"] <= 2 * padded * 2, stage
+        else:   # forward's gathers and backward's of the buckets backward reads, in bf16
+            unscheduled = planner.plan(stage, 64, disable=["schedule"]).report()["comm_bytes_per_step"]
+            assert padded * 2 < unscheduled["all_gather"] <= 2 * padded * 2, stage
+            # the schedule may let backward read forward's gather instead
+            assert padded * 2 <= comm["all_gather"] <= unscheduled["all_gather"], stage
     assert not dist.is_initialized()
 
 
