@@ -305,12 +305,10 @@ def splice_update(
     return new_params, new_states, added
 
 
-# Ops whose output has the broadcast shape of their tensor inputs, besides those tagged pointwise.
-_BROADCASTING_EXTRAS = {
-    aten._local_scalar_dense.default, aten.clone.default, aten.copy.default,
-    aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default, aten.full_like.default,
-    aten._to_copy.default, aten.lift_fresh_copy.default, aten.scalar_tensor.default,
-    aten.detach.default, aten.alias.default,
+# Ops whose output has the broadcast shape of their tensor inputs, besides those tagged pointwise: the
+# elementwise extras but those that take a size (zeros, full) or change it (view_as_real/complex).
+_BROADCASTING_EXTRAS = _ELEMENTWISE_EXTRAS - {
+    aten.zeros.default, aten.full.default, aten.view_as_real.default, aten.view_as_complex.default,
 }
 
 
