@@ -303,7 +303,6 @@ def _splice_optimizer(gm, fake_mode, optimizer, grad_nodes, group_of):
     for node in g.placeholders(gm, g.ROLE_STATE):
         states[node.meta[g.INDEX]][node.meta["zerocc_state_key"]] = node
     used = [i for i, grad in enumerate(grad_nodes) if grad is not None]
-
     stepped, stepped_states, _ = splice_update(
         gm, fake_mode, optimizer, [params[i] for i in used], [grad_nodes[i] for i in used],
         [states[i] for i in used], g.placeholders(gm, g.ROLE_HYPER), [group_of[i] for i in used],
