@@ -47,6 +47,18 @@ def test_passes_are_listed_and_every_graph_is_readable_python():
     assert "# after pass 00 'capture': the whole step, traced" in str(step.graph("capture"))
 
 
+@pytest.mark.parametrize("stage", [0, 3])
+def test_the_program_holds_only_the_constants_it_reads(stage):
+    """``shard`` re-traces the optimizer that capture spliced in; the replaced trace's constants must go with it."""
+    model = MLP()
+    step = zerocc.compile(model, torch.optim.Adam(model.parameters(), lr=1e-2), stage=stage, loss_fn=F.mse_loss)
+    step(*batches("mlp", 1, 4)[0])
+    for program, _, _ in step._programs.values():
+        read = {node.target for node in program.gm.graph.nodes if node.op == "get_attr"}
+        held = {name for name, _ in program.gm.named_buffers()}
+        assert read and held == read
+
+
 def test_disable_refuses_unknown_and_essential_passes_with_the_reason():
     model = MLP()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -161,6 +161,18 @@ def eliminate_dead_code(gm: fx.GraphModule) -> None:
     gm.graph.eliminate_dead_code(is_impure_node=lambda node: node.is_impure() or is_communication(node))
 
 
+def drop_unread_constants(gm: fx.GraphModule) -> None:
+    """Delete the tensor constants registered on ``gm`` that no ``get_attr`` node reads any more.
+
+    A replaced optimizer trace (capture's, which ``shard`` re-traces per
+    piece, or a discarded per-class trace) leaves its constants behind
+    otherwise, held for the step's life.
+    """
+    read = {node.target for node in gm.graph.nodes if node.op == "get_attr"}
+    for name in [name for name, _ in gm.named_buffers(recurse=False) if name not in read]:
+        delattr(gm, name)
+
+
 def unique_attribute(gm: fx.GraphModule, prefix: str) -> str:
     """A name for a new attribute of ``gm``: ``prefix``, or ``prefix_1``, ``prefix_2``... if taken."""
     name, i = prefix, 0

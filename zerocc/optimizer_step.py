@@ -205,6 +205,7 @@ def splice_update(
             return stepped, stepped_states, added
         for node in reversed(added):
             gm.graph.erase_node(node)
+        g.drop_unread_constants(gm)
         replicate = False
     from .tracing import trace_functional   # tracing imports nothing from here; kept local for clarity
     import torch.utils._pytree as pytree

@@ -29,6 +29,7 @@ import os
 import time
 from typing import Callable, Sequence
 
+import torch
 import torch.fx as fx
 
 from . import graph as g
@@ -157,8 +158,9 @@ class GraphSnapshot:
     """
     index: int
     name: str
-    root: fx.GraphModule              # holds the constants the graph reads
-    graph: fx.Graph                   # a copy, untouched by later passes
+    constants: dict[str, torch.Tensor]   # the tensors its get_attr nodes read (shared, not copied)
+    meta: dict                           # the graph module's meta after the pass (a shallow copy)
+    graph: fx.Graph                      # a copy, untouched by later passes
     node_counts: collections.Counter
     changes: dict[str, int]
     note: str = ""
@@ -167,8 +169,8 @@ class GraphSnapshot:
 
     @property
     def graph_module(self) -> fx.GraphModule:
-        gm = fx.GraphModule(self.root, self.graph, class_name="ZeroccStep")
-        gm.meta = dict(self.root.meta)
+        gm = fx.GraphModule(self.constants, self.graph, class_name="ZeroccStep")
+        gm.meta = dict(self.meta)
         return gm
 
     @property
@@ -207,7 +209,8 @@ def snapshot(index: int, name: str, gm: fx.GraphModule, before: collections.Coun
             delta = counts[key] - before[key]
             if delta:
                 changes[key] = delta
-    return GraphSnapshot(index, name, gm, copy_graph(gm.graph), counts, changes, note)
+    constants = {node.target: getattr(gm, node.target) for node in gm.graph.nodes if node.op == "get_attr"}
+    return GraphSnapshot(index, name, constants, dict(gm.meta), copy_graph(gm.graph), counts, changes, note)
 
 
 def dump_dir_of(setting: str | os.PathLike | None) -> str | None:

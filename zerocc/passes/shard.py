@@ -173,6 +173,7 @@ def shard(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     for node in [*trained, *[n for states in old_state.values() for n in states.values()]]:
         if not node.users:
             graph.erase_node(node)
+    g.drop_unread_constants(gm)   # capture's optimizer trace, replaced by the per-piece one
     graph.lint()
     gm.recompile()
     ctx.notes["shard"] = (f"{len(plan.buckets)} buckets for {len(trained)} params, "
