@@ -140,7 +140,7 @@ def test_loss_fn_returning_a_tensor():
 def test_more_targets_than_arguments():
     model = MLP()
     step = zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=F.mse_loss, num_targets=3)
-    with pytest.raises(zerocc.ConfigError, match=r"the step got 2 argument\(s\) but 3 target\(s\) were declared"):
+    with pytest.raises(zerocc.ConfigError, match=r"the step got 2 positional argument\(s\) but 3 target\(s\) were declared"):
         step(*batches("mlp", 1, 4)[0])
 
 

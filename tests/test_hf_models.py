@@ -104,3 +104,69 @@ def test_tiny_transformers_train_bit_for_bit(name, stage):
     assert full.keys() == reference.state_dict().keys()
     for key, value in reference.state_dict().items():
         assert torch.equal(full[key], value), key
+
+
+def keyword_batches(name, generator):
+    """Batches as Hugging Face users write them: keyword arguments, the labels among them, the loss in the output."""
+    ids = torch.randint(0, VOCAB, (4, 16), generator=generator)
+    if name == "t5":
+        decoder_ids = torch.randint(0, VOCAB, (4, 8), generator=generator)
+        return dict(input_ids=ids, decoder_input_ids=decoder_ids, labels=torch.roll(decoder_ids, -1, dims=1),
+                    use_cache=False)
+    return dict(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids, use_cache=False)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "t5"])
+def test_a_keyword_batch_trains_bit_for_bit_and_evaluates(name):
+    reference = build(name)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    model = build(name)
+    step = zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-3), stage=3)   # no loss_fn: output.loss
+    generator = torch.Generator().manual_seed(1)
+    for number in range(3):
+        batch = keyword_batches(name, generator)
+        torch.manual_seed(100 + number)
+        reference_optimizer.zero_grad(set_to_none=True)
+        expected = reference(**batch).loss
+        expected.backward()
+        reference_optimizer.step()
+        torch.manual_seed(100 + number)
+        shuffled = dict(reversed(list(batch.items())))   # the keywords' order does not make a new program
+        assert torch.equal(step(**shuffled), expected.detach()), number
+    assert len({id(program) for program, _, _ in step._programs.values()}) == 2   # first step, steady state
+    for key, value in reference.state_dict().items():
+        assert torch.equal(step.full_state_dict()[key], value), key
+    reference.eval()
+    batch.pop("labels")
+    with torch.no_grad():
+        expected_logits = reference(**batch).logits
+    assert torch.equal(step.eval_forward(**batch).logits, expected_logits)
+    with pytest.raises(zerocc.CaptureError, match=r"eval_forward's output holds objects of type \w*Cache.*use_cache=False"):
+        step.eval_forward(**{**batch, "use_cache": True})
+
+
+def test_targets_are_the_last_positional_arguments_and_keywords_go_to_the_model():
+    reference, model = build("gpt2"), build("gpt2")
+    step = zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-3), stage=1, loss_fn=causal_lm_loss)
+    ids = torch.randint(0, VOCAB, (4, 16), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    with pytest.raises(zerocc.ConfigError, match=r"got 0 positional argument\(s\) but 1 target\(s\) were declared "
+                                                 r"\(targets are the last positional arguments; keyword arguments go "
+                                                 r"to the model\)"):
+        step(input_ids=ids, labels=ids)
+    torch.manual_seed(0)
+    expected = causal_lm_loss(reference(ids, attention_mask=mask, use_cache=False), ids)
+    torch.manual_seed(0)
+    assert torch.equal(step(ids, ids, attention_mask=mask, use_cache=False), expected.detach())
+
+
+def test_plan_takes_a_keyword_batch_and_plans_what_the_compiled_step_runs():
+    batches = [keyword_batches("gpt2", torch.Generator().manual_seed(seed)) for seed in (1, 2)]
+    model = build("gpt2")
+    planned = zerocc.plan(model, torch.optim.AdamW(model.parameters(), lr=1e-3), stage=3,
+                          example_keyword_inputs=batches[0])
+    model = build("gpt2")
+    step = zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-3), stage=3)
+    for batch in batches:   # the second call compiles the steady state, which the planner plans
+        step(**batch)
+    assert planned.memory_plan.live_peak_bytes == step.report()["live_peak_bytes"]

@@ -17,6 +17,7 @@ from . import plans
 from . import precision
 from . import precision as precision_module   # where a parameter named ``precision`` shadows it
 from .precision import DynamicLossScale
+from .batch import BatchLayout
 from .capture import Captured, capture, named_tensors
 from .context import CompileContext
 from .errors import ConfigError, RecompileWarning
@@ -45,14 +46,14 @@ DEFAULT_MAX_PROGRAMS = 8
 
 def describe_signature(signature: tuple) -> str:
     """A batch signature as a person reads it: 'shapes (8, 12) float32, (8, 5) float32'."""
-    parts = []
-    for entry in signature:
+    def describe(entry):
+        if entry[0] == "keyword":
+            return f"{entry[1]}={describe(entry[2])}"
         if entry[0] == "python":
-            parts.append(f"{entry[1]} {entry[2]}")
-        else:
-            shape, dtype = entry[0], str(entry[1]).replace("torch.", "")
-            parts.append(f"{shape} {dtype}")
-    return "shapes " + ", ".join(parts)
+            return f"{entry[1]} {entry[2]}"
+        shape, dtype = entry[0], str(entry[1]).replace("torch.", "")
+        return f"{shape} {dtype}"
+    return "shapes " + ", ".join(describe(entry) for entry in signature)
 
 
 def compile(
@@ -85,10 +86,12 @@ def compile(
     """Compile one training step of ``model`` with ``optimizer`` under ZeRO ``stage`` (0-3).
 
     The returned step is called with one batch (this rank's slice of the
-    global batch): ``loss = step(*inputs)``. It runs forward, loss, backward
-    and the optimizer update. The loss is the model's output if it is a scalar
-    tensor, its ``loss`` entry (Hugging Face style), or
-    ``loss_fn(model(*inputs[:-num_targets]), *inputs[-num_targets:])``.
+    global batch): ``loss = step(*inputs, **keyword_inputs)``. It runs
+    forward, loss, backward and the optimizer update. The loss is the model's
+    output if it is a scalar tensor, its ``loss`` entry (Hugging Face style,
+    e.g. ``step(input_ids=ids, labels=ids)``), or
+    ``loss_fn(model(*inputs[:-num_targets], **keyword_inputs), *inputs[-num_targets:])``:
+    the targets are the last positional arguments, keyword arguments go to the model.
     Gradients are averaged over the ranks of ``group`` (default: the default
     process group, initialized from torchrun's environment if needed; world
     size 1 without one). ``prefetch_bytes`` bounds the gathered parameter
@@ -254,12 +257,13 @@ class CompiledStep:
             self._sync_initial_state()
 
     # -- the step ----------------------------------------------------------------
-    def __call__(self, *inputs):
+    def __call__(self, *inputs, **keyword_inputs):
+        layout = BatchLayout.of(inputs, keyword_inputs)
+        batch = layout.flatten(inputs, keyword_inputs)   # zerocc/batch.py: the program reads one flat list
         with failures.collective_failures(self.ranks, self.steps + 1, self.timeout):
-            program, ctx, _ = self._program_for(inputs)   # compiling compares the program across ranks
+            program, ctx, _ = self._program_for(batch, layout)   # compiling compares the program across ranks
             for group_index, value in enumerate(live_hyperparameters(self.optimizer)):
                 self._slots[plans.lr_slot(group_index)] = value
-            batch = list(inputs)
             if id(program) in self._measured_peak_bytes:
                 loss = program.run(self._slots, batch)
             else:   # the first run of a program also measures its peak of live tensor bytes
@@ -269,14 +273,14 @@ class CompiledStep:
                     del tensors
                     loss = program.run(self._slots, batch)
                 self._measured_peak_bytes[id(program)] = tracker.peak_bytes
-            self._drop_state_of_skipped_first_step(program, inputs)
+            self._drop_state_of_skipped_first_step(program, batch, layout)
         self.steps += 1
         self._after_step(ctx)
         # the step ran the optimizer's update; tell LR schedulers so, as optimizer.step() would
         self.optimizer._opt_called = True
         return loss
 
-    def _drop_state_of_skipped_first_step(self, program, inputs) -> None:
+    def _drop_state_of_skipped_first_step(self, program, batch, layout) -> None:
         """A first step that overflowed under loss scaling leaves no optimizer state, as GradScaler would.
 
         The graph keeps parameters and existing state with ``where``; state the
@@ -288,7 +292,7 @@ class CompiledStep:
             for slot in created:
                 del self._slots[slot]
             # the next step is a first step again: the same program
-            self._programs[(self._input_signature(inputs), self._state_key(),
+            self._programs[(self._input_signature(batch, layout), self._state_key(),
                             hyperparameter_signature(self.optimizer))] = self._last
 
     @property
@@ -303,13 +307,13 @@ class CompiledStep:
             return dict(self._scaler)
         return {slot: self._slots[slot] for slot in precision.SCALER_SLOTS if slot in self._slots}
 
-    def _program_for(self, inputs):
-        key = (self._input_signature(inputs), self._state_key(), hyperparameter_signature(self.optimizer))
+    def _program_for(self, batch, layout):
+        key = (self._input_signature(batch, layout), self._state_key(), hyperparameter_signature(self.optimizer))
         found = self._programs.get(key)
         if found is None:
             self._check_static_shapes(key[0])
             started = time.perf_counter()
-            found = self._compile(inputs)
+            found = self._compile(batch, layout)
             self.compile_seconds += time.perf_counter() - started
             self._programs[key] = found
             if key[1] == ("initial",) and self._state_key():
@@ -344,12 +348,13 @@ class CompiledStep:
                 "raise max_programs, or set static_shapes=True to make a new shape an error", RecompileWarning,
                 stacklevel=4)
 
-    def _compile(self, inputs):
+    def _compile(self, batch, layout):
         fake_mode = make_fake_mode()
         optimizer_state = None
         if self._state_signature is not None:
             optimizer_state = self._fake_state(fake_mode)
-        captured = capture(self.model, self.optimizer, inputs, loss_fn=self.loss_fn, num_targets=self.num_targets,
+        captured = capture(self.model, self.optimizer, batch, layout=layout, loss_fn=self.loss_fn,
+                           num_targets=self.num_targets,
                            fake_mode=fake_mode, optimizer_state=optimizer_state,
                            check_update_elementwise=self.stage != 0,
                            parameter_shapes=self._released_shapes, grad_accumulation=self.grad_accumulation,
@@ -412,13 +417,18 @@ class CompiledStep:
             for tensor in [*self.model.parameters(), *self.model.buffers()]:
                 dist.broadcast(tensor.data, src=0, group=self.ranks.group)
 
-    def _input_signature(self, inputs) -> tuple:
+    def _input_signature(self, batch, layout: BatchLayout | None = None) -> tuple:
+        """What a program is compiled for: each entry's shape and dtype (or Python value), keywords by name."""
+        layout = layout or BatchLayout(len(batch))
         signature = []
-        for value in inputs:
+        for index, value in enumerate(batch):
             if isinstance(value, torch.Tensor):
-                signature.append((tuple(value.shape), value.dtype, str(value.device), value.requires_grad))
+                entry = (tuple(value.shape), value.dtype, str(value.device), value.requires_grad)
             else:
-                signature.append(("python", type(value).__name__, repr(value)))
+                entry = ("python", type(value).__name__, repr(value))
+            if index >= layout.positional:
+                entry = ("keyword", layout.keywords[index - layout.positional], entry)
+            signature.append(entry)
         return tuple(signature)
 
     def _state_key(self) -> tuple:
@@ -482,10 +492,10 @@ class CompiledStep:
             return None
         return self._slots.get(GRAD_NORM_SLOT)
 
-    def eval_forward(self, *inputs):
+    def eval_forward(self, *inputs, **keyword_inputs):
         """The model's output on ``inputs`` in eval mode: forward only, no gradient, no update (``zerocc/eval.py``)."""
         from .eval import eval_forward
-        return eval_forward(self, inputs)
+        return eval_forward(self, inputs, keyword_inputs)
 
     def graph(self, name: str = "insert_collectives") -> GraphSnapshot:
         """The program after pass ``name`` (of the plan the last call ran), printable as Python."""

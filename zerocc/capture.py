@@ -24,6 +24,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from . import graph as g
 from . import plans
+from .batch import BatchLayout
 from .errors import CaptureError, ConfigError, ZeroccError, user_frame
 from .optimizer_step import REPLICATE_IF_ELEMENTWISE, check_elementwise, splice_update
 from . import precision as mixed
@@ -97,11 +98,12 @@ def extract_loss(output: Any, targets: Sequence[Any], loss_fn: Callable | None) 
     )
 
 
-def check_micro_batches(inputs: Sequence[Any], count: int) -> None:
+def check_micro_batches(inputs: Sequence[Any], count: int, layout: BatchLayout | None = None) -> None:
     """Every batch tensor (one dimension or more) must split into ``count`` equal micro-batches along dim 0."""
     if count == 1:
         return
-    bad = [f"argument {i} has {t.shape[0]} rows" for i, t in enumerate(inputs)
+    layout = layout or BatchLayout(len(inputs))
+    bad = [f"{layout.name_of(i)} has {t.shape[0]} rows" for i, t in enumerate(inputs)
            if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] % count]
     if bad:
         raise ConfigError(f"grad_accumulation={count} does not divide the batch along dim 0: {', '.join(bad)}; "
@@ -129,8 +131,14 @@ def capture(
     parameter_shapes: dict[str, tuple[int, ...]] | None = None,
     grad_accumulation: int = 1,
     precision: mixed.Precision | None = None,
+    layout: BatchLayout | None = None,
 ) -> Captured:
     """Trace one training step of ``model`` and ``optimizer`` on ``inputs``.
+
+    ``inputs`` is the flat batch (``zerocc/batch.py``): its first
+    ``layout.positional`` entries are positional arguments (the last
+    ``num_targets`` of them the loss's targets), the rest the model's keyword
+    arguments named by ``layout.keywords``; without ``layout``, all positional.
 
     ``parameter_shapes`` gives the true shapes of parameters whose storage the
     runtime released (stage 3). ``optimizer_state`` gives, per trained parameter, the state tensors to trace
@@ -181,11 +189,13 @@ def capture(
     state_keys = [tuple(s) for s in optimizer_state]
     from .optimizer_step import live_hyperparameters
     learning_rates = live_hyperparameters(optimizer)
-    num_model_inputs = len(inputs) - num_targets
+    layout = layout or BatchLayout(len(inputs))
+    num_model_inputs = layout.positional - num_targets
     if num_model_inputs < 0:
-        raise ConfigError(f"the step got {len(inputs)} argument(s) but {num_targets} target(s) were declared")
+        raise ConfigError(f"the step got {layout.positional} positional argument(s) but {num_targets} target(s) "
+                          "were declared (targets are the last positional arguments; keyword arguments go to the model)")
     group_of = [info.group for info in param_infos]
-    check_micro_batches(inputs, grad_accumulation)
+    check_micro_batches(inputs, grad_accumulation, layout)
 
     def whole_step(params, frozen_params, buffers, states, lrs, batch, loss_scale):
         computed, frozen_computed = params, frozen_params
@@ -200,12 +210,15 @@ def capture(
             tensors[info.name] = value
         total, grads = None, None
         for micro in micro_batches(batch, grad_accumulation):
-            micro_inputs = tuple(micro[:num_model_inputs])
+            positional, keyword = layout.split(micro)
+            micro_inputs = tuple(positional[:num_model_inputs])
             if precision is not None:   # the model's floating inputs in param_dtype too
-                micro_inputs = mixed.compute_values(precision, (), (), micro_inputs)[2]
+                cast = mixed.compute_values(precision, (), (), (*micro_inputs, *keyword.values()))[2]
+                micro_inputs, keyword = tuple(cast[:num_model_inputs]), dict(zip(keyword, cast[num_model_inputs:]))
             with torch.enable_grad():
-                output = torch.func.functional_call(model, tensors, micro_inputs, tie_weights=True, strict=False)
-                loss = extract_loss(output, micro[num_model_inputs:], loss_fn)
+                output = torch.func.functional_call(model, tensors, micro_inputs, keyword, tie_weights=True,
+                                                    strict=False)
+                loss = extract_loss(output, positional[num_model_inputs:], loss_fn)
                 if precision is not None:
                     loss = loss.float()
                 if grad_accumulation > 1:

@@ -22,6 +22,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from . import plans
+from .batch import BatchLayout
 from .errors import CaptureError, ConfigError, RecompileWarning, ZeroccError, user_frame
 from .tracing import fakeify, make_fake_mode, trace_functional
 
@@ -35,23 +36,26 @@ class EvalProgram:
     slots: list[str | None]        # per placeholder: the slot it reads, None for a batch leaf
     output_spec: pytree.TreeSpec
 
-    def run(self, slots: dict[str, torch.Tensor], batch: tuple) -> Any:
+    def run(self, slots: dict[str, torch.Tensor], batch: list) -> Any:
         leaves = iter(pytree.tree_leaves(list(batch)))
         arguments = [slots[slot] if slot is not None else next(leaves) for slot in self.slots]
         return pytree.tree_unflatten(list(self.gm(*arguments)), self.output_spec)
 
 
-def eval_forward(step, inputs: tuple) -> Any:
+def eval_forward(step, inputs: tuple, keyword_inputs: dict | None = None) -> Any:
     """Run (compiling on first sight of these shapes) the forward-only program of ``step`` on ``inputs``."""
+    keyword_inputs = keyword_inputs or {}
+    layout = BatchLayout.of(inputs, keyword_inputs)
+    batch = layout.flatten(inputs, keyword_inputs)
     if step._slots is None:
         raise ConfigError(
             "eval_forward needs the training step compiled first: the parameters live in the step's buckets, "
             "whose layout the first step(*batch) decides; call the step once (or, before training, evaluate "
             "the model itself: its parameters are intact until then)")
-    signature = step._input_signature(inputs)
+    signature = step._input_signature(batch, layout)
     program = step._eval_programs.get(signature)
     if program is None:
-        program = _compile(step, inputs)
+        program = _compile(step, batch, layout)
         step._eval_programs[signature] = program
         if len(step._eval_programs) > step.max_programs:
             dropped = next(iter(step._eval_programs))
@@ -62,10 +66,10 @@ def eval_forward(step, inputs: tuple) -> Any:
     else:
         step._eval_programs[signature] = step._eval_programs.pop(signature)   # most recently used last
     with torch.no_grad():
-        return program.run(step._slots, inputs)
+        return program.run(step._slots, batch)
 
 
-def _compile(step, inputs: tuple) -> EvalProgram:
+def _compile(step, batch: list, layout: BatchLayout) -> EvalProgram:
     plan, captured, model = step._plan, step._captured, step.model
     in_plan = {segment.param for bucket in plan.buckets for segment in bucket.segments}
     loose = [info for index, info in enumerate(captured.params) if index not in in_plan]   # trained, but unused
@@ -83,11 +87,20 @@ def _compile(step, inputs: tuple) -> EvalProgram:
                 info = captured.params[segment.param]
                 by_name[info.name] = full[segment.offset:segment.offset + segment.numel].view(info.shape)
         with torch.no_grad():
-            return torch.func.functional_call(model, by_name, tuple(batch), tie_weights=True, strict=False)
+            args, kwargs = layout.split(batch)
+            output = torch.func.functional_call(model, by_name, tuple(args), kwargs, tie_weights=True, strict=False)
+        opaque = {type(leaf).__name__ for leaf in pytree.tree_leaves(output)
+                  if not isinstance(leaf, (torch.Tensor, int, float, bool, type(None)))}
+        if opaque:
+            raise CaptureError(
+                f"eval_forward's output holds objects of type {', '.join(sorted(opaque))}, which a traced program "
+                "cannot return (only tensors and Python numbers); return tensors from the model (for a Hugging "
+                "Face model pass use_cache=False)")
+        return output
 
     fake_mode = make_fake_mode()
     values = [step._slots[slot] for slot in slots]
-    arguments = fakeify(fake_mode, (values[:len(plan.buckets)], values[len(plan.buckets):], list(inputs)))
+    arguments = fakeify(fake_mode, (values[:len(plan.buckets)], values[len(plan.buckets):], list(batch)))
     modes = {module: module.training for module in model.modules()}
     model.eval()
     try:
@@ -100,5 +113,5 @@ def _compile(step, inputs: tuple) -> EvalProgram:
     finally:
         for module, training in modes.items():
             module.training = training
-    batch_leaves = len(pytree.tree_leaves(list(inputs)))
+    batch_leaves = len(pytree.tree_leaves(list(batch)))
     return EvalProgram(gm, slots + [None] * batch_leaves, spec)

@@ -32,7 +32,7 @@ import collections
 import copy
 import sys
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.fx as fx
@@ -40,6 +40,7 @@ import torch.nn as nn
 
 from . import graph as g
 from . import plans
+from .batch import BatchLayout
 from .capture import Captured, capture, named_tensors
 from .context import CompileContext
 from .errors import ConfigError
@@ -55,8 +56,8 @@ DEFAULT_BUCKET_BYTES = 4 * 1024 * 1024   # as zerocc.compile's default
 
 
 def plan(model: nn.Module, optimizer: torch.optim.Optimizer, stage: int = 3, world_size: int = 1, *,
-         example_inputs: Sequence[Any], loss_fn: Callable | None = None, num_targets: int | None = None,
-         param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None, loss_scale=None,
+         example_inputs: Sequence[Any] = (), example_keyword_inputs: Mapping[str, Any] | None = None,
+         loss_fn: Callable | None = None, num_targets: int | None = None, param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None, loss_scale=None,
          cast_forward_inputs: bool = True, grad_accumulation: int = 1, clip_grad_norm: float | None = None,
          clip_norm_type: float = 2.0, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
          prefetch_bytes: int = DEFAULT_PREFETCH_BYTES, rank: int = 0,
@@ -72,9 +73,12 @@ def plan(model: nn.Module, optimizer: torch.optim.Optimizer, stage: int = 3, wor
     ``memory_plan`` when a pass made one) as a compiled step.
     ``memory_budget`` (bytes per rank) plans activation checkpointing as
     ``zerocc.compile`` does; ``Plan.checkpoint_plan`` says what it recomputes.
+    ``example_inputs`` and ``example_keyword_inputs`` are one batch as the
+    step would be called with: ``step(*example_inputs, **example_keyword_inputs)``.
     """
     check_runtime_only(runtime_only)
-    return Planner(model, optimizer, example_inputs=example_inputs, loss_fn=loss_fn, num_targets=num_targets,
+    return Planner(model, optimizer, example_inputs=example_inputs, example_keyword_inputs=example_keyword_inputs,
+                   loss_fn=loss_fn, num_targets=num_targets,
                    param_dtype=param_dtype, reduce_dtype=reduce_dtype, loss_scale=loss_scale,
                    cast_forward_inputs=cast_forward_inputs, grad_accumulation=grad_accumulation,
                    clip_grad_norm=clip_grad_norm, clip_norm_type=clip_norm_type, prefetch_bytes=prefetch_bytes,
@@ -101,9 +105,9 @@ def check_runtime_only(keywords: dict) -> None:
 class Planner:
     """Captures a model's step once (per stage kind) and plans it for many stages and world sizes."""
 
-    def __init__(self, model, optimizer, *, example_inputs, loss_fn=None, num_targets=None, param_dtype=None,
-                 reduce_dtype=None, loss_scale=None, cast_forward_inputs=True, grad_accumulation=1,
-                 clip_grad_norm=None, clip_norm_type=2.0, prefetch_bytes=DEFAULT_PREFETCH_BYTES,
+    def __init__(self, model, optimizer, *, example_inputs, example_keyword_inputs=None, loss_fn=None,
+                 num_targets=None, param_dtype=None, reduce_dtype=None, loss_scale=None, cast_forward_inputs=True,
+                 grad_accumulation=1, clip_grad_norm=None, clip_norm_type=2.0, prefetch_bytes=DEFAULT_PREFETCH_BYTES,
                  bucket_bytes=DEFAULT_BUCKET_BYTES, progress=False, accounting_dtype=None,
                  gather_per_micro_batch=True):
         from .api import check_grad_accumulation, _check_clipping
@@ -127,7 +131,8 @@ class Planner:
         self.gather_per_micro_batch = bool(gather_per_micro_batch)
         self.prefetch_bytes = prefetch_bytes
         self.model, self.optimizer = model, optimizer
-        self.example_inputs = tuple(example_inputs)
+        self.layout = BatchLayout.of(tuple(example_inputs), example_keyword_inputs or {})
+        self.example_inputs = tuple(self.layout.flatten(tuple(example_inputs), example_keyword_inputs or {}))
         self.loss_fn = loss_fn
         self.num_targets = (1 if loss_fn is not None else 0) if num_targets is None else num_targets
         self.param_dtype = accounting_dtype   # the paper's accounting (None: count the graph as compiled)
@@ -142,7 +147,8 @@ class Planner:
             started = time.perf_counter()
             fake_mode = make_fake_mode()
             state = fake_optimizer_state(self.model, self.optimizer, fake_mode)
-            captured = capture(self.model, self.optimizer, self.example_inputs, loss_fn=self.loss_fn,
+            captured = capture(self.model, self.optimizer, self.example_inputs, layout=self.layout,
+                               loss_fn=self.loss_fn,
                                num_targets=self.num_targets, fake_mode=fake_mode, optimizer_state=state,
                                check_update_elementwise=elementwise_check,
                                grad_accumulation=self.grad_accumulation, precision=self.precision)
