@@ -99,7 +99,10 @@ def place_buffers(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     pools, offsets = [], {}
     for pool in plan.pools:
         if pool.name == PERSISTENT_POOL:
-            members = [b for b in pool.buffers if b.name not in in_place]
+            # a slot written in place holds the new value to the end, even if release_slots released the old one
+            written = {old.name for old in in_place.values()}
+            members = [dataclasses.replace(b, end=last) if b.name in written else b
+                       for b in pool.buffers if b.name not in in_place]
             lifetimes = [Lifetime(b.name, b.bytes, b.start, b.end) for b in members]
             persistent_offsets, size, order = place(lifetimes)
             pools.append(Pool(pool.name, size, lower_bound(lifetimes), order,

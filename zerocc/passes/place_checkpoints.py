@@ -23,7 +23,7 @@ then matmuls and attention by FLOPs saved per byte). Plans are ordered from
 least to most recomputation. How it chooses:
 
   1. the peak of a plan is *measured*: the rewrite applied to a copy, then
-     ``insert_collectives`` and ``schedule``, then the lifetime analysis
+     ``insert_collectives``, ``schedule`` and ``release_slots``, then the lifetime analysis
      ``plan_memory`` uses (the bytes the cut counts are a proxy: copies are
      alive in backward too). A binary search finds the first plan whose peak
      fits the budget (the plan with nothing recomputed first);
@@ -46,6 +46,7 @@ from ..plans import CheckpointPlan, RecomputedTensor
 from ..recomputation import Recomputation, forward_region, is_alias, is_backward
 from .insert_collectives import insert_collectives
 from .plan_memory import buffer_lifetimes
+from .release_slots import mark_releases
 from .schedule import schedule
 
 
@@ -166,6 +167,7 @@ def _measure(gm: fx.GraphModule, ctx: CompileContext, recompute: set[fx.Node] | 
     scratch = dataclasses.replace(ctx, notes={})
     copy = insert_collectives(copy, scratch)
     copy = schedule(copy, scratch, prefetch_bytes=prefetch_bytes)
+    mark_releases(copy, scratch)
     positions = len(copy.graph.nodes)
     deltas = {role: [0] * (positions + 1) for role in ROLES}
     for _, role, nbytes, start, end, _ in buffer_lifetimes(copy):

@@ -13,8 +13,9 @@ use of any view of it (alias analysis: ops whose schema returns an alias,
 output; ``reshape`` and ``contiguous`` only when the value allows a view).
 The outputs of a multi-output op live at least as long as the op's tuple,
 which the program holds until its last ``getitem``. Slots read by the step
-live across the whole step; values that replace slots (and the loss) live
-to the end. A collective's inputs live until its wait: it reads them while
+live across the whole step, except those ``release_slots`` marked: they live
+to the release point or their last use, whichever is later; values that
+replace slots (and the loss) live to the end. A collective's inputs live until its wait: it reads them while
 the program runs on. Tensors sized by the data are listed as unplanned.
 
 Pools group buffers by role (``memory_plan.POOLS``): persistent shards and
@@ -94,6 +95,8 @@ def _lifetimes_and_unplanned(gm: fx.GraphModule):
     position = {node: i for i, node in enumerate(nodes)}
     last = len(nodes) - 1
     roots = _storage_roots(nodes)
+    # released slots (passes/release_slots.py) live to the release point, then to their last use
+    release = next((position[n] for n in nodes if n.meta.get(g.RELEASE_POINT)), None)
 
     # a storage is alive from its allocation to the last use of any of its views
     start: dict[object, int] = {}
@@ -103,7 +106,7 @@ def _lifetimes_and_unplanned(gm: fx.GraphModule):
         for key in roots.get(node, ()):
             start.setdefault(key, 0 if node.op == "placeholder" else position[node])
             if node.op == "placeholder":
-                end[key] = last
+                end[key] = release if release is not None and node.meta.get(g.RELEASED) else last
             reach = max((_released_at(user, position) for user in node.users), default=position[node])
             end[key] = max(end.get(key, position[node]), reach)
             if key[0] is not node:

@@ -1,4 +1,12 @@
-"""Runs one emitted program: reads slots, arenas and the batch, calls the graph, rebinds slots."""
+"""Runs one emitted program: reads slots, arenas and the batch, calls the graph, rebinds slots.
+
+A program that releases slots (``runtime/release.py``) takes its arguments
+in a list it clears, and a callback: at the release point the runtime drops
+its references to the old values of the released slots, so each dies at its
+last use. Before that point a failure leaves every slot as it was (the
+slots are rebound only after the call returns); after it, the error says
+which slots were lost.
+"""
 from __future__ import annotations
 
 import dataclasses
@@ -8,6 +16,7 @@ import torch.fx as fx
 
 from .. import graph as g
 from .arenas import Arenas, is_arena_slot
+from .release import releases_slots
 
 
 @dataclasses.dataclass
@@ -18,6 +27,7 @@ class Program:
     input_positions: list[int | None]    # per placeholder: index into the batch's tensors, or None
     output_slots: list[str]              # per output after the loss: the slot it replaces
     arenas: Arenas | None = None         # where placed outputs live (passes/place_buffers.py), if any
+    released_slots: tuple[str, ...] = () # slots dropped at the release point (passes/release_slots.py)
 
     @classmethod
     def from_graph(cls, gm: fx.GraphModule, arenas: Arenas | None = None) -> "Program":
@@ -34,7 +44,9 @@ class Program:
                 value = node.meta[g.VAL]
                 arenas = arenas if arenas is not None else Arenas()
                 arenas.reserve(node.meta[g.SLOT], value.numel(), value.device)
-        return cls(gm, slots, positions, list(gm.meta[g.OUTPUT_SLOTS]), arenas)
+        released = tuple(n.meta[g.SLOT] for n in g.placeholders(gm) if n.meta.get(g.RELEASED)) \
+            if releases_slots(gm) else ()
+        return cls(gm, slots, positions, list(gm.meta[g.OUTPUT_SLOTS]), arenas, released)
 
     def run(self, slots: dict[str, torch.Tensor], batch: list) -> torch.Tensor:
         arguments = []
@@ -45,8 +57,25 @@ class Program:
                 arguments.append(self.arenas[slot])
             else:
                 arguments.append(slots[slot])
-        loss, *results = self.gm(*arguments)
-        del arguments
+        if not releases_slots(self.gm):
+            loss, *results = self.gm(*arguments)
+            del arguments
+        else:
+            dropped: list[str] = []
+
+            def release_slots() -> None:
+                for slot in self.released_slots:
+                    dropped.append(slot)
+                    del slots[slot]
+            try:
+                loss, *results = self.gm(arguments, release_slots)   # clears ``arguments``
+            except Exception as error:
+                if dropped:
+                    error.add_note(f"zerocc: the step failed after its release point (passes/release_slots.py): the "
+                                   f"old values of {len(dropped)} slots ({', '.join(dropped[:3])}"
+                                   f"{', ...' if len(dropped) > 3 else ''}) are gone and the step cannot go on; "
+                                   "load a checkpoint")
+                raise
         for slot, value in zip(self.output_slots, results):
             slots[slot] = value
         return loss
