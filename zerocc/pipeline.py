@@ -94,7 +94,7 @@ def default_pipeline(stage: int, *, prefetch_bytes: int = DEFAULT_PREFETCH_BYTES
         *precision,                                                                              # bf16 compute from fp32 master buckets, loss scaling
         *clipping,                                                                               # global-norm clipping between reduction and update
         Pass("place_checkpoints", functools.partial(place_checkpoints, memory_budget=memory_budget,
-                                                    prefetch_bytes=prefetch_bytes),
+                                                    prefetch_bytes=prefetch_bytes, memory_pools=memory_pools),
              requires=("shard",)),                                                                # recompute activations to fit memory_budget
         Pass("insert_collectives", insert_collectives, requires=("shard",),
              essential="the shard pass's markers cannot run across ranks"),                      # the communication the buckets need

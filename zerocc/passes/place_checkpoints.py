@@ -45,26 +45,27 @@ from ..memory_plan import POOL_OF_ROLE, ROLES
 from ..plans import CheckpointPlan, RecomputedTensor
 from ..recomputation import Recomputation, forward_region, is_alias, is_backward
 from .insert_collectives import insert_collectives
-from .plan_memory import buffer_lifetimes
+from .place_buffers import arena_layout
+from .plan_memory import buffer_lifetimes, memory_plan_of
 from .release_slots import mark_releases
 from .schedule import schedule
 
 
 def place_checkpoints(gm: fx.GraphModule, ctx: CompileContext, *, memory_budget: int | None,
-                      prefetch_bytes: int) -> fx.GraphModule:
+                      prefetch_bytes: int, memory_pools: bool = False) -> fx.GraphModule:
     """Recompute in backward the forward values that cost least per byte, until the step's peak fits the budget."""
     if memory_budget is None:
         ctx.notes["place_checkpoints"] = "no memory budget: every forward value backward reads is kept"
         return gm
     started = time.perf_counter()
     analysis = Recomputation(gm)
-    before = _highest_over_ranks(_measure(gm, ctx, None, prefetch_bytes), ctx)
+    before = _highest_over_ranks(_measure(gm, ctx, None, prefetch_bytes, memory_pools), ctx)
     plans: list = []
     peaks: dict[int, _Peak] = {}
 
     def peak_of(index: int) -> _Peak:
         if index not in peaks:
-            peaks[index] = _highest_over_ranks(_measure(gm, ctx, plans[index], prefetch_bytes), ctx)
+            peaks[index] = _highest_over_ranks(_measure(gm, ctx, plans[index], prefetch_bytes, memory_pools), ctx)
         return peaks[index]
 
     clones: dict[fx.Node, fx.Node] = {}
@@ -154,8 +155,13 @@ class _Scratch:
         pass
 
 
-def _measure(gm: fx.GraphModule, ctx: CompileContext, recompute: set[fx.Node] | None, prefetch_bytes: int) -> _Peak:
-    """The most bytes alive at once in the step once ``recompute`` is recomputed (None: as it is) and scheduled."""
+def _measure(gm: fx.GraphModule, ctx: CompileContext, recompute: set[fx.Node] | None, prefetch_bytes: int,
+             memory_pools: bool) -> _Peak:
+    """The most bytes alive at once in the step once ``recompute`` is recomputed (None: as it is) and scheduled.
+
+    With memory pools, the peak of the pooled layout instead (``place_buffers``: the arenas, allocated whole,
+    plus what lives outside them), which fragmentation puts above the live peak.
+    """
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for node in gm.graph.nodes:
@@ -176,7 +182,10 @@ def _measure(gm: fx.GraphModule, ctx: CompileContext, recompute: set[fx.Node] | 
     running = {role: list(itertools.accumulate(values)) for role, values in deltas.items()}
     totals = [sum(column) for column in zip(*running.values())]
     at = max(range(positions), key=totals.__getitem__)
-    return _Peak(totals[at], tuple((role, values[at]) for role, values in running.items() if values[at]))
+    peak = totals[at]
+    if memory_pools:
+        peak = arena_layout(copy, memory_plan_of(copy, placed=False)).plan.planned_peak_bytes
+    return _Peak(peak, tuple((role, values[at]) for role, values in running.items() if values[at]))
 
 
 def megabytes(count: int) -> str:

@@ -27,6 +27,7 @@ bound, the most bytes its buffers hold at once.
 """
 from __future__ import annotations
 
+import collections
 import operator
 
 import torch
@@ -66,8 +67,11 @@ def plan_memory(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     return gm
 
 
-def memory_plan_of(gm: fx.GraphModule) -> MemoryPlan:
-    """The plan for ``gm`` in its current node order (any FX graph with ``val`` meta; zerocc's tags refine roles)."""
+def memory_plan_of(gm: fx.GraphModule, *, placed: bool = True) -> MemoryPlan:
+    """The plan for ``gm`` in its current node order (any FX graph with ``val`` meta; zerocc's tags refine roles).
+
+    ``placed=False`` skips the layout (every offset 0, each pool at its lower bound): the lifetimes only.
+    """
     nodes = list(gm.graph.nodes)
     buffers, unplanned = _lifetimes_and_unplanned(gm)
     pools = []
@@ -76,7 +80,10 @@ def memory_plan_of(gm: fx.GraphModule) -> MemoryPlan:
         if not members:
             continue
         lifetimes = [Lifetime(name, size, s, e) for name, _, size, s, e, _ in members]
-        offsets, size, order = place(lifetimes)
+        if placed:
+            offsets, size, order = place(lifetimes)
+        else:
+            offsets, size, order = collections.defaultdict(int), lower_bound(lifetimes), "not placed"
         placed = tuple(Buffer(name, role, pool_name, nbytes, offsets[name], s, e, names)
                        for name, role, nbytes, s, e, names in members)
         pools.append(Pool(pool_name, size, lower_bound(lifetimes), order, placed))

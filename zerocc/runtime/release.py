@@ -55,13 +55,14 @@ class ReleasingCodeGen(fx.graph.CodeGen):
 
 
 def _with_release_after(body: list[str], index: int) -> list[str]:
-    """``body`` (fx's code, one ``# COUNTER: i`` line before node i's code) with the release call after node ``index``."""
+    """``body`` (fx code: a ``# COUNTER: i`` line before node i's code) with the release call after node ``index``."""
     following = f"# COUNTER: {index + 1}\n"
     position = body.index(following)
     # the summary of the next node's source line, if any, stays with that node
-    while position > 0 and body[position - 1].lstrip("\n").startswith("#") and not body[position - 1].startswith("# COUNTER"):
+    while position > 0 and body[position - 1].lstrip("\n").startswith("#") \
+            and not body[position - 1].startswith("# COUNTER"):
         position -= 1
-    call = f"{RELEASE_CALL}()  # the old values of the slots this step replaces die at their last use from here on\n"
+    call = f"{RELEASE_CALL}()  # the old values of the slots the step replaces die at their last use from here on\n"
     return [*body[:position], call, *body[position:]]
 
 
