@@ -28,11 +28,12 @@ class Program:
     output_slots: list[str]              # per output after the loss: the slot it replaces
     arenas: Arenas | None = None         # where placed outputs live (passes/place_buffers.py), if any
     released_slots: tuple[str, ...] = () # slots dropped at the release point (passes/release_slots.py)
+    arena_sizes: tuple = ()              # (slot, bytes, device) of each arena this program writes into
 
     @classmethod
     def from_graph(cls, gm: fx.GraphModule, arenas: Arenas | None = None) -> "Program":
         """The program for ``gm``; its arenas are reserved in ``arenas`` (shared by a step's programs)."""
-        slots, positions = [], []
+        slots, positions, sizes = [], [], []
         for node in g.placeholders(gm):
             if node.meta[g.ROLE] == g.ROLE_INPUT:
                 slots.append(None)
@@ -43,12 +44,15 @@ class Program:
             if node.meta[g.ROLE] == g.ROLE_ARENA:
                 value = node.meta[g.VAL]
                 arenas = arenas if arenas is not None else Arenas()
-                arenas.reserve(node.meta[g.SLOT], value.numel(), value.device)
+                arenas.fit(node.meta[g.SLOT], value.numel(), value.device)
+                sizes.append((node.meta[g.SLOT], value.numel(), value.device))
         released = tuple(n.meta[g.SLOT] for n in g.placeholders(gm) if n.meta.get(g.RELEASED)) \
             if releases_slots(gm) else ()
-        return cls(gm, slots, positions, list(gm.meta[g.OUTPUT_SLOTS]), arenas, released)
+        return cls(gm, slots, positions, list(gm.meta[g.OUTPUT_SLOTS]), arenas, released, tuple(sizes))
 
     def run(self, slots: dict[str, torch.Tensor], batch: list) -> torch.Tensor:
+        for slot, nbytes, device in self.arena_sizes:   # another program may have run since
+            self.arenas.fit(slot, nbytes, device)
         arguments = []
         for slot, position in zip(self.argument_slots, self.input_positions):
             if slot is None:
