@@ -23,9 +23,10 @@ then matmuls and attention by FLOPs saved per byte). Plans are ordered from
 least to most recomputation. How it chooses:
 
   1. the peak of a plan is *measured*: the rewrite applied to a copy, then
-     ``insert_collectives``, ``schedule`` and ``release_slots``, then the lifetime analysis
-     ``plan_memory`` uses (the bytes the cut counts are a proxy: copies are
-     alive in backward too). A binary search finds the first plan whose peak
+     ``insert_collectives``, ``schedule`` and ``release_slots``' marks, then
+     the lifetime analysis ``plan_memory`` uses (the bytes the cut counts are
+     a proxy: copies are alive in backward too); with memory pools, the peak
+     of the layout ``place_buffers`` would make (``arena_layout``). A binary search finds the first plan whose peak
      fits the budget (the plan with nothing recomputed first);
   2. when no plan fits, ``MemoryBudgetError`` says the smallest peak
      measured and what it is made of (model states against activations).

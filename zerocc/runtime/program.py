@@ -32,7 +32,7 @@ class Program:
 
     @classmethod
     def from_graph(cls, gm: fx.GraphModule, arenas: Arenas | None = None) -> "Program":
-        """The program for ``gm``; its arenas are reserved in ``arenas`` (shared by a step's programs)."""
+        """The program for ``gm``; its arenas are sized in ``arenas`` (shared by a step's programs)."""
         slots, positions, sizes = [], [], []
         for node in g.placeholders(gm):
             if node.meta[g.ROLE] == g.ROLE_INPUT:
