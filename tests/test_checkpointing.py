@@ -71,7 +71,8 @@ def _train(name, stage=3, **options):
 @pytest.mark.parametrize("name, fraction", [("gpt", 0.9), ("dropout", 0.92), ("unet", 0.96)])
 def test_budget_trains_bit_for_bit_as_without_and_fits(name, fraction):
     reference, expected, reports = _train(name)
-    unbudgeted = reports[-1]["live_peak_bytes"]
+    # the peak the planner checks: the live peak, or with memory pools (ZEROCC_MEMORY_POOLS=1) the pooled layout's
+    unbudgeted = reports[-1]["planned_peak_bytes" if reference.memory_pools else "live_peak_bytes"]
     budget = int(unbudgeted * fraction)
     step, losses, reports = _train(name, memory_budget=budget)
     for loss, want in zip(losses, expected):
@@ -85,7 +86,8 @@ def test_budget_trains_bit_for_bit_as_without_and_fits(name, fraction):
     assert plan.saved_bytes > 0 and plan.recomputed, "a budget under the peak must recompute something"
     assert plan.peak_before_bytes == unbudgeted > budget >= plan.peak_bytes
     report = reports[-1]
-    assert report["live_peak_bytes"] == plan.peak_bytes <= budget   # the plan_memory pass agrees with the pass
+    # the plan_memory pass agrees with the pass (with memory pools, as ZEROCC_MEMORY_POOLS=1 sets: the pooled layout)
+    assert report["planned_peak_bytes" if step.memory_pools else "live_peak_bytes"] == plan.peak_bytes <= budget
     assert report["measured_peak_bytes"] <= budget
     assert report["checkpoint"]["peak_bytes"] == plan.peak_bytes
     assert all(r.source for r in plan.recomputed if r.bytes), "recomputed tensors name the user's line"
@@ -97,6 +99,19 @@ def test_budget_trains_bit_for_bit_as_without_and_fits(name, fraction):
     assert not any(torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ()) and
                    n.target is not torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
                    for n in copies), "a random op was recomputed"
+
+
+def test_budget_holds_with_memory_pools():
+    """With pools the step peaks at its arenas' layout (fragmentation included), above the live peak: the
+    planner must check that layout. Checking the live peak, such steps planned and measured 8-18% over budget."""
+    reference, expected, reports = _train("gpt", memory_pools=True)
+    budget = int(reports[-1]["planned_peak_bytes"] * 0.9)
+    step, losses, reports = _train("gpt", memory_pools=True, memory_budget=budget)
+    for loss, want in zip(losses, expected):
+        assert torch.equal(loss, want)
+    report, plan = reports[-1], step.checkpoint_plan
+    assert plan.recomputed and report["planned_peak_bytes"] == plan.peak_bytes <= budget
+    assert report["measured_peak_bytes"] <= budget
 
 
 def test_unreachable_budget_says_the_smallest_peak_and_what_dominates():

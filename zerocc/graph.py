@@ -23,6 +23,8 @@ SLOT = "zerocc_slot"          # placeholders: the runtime's persistent tensor th
 RECOMPUTED = "zerocc_recomputed"  # backward copies of forward nodes (place_checkpoints): the node recomputed
 OUTPUT_SLOTS = "zerocc_output_slots"  # gm.meta: for each output after the loss, the slot it replaces
 VAL = "val"                   # FakeTensor (or SymFloat) of the node's value, as make_fx writes it
+RELEASED = "zerocc_released"  # placeholders: the runtime drops the old slot value during the step (release_slots)
+RELEASE_POINT = "zerocc_release_point"  # the node after which the runtime drops the RELEASED slots' old values
 PRECISION_CAST = "zerocc_precision_cast"  # casts mixed precision adds: "param" (master -> param_dtype), ...
 
 # placeholder roles

@@ -7,6 +7,7 @@
     place_checkpoints    passes/place_checkpoints.py   under a memory budget: recompute activations in backward
     insert_collectives   passes/insert_collectives.py   all_gather / reduce_scatter / all_reduce + waits
     schedule             passes/schedule.py      issue collectives early, wait late: prefetch and overlap
+    release_slots        passes/release_slots.py  old parameters and optimizer state die at their last use, not at the end
     plan_memory          passes/plan_memory.py   lifetimes on the final order -> offsets in pools (graph unchanged)
     place_buffers        passes/place_buffers.py  (only with memory_pools=) pools become arenas; ops write at their offsets through out=
 
@@ -42,6 +43,7 @@ from .passes.mixed_precision import mixed_precision as cast_for_precision
 from .passes.place_checkpoints import place_checkpoints
 from .passes.place_buffers import place_buffers
 from .passes.plan_memory import plan_memory
+from .passes.release_slots import release_slots
 from .passes.schedule import schedule
 from .passes.shard import shard
 
@@ -93,12 +95,13 @@ def default_pipeline(stage: int, *, prefetch_bytes: int = DEFAULT_PREFETCH_BYTES
         *precision,                                                                              # bf16 compute from fp32 master buckets, loss scaling
         *clipping,                                                                               # global-norm clipping between reduction and update
         Pass("place_checkpoints", functools.partial(place_checkpoints, memory_budget=memory_budget,
-                                                    prefetch_bytes=prefetch_bytes),
+                                                    prefetch_bytes=prefetch_bytes, memory_pools=memory_pools),
              requires=("shard",)),                                                                # recompute activations to fit memory_budget
         Pass("insert_collectives", insert_collectives, requires=("shard",),
              essential="the shard pass's markers cannot run across ranks"),                      # the communication the buckets need
         Pass("schedule", functools.partial(schedule, prefetch_bytes=prefetch_bytes),
              requires=("insert_collectives",)),                                                   # prefetch gathers, overlap reductions
+        Pass("release_slots", release_slots, requires=("shard",)),                               # old state dies at its last use after the last wait
         Pass("plan_memory", plan_memory, requires=("shard",)),                                   # lifetimes -> offsets in pools; nothing moves nodes after it
         *pools,                                                                                  # outputs into an arena at their offsets
     ]
@@ -195,6 +198,7 @@ class GraphSnapshot:
 def copy_graph(graph: fx.Graph) -> fx.Graph:
     """The same nodes and meta (shallow-copied), in a new graph later rewrites do not touch."""
     new = fx.Graph()
+    new.set_codegen(graph._codegen)   # the calling convention (runtime/release.py) goes with the nodes
     env: dict[fx.Node, fx.Node] = {}
     for node in graph.nodes:
         env[node] = new.node_copy(node, lambda n: env[n])

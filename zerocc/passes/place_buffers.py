@@ -68,6 +68,56 @@ def place_buffers(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     plan = ctx.memory_plan
     if plan is None:
         return gm
+    layout = arena_layout(gm, plan)
+    ctx.memory_plan = layout.plan
+    placed, offsets, in_place = layout.placed, layout.offsets, layout.in_place
+    nodes = {node.name: node for node in gm.graph.nodes}
+    arenas = [p for p in layout.plan.pools if p.name in layout.plan.arenas]
+    arena_nodes = _add_arena_placeholders(gm, ctx, arenas, layout.devices)
+    for name, buffers in placed.items():
+        node = nodes[name]
+        out_op, out_names = out_variant(node.target)
+        views = []
+        with gm.graph.inserting_before(node):
+            for buffer, value in zip(buffers, _values(node)):
+                view = gm.graph.call_function(arena_view, (arena_nodes[buffer.pool], offsets[buffer.name],
+                                                           tuple(int(s) for s in value.shape),
+                                                           tuple(int(s) for s in value.stride()), value.dtype))
+                view.meta.update({g.VAL: value, g.PHASE: node.meta.get(g.PHASE)})
+                views.append(view)
+        node.target = out_op
+        node.kwargs = {**node.kwargs, **dict(zip(out_names, views))}
+    for name, slot in in_place.items():
+        node = nodes[name]
+        out_op, (out_name,) = out_variant(node.target)
+        node.target = out_op
+        node.kwargs = {**node.kwargs, out_name: slot}
+    gm.graph.lint()
+    gm.recompile()
+
+    new = ctx.memory_plan
+    ctx.notes["place_buffers"] = (f"{sum(len(b) for b in placed.values())} buffers placed in {len(arenas)} arenas "
+                                  f"({megabytes(new.arena_bytes)}); {len(new.unplanned)} unplanned "
+                                  f"({megabytes(new.unplanned_bytes)}); {len(in_place)} updates written into the "
+                                  f"slots they replace; planned peak {megabytes(new.planned_peak_bytes)}")
+    return gm
+
+
+@dataclasses.dataclass(frozen=True)
+class ArenaLayout:
+    """Where place_buffers puts what: the new plan, each placed node's buffers, their offsets, in-place updates."""
+    plan: MemoryPlan
+    placed: dict[str, list[Buffer]]   # node name -> its buffers, one per tensor output, in output order
+    offsets: dict[str, int]           # buffer name -> offset in its arena
+    in_place: dict[str, fx.Node]      # root node name -> the placeholder of the slot it is written into
+    devices: dict[str, torch.device]  # arena -> its device
+
+
+def arena_layout(gm: fx.GraphModule, plan: MemoryPlan) -> ArenaLayout:
+    """The arenas ``place_buffers`` would make for ``plan`` on ``gm``, decided without touching the graph.
+
+    ``place_checkpoints`` reads ``layout.plan.planned_peak_bytes`` to check a budget with memory pools on.
+    """
     nodes = {node.name: node for node in gm.graph.nodes}
     last = len(plan.positions) - 1
     by_node: dict[str, list[Buffer]] = {}
@@ -99,7 +149,10 @@ def place_buffers(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     pools, offsets = [], {}
     for pool in plan.pools:
         if pool.name == PERSISTENT_POOL:
-            members = [b for b in pool.buffers if b.name not in in_place]
+            # a slot written in place holds the new value to the end, even if release_slots released the old one
+            written = {old.name for old in in_place.values()}
+            members = [dataclasses.replace(b, end=last) if b.name in written else b
+                       for b in pool.buffers if b.name not in in_place]
             lifetimes = [Lifetime(b.name, b.bytes, b.start, b.end) for b in members]
             persistent_offsets, size, order = place(lifetimes)
             pools.append(Pool(pool.name, size, lower_bound(lifetimes), order,
@@ -115,36 +168,8 @@ def place_buffers(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
                           tuple(dataclasses.replace(b, offset=arena_offsets[b.name]) for b in members)))
     arenas = tuple(p.name for p in pools if p.name != PERSISTENT_POOL)
     unplanned.sort(key=lambda u: (u.start, u.name))
-    ctx.memory_plan = dataclasses.replace(plan, pools=tuple(pools), unplanned=tuple(unplanned), arenas=arenas)
-
-    arena_nodes = _add_arena_placeholders(gm, ctx, [p for p in pools if p.name in arenas], devices)
-    for name, buffers in placed.items():
-        node = nodes[name]
-        out_op, out_names = out_variant(node.target)
-        views = []
-        with gm.graph.inserting_before(node):
-            for buffer, value in zip(buffers, _values(node)):
-                view = gm.graph.call_function(arena_view, (arena_nodes[buffer.pool], offsets[buffer.name],
-                                                           tuple(int(s) for s in value.shape),
-                                                           tuple(int(s) for s in value.stride()), value.dtype))
-                view.meta.update({g.VAL: value, g.PHASE: node.meta.get(g.PHASE)})
-                views.append(view)
-        node.target = out_op
-        node.kwargs = {**node.kwargs, **dict(zip(out_names, views))}
-    for name, slot in in_place.items():
-        node = nodes[name]
-        out_op, (out_name,) = out_variant(node.target)
-        node.target = out_op
-        node.kwargs = {**node.kwargs, out_name: slot}
-    gm.graph.lint()
-    gm.recompile()
-
-    new = ctx.memory_plan
-    ctx.notes["place_buffers"] = (f"{sum(len(b) for b in placed.values())} buffers placed in {len(arenas)} arenas "
-                                  f"({megabytes(new.arena_bytes)}); {len(new.unplanned)} unplanned "
-                                  f"({megabytes(new.unplanned_bytes)}); {len(in_place)} updates written into the "
-                                  f"slots they replace; planned peak {megabytes(new.planned_peak_bytes)}")
-    return gm
+    new = dataclasses.replace(plan, pools=tuple(pools), unplanned=tuple(unplanned), arenas=arenas)
+    return ArenaLayout(new, placed, offsets, in_place, devices)
 
 
 def _updates_in_place(gm: fx.GraphModule, plan: MemoryPlan, nodes: dict[str, fx.Node]) -> dict[str, fx.Node]:

@@ -23,9 +23,10 @@ then matmuls and attention by FLOPs saved per byte). Plans are ordered from
 least to most recomputation. How it chooses:
 
   1. the peak of a plan is *measured*: the rewrite applied to a copy, then
-     ``insert_collectives`` and ``schedule``, then the lifetime analysis
-     ``plan_memory`` uses (the bytes the cut counts are a proxy: copies are
-     alive in backward too). A binary search finds the first plan whose peak
+     ``insert_collectives``, ``schedule`` and ``release_slots``' marks, then
+     the lifetime analysis ``plan_memory`` uses (the bytes the cut counts are
+     a proxy: copies are alive in backward too); with memory pools, the peak
+     of the layout ``place_buffers`` would make (``arena_layout``). A binary search finds the first plan whose peak
      fits the budget (the plan with nothing recomputed first);
   2. when no plan fits, ``MemoryBudgetError`` says the smallest peak
      measured and what it is made of (model states against activations).
@@ -45,25 +46,27 @@ from ..memory_plan import POOL_OF_ROLE, ROLES
 from ..plans import CheckpointPlan, RecomputedTensor
 from ..recomputation import Recomputation, forward_region, is_alias, is_backward
 from .insert_collectives import insert_collectives
-from .plan_memory import buffer_lifetimes
+from .place_buffers import arena_layout
+from .plan_memory import buffer_lifetimes, memory_plan_of
+from .release_slots import mark_releases
 from .schedule import schedule
 
 
 def place_checkpoints(gm: fx.GraphModule, ctx: CompileContext, *, memory_budget: int | None,
-                      prefetch_bytes: int) -> fx.GraphModule:
+                      prefetch_bytes: int, memory_pools: bool = False) -> fx.GraphModule:
     """Recompute in backward the forward values that cost least per byte, until the step's peak fits the budget."""
     if memory_budget is None:
         ctx.notes["place_checkpoints"] = "no memory budget: every forward value backward reads is kept"
         return gm
     started = time.perf_counter()
     analysis = Recomputation(gm)
-    before = _highest_over_ranks(_measure(gm, ctx, None, prefetch_bytes), ctx)
+    before = _highest_over_ranks(_measure(gm, ctx, None, prefetch_bytes, memory_pools), ctx)
     plans: list = []
     peaks: dict[int, _Peak] = {}
 
     def peak_of(index: int) -> _Peak:
         if index not in peaks:
-            peaks[index] = _highest_over_ranks(_measure(gm, ctx, plans[index], prefetch_bytes), ctx)
+            peaks[index] = _highest_over_ranks(_measure(gm, ctx, plans[index], prefetch_bytes, memory_pools), ctx)
         return peaks[index]
 
     clones: dict[fx.Node, fx.Node] = {}
@@ -153,8 +156,13 @@ class _Scratch:
         pass
 
 
-def _measure(gm: fx.GraphModule, ctx: CompileContext, recompute: set[fx.Node] | None, prefetch_bytes: int) -> _Peak:
-    """The most bytes alive at once in the step once ``recompute`` is recomputed (None: as it is) and scheduled."""
+def _measure(gm: fx.GraphModule, ctx: CompileContext, recompute: set[fx.Node] | None, prefetch_bytes: int,
+             memory_pools: bool) -> _Peak:
+    """The most bytes alive at once in the step once ``recompute`` is recomputed (None: as it is) and scheduled.
+
+    With memory pools, the peak of the pooled layout instead (``place_buffers``: the arenas, allocated whole,
+    plus what lives outside them), which fragmentation puts above the live peak.
+    """
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for node in gm.graph.nodes:
@@ -166,6 +174,7 @@ def _measure(gm: fx.GraphModule, ctx: CompileContext, recompute: set[fx.Node] | 
     scratch = dataclasses.replace(ctx, notes={})
     copy = insert_collectives(copy, scratch)
     copy = schedule(copy, scratch, prefetch_bytes=prefetch_bytes)
+    mark_releases(copy, scratch)
     positions = len(copy.graph.nodes)
     deltas = {role: [0] * (positions + 1) for role in ROLES}
     for _, role, nbytes, start, end, _ in buffer_lifetimes(copy):
@@ -174,7 +183,10 @@ def _measure(gm: fx.GraphModule, ctx: CompileContext, recompute: set[fx.Node] | 
     running = {role: list(itertools.accumulate(values)) for role, values in deltas.items()}
     totals = [sum(column) for column in zip(*running.values())]
     at = max(range(positions), key=totals.__getitem__)
-    return _Peak(totals[at], tuple((role, values[at]) for role, values in running.items() if values[at]))
+    peak = totals[at]
+    if memory_pools:
+        peak = arena_layout(copy, memory_plan_of(copy, placed=False)).plan.planned_peak_bytes
+    return _Peak(peak, tuple((role, values[at]) for role, values in running.items() if values[at]))
 
 
 def megabytes(count: int) -> str:

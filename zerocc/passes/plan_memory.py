@@ -13,8 +13,9 @@ use of any view of it (alias analysis: ops whose schema returns an alias,
 output; ``reshape`` and ``contiguous`` only when the value allows a view).
 The outputs of a multi-output op live at least as long as the op's tuple,
 which the program holds until its last ``getitem``. Slots read by the step
-live across the whole step; values that replace slots (and the loss) live
-to the end. A collective's inputs live until its wait: it reads them while
+live across the whole step, except those ``release_slots`` marked: they live
+to the release point or their last use, whichever is later; values that
+replace slots (and the loss) live to the end. A collective's inputs live until its wait: it reads them while
 the program runs on. Tensors sized by the data are listed as unplanned.
 
 Pools group buffers by role (``memory_plan.POOLS``): persistent shards and
@@ -26,6 +27,7 @@ bound, the most bytes its buffers hold at once.
 """
 from __future__ import annotations
 
+import collections
 import operator
 
 import torch
@@ -65,8 +67,11 @@ def plan_memory(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     return gm
 
 
-def memory_plan_of(gm: fx.GraphModule) -> MemoryPlan:
-    """The plan for ``gm`` in its current node order (any FX graph with ``val`` meta; zerocc's tags refine roles)."""
+def memory_plan_of(gm: fx.GraphModule, *, placed: bool = True) -> MemoryPlan:
+    """The plan for ``gm`` in its current node order (any FX graph with ``val`` meta; zerocc's tags refine roles).
+
+    ``placed=False`` skips the layout (every offset 0, each pool at its lower bound): the lifetimes only.
+    """
     nodes = list(gm.graph.nodes)
     buffers, unplanned = _lifetimes_and_unplanned(gm)
     pools = []
@@ -75,7 +80,10 @@ def memory_plan_of(gm: fx.GraphModule) -> MemoryPlan:
         if not members:
             continue
         lifetimes = [Lifetime(name, size, s, e) for name, _, size, s, e, _ in members]
-        offsets, size, order = place(lifetimes)
+        if placed:
+            offsets, size, order = place(lifetimes)
+        else:
+            offsets, size, order = collections.defaultdict(int), lower_bound(lifetimes), "not placed"
         placed = tuple(Buffer(name, role, pool_name, nbytes, offsets[name], s, e, names)
                        for name, role, nbytes, s, e, names in members)
         pools.append(Pool(pool_name, size, lower_bound(lifetimes), order, placed))
@@ -94,6 +102,8 @@ def _lifetimes_and_unplanned(gm: fx.GraphModule):
     position = {node: i for i, node in enumerate(nodes)}
     last = len(nodes) - 1
     roots = _storage_roots(nodes)
+    # released slots (passes/release_slots.py) live to the release point, then to their last use
+    release = next((position[n] for n in nodes if n.meta.get(g.RELEASE_POINT)), None)
 
     # a storage is alive from its allocation to the last use of any of its views
     start: dict[object, int] = {}
@@ -103,7 +113,7 @@ def _lifetimes_and_unplanned(gm: fx.GraphModule):
         for key in roots.get(node, ()):
             start.setdefault(key, 0 if node.op == "placeholder" else position[node])
             if node.op == "placeholder":
-                end[key] = last
+                end[key] = release if release is not None and node.meta.get(g.RELEASED) else last
             reach = max((_released_at(user, position) for user in node.users), default=position[node])
             end[key] = max(end.get(key, position[node]), reach)
             if key[0] is not node:

@@ -5,7 +5,11 @@ writes into ``arena_view(arena, offset, size, stride, dtype)`` through its
 ``out=`` variant; the arenas reach the program as arguments (placeholders
 with role ``graph.ROLE_ARENA``). One ``Arenas`` serves every program of a
 compiled step (the first step's and the steady state's never run at once),
-each arena grown to the largest size any of them plans.
+each arena sized to the program about to run: reallocated only when the
+program that runs changes to one planning another size (the first step to
+the steady state, a new batch shape). Grown to the largest size any program
+planned, the arena put the steady state above its planned peak (the first
+step's arena was larger) and a memory budget did not hold.
 """
 from __future__ import annotations
 
@@ -29,15 +33,15 @@ def arena_view(arena: torch.Tensor, offset: int, size: tuple[int, ...], stride: 
 
 
 class Arenas:
-    """The arenas of one compiled step, by slot name (``arena:activations``): grown, never shrunk."""
+    """The arenas of one compiled step, by slot name (``arena:activations``), each the size the last program needs."""
 
     def __init__(self):
         self._tensors: dict[str, torch.Tensor] = {}
 
-    def reserve(self, slot: str, nbytes: int, device: torch.device) -> None:
-        """Make the arena ``slot`` at least ``nbytes`` long on ``device``."""
+    def fit(self, slot: str, nbytes: int, device: torch.device) -> None:
+        """Make the arena ``slot`` exactly ``nbytes`` long on ``device``."""
         held = self._tensors.get(slot)
-        if held is not None and held.numel() >= nbytes and held.device == torch.device(device):
+        if held is not None and held.numel() == nbytes and held.device == torch.device(device):
             return
         self._tensors.pop(slot, None)   # let the old one go before the larger one is allocated
         # uninitialized on purpose: every placed op writes its output before anything reads it

@@ -1,4 +1,12 @@
-"""Runs one emitted program: reads slots, arenas and the batch, calls the graph, rebinds slots."""
+"""Runs one emitted program: reads slots, arenas and the batch, calls the graph, rebinds slots.
+
+A program that releases slots (``runtime/release.py``) takes its arguments
+in a list it clears, and a callback: at the release point the runtime drops
+its references to the old values of the released slots, so each dies at its
+last use. Before that point a failure leaves every slot as it was (the
+slots are rebound only after the call returns); after it, the error says
+which slots were lost.
+"""
 from __future__ import annotations
 
 import dataclasses
@@ -8,6 +16,7 @@ import torch.fx as fx
 
 from .. import graph as g
 from .arenas import Arenas, is_arena_slot
+from .release import releases_slots
 
 
 @dataclasses.dataclass
@@ -18,11 +27,13 @@ class Program:
     input_positions: list[int | None]    # per placeholder: index into the batch's tensors, or None
     output_slots: list[str]              # per output after the loss: the slot it replaces
     arenas: Arenas | None = None         # where placed outputs live (passes/place_buffers.py), if any
+    released_slots: tuple[str, ...] = () # slots dropped at the release point (passes/release_slots.py)
+    arena_sizes: tuple = ()              # (slot, bytes, device) of each arena this program writes into
 
     @classmethod
     def from_graph(cls, gm: fx.GraphModule, arenas: Arenas | None = None) -> "Program":
-        """The program for ``gm``; its arenas are reserved in ``arenas`` (shared by a step's programs)."""
-        slots, positions = [], []
+        """The program for ``gm``; its arenas are sized in ``arenas`` (shared by a step's programs)."""
+        slots, positions, sizes = [], [], []
         for node in g.placeholders(gm):
             if node.meta[g.ROLE] == g.ROLE_INPUT:
                 slots.append(None)
@@ -33,10 +44,15 @@ class Program:
             if node.meta[g.ROLE] == g.ROLE_ARENA:
                 value = node.meta[g.VAL]
                 arenas = arenas if arenas is not None else Arenas()
-                arenas.reserve(node.meta[g.SLOT], value.numel(), value.device)
-        return cls(gm, slots, positions, list(gm.meta[g.OUTPUT_SLOTS]), arenas)
+                arenas.fit(node.meta[g.SLOT], value.numel(), value.device)
+                sizes.append((node.meta[g.SLOT], value.numel(), value.device))
+        released = tuple(n.meta[g.SLOT] for n in g.placeholders(gm) if n.meta.get(g.RELEASED)) \
+            if releases_slots(gm) else ()
+        return cls(gm, slots, positions, list(gm.meta[g.OUTPUT_SLOTS]), arenas, released, tuple(sizes))
 
     def run(self, slots: dict[str, torch.Tensor], batch: list) -> torch.Tensor:
+        for slot, nbytes, device in self.arena_sizes:   # another program may have run since
+            self.arenas.fit(slot, nbytes, device)
         arguments = []
         for slot, position in zip(self.argument_slots, self.input_positions):
             if slot is None:
@@ -45,8 +61,25 @@ class Program:
                 arguments.append(self.arenas[slot])
             else:
                 arguments.append(slots[slot])
-        loss, *results = self.gm(*arguments)
-        del arguments
+        if not releases_slots(self.gm):
+            loss, *results = self.gm(*arguments)
+            del arguments
+        else:
+            dropped: list[str] = []
+
+            def release_slots() -> None:
+                for slot in self.released_slots:
+                    dropped.append(slot)
+                    del slots[slot]
+            try:
+                loss, *results = self.gm(arguments, release_slots)   # clears ``arguments``
+            except Exception as error:
+                if dropped:
+                    error.add_note(f"zerocc: the step failed after its release point (passes/release_slots.py): the "
+                                   f"old values of {len(dropped)} slots ({', '.join(dropped[:3])}"
+                                   f"{', ...' if len(dropped) > 3 else ''}) are gone and the step cannot go on; "
+                                   "load a checkpoint")
+                raise
         for slot, value in zip(self.output_slots, results):
             slots[slot] = value
         return loss
