@@ -100,7 +100,7 @@ def default_pipeline(stage: int, *, prefetch_bytes: int = DEFAULT_PREFETCH_BYTES
              essential="the shard pass's markers cannot run across ranks"),                      # the communication the buckets need
         Pass("schedule", functools.partial(schedule, prefetch_bytes=prefetch_bytes),
              requires=("insert_collectives",)),                                                   # prefetch gathers, overlap reductions
-        Pass("overlap_updates", overlap_updates, requires=("schedule",)),                          # bucket updates while the last reduction is in flight
+        Pass("overlap_updates", overlap_updates, requires=("insert_collectives",)),                        # bucket updates while the last reduction is in flight
         Pass("plan_memory", plan_memory, requires=("shard",)),                                   # lifetimes -> offsets in pools; nothing moves nodes after it
         *pools,                                                                                  # outputs into an arena at their offsets
     ]

@@ -1,7 +1,7 @@
 """overlap_updates: run each bucket's optimizer update while the reductions issued after its own are in flight.
 
-Requires: ``schedule`` (collectives issued and waits placed; this pass moves
-no collective). Establishes: an ``UpdateOrder`` on ``ctx`` and a node order
+Requires: ``insert_collectives`` (each collective has one wait); runs after
+``schedule``, whose placement of collectives it keeps (it moves none). Establishes: an ``UpdateOrder`` on ``ctx`` and a node order
 in which, after the step's last gradient reduction is issued, the update of
 each bucket runs in the order its reduction was issued, each just after its
 reduction's wait, and before the wait of the last reduction.
