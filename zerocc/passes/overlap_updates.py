@@ -11,7 +11,12 @@ optimizer, traced in parameter order, updated the first bucket first, whose
 reduction is issued last, so the step sat in that wait with every other
 bucket's reduced gradient already there (about 15 ms of a 650 ms step on the
 benchmark GPT, the longest wait of the step with the first gather). Now the
-other buckets' updates run while it is in flight.
+other buckets' updates run while it is in flight. They are not moved further
+up, into backward, as each reduction arrives: backward's compute already
+hides the reductions issued during it (their waits took under 1 ms each),
+every update moved there would be one fewer to hide the last reduction,
+and new optimizer state would be alive beside the old one through the
+activations' peak.
 
 What moves: after the last gradient reduction is issued (the anchor), a node
 belongs to bucket i's update when it reads, directly or not, the wait of
