@@ -91,10 +91,12 @@ def make_optimizer(params):
 ZEROCC_OPTIONS = {}   # bucket_bytes / prefetch_bytes from the command line, else zerocc's defaults
 
 
-def build_zerocc(stage, bucket_bytes=None, memory_pools=False):
+def build_zerocc(stage, bucket_bytes=None, memory_pools=False, disable=()):
     options = dict(ZEROCC_OPTIONS, **({} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}))
     if memory_pools:
         options["memory_pools"] = True
+    if disable:
+        options["disable"] = list(disable)
 
     def build():
         torch.manual_seed(0)
@@ -104,14 +106,17 @@ def build_zerocc(stage, bucket_bytes=None, memory_pools=False):
 
 
 def system(name):
-    """The builder for ``name``: one of SYSTEMS, or a zerocc variant ``zerocc-<stage>[@<bucket MiB>][+pools]``."""
+    """The builder for ``name``: one of SYSTEMS, or a zerocc variant ``zerocc-<stage>[@<bucket MiB>][+pools][-<pass>...]``
+    (``-<pass>``: compiled with that pass disabled, e.g. ``zerocc-3-overlap_updates``)."""
     if name in SYSTEMS:
         return SYSTEMS[name]
-    match = re.fullmatch(r"zerocc-([0-3])(?:@([0-9.]+))?(\+pools)?", name)
+    match = re.fullmatch(r"zerocc-([0-3])(?:@([0-9.]+))?(\+pools)?((?:-[a-z_]+)*)", name)
     if match is None:
-        raise SystemExit(f"unknown system {name!r}: one of {', '.join(SYSTEMS)} or zerocc-<stage>[@<bucket MiB>][+pools]")
+        raise SystemExit(f"unknown system {name!r}: one of {', '.join(SYSTEMS)} or "
+                         f"zerocc-<stage>[@<bucket MiB>][+pools][-<pass>...]")
     bucket_bytes = None if match[2] is None else int(float(match[2]) * 2**20)
-    return build_zerocc(int(match[1]), bucket_bytes, memory_pools=match[3] is not None)
+    disable = tuple(match[4].split("-")[1:])
+    return build_zerocc(int(match[1]), bucket_bytes, memory_pools=match[3] is not None, disable=disable)
 
 
 def eager_step(model, optimizer):

@@ -8,7 +8,7 @@ import torch
 
 from .capture import Captured
 from .memory_plan import MemoryPlan
-from .plans import CheckpointPlan, Schedule, ShardPlan
+from .plans import CheckpointPlan, Schedule, ShardPlan, UpdateOrder
 from .precision import Precision
 
 
@@ -36,5 +36,6 @@ class CompileContext:
     shard_plan: ShardPlan | None = None
     checkpoint_plan: CheckpointPlan | None = None   # place_checkpoints: forward values recomputed in backward
     schedule: Schedule | None = None
+    update_order: UpdateOrder | None = None   # overlap_updates: bucket updates moved before the last reduction's wait
     memory_plan: MemoryPlan | None = None   # plan_memory: every buffer's pool, offset and live range
     notes: dict[str, Any] = dataclasses.field(default_factory=dict)   # one line of counts per pass

@@ -7,6 +7,7 @@
     place_checkpoints    passes/place_checkpoints.py   under a memory budget: recompute activations in backward
     insert_collectives   passes/insert_collectives.py   all_gather / reduce_scatter / all_reduce + waits
     schedule             passes/schedule.py      issue collectives early, wait late: prefetch and overlap
+    overlap_updates      passes/overlap_updates.py   bucket updates in reduction order, before the last reduction's wait
     release_slots        passes/release_slots.py  old parameters and optimizer state die at their last use, not at the end
     plan_memory          passes/plan_memory.py   lifetimes on the final order -> offsets in pools (graph unchanged)
     place_buffers        passes/place_buffers.py  (only with memory_pools=) pools become arenas; ops write at their offsets through out=
@@ -39,6 +40,7 @@ from .context import CompileContext
 from .errors import ConfigError, MemoryBudgetError, PassError
 from .passes.clip_gradients import clip_gradients
 from .passes.insert_collectives import insert_collectives
+from .passes.overlap_updates import overlap_updates
 from .passes.mixed_precision import mixed_precision as cast_for_precision
 from .passes.place_checkpoints import place_checkpoints
 from .passes.place_buffers import place_buffers
@@ -101,6 +103,7 @@ def default_pipeline(stage: int, *, prefetch_bytes: int = DEFAULT_PREFETCH_BYTES
              essential="the shard pass's markers cannot run across ranks"),                      # the communication the buckets need
         Pass("schedule", functools.partial(schedule, prefetch_bytes=prefetch_bytes),
              requires=("insert_collectives",)),                                                   # prefetch gathers, overlap reductions
+        Pass("overlap_updates", overlap_updates, requires=("insert_collectives",)),              # bucket updates while the last reduction is in flight
         Pass("release_slots", release_slots, requires=("shard",)),                               # old state dies at its last use after the last wait
         Pass("plan_memory", plan_memory, requires=("shard",)),                                   # lifetimes -> offsets in pools; nothing moves nodes after it
         *pools,                                                                                  # outputs into an arena at their offsets

@@ -164,6 +164,13 @@ class Schedule:
 
 
 @dataclasses.dataclass(frozen=True)
+class UpdateOrder:
+    """overlap_updates: the buckets whose optimizer update runs before the last reduction's wait, in run order."""
+    buckets: tuple[int, ...]     # in the order their reductions were issued (the last reduction's bucket not among them)
+    nodes_moved: int
+
+
+@dataclasses.dataclass(frozen=True)
 class RecomputedTensor:
     """One forward value that backward recomputes instead of reading it from forward."""
     name: str            # the forward node whose value backward recomputes
