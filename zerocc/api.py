@@ -348,7 +348,8 @@ class CompiledStep:
                 "raise max_programs, or set static_shapes=True to make a new shape an error", RecompileWarning,
                 stacklevel=4)
 
-    def _compile(self, batch, layout):
+    def _compile(self, batch, layout: BatchLayout | None = None):
+        layout = layout or BatchLayout(len(batch))   # all positional
         fake_mode = make_fake_mode()
         optimizer_state = None
         if self._state_signature is not None:
