@@ -418,9 +418,8 @@ class CompiledStep:
             for tensor in [*self.model.parameters(), *self.model.buffers()]:
                 dist.broadcast(tensor.data, src=0, group=self.ranks.group)
 
-    def _input_signature(self, batch, layout: BatchLayout | None = None) -> tuple:
+    def _input_signature(self, batch, layout: BatchLayout) -> tuple:
         """What a program is compiled for: each entry's shape and dtype (or Python value), keywords by name."""
-        layout = layout or BatchLayout(len(batch))
         signature = []
         for index, value in enumerate(batch):
             if isinstance(value, torch.Tensor):

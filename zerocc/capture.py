@@ -98,11 +98,10 @@ def extract_loss(output: Any, targets: Sequence[Any], loss_fn: Callable | None) 
     )
 
 
-def check_micro_batches(inputs: Sequence[Any], count: int, layout: BatchLayout | None = None) -> None:
+def check_micro_batches(inputs: Sequence[Any], count: int, layout: BatchLayout) -> None:
     """Every batch tensor (one dimension or more) must split into ``count`` equal micro-batches along dim 0."""
     if count == 1:
         return
-    layout = layout or BatchLayout(len(inputs))
     bad = [f"{layout.name_of(i)} has {t.shape[0]} rows" for i, t in enumerate(inputs)
            if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] % count]
     if bad:
