@@ -4,6 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+import zerocc
+
 from tests.architectures import architecture_batches, build_architecture
 from tests.models import batches, build
 from tests.test_architectures import two_groups
@@ -41,3 +43,15 @@ def test_same_sequence_on_every_rank_for_the_zoo():
         sequences = [collective_sequence(lambda: build(name)[0], lambda m: torch.optim.AdamW(m.parameters()),
                                          batches(name, 1, 2)[0], loss_fn, 3, 3, rank) for rank in (0, 2)]
         assert all(sequence == sequences[0] for sequence in sequences), name
+
+
+def test_the_same_model_compiles_to_the_same_program():
+    # ranks are separate processes, so nothing in a program may depend on object ids (a set's order):
+    # two compiles in one process hold different objects and must still print the same program
+    programs = []
+    for seed in range(3):
+        model, _, _ = build("gpt", seed)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        plan = zerocc.plan(model, optimizer, stage=3, world_size=2, example_inputs=batches("gpt", 1, 4)[0])
+        programs.append([str(plan.graph(name)) for name in plan.passes])
+    assert programs[1] == programs[0] and programs[2] == programs[0]

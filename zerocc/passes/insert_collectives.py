@@ -152,12 +152,13 @@ def _lower_parameter_gather(gm, ctx, marker, segments: dict[fx.Node, tuple[int, 
     """
     graph = gm.graph
     shard, bucket = marker.args[0], marker.meta.get(g.BUCKET)
-    # views of the gathered bucket: everything reachable from it through aliasing ops
-    views, stack = {marker}, [marker]
+    # views of the gathered bucket: everything reachable from it through aliasing ops, in the order found
+    # (a dict, not a set: a set's order follows object ids, which differ between compiles and between ranks)
+    views, stack = {marker: None}, [marker]
     while stack:
         for user in stack.pop().users:
             if user not in views and _is_alias(user):
-                views.add(user)
+                views[user] = None
                 stack.append(user)
     first_segment = min(segments[user] for view in views for user in view.users if user not in views)
     later_uses: dict[tuple[int, int], list[tuple[fx.Node, fx.Node]]] = {}
@@ -170,7 +171,7 @@ def _lower_parameter_gather(gm, ctx, marker, segments: dict[fx.Node, tuple[int, 
         forward = _gather(graph, ctx, shard, marker.meta[g.VAL], bucket)
     marker.replace_all_uses_with(forward)
     graph.erase_node(marker)
-    views.discard(marker)
+    del views[marker]
     for segment, uses in sorted(later_uses.items()):
         first = min(user for user, _ in uses)   # fx nodes compare by graph position, O(1)
         copies: dict[fx.Node, fx.Node] = {}
