@@ -40,7 +40,7 @@ def planned_gpt(world_size=4, **settings):
 def test_passes_are_listed_and_every_graph_is_readable_python():
     step = compiled_mlp()
     assert step.passes == ["capture", "shard", "place_checkpoints", "insert_collectives", "schedule", "overlap_updates",
-                           "release_slots", "plan_memory"]
+                           "scatter_by_all_to_all", "release_slots", "plan_memory"]
     shard = str(step.graph("shard"))
     assert shard.startswith("# after pass 01 'shard': ")
     assert "reduce_gradient" in shard.splitlines()[0]
@@ -81,12 +81,13 @@ def test_a_registered_pass_sees_the_plans_and_can_be_disabled():
     zerocc.register_pass(count_buckets, after="shard")
     step = compiled_mlp()
     assert step.passes == ["capture", "shard", "count_buckets", "place_checkpoints", "insert_collectives", "schedule",
-                           "overlap_updates", "release_slots", "plan_memory"]
+                           "overlap_updates", "scatter_by_all_to_all", "release_slots", "plan_memory"]
     assert seen == [1]
     assert "# 1 buckets seen" in str(step.graph("count_buckets"))
     assert compiled_mlp(disable=["count_buckets"]).passes == ["capture", "shard", "place_checkpoints",
                                                                "insert_collectives", "schedule", "overlap_updates",
-                                                               "release_slots", "plan_memory"]
+                                                               "scatter_by_all_to_all", "release_slots",
+                                                               "plan_memory"]
     assert seen == [1]
 
 
