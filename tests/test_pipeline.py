@@ -63,7 +63,7 @@ def test_the_program_holds_only_the_constants_it_reads(stage):
 def test_disable_refuses_unknown_and_essential_passes_with_the_reason():
     model = MLP()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(zerocc.ConfigError, match=r"cannot disable 'scheduel': no such pass; the passes are: shard, place_checkpoints, insert_collectives, schedule, overlap_updates, release_slots, plan_memory"):
+    with pytest.raises(zerocc.ConfigError, match=r"cannot disable 'scheduel': no such pass; the passes are: shard, place_checkpoints, insert_collectives, schedule, overlap_updates, scatter_by_all_to_all, release_slots, plan_memory"):
         zerocc.compile(model, optimizer, disable=["scheduel"])
     with pytest.raises(zerocc.ConfigError, match=r"(?s)'shard' cannot be disabled: the runtime lays out its tensors by "
                        r"the shard plan.*'shard' is required by 'insert_collectives'"):
@@ -92,7 +92,7 @@ def test_a_registered_pass_sees_the_plans_and_can_be_disabled():
 
 
 def test_register_pass_names_the_valid_anchors():
-    with pytest.raises(zerocc.ConfigError, match=r"no pass named 'insert_collective'; the passes are: shard, place_checkpoints, insert_collectives, schedule, overlap_updates, release_slots, plan_memory"):
+    with pytest.raises(zerocc.ConfigError, match=r"no pass named 'insert_collective'; the passes are: shard, place_checkpoints, insert_collectives, schedule, overlap_updates, scatter_by_all_to_all, release_slots, plan_memory"):
         zerocc.register_pass(lambda gm, ctx: gm, after="insert_collective")
     with pytest.raises(zerocc.ConfigError, match="exactly one of after=... or before=..."):
         zerocc.register_pass(lambda gm, ctx: gm)
