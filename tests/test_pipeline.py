@@ -145,12 +145,12 @@ def test_dump_dir_setting_and_environment_variable(tmp_path, monkeypatch):
     compiled_mlp(dump_dir=str(tmp_path / "set"))
     assert sorted(os.listdir(tmp_path / "set")) == ["000_capture.py", "001_shard.py", "002_place_checkpoints.py",
                                                     "003_insert_collectives.py", "004_schedule.py",
-                                                    "005_overlap_updates.py", "006_release_slots.py", "007_plan_memory.py",
-                                                    "memory_plan.json"]
+                                                    "005_overlap_updates.py", "006_scatter_by_all_to_all.py",
+                                                    "007_release_slots.py", "008_plan_memory.py", "memory_plan.json"]
     assert (tmp_path / "set" / "001_shard.py").read_text().startswith("# after pass 01 'shard'")
     monkeypatch.setenv("ZEROCC_DUMP_DIR", str(tmp_path / "env"))
     planned_gpt()
-    assert len(os.listdir(tmp_path / "env")) == 9   # capture, seven passes and the memory plan
+    assert len(os.listdir(tmp_path / "env")) == 10   # capture, eight passes and the memory plan
 
 
 def test_explain_says_what_the_passes_decided():
