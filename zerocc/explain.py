@@ -55,8 +55,8 @@ def explain(ctx, history, report: dict) -> str:
     return "\n".join(lines)
 
 
-_INTERESTING = {"all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "broadcast", "wait_tensor",
-                "unshard", "reduce_gradient"}
+_INTERESTING = {"all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single", "all_reduce", "broadcast",
+                "wait_tensor", "unshard", "reduce_gradient"}
 
 
 def _peak_by_category(memory_plan) -> dict[str, int]:

@@ -61,8 +61,10 @@ def is_all_gather(node: fx.Node) -> bool:
 
 
 def is_reduce_scatter(node: fx.Node) -> bool:
+    """A reduce-scatter, or the all-to-all that stands for one on gloo (passes/scatter_by_all_to_all.py)."""
     return node.op == "call_function" and node.target in (c10d.reduce_scatter_tensor.default,
-                                                          c10d.reduce_scatter_tensor_out.default)
+                                                          c10d.reduce_scatter_tensor_out.default,
+                                                          c10d.all_to_all_single.default)
 
 
 def is_all_reduce(node: fx.Node) -> bool:

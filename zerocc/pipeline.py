@@ -8,6 +8,7 @@
     insert_collectives   passes/insert_collectives.py   all_gather / reduce_scatter / all_reduce + waits
     schedule             passes/schedule.py      issue collectives early, wait late: prefetch and overlap
     overlap_updates      passes/overlap_updates.py   bucket updates in reduction order, before the last reduction's wait
+    scatter_by_all_to_all  passes/scatter_by_all_to_all.py  on CPU (gloo): reduce-scatter as all-to-all + sum, half the bytes
     release_slots        passes/release_slots.py  old parameters and optimizer state die at their last use, not at the end
     plan_memory          passes/plan_memory.py   lifetimes on the final order -> offsets in pools (graph unchanged)
     place_buffers        passes/place_buffers.py  (only with memory_pools=) pools become arenas; ops write at their offsets through out=
@@ -46,6 +47,7 @@ from .passes.place_checkpoints import place_checkpoints
 from .passes.place_buffers import place_buffers
 from .passes.plan_memory import plan_memory
 from .passes.release_slots import release_slots
+from .passes.scatter_by_all_to_all import scatter_by_all_to_all
 from .passes.schedule import schedule
 from .passes.shard import shard
 
@@ -104,6 +106,7 @@ def default_pipeline(stage: int, *, prefetch_bytes: int = DEFAULT_PREFETCH_BYTES
         Pass("schedule", functools.partial(schedule, prefetch_bytes=prefetch_bytes),
              requires=("insert_collectives",)),                                                   # prefetch gathers, overlap reductions
         Pass("overlap_updates", overlap_updates, requires=("insert_collectives",)),              # bucket updates while the last reduction is in flight
+        Pass("scatter_by_all_to_all", scatter_by_all_to_all, requires=("insert_collectives",)),  # gloo: reduce-scatter as all-to-all + sum
         Pass("release_slots", release_slots, requires=("shard",)),                               # old state dies at its last use after the last wait
         Pass("plan_memory", plan_memory, requires=("shard",)),                                   # lifetimes -> offsets in pools; nothing moves nodes after it
         *pools,                                                                                  # outputs into an arena at their offsets

@@ -48,6 +48,7 @@ from ..context import CompileContext
 from ..plans import Schedule, ScheduledCollective
 
 KIND = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
+        "all_to_all_single": "reduce_scatter",   # a reduce-scatter on gloo (passes/scatter_by_all_to_all.py)
         "all_reduce": "all_reduce", "broadcast": "broadcast"}
 
 

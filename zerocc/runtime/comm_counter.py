@@ -23,6 +23,7 @@ COLLECTIVE_OPS = {
     "all_reduce": ("all_reduce", 0), "broadcast": ("broadcast", 0),
     "all_gather_into_tensor_out": ("all_gather", None),          # into an arena (passes/place_buffers.py)
     "reduce_scatter_tensor_out": ("reduce_scatter", 0),
+    "all_to_all_single": ("reduce_scatter", 0),   # zerocc's reduce-scatter on gloo (passes/scatter_by_all_to_all.py)
     # c10d, in place (torch.distributed, DDP, FSDP2, DeepSpeed)
     "_allgather_base_": ("all_gather", 0), "allgather_into_tensor_coalesced_": ("all_gather", 0),
     "allgather_": ("all_gather", 0), "_reduce_scatter_base_": ("reduce_scatter", 1),

@@ -1,0 +1,104 @@
+"""scatter_by_all_to_all: on CPU every reduce-scatter runs as an all-to-all and a sum, bit for bit the same result."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import zerocc
+from tests import distributed
+from tests.models import batches, build
+from tests.test_schedule import SMALL_BUCKETS
+from zerocc import graph as g
+from zerocc.capture import capture
+from zerocc.context import CompileContext
+from zerocc.passes.overlap_updates import live_peaks
+from zerocc.passes.schedule import wait_of
+from zerocc.pipeline import build_pipeline, run_pipeline
+from zerocc.tracing import make_fake_mode
+from zerocc.runtime.comm_counter import CountCollectives
+
+c10d = torch.ops._c10d_functional
+
+
+def compile_graph(stage, *, world_size=2, disable=()):
+    """The tiny GPT's program for rank 0 of ``world_size``, without peers (the pipeline runs no collective)."""
+    torch.manual_seed(0)
+    model, _, loss_fn = build("gpt")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    fake_mode = make_fake_mode()
+    captured = capture(model, optimizer, batches("gpt", 1, 4)[0], loss_fn=loss_fn, num_targets=1 if loss_fn else 0,
+                       fake_mode=fake_mode, check_update_elementwise=stage != 0)
+    ctx = CompileContext(stage, world_size, 0, "unused", optimizer, captured, fake_mode, SMALL_BUCKETS)
+    passes = build_pipeline(stage, disable, prefetch_bytes=1 << 30, user_passes=())
+    gm, history = run_pipeline(captured.gm, ctx, passes)
+    return gm, ctx, history
+
+
+@pytest.mark.parametrize("stage, world_size", [(1, 2), (2, 2), (3, 2), (3, 4)])
+def test_each_reduce_scatter_becomes_an_all_to_all_and_a_rank_order_sum(stage, world_size):
+    gm, ctx, _ = compile_graph(stage, world_size=world_size)
+    without, _, _ = compile_graph(stage, world_size=world_size, disable=("scatter_by_all_to_all",))
+    exchanges = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is c10d.all_to_all_single.default]
+    kept = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is c10d.reduce_scatter_tensor.default]
+    assert exchanges and all(g.is_reduce_scatter(n) for n in exchanges)
+    # the same reductions, in the same order; those kept are the ones the note names
+    assert [n.meta[g.BUCKET] for n in gm.graph.nodes if g.is_reduce_scatter(n)] == \
+        [n.meta[g.BUCKET] for n in without.graph.nodes if g.is_reduce_scatter(n)]
+    note = ctx.notes["scatter_by_all_to_all"]
+    assert note.startswith(f"{len(exchanges)} reduce_scatter -> all_to_all_single")
+    if kept:
+        assert f"{len(kept)} kept (bucket {', '.join(str(n.meta[g.BUCKET]) for n in kept)})" in note
+    # a replacement is kept only if the planned live peak does not grow
+    assert all(a <= b for a, b in zip(live_peaks(gm, ctx), live_peaks(without, ctx)))
+    for exchange in exchanges:
+        flat = exchange.args[0]
+        rows = flat.meta[g.VAL].shape[0] // world_size
+        assert exchange.args[1] == exchange.args[2] == [rows] * world_size
+        # the wait's only readers are the chunks, summed left to right in rank order
+        wait = wait_of(exchange)
+        chunks = sorted(wait.users, key=lambda n: n.args[1])
+        assert [(n.target, n.args[1:]) for n in chunks] == [
+            (torch.ops.aten.slice.Tensor, (0, r * rows, (r + 1) * rows)) for r in range(world_size)]
+        total = chunks[0]
+        for chunk in chunks[1:]:
+            (total,) = [u for u in chunk.users if u.target is torch.ops.aten.add.Tensor]
+            assert total.args[1] is chunk
+        assert total.meta[g.VAL].shape == (rows, *flat.meta[g.VAL].shape[1:])
+        # what read the reduce-scatter (the averaging division) reads the sum
+        assert [u.target for u in total.users] == [torch.ops.aten.div.Tensor]
+
+
+def test_the_plan_counts_the_same_communication_with_and_without_the_pass():
+    with_pass, ctx, _ = compile_graph(3)
+    without, ctx_without, _ = compile_graph(3, disable=("scatter_by_all_to_all",))
+    assert any(n.target is c10d.reduce_scatter_tensor.default for n in without.graph.nodes)
+    assert [n.meta.get(g.BUCKET) for n in with_pass.graph.nodes if g.is_reduce_scatter(n)] == \
+        [n.meta.get(g.BUCKET) for n in without.graph.nodes if g.is_reduce_scatter(n)]
+    assert sum(g.nbytes(n.args[0]) for n in with_pass.graph.nodes if g.is_reduce_scatter(n)) == \
+        sum(g.nbytes(n.args[0]) for n in without.graph.nodes if g.is_reduce_scatter(n))
+
+
+def _train(rank, world_size, stage, disable):
+    torch.manual_seed(0)
+    model, _, loss_fn = build("gpt")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    step = zerocc.compile(model, optimizer, stage=stage, loss_fn=loss_fn, bucket_bytes=16 * 1024, disable=disable)
+    losses = []
+    for batch in batches("gpt", 3, 4 * world_size):
+        with CountCollectives() as counted:
+            losses.append(step(*(t[rank * 4:(rank + 1) * 4] for t in batch)))
+    return torch.stack(losses), step.full_state_dict(), dict(counted.calls), dict(counted.bytes)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_two_ranks_train_bit_for_bit_as_with_reduce_scatter(stage):
+    """At 2 ranks a + b is what gloo's all-reduce computes: losses and state are equal, not close."""
+    new = distributed.run(_train, 2, stage, ())
+    old = distributed.run(_train, 2, stage, ("scatter_by_all_to_all",))
+    for (losses, state, calls, volume), (old_losses, old_state, old_calls, old_volume) in zip(new, old):
+        assert torch.equal(losses, old_losses)
+        assert state.keys() == old_state.keys()
+        for key, value in old_state.items():
+            assert torch.equal(state[key], value), key
+        # the counter sees the all-to-all as the reduce-scatter it stands for: same calls, same volume
+        assert calls == old_calls and volume == old_volume
