@@ -18,8 +18,9 @@ recomputation, at the same number of bytes saved:
 Recompute time is each side's step time less its own time without
 recomputation. Every configuration (both sides, every n) is built first,
 then timed in ``--rounds`` interleaved rounds, one step of each per round
-(the order reversed every other round); a configuration's time is its
-fastest step. Timing each configuration in its own block of steps, one after
+(the order reversed every other round); a configuration's times are its
+fastest step (the least disturbed) and its median step (what load on the
+machine does to it, the same for every configuration). Timing each configuration in its own block of steps, one after
 the other, let a burst of load elsewhere on this shared two-core machine, or
 the process's drift (the allocator's state after each compile), land on some
 configurations only: that measured eager's checkpointing of 4.8-12.1 extra
@@ -30,7 +31,7 @@ both a cost in line with what they recompute. Minor page faults per step
 are reported too: both sides touch less fresh memory as they save more.
 Writes a markdown table and a PNG (bytes saved against extra step time).
 
-    PYTHONPATH=. python benchmarks/checkpoint_budget.py --layers 6 --rounds 10 --out benchmarks/checkpoint_budget
+    PYTHONPATH=. python benchmarks/checkpoint_budget.py --layers 6 --rounds 20 --out benchmarks/checkpoint_budget
 """
 from __future__ import annotations
 
@@ -182,30 +183,36 @@ def main():
 
 def write_table(eager, zerocc_rows, args, settings):
     lines = [f"GPT {settings}, batch {args.batch}, AdamW, one process; zerocc at stage {args.stage}. "
-             f"Step time: fastest of {args.rounds} steady-state steps, timed in interleaved rounds (one step of "
-             "every configuration per round); faults: median minor page faults per step; GFLOP: one step under "
+             f"Step time: fastest and median of {args.rounds} steady-state steps, timed in interleaved rounds (one "
+             "step of every configuration per round); faults: median minor page faults per step; GFLOP: one step under "
              "torch.utils.flop_counter (matmuls and attention). Peaks in bytes (measured); 'saved' and 'extra' "
              "are against the same side's run without recomputation.", "",
-             "| n | eager + checkpoint: peak | saved | extra GFLOP | step (s) | extra (s) | faults | zerocc budget | "
-             "live peak (plan) | measured peak | saved | extra GFLOP | step (s) | extra (s) | faults | "
+             "| n | eager + checkpoint: peak | saved | extra GFLOP | step (s): fastest, median | extra (s): fastest, "
+             "median | faults | zerocc budget | live peak (plan) | measured peak | saved | extra GFLOP | "
+             "step (s): fastest, median | extra (s): fastest, median | faults | "
              "tensors recomputed | compile (s) |",
              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     base = zerocc_rows[0][1]
     for blocks, (mine, (budget, ours)) in enumerate(zip(eager, zerocc_rows)):
         left = (f"| {blocks} | {mine['measured']:,} | {eager[0]['measured'] - mine['measured']:,} | "
-                f"{(mine['flops'] - eager[0]['flops']) / 1e9:.2f} | {mine['seconds']:.3f} | "
-                f"{mine['seconds'] - eager[0]['seconds']:+.3f} | {mine['faults']:,.0f} |")
+                f"{(mine['flops'] - eager[0]['flops']) / 1e9:.2f} | {_times(mine, eager[0])} | {mine['faults']:,.0f} |")
         if ours is None:
             lines.append(left + f" {budget:,} | cannot reach | | | | | | | | |")
             continue
         lines.append(left + f" {'none' if budget is None else f'{budget:,}'} | {ours['live']:,} | "
                      f"{ours['measured']:,} | {base['measured'] - ours['measured']:,} | "
-                     f"{(ours['flops'] - base['flops']) / 1e9:.2f} | {ours['seconds']:.3f} | "
-                     f"{ours['seconds'] - base['seconds']:+.3f} | {ours['faults']:,.0f} | {ours['recomputed']} | "
+                     f"{(ours['flops'] - base['flops']) / 1e9:.2f} | {_times(ours, base)} | "
+                     f"{ours['faults']:,.0f} | {ours['recomputed']} | "
                      f"{ours['compile']:.1f} |")
     with open(args.out + ".md", "w") as file:
         file.write("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def _times(row, reference) -> str:
+    """'fastest, median | extra fastest, extra median' against the same side's run without recomputation."""
+    return (f"{row['seconds']:.3f}, {row['median_seconds']:.3f} | {row['seconds'] - reference['seconds']:+.3f}, "
+            f"{row['median_seconds'] - reference['median_seconds']:+.3f}")
 
 
 def plot(eager, zerocc_rows, args):
@@ -218,14 +225,18 @@ def plot(eager, zerocc_rows, args):
         "eager + torch.utils.checkpoint, first n blocks": (eager[0], list(enumerate(eager))),
         "zerocc memory_budget (same bytes saved)": (base, [(n, r) for n, (_, r) in enumerate(zerocc_rows) if r]),
     }
-    for axis, (key, scale, title) in zip(axes, (("seconds", 1.0, "extra step time (s)"),
-                                                 ("flops", 1e9, "extra GFLOP per step (flop counter)"))):
-        for (label, (reference, rows)), marker in zip(sides.items(), ("o", "s")):
+    curves = ((axes[0], "median_seconds", 1.0, "", "-"), (axes[0], "seconds", 1.0, ", fastest step", ":"),
+              (axes[1], "flops", 1e9, "", "-"))
+    for axis, key, scale, suffix, style in curves:
+        for (label, (reference, rows)), marker, color in zip(sides.items(), ("o", "s"), ("C0", "C1")):
             points = [((reference["measured"] - r["measured"]) / 1e6, (r[key] - reference[key]) / scale, n)
                       for n, r in rows]
-            axis.plot([p[0] for p in points], [p[1] for p in points], marker=marker, label=label)
-            for x, y, n in points:
+            axis.plot([p[0] for p in points], [p[1] for p in points], style, marker=marker, color=color,
+                      label=label + suffix, alpha=1.0 if style == "-" else 0.5)
+            for x, y, n in points if style == "-" else ():
                 axis.annotate(str(n), (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    for axis, title in zip(axes, ("extra step time (s): median (solid), fastest (dotted)",
+                                  "extra GFLOP per step (flop counter)")):
         axis.axhline(0, color="black", lw=0.6)
         axis.set_xlabel("peak memory saved per rank (MB, measured)")
         axis.set_ylabel(title)
