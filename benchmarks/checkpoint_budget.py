@@ -225,7 +225,7 @@ def plot(eager, zerocc_rows, args):
         "eager + torch.utils.checkpoint, first n blocks": (eager[0], list(enumerate(eager))),
         "zerocc memory_budget (same bytes saved)": (base, [(n, r) for n, (_, r) in enumerate(zerocc_rows) if r]),
     }
-    curves = ((axes[0], "median_seconds", 1.0, "", "-"), (axes[0], "seconds", 1.0, ", fastest step", ":"),
+    curves = ((axes[0], "seconds", 1.0, "", "-"), (axes[0], "median_seconds", 1.0, ", median step", ":"),
               (axes[1], "flops", 1e9, "", "-"))
     for axis, key, scale, suffix, style in curves:
         for (label, (reference, rows)), marker, color in zip(sides.items(), ("o", "s"), ("C0", "C1")):
@@ -235,7 +235,7 @@ def plot(eager, zerocc_rows, args):
                       label=label + suffix, alpha=1.0 if style == "-" else 0.5)
             for x, y, n in points if style == "-" else ():
                 axis.annotate(str(n), (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
-    for axis, title in zip(axes, ("extra step time (s): median (solid), fastest (dotted)",
+    for axis, title in zip(axes, ("extra step time (s): fastest (solid), median (dotted)",
                                   "extra GFLOP per step (flop counter)")):
         axis.axhline(0, color="black", lw=0.6)
         axis.set_xlabel("peak memory saved per rank (MB, measured)")
