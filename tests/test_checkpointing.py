@@ -251,30 +251,6 @@ def test_min_cut_plans_go_from_cheap_to_expensive_and_never_recompute_random_ops
             assert all(i in plan or i.op == "placeholder" or i in analysis.region for i in node.all_input_nodes)
 
 
-def test_plans_do_not_depend_on_the_max_flow_algorithm():
-    """The cuts use Boykov-Kolmogorov for speed; networkx returns as sink side the nodes that reach the sink in the
-    residual network, the same for every maximum flow, so the plans must equal the default algorithm's."""
-    import networkx as nx
-    from networkx.algorithms.flow import boykov_kolmogorov, preflow_push
-    analysis = Recomputation(_planner("gpt").plan(3, 1).graph("shard").graph_module)
-    used = []
-    minimum_cut = nx.minimum_cut
-
-    def with_flow(flow_func):
-        def cut(*args, **kwargs):
-            used.append(kwargs.get("flow_func"))
-            return minimum_cut(*args, **{**kwargs, "flow_func": flow_func})
-        return cut
-    mp = pytest.MonkeyPatch()
-    try:
-        mp.setattr(nx, "minimum_cut", with_flow(preflow_push))
-        reference = analysis.plans()
-    finally:
-        mp.undo()
-    assert used and set(used) == {boykov_kolmogorov}   # what the planner asks for
-    assert analysis.plans() == reference
-
-
 def test_first_fitting_measures_no_sample_past_the_first_that_fits():
     """When the last plan does not fit, samples are measured in order only up to the first that fits (each
     measurement is a pass over a copy of the graph), then a binary search below it."""
