@@ -16,16 +16,28 @@ recomputation, at the same number of bytes saved:
     steady-state program.
 
 Recompute time is each side's step time less its own time without
-recomputation (the fastest of ``--steps`` steps after two warm-up steps).
+recomputation. Every configuration (both sides, every n) is built first,
+then timed in ``--rounds`` interleaved rounds, one step of each per round
+(the order reversed every other round); a configuration's times are its
+fastest step (the least disturbed) and its median step (what load on the
+machine does to it, the same for every configuration). Timing each configuration in its own block of steps, one after
+the other, let a burst of load elsewhere on this shared two-core machine, or
+the process's drift (the allocator's state after each compile), land on some
+configurations only: that measured eager's checkpointing of 4.8-12.1 extra
+GFLOP as free (-0.007 to +0.005 s) and zerocc's recomputation of layer norms
+and GELUs alone (no matmul FLOPs) as +0.09 s, where interleaved rounds give
+both a cost in line with what they recompute. Minor page faults per step
+(``getrusage``: pages the allocator got back from the OS and touches afresh)
+are reported too: both sides touch less fresh memory as they save more.
 Writes a markdown table and a PNG (bytes saved against extra step time).
 
-    PYTHONPATH=. python benchmarks/checkpoint_budget.py --layers 6 --out benchmarks/checkpoint_budget
+    PYTHONPATH=. python benchmarks/checkpoint_budget.py --layers 6 --rounds 20 --out benchmarks/checkpoint_budget
 """
 from __future__ import annotations
 
 import argparse
-import json
-import os
+import resource
+import statistics
 import time
 
 import torch
@@ -54,13 +66,20 @@ class CheckpointedGPT(GPT):
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-def _time_steps(step, steps):
-    times = []
-    for _ in range(steps):
-        started = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - started)
-    return min(times)   # the least disturbed run: four jobs share this machine's two cores
+def _time_interleaved(steps: dict, rounds: int) -> dict:
+    """Each step's fastest time and median minor page faults over ``rounds`` rounds of one step of each."""
+    times: dict = {key: [] for key in steps}
+    faults: dict = {key: [] for key in steps}
+    order = list(steps)
+    for round_ in range(rounds):
+        for key in order if round_ % 2 == 0 else reversed(order):
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            started = time.perf_counter()
+            steps[key]()
+            times[key].append(time.perf_counter() - started)
+            faults[key].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    # the fastest: the least disturbed step (other jobs share this machine's two cores)
+    return {key: (min(times[key]), statistics.median(times[key]), statistics.median(faults[key])) for key in steps}
 
 
 # The flop counter has formulas for the CUDA attention kernels only: CPU's flash attention counted the same way
@@ -102,7 +121,7 @@ def run_eager(settings, args, checkpointed) -> dict:
     with LiveBytesTracker(held) as tracker:
         del held
         step()
-    return {"measured": tracker.peak_bytes, "flops": _flops(step), "seconds": _time_steps(step, args.steps)}
+    return {"measured": tracker.peak_bytes, "flops": _flops(step)}, step
 
 
 def run_zerocc(settings, args, memory_budget=None) -> dict:
@@ -114,13 +133,12 @@ def run_zerocc(settings, args, memory_budget=None) -> dict:
     for _ in range(2):   # the first step's program and the steady state's
         step(*batch)
     flops = _flops(lambda: step(*batch))
-    seconds = _time_steps(lambda: step(*batch), args.steps)
     report = step.report()
     plan = step.checkpoint_plan
-    return {"live": report["live_peak_bytes"], "measured": report["measured_peak_bytes"], "seconds": seconds,
-            "flops": flops,
+    return {"live": report["live_peak_bytes"], "measured": report["measured_peak_bytes"], "flops": flops,
             "compile": report["compile_seconds"], "extra_flops": plan.extra_flops if plan is not None else 0,
-            "recomputed": sum(1 for r in plan.recomputed if r.bytes) if plan is not None else 0}
+            "recomputed": sum(1 for r in plan.recomputed if r.bytes) if plan is not None else 0}, \
+        lambda: step(*batch)
 
 
 def main():
@@ -130,62 +148,71 @@ def main():
     parser.add_argument("--batch", type=int, default=16)   # activations dominate; at 4 the optimizer phase peaks
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--stage", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=10, help="interleaved timing rounds")
     parser.add_argument("--out", default="benchmarks/checkpoint_budget")
-    parser.add_argument("--eager-results", default="", help="a JSON file: read the eager runs from it if it exists, "
-                                                            "else write them there")
     args = parser.parse_args()
     settings = {"vocab": 1024, "d_model": args.d_model, "layers": args.layers, "heads": 8, "seq": args.seq}
 
-    if args.eager_results and os.path.exists(args.eager_results):   # the baseline does not change with zerocc
-        with open(args.eager_results) as file:
-            eager = json.load(file)
-    else:
-        eager = [run_eager(settings, args, blocks) for blocks in range(args.layers + 1)]
-        if args.eager_results:
-            with open(args.eager_results, "w") as file:
-                json.dump(eager, file)
-    for blocks, result in enumerate(eager):
+    steps = {}
+    eager = []
+    for blocks in range(args.layers + 1):
+        result, steps[("eager", blocks)] = run_eager(settings, args, blocks)
+        eager.append(result)
         print(f"eager, {blocks} blocks checkpointed: {result}", flush=True)
-    zerocc_rows = [(None, run_zerocc(settings, args))]
-    print(f"zerocc, no budget: {zerocc_rows[0][1]}", flush=True)
+    base, steps[("zerocc", 0)] = run_zerocc(settings, args)
+    zerocc_rows = [(None, base)]
+    print(f"zerocc, no budget: {base}", flush=True)
     for blocks in range(1, args.layers + 1):
-        budget = zerocc_rows[0][1]["live"] - (eager[0]["measured"] - eager[blocks]["measured"])
+        budget = base["live"] - (eager[0]["measured"] - eager[blocks]["measured"])
         try:
-            result = run_zerocc(settings, args, budget)
+            result, steps[("zerocc", blocks)] = run_zerocc(settings, args, budget)
         except MemoryBudgetError as error:
             print(f"memory_budget={budget:,}: {str(error).splitlines()[0]}", flush=True)
             result = None
         zerocc_rows.append((budget, result))
         print(f"zerocc, memory_budget={budget:,} (saving what {blocks} checkpointed blocks save): {result}", flush=True)
+    for key, (fastest, median, faults) in _time_interleaved(steps, args.rounds).items():
+        side, blocks = key
+        row = eager[blocks] if side == "eager" else zerocc_rows[blocks][1]
+        row.update(seconds=fastest, median_seconds=median, faults=faults)
+        print(f"{side}, n = {blocks}: fastest {fastest:.3f} s, median {median:.3f} s, {faults:.0f} minor page "
+              "faults per step", flush=True)
     write_table(eager, zerocc_rows, args, settings)
     plot(eager, zerocc_rows, args)
 
 
 def write_table(eager, zerocc_rows, args, settings):
     lines = [f"GPT {settings}, batch {args.batch}, AdamW, one process; zerocc at stage {args.stage}. "
-             f"Step time: fastest of {args.steps} steady-state steps; GFLOP: one step under "
+             f"Step time: fastest and median of {args.rounds} steady-state steps, timed in interleaved rounds (one "
+             "step of every configuration per round); faults: median minor page faults per step; GFLOP: one step under "
              "torch.utils.flop_counter (matmuls and attention). Peaks in bytes (measured); 'saved' and 'extra' "
              "are against the same side's run without recomputation.", "",
-             "| n | eager + checkpoint: peak | saved | extra GFLOP | step (s) | extra (s) | zerocc budget | "
-             "live peak (plan) | measured peak | saved | extra GFLOP | step (s) | extra (s) | tensors recomputed | "
-             "compile (s) |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| n | eager + checkpoint: peak | saved | extra GFLOP | step (s): fastest, median | extra (s): fastest, "
+             "median | faults | zerocc budget | live peak (plan) | measured peak | saved | extra GFLOP | "
+             "step (s): fastest, median | extra (s): fastest, median | faults | "
+             "tensors recomputed | compile (s) |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     base = zerocc_rows[0][1]
     for blocks, (mine, (budget, ours)) in enumerate(zip(eager, zerocc_rows)):
         left = (f"| {blocks} | {mine['measured']:,} | {eager[0]['measured'] - mine['measured']:,} | "
-                f"{(mine['flops'] - eager[0]['flops']) / 1e9:.2f} | {mine['seconds']:.3f} | "
-                f"{mine['seconds'] - eager[0]['seconds']:+.3f} |")
+                f"{(mine['flops'] - eager[0]['flops']) / 1e9:.2f} | {_times(mine, eager[0])} | {mine['faults']:,.0f} |")
         if ours is None:
-            lines.append(left + f" {budget:,} | cannot reach | | | | | | | |")
+            lines.append(left + f" {budget:,} | cannot reach | | | | | | | | |")
             continue
         lines.append(left + f" {'none' if budget is None else f'{budget:,}'} | {ours['live']:,} | "
                      f"{ours['measured']:,} | {base['measured'] - ours['measured']:,} | "
-                     f"{(ours['flops'] - base['flops']) / 1e9:.2f} | {ours['seconds']:.3f} | "
-                     f"{ours['seconds'] - base['seconds']:+.3f} | {ours['recomputed']} | {ours['compile']:.1f} |")
+                     f"{(ours['flops'] - base['flops']) / 1e9:.2f} | {_times(ours, base)} | "
+                     f"{ours['faults']:,.0f} | {ours['recomputed']} | "
+                     f"{ours['compile']:.1f} |")
     with open(args.out + ".md", "w") as file:
         file.write("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def _times(row, reference) -> str:
+    """'fastest, median | extra fastest, extra median' against the same side's run without recomputation."""
+    return (f"{row['seconds']:.3f}, {row['median_seconds']:.3f} | {row['seconds'] - reference['seconds']:+.3f}, "
+            f"{row['median_seconds'] - reference['median_seconds']:+.3f}")
 
 
 def plot(eager, zerocc_rows, args):
@@ -198,14 +225,18 @@ def plot(eager, zerocc_rows, args):
         "eager + torch.utils.checkpoint, first n blocks": (eager[0], list(enumerate(eager))),
         "zerocc memory_budget (same bytes saved)": (base, [(n, r) for n, (_, r) in enumerate(zerocc_rows) if r]),
     }
-    for axis, (key, scale, title) in zip(axes, (("seconds", 1.0, "extra step time (s)"),
-                                                 ("flops", 1e9, "extra GFLOP per step (flop counter)"))):
-        for (label, (reference, rows)), marker in zip(sides.items(), ("o", "s")):
+    curves = ((axes[0], "seconds", 1.0, "", "-"), (axes[0], "median_seconds", 1.0, ", median step", ":"),
+              (axes[1], "flops", 1e9, "", "-"))
+    for axis, key, scale, suffix, style in curves:
+        for (label, (reference, rows)), marker, color in zip(sides.items(), ("o", "s"), ("C0", "C1")):
             points = [((reference["measured"] - r["measured"]) / 1e6, (r[key] - reference[key]) / scale, n)
                       for n, r in rows]
-            axis.plot([p[0] for p in points], [p[1] for p in points], marker=marker, label=label)
-            for x, y, n in points:
+            axis.plot([p[0] for p in points], [p[1] for p in points], style, marker=marker, color=color,
+                      label=label + suffix, alpha=1.0 if style == "-" else 0.5)
+            for x, y, n in points if style == "-" else ():
                 axis.annotate(str(n), (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    for axis, title in zip(axes, ("extra step time (s): fastest (solid), median (dotted)",
+                                  "extra GFLOP per step (flop counter)")):
         axis.axhline(0, color="black", lw=0.6)
         axis.set_xlabel("peak memory saved per rank (MB, measured)")
         axis.set_ylabel(title)

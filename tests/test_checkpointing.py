@@ -249,3 +249,17 @@ def test_min_cut_plans_go_from_cheap_to_expensive_and_never_recompute_random_ops
         # a plan is closed: what a copy reads is recomputed too, or kept from forward (never a backward value)
         for node in analysis.closure(plan):
             assert all(i in plan or i.op == "placeholder" or i in analysis.region for i in node.all_input_nodes)
+
+
+def test_first_fitting_measures_no_sample_past_the_first_that_fits():
+    """When the last plan does not fit, samples are measured in order only up to the first that fits (each
+    measurement is a pass over a copy of the graph), then a binary search below it."""
+    from zerocc.passes.place_checkpoints import _first_fitting
+    measured = []
+
+    def fits(index):
+        measured.append(index)
+        return 5 <= index <= 12   # peaks are not monotone in the plans: the last one does not fit
+    assert _first_fitting(17, fits) == 5
+    assert max(measured) == 16 and sorted(set(measured) - {16}) == [0, 2, 4, 5, 6]
+    assert len(measured) == len(set(measured))

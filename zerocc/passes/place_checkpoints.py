@@ -216,10 +216,9 @@ def _first_fitting(count: int, fits) -> int | None:
     low, high = 0, count - 1
     if not fits(high):
         samples = _spread(count - 1)
-        fitting = [k for k in samples if fits(k)]
-        if not fitting:
+        high = next((k for k in samples if fits(k)), None)   # each sample costs a measurement: stop at the first
+        if high is None:
             return None
-        high = fitting[0]
         low = max([k for k in samples if k < high], default=-1) + 1
     while low < high:   # invariant: plan high fits
         middle = (low + high) // 2
