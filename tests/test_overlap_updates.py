@@ -18,15 +18,16 @@ from zerocc.passes.overlap_updates import is_gradient_reduction
 from zerocc.passes.schedule import wait_of
 
 
-def compile_graph(stage, *, disable=(), clip=None):
-    """The tiny GPT's program for rank 0 of 2, without peers, with passes disabled or clipping on."""
+def compile_graph(stage, *, world_size=2, disable=(), clip=None):
+    """The tiny GPT's program for rank 0 of ``world_size``, without peers (the pipeline runs no collective),
+    with passes disabled or clipping on."""
     torch.manual_seed(0)
     model, _, loss_fn = build("gpt")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     fake_mode = make_fake_mode()
     captured = capture(model, optimizer, batches("gpt", 1, 4)[0], loss_fn=loss_fn, num_targets=1 if loss_fn else 0,
                        fake_mode=fake_mode, check_update_elementwise=stage != 0)
-    ctx = CompileContext(stage, 2, 0, "unused", optimizer, captured, fake_mode, SMALL_BUCKETS)
+    ctx = CompileContext(stage, world_size, 0, "unused", optimizer, captured, fake_mode, SMALL_BUCKETS)
     passes = build_pipeline(stage, disable, prefetch_bytes=1 << 30, user_passes=(), clip=clip)
     gm, history = run_pipeline(captured.gm, ctx, passes)
     return gm, ctx, history

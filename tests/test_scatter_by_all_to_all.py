@@ -7,31 +7,13 @@ import torch
 import zerocc
 from tests import distributed
 from tests.models import batches, build
-from tests.test_schedule import SMALL_BUCKETS
+from tests.test_overlap_updates import compile_graph
 from zerocc import graph as g
-from zerocc.capture import capture
-from zerocc.context import CompileContext
 from zerocc.passes.overlap_updates import live_peaks
 from zerocc.passes.schedule import wait_of
-from zerocc.pipeline import build_pipeline, run_pipeline
-from zerocc.tracing import make_fake_mode
 from zerocc.runtime.comm_counter import CountCollectives
 
 c10d = torch.ops._c10d_functional
-
-
-def compile_graph(stage, *, world_size=2, disable=()):
-    """The tiny GPT's program for rank 0 of ``world_size``, without peers (the pipeline runs no collective)."""
-    torch.manual_seed(0)
-    model, _, loss_fn = build("gpt")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    fake_mode = make_fake_mode()
-    captured = capture(model, optimizer, batches("gpt", 1, 4)[0], loss_fn=loss_fn, num_targets=1 if loss_fn else 0,
-                       fake_mode=fake_mode, check_update_elementwise=stage != 0)
-    ctx = CompileContext(stage, world_size, 0, "unused", optimizer, captured, fake_mode, SMALL_BUCKETS)
-    passes = build_pipeline(stage, disable, prefetch_bytes=1 << 30, user_passes=())
-    gm, history = run_pipeline(captured.gm, ctx, passes)
-    return gm, ctx, history
 
 
 @pytest.mark.parametrize("stage, world_size", [(1, 2), (2, 2), (3, 2), (3, 4)])
