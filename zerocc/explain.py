@@ -55,7 +55,7 @@ def explain(ctx, history, report: dict) -> str:
     return "\n".join(lines)
 
 
-_INTERESTING = {"all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single", "all_reduce", "broadcast",
+_INTERESTING = {"all_gather_into_tensor", "all_gather_by_send_recv", "reduce_scatter_tensor", "all_to_all_single", "all_reduce", "broadcast",
                 "wait_tensor", "unshard", "reduce_gradient"}
 
 

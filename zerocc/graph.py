@@ -56,8 +56,10 @@ def output_node(gm: fx.GraphModule) -> fx.Node:
 
 
 def is_all_gather(node: fx.Node) -> bool:
+    """An all-gather, or the sends and receives that stand for one on gloo (passes/gather_by_send_recv.py)."""
     return node.op == "call_function" and node.target in (c10d.all_gather_into_tensor.default,
-                                                          c10d.all_gather_into_tensor_out.default)
+                                                          c10d.all_gather_into_tensor_out.default,
+                                                          torch.ops.zerocc.all_gather_by_send_recv.default)
 
 
 def is_reduce_scatter(node: fx.Node) -> bool:

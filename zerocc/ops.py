@@ -58,3 +58,42 @@ def reduce_gradient(flat_grad: torch.Tensor, world_size: int, scatter: bool) -> 
     if world_size != 1:
         raise RuntimeError("reduce_gradient at world size > 1 must be lowered by the insert_collectives pass")
     return flat_grad
+
+
+# Collectives on gloo -----------------------------------------------------------
+# passes/gather_by_send_recv.py puts this in place of all_gather_into_tensor on CPU.
+
+_lib.define("all_gather_by_send_recv(Tensor shard, int group_size, str group_name, int tag) -> Tensor")
+
+
+def _all_gather_by_send_recv(shard, group_size, group_name, tag):
+    """all_gather_into_tensor's result, by sending the shard to each peer and receiving each peer's into place.
+
+    Returns at once, like the functional collectives: the sends and receives
+    are registered against the result, so ``_c10d_functional.wait_tensor`` on
+    it waits for all of them. No staging buffer: gloo's all_gather gathers
+    into a fresh flat buffer and copies it out, this receives where it belongs.
+    """
+    from torch.distributed.distributed_c10d import _resolve_process_group
+    group = _resolve_process_group(group_name)
+    rank, rows = group.rank(), shard.shape[0]
+    shard = shard.contiguous()
+    full = shard.new_empty((group_size * rows, *shard.shape[1:]))
+    full[rank * rows:(rank + 1) * rows].copy_(shard)
+    for distance in range(1, group_size):   # every rank posts in the same pattern; gloo's posts never block
+        to, source = (rank + distance) % group_size, (rank - distance) % group_size
+        torch._C._distributed_c10d._register_work(full, group.send([shard], to, tag))
+        torch._C._distributed_c10d._register_work(
+            full, group.recv([full[source * rows:(source + 1) * rows]], source, tag))
+    return full
+
+
+_lib.impl("all_gather_by_send_recv", _all_gather_by_send_recv, "CPU")
+
+
+@torch.library.register_fake("zerocc::all_gather_by_send_recv")
+def _all_gather_by_send_recv_fake(shard, group_size, group_name, tag):
+    return shard.new_empty((group_size * shard.shape[0], *shard.shape[1:]))
+
+
+all_gather_by_send_recv = torch.ops.zerocc.all_gather_by_send_recv.default

@@ -15,7 +15,7 @@ every rank sends and receives the full bucket (2 (N-1)/N of it, as DDP's
 all-reduce does) where a reduce-scatter needs (N-1)/N, and on a 2-core box
 gloo's transfer threads take those cycles from compute. An all-to-all moves
 exactly the (N-1)/N a reduce-scatter needs: measured on this machine's gloo,
-2 ranks, one 4 MiB bucket (benchmarks/reduce_scatter_gloo.py), about half
+2 ranks, one 4 MiB bucket (benchmarks/gloo_collectives.py), about half
 the CPU time per rank of ``reduce_scatter_tensor`` (3.9 against 7.9 ms), the
 chunk sums included.
 

@@ -49,6 +49,7 @@ from ..plans import Schedule, ScheduledCollective
 
 KIND = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
         "all_to_all_single": "reduce_scatter",   # a reduce-scatter on gloo (passes/scatter_by_all_to_all.py)
+        "all_gather_by_send_recv": "all_gather",  # an all-gather on gloo (passes/gather_by_send_recv.py)
         "all_reduce": "all_reduce", "broadcast": "broadcast"}
 
 

@@ -24,6 +24,8 @@ COLLECTIVE_OPS = {
     "all_gather_into_tensor_out": ("all_gather", None),          # into an arena (passes/place_buffers.py)
     "reduce_scatter_tensor_out": ("reduce_scatter", 0),
     "all_to_all_single": ("reduce_scatter", 0),   # zerocc's reduce-scatter on gloo (passes/scatter_by_all_to_all.py)
+    # zerocc (zerocc/ops.py)
+    "all_gather_by_send_recv": ("all_gather", None),   # zerocc's all-gather on gloo (passes/gather_by_send_recv.py)
     # c10d, in place (torch.distributed, DDP, FSDP2, DeepSpeed)
     "_allgather_base_": ("all_gather", 0), "allgather_into_tensor_coalesced_": ("all_gather", 0),
     "allgather_": ("all_gather", 0), "_reduce_scatter_base_": ("reduce_scatter", 1),
@@ -45,7 +47,7 @@ class CountCollectives(TorchDispatchMode):
         if any(t is DTensor for t in types):
             return NotImplemented    # let DTensor desugar into the local collectives first
         out = func(*args, **(kwargs or {}))
-        if func.namespace in ("_c10d_functional", "c10d") and func._opname in COLLECTIVE_OPS:
+        if func.namespace in ("_c10d_functional", "c10d", "zerocc") and func._opname in COLLECTIVE_OPS:
             kind, index = COLLECTIVE_OPS[func._opname]
             full = out if index is None else args[index]
             tensors = [t for t in torch.utils._pytree.tree_leaves(full) if isinstance(t, torch.Tensor)]
