@@ -85,3 +85,13 @@ def test_a_plan_for_many_ranks_runs_the_pass_on_fake_tensors():
     plan = zerocc.plan(model, torch.optim.AdamW(model.parameters(), lr=1e-3), stage=3, world_size=1024,
                        example_inputs=batches("gpt", 1, 2)[0], loss_fn=loss_fn)
     assert "zerocc.all_gather_by_send_recv" in str(plan.graph("gather_by_send_recv"))
+
+
+def test_off_under_memory_pools():
+    """place_buffers has gloo's all-gather write into its arena; the sends and receives have no out= form."""
+    torch.manual_seed(0)
+    model, _, loss_fn = build("gpt")
+    plan = zerocc.plan(model, torch.optim.AdamW(model.parameters(), lr=1e-3), stage=3, world_size=2,
+                       example_inputs=batches("gpt", 1, 2)[0], loss_fn=loss_fn, memory_pools=True)
+    assert plan.graph("gather_by_send_recv").note.startswith("off under memory_pools")
+    assert "all_gather_into_tensor_out" in str(plan.graph("place_buffers"))

@@ -40,7 +40,8 @@ def planned_gpt(world_size=4, **settings):
 def test_passes_are_listed_and_every_graph_is_readable_python():
     step = compiled_mlp()
     assert step.passes == ["capture", "shard", "place_checkpoints", "insert_collectives", "schedule", "overlap_updates",
-                           "scatter_by_all_to_all", "gather_by_send_recv", "release_slots", "plan_memory"]
+                           "scatter_by_all_to_all", "gather_by_send_recv",
+                           "gradients_into_buckets", "release_slots", "plan_memory"]
     shard = str(step.graph("shard"))
     assert shard.startswith("# after pass 01 'shard': ")
     assert "reduce_gradient" in shard.splitlines()[0]
@@ -63,7 +64,7 @@ def test_the_program_holds_only_the_constants_it_reads(stage):
 def test_disable_refuses_unknown_and_essential_passes_with_the_reason():
     model = MLP()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(zerocc.ConfigError, match=r"cannot disable 'scheduel': no such pass; the passes are: shard, place_checkpoints, insert_collectives, schedule, overlap_updates, scatter_by_all_to_all, gather_by_send_recv, release_slots, plan_memory"):
+    with pytest.raises(zerocc.ConfigError, match=r"cannot disable 'scheduel': no such pass; the passes are: shard, place_checkpoints, insert_collectives, schedule, overlap_updates, scatter_by_all_to_all, gather_by_send_recv, gradients_into_buckets, release_slots, plan_memory"):
         zerocc.compile(model, optimizer, disable=["scheduel"])
     with pytest.raises(zerocc.ConfigError, match=r"(?s)'shard' cannot be disabled: the runtime lays out its tensors by "
                        r"the shard plan.*'shard' is required by 'insert_collectives'"):
@@ -81,18 +82,20 @@ def test_a_registered_pass_sees_the_plans_and_can_be_disabled():
     zerocc.register_pass(count_buckets, after="shard")
     step = compiled_mlp()
     assert step.passes == ["capture", "shard", "count_buckets", "place_checkpoints", "insert_collectives", "schedule",
-                           "overlap_updates", "scatter_by_all_to_all", "gather_by_send_recv", "release_slots", "plan_memory"]
+                           "overlap_updates", "scatter_by_all_to_all", "gather_by_send_recv",
+                           "gradients_into_buckets", "release_slots", "plan_memory"]
     assert seen == [1]
     assert "# 1 buckets seen" in str(step.graph("count_buckets"))
     assert compiled_mlp(disable=["count_buckets"]).passes == ["capture", "shard", "place_checkpoints",
                                                                "insert_collectives", "schedule", "overlap_updates",
-                                                               "scatter_by_all_to_all", "gather_by_send_recv", "release_slots",
+                                                               "scatter_by_all_to_all", "gather_by_send_recv",
+                                                               "gradients_into_buckets", "release_slots",
                                                                "plan_memory"]
     assert seen == [1]
 
 
 def test_register_pass_names_the_valid_anchors():
-    with pytest.raises(zerocc.ConfigError, match=r"no pass named 'insert_collective'; the passes are: shard, place_checkpoints, insert_collectives, schedule, overlap_updates, scatter_by_all_to_all, gather_by_send_recv, release_slots, plan_memory"):
+    with pytest.raises(zerocc.ConfigError, match=r"no pass named 'insert_collective'; the passes are: shard, place_checkpoints, insert_collectives, schedule, overlap_updates, scatter_by_all_to_all, gather_by_send_recv, gradients_into_buckets, release_slots, plan_memory"):
         zerocc.register_pass(lambda gm, ctx: gm, after="insert_collective")
     with pytest.raises(zerocc.ConfigError, match="exactly one of after=... or before=..."):
         zerocc.register_pass(lambda gm, ctx: gm)
@@ -146,12 +149,12 @@ def test_dump_dir_setting_and_environment_variable(tmp_path, monkeypatch):
     assert sorted(os.listdir(tmp_path / "set")) == ["000_capture.py", "001_shard.py", "002_place_checkpoints.py",
                                                     "003_insert_collectives.py", "004_schedule.py",
                                                     "005_overlap_updates.py", "006_scatter_by_all_to_all.py",
-                                                    "007_gather_by_send_recv.py", "008_release_slots.py",
-                                                    "009_plan_memory.py", "memory_plan.json"]
+                                                    "007_gather_by_send_recv.py", "008_gradients_into_buckets.py",
+                                                    "009_release_slots.py", "010_plan_memory.py", "memory_plan.json"]
     assert (tmp_path / "set" / "001_shard.py").read_text().startswith("# after pass 01 'shard'")
     monkeypatch.setenv("ZEROCC_DUMP_DIR", str(tmp_path / "env"))
     planned_gpt()
-    assert len(os.listdir(tmp_path / "env")) == 11   # capture, nine passes and the memory plan
+    assert len(os.listdir(tmp_path / "env")) == 12   # capture, ten passes and the memory plan
 
 
 def test_explain_says_what_the_passes_decided():

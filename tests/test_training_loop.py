@@ -120,7 +120,8 @@ def test_clip_grad_norm_world_size_1_bit_for_bit(stage):
         assert torch.equal(step.last_grad_norm, norm)
     assert_same_state(step, reference)
     assert step.passes == ["capture", "shard", "clip_gradients", "place_checkpoints", "insert_collectives", "schedule",
-                           "overlap_updates", "scatter_by_all_to_all", "gather_by_send_recv", "release_slots", "plan_memory"]
+                           "overlap_updates", "scatter_by_all_to_all", "gather_by_send_recv",
+                           "gradients_into_buckets", "release_slots", "plan_memory"]
 
 
 @pytest.mark.parametrize("norm_type", [1.0, math.inf])

@@ -97,3 +97,32 @@ def _all_gather_by_send_recv_fake(shard, group_size, group_name, tag):
 
 
 all_gather_by_send_recv = torch.ops.zerocc.all_gather_by_send_recv.default
+
+
+# Gradient buckets written in place ----------------------------------------------
+# passes/gradients_into_buckets.py allocates a bucket, has each gradient's op write
+# its slice (out=), and reads the bucket through this op, which names the writes.
+
+_lib.define("bucket_written(Tensor(a) bucket, Tensor[] writes) -> Tensor(a)")
+
+
+def _bucket_written(bucket, writes):
+    """``bucket`` (a view of it), once ``writes`` are done: the edges that order the writes before any read.
+
+    The writes are out= results into slices of ``bucket``; by taking them as
+    arguments this node comes after all of them in any valid order of the
+    graph, so a pass that reorders nodes by their inputs cannot move the
+    bucket's reduction before the gradients are in it.
+    """
+    return torch.ops.aten.alias.default(bucket)
+
+
+_lib.impl("bucket_written", _bucket_written, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("zerocc::bucket_written")
+def _bucket_written_fake(bucket, writes):
+    return torch.ops.aten.alias.default(bucket)
+
+
+bucket_written = torch.ops.zerocc.bucket_written.default

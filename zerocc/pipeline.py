@@ -10,6 +10,7 @@
     overlap_updates      passes/overlap_updates.py   bucket updates in reduction order, before the last reduction's wait
     scatter_by_all_to_all  passes/scatter_by_all_to_all.py  on CPU (gloo): reduce-scatter as all-to-all + sum, half the bytes
     gather_by_send_recv  passes/gather_by_send_recv.py  on CPU (gloo): all-gather as sends + receives into place, no staging copy
+    gradients_into_buckets  passes/gradients_into_buckets.py  each gradient's op writes into its bucket (out=): no cat
     release_slots        passes/release_slots.py  old parameters and optimizer state die at their last use, not at the end
     plan_memory          passes/plan_memory.py   lifetimes on the final order -> offsets in pools (graph unchanged)
     place_buffers        passes/place_buffers.py  (only with memory_pools=) pools become arenas; ops write at their offsets through out=
@@ -42,6 +43,7 @@ from .context import CompileContext
 from .errors import ConfigError, MemoryBudgetError, PassError
 from .passes.clip_gradients import clip_gradients
 from .passes.gather_by_send_recv import gather_by_send_recv
+from .passes.gradients_into_buckets import gradients_into_buckets
 from .passes.insert_collectives import insert_collectives
 from .passes.overlap_updates import overlap_updates
 from .passes.mixed_precision import mixed_precision as cast_for_precision
@@ -109,7 +111,10 @@ def default_pipeline(stage: int, *, prefetch_bytes: int = DEFAULT_PREFETCH_BYTES
              requires=("insert_collectives",)),                                                   # prefetch gathers, overlap reductions
         Pass("overlap_updates", overlap_updates, requires=("insert_collectives",)),              # bucket updates while the last reduction is in flight
         Pass("scatter_by_all_to_all", scatter_by_all_to_all, requires=("insert_collectives",)),  # gloo: reduce-scatter as all-to-all + sum
-        Pass("gather_by_send_recv", gather_by_send_recv, requires=("insert_collectives",)),      # gloo: all-gather without a staging copy
+        Pass("gather_by_send_recv", functools.partial(gather_by_send_recv, memory_pools=memory_pools),
+             requires=("insert_collectives",)),                                                   # gloo: all-gather without a staging copy
+        Pass("gradients_into_buckets", functools.partial(gradients_into_buckets, memory_pools=memory_pools),
+             requires=("shard",)),                                                                # no copy into the gradient buckets
         Pass("release_slots", release_slots, requires=("shard",)),                               # old state dies at its last use after the last wait
         Pass("plan_memory", plan_memory, requires=("shard",)),                                   # lifetimes -> offsets in pools; nothing moves nodes after it
         *pools,                                                                                  # outputs into an arena at their offsets

@@ -22,8 +22,11 @@ sent and received are the same as the ring all-gather's ((N-1)/N of the
 bucket per rank); the bytes alive are the same (the result), one staging
 buffer fewer in gloo.
 
-Not done: on CUDA tensors (NCCL's all-gather writes in place). The eval
-program and checkpoint gathers keep torch.distributed's own all-gather.
+Not done: on CUDA tensors (NCCL's all-gather writes in place); under
+``memory_pools`` (``place_buffers`` has gloo's all-gather write into its
+arena through ``all_gather_into_tensor_out``; this op has no ``out=`` form).
+The eval program and checkpoint gathers keep torch.distributed's own
+all-gather.
 """
 from __future__ import annotations
 
@@ -40,8 +43,11 @@ c10d = torch.ops._c10d_functional
 TAG_BASE = 0x5A0000
 
 
-def gather_by_send_recv(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
+def gather_by_send_recv(gm: fx.GraphModule, ctx: CompileContext, *, memory_pools: bool = False) -> fx.GraphModule:
     """Point each CPU all_gather_into_tensor at ``zerocc::all_gather_by_send_recv``, with a tag of its own."""
+    if memory_pools:
+        ctx.notes["gather_by_send_recv"] = "off under memory_pools (place_buffers gathers into its arena)"
+        return gm
     gathers = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is c10d.all_gather_into_tensor.default
                and g.tensor_meta(n) is not None and g.tensor_meta(n).device.type == "cpu"]
     if not gathers:

@@ -221,7 +221,8 @@ def _aliased_input(node: fx.Node) -> fx.Node | None:
     schema = node.target._schema if isinstance(node.target, torch._ops.OpOverload) else None
     if schema is not None and schema.returns and schema.returns[0].alias_info is not None:
         wanted = schema.returns[0].alias_info.before_set
-        for argument, value in zip(schema.arguments, node.args):
+        for index, argument in enumerate(schema.arguments):
+            value = node.args[index] if index < len(node.args) else node.kwargs.get(argument.name)   # out= too
             if argument.alias_info is not None and argument.alias_info.before_set & wanted:
                 return value if isinstance(value, fx.Node) else None
     sharing = _input_sharing_storage(node)
@@ -284,8 +285,8 @@ def _role(node: fx.Node, index: int | None, updated: bool) -> str:
     if g.is_reduce_scatter(node) or g.is_all_reduce(node):
         return "gradient buckets"
     phase = node.meta.get(g.PHASE)
-    if g.BUCKET in node.meta and node.target is aten.cat.default and phase == g.BACKWARD:
-        return "gradient buckets"   # the flat gradient of one bucket
+    if g.BUCKET in node.meta and node.target in (aten.cat.default, aten.empty.memory_format) and phase == g.BACKWARD:
+        return "gradient buckets"   # the flat gradient of one bucket (written in place: passes/gradients_into_buckets.py)
     if phase == g.COMMUNICATION:
         # the average of a reduced gradient is part of the bucket; other collective outputs are comm buffers
         if any(g.is_reduce_scatter(a) or g.is_all_reduce(a) or g.is_wait(a) and _reduces(a) for a in node.all_input_nodes):
