@@ -6,7 +6,7 @@ Times, interleaved over ``--rounds`` rounds of ``--calls`` calls each, the
 functional collectives zerocc's programs issue (``torch.ops._c10d_functional``
 and their ``wait_tensor``) on one flat fp32 bucket: all_reduce (DDP's),
 reduce_scatter_tensor (gloo runs it as an all-reduce of the whole bucket),
-all_to_all_single followed by the sum of the received chunks in rank order
+all_to_all_single followed by the sum of the received chunks over the ranks
 (``passes/scatter_by_all_to_all.py``), all_gather_into_tensor, and the sends
 and receives into place that replace it (``zerocc::all_gather_by_send_recv``,
 ``passes/gather_by_send_recv.py``). Prints, on
@@ -54,10 +54,7 @@ def main():
 
     def all_to_all_sum():
         received = c10d.wait_tensor(c10d.all_to_all_single(bucket, [rows] * world, [rows] * world, group))
-        total = received[:rows]
-        for r in range(1, world):
-            total = total + received[r * rows:(r + 1) * rows]
-        return total
+        return received.view(world, rows).sum(0)
 
     variants = {
         "all_reduce": lambda: c10d.wait_tensor(c10d.all_reduce(bucket, "sum", group)),

@@ -17,7 +17,7 @@ c10d = torch.ops._c10d_functional
 
 
 @pytest.mark.parametrize("stage, world_size", [(1, 2), (2, 2), (3, 2), (3, 4)])
-def test_each_reduce_scatter_becomes_an_all_to_all_and_a_rank_order_sum(stage, world_size):
+def test_each_reduce_scatter_becomes_an_all_to_all_and_one_sum_over_the_ranks(stage, world_size):
     gm, ctx, _ = compile_graph(stage, world_size=world_size)
     without, _, _ = compile_graph(stage, world_size=world_size, disable=("scatter_by_all_to_all",))
     exchanges = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is c10d.all_to_all_single.default]
@@ -36,15 +36,11 @@ def test_each_reduce_scatter_becomes_an_all_to_all_and_a_rank_order_sum(stage, w
         flat = exchange.args[0]
         rows = flat.meta[g.VAL].shape[0] // world_size
         assert exchange.args[1] == exchange.args[2] == [rows] * world_size
-        # the wait's only readers are the chunks, summed left to right in rank order
-        wait = wait_of(exchange)
-        chunks = sorted(wait.users, key=lambda n: n.args[1])
-        assert [(n.target, n.args[1:]) for n in chunks] == [
-            (torch.ops.aten.slice.Tensor, (0, r * rows, (r + 1) * rows)) for r in range(world_size)]
-        total = chunks[0]
-        for chunk in chunks[1:]:
-            (total,) = [u for u in chunk.users if u.target is torch.ops.aten.add.Tensor]
-            assert total.args[1] is chunk
+        # the wait's only reader is its view as [N, rows], summed over the ranks in one node
+        (by_rank,) = wait_of(exchange).users
+        assert (by_rank.target, by_rank.args[1]) == (torch.ops.aten.view.default, [world_size, rows])
+        (total,) = by_rank.users
+        assert (total.target, total.args[1]) == (torch.ops.aten.sum.dim_IntList, [0])
         assert total.meta[g.VAL].shape == (rows, *flat.meta[g.VAL].shape[1:])
         # what read the reduce-scatter (the averaging division) reads the sum
         assert [u.target for u in total.users] == [torch.ops.aten.div.Tensor]

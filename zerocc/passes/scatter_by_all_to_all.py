@@ -5,9 +5,11 @@ after ``schedule`` and ``overlap_updates``, whose placement of collectives
 and waits it keeps. Establishes: no ``reduce_scatter_tensor`` of CPU tensors
 left; in its place ``all_to_all_single`` of the same flat bucket, issued at
 the same point, its wait at the same point, then, right after the wait, the
-sum of the N received chunks in rank order (``chunk_0 + chunk_1 + ...``),
-which is the reduce-scatter's result, read by what read it (the averaging
-division).
+sum of the N received chunks, one ``sum`` over the rank dimension of the
+received buffer seen as ``[N, rows]`` (one node whatever N: at 1024 ranks a
+chain of additions made the program, and planning, 2N nodes per bucket
+longer), which is the reduce-scatter's result, read by what read it (the
+averaging division).
 
 Why: gloo has no reduce-scatter. ``ProcessGroupGloo`` runs one as an
 all-reduce of the whole bucket followed by a copy of this rank's chunk, so
@@ -19,10 +21,11 @@ exactly the (N-1)/N a reduce-scatter needs: measured on this machine's gloo,
 the CPU time per rank of ``reduce_scatter_tensor`` (3.9 against 7.9 ms), the
 chunk sums included.
 
-Numerics: every rank adds the same N chunks in rank order. At 2 ranks that
+Numerics: every rank sums the same N chunks the same way. At 2 ranks that
 is ``a + b``, which is what gloo's all-reduce computes (float addition is
-commutative), so the result is bit for bit the same; at more ranks the order
-of the additions may differ from gloo's ring, a rounding-level difference
+commutative), so the result is bit for bit the same; up to 4 ranks the sum
+kernel adds in rank order (checked on this machine); beyond, it may group
+the additions differently, as gloo's ring does: a rounding-level difference
 of the kind DDP's own all-reduce has. The bytes alive while the collective
 is in flight grow from the shard (N-1)/N of a bucket smaller to a full
 bucket (the all-to-all's output), the same size as the buffer gloo's
@@ -82,7 +85,7 @@ class _Replacement:
     """What ``_replace`` did to one reduce-scatter, enough for ``_restore`` to undo it."""
     scatter: tuple[str, tuple, dict]   # name, args, meta of the reduce-scatter
     wait: tuple[str, dict]             # name, meta of its wait
-    added: list[fx.Node]               # the all-to-all, its wait, the chunks and the sums, in graph order
+    added: list[fx.Node]               # the all-to-all, its wait, the [N, rows] view and the sum, in graph order
     total: fx.Node                     # the sum, read where the wait was read
 
 
@@ -99,17 +102,12 @@ def _replace(gm: fx.GraphModule, ctx: CompileContext, scatter: fx.Node) -> _Repl
     with graph.inserting_before(scatter):
         exchanged = g.call(graph, ctx.fake_mode, c10d.all_to_all_single.default, flat, splits, splits, group)
     added = [exchanged]
+    shape = list(g.tensor_meta(flat).shape)
     with graph.inserting_before(wait):
         received = g.call(graph, ctx.fake_mode, c10d.wait_tensor.default, exchanged)
-        added.append(received)
-        total = None
-        for rank in range(world_size):
-            chunk = g.call(graph, ctx.fake_mode, aten.slice.Tensor, received, 0, rank * rows, (rank + 1) * rows)
-            added.append(chunk)
-            if total is not None:
-                chunk = g.call(graph, ctx.fake_mode, aten.add.Tensor, total, chunk)
-                added.append(chunk)
-            total = chunk
+        by_rank = g.call(graph, ctx.fake_mode, aten.view.default, received, [world_size, rows, *shape[1:]])
+        total = g.call(graph, ctx.fake_mode, aten.sum.dim_IntList, by_rank, [0])
+        added.extend([received, by_rank, total])
     for node in added:
         node.meta.update(tags)
     replacement = _Replacement((scatter.name, scatter.args, dict(scatter.meta)), (wait.name, dict(wait.meta)),
