@@ -33,9 +33,9 @@ into given memory; the bucket holds the same bytes bit for bit.
 
 Memory: the bucket is allocated at its first write instead of at the cat,
 while the pieces it holds are no longer separate buffers. A rewrite is made
-only if the planned live peak does not grow (it is checked before the
-rewrite, on the current lifetimes); the note names the buckets left as
-``cat``. Not done under ``memory_pools`` (``place_buffers`` places the
+only if the planned live peak does not grow (checked before rewriting, on
+one lifetime analysis plus the changes of the rewrites chosen so far); the
+note names the buckets left as ``cat``. Not done under ``memory_pools`` (``place_buffers`` places the
 ``cat`` in its arena; the bucket's ``empty`` would be a fresh allocation).
 """
 from __future__ import annotations
@@ -68,18 +68,25 @@ def gradients_into_buckets(gm: fx.GraphModule, ctx: CompileContext, *, memory_po
         ctx.notes["gradients_into_buckets"] = "no gradient bucket cat"
         return gm
     peak = min(live_peaks(gm, ctx))
-    written, copied, kept = 0, 0, []
+    position = {node: i for i, node in enumerate(gm.graph.nodes)}
+    live = _live_bytes(gm, len(position))   # by position in today's order; the rewrites' changes are added in
+    chosen, written, copied, kept = [], 0, 0, []
     for cat in cats:
         pieces = [_piece(cat, x) for x in cat.args[0]]
         if not any(p.writer is not None for p in pieces):
             kept.append(f"{cat.meta.get(g.BUCKET)} (no piece has an out= op)")
             continue
-        if _peak_with_rewrite(gm, cat, pieces) > peak:
+        change = _live_change(cat, pieces, position)
+        if max(live[t] + delta for t, delta in change.items()) > peak:
             kept.append(f"{cat.meta.get(g.BUCKET)} (the planned peak would grow)")
             continue
-        _rewrite(gm, ctx, cat, pieces)
+        for t, delta in change.items():
+            live[t] += delta
+        chosen.append((cat, pieces))
         written += sum(p.writer is not None for p in pieces)
         copied += sum(p.writer is None for p in pieces)
+    for cat, pieces in chosen:
+        _rewrite(gm, ctx, cat, pieces)
     gm.graph.lint()
     gm.recompile()
     rewritten = len(cats) - len(kept)
@@ -133,27 +140,34 @@ def _piece(cat: fx.Node, flat: fx.Node) -> _Piece:
     return _Piece(flat, node, views)
 
 
-def _peak_with_rewrite(gm: fx.GraphModule, cat: fx.Node, pieces: list[_Piece]) -> int:
-    """The planned live peak over the window the rewrite changes: from the first write to the cat.
+def _live_bytes(gm: fx.GraphModule, length: int) -> list[int]:
+    """Bytes of planned buffers alive at each position of ``gm``'s order (old slot values kept to the end)."""
+    change = [0] * (length + 1)
+    for _, _, size, start, end, _ in buffer_lifetimes(gm):
+        change[start] += size
+        change[end + 1] -= size
+    live, total = [], 0
+    for delta in change[:length]:
+        total += delta
+        live.append(total)
+    return live
+
+
+def _live_change(cat: fx.Node, pieces: list[_Piece], position: dict[fx.Node, int]) -> dict[int, int]:
+    """How the rewrite changes the live bytes, by position: only from the first write to the cat.
 
     In that window the bucket is alive in full, and the written pieces are
     no longer buffers of their own. Outside it nothing changes, and the
     window (backward) comes before ``release_slots``' release point, where
     both of ``live_peaks``' accountings agree.
     """
-    position = {node: i for i, node in enumerate(gm.graph.nodes)}
     first = min(position[p.writer] for p in pieces if p.writer is not None)
-    last = position[cat]
-    live = [0] * (last - first)
-    for _, _, size, start, end, _ in buffer_lifetimes(gm):
-        for t in range(max(start, first), min(end + 1, last)):
-            live[t - first] += size
-    live = [v + align(g.nbytes(cat)) for v in live]
+    change = {t: align(g.nbytes(cat)) for t in range(first, position[cat])}
     for piece in pieces:
         if piece.writer is not None:
-            for t in range(position[piece.writer], last):
-                live[t - first] -= align(g.nbytes(piece.writer))
-    return max(live, default=0)
+            for t in range(position[piece.writer], position[cat]):
+                change[t] -= align(g.nbytes(piece.writer))
+    return change
 
 
 def _rewrite(gm: fx.GraphModule, ctx: CompileContext, cat: fx.Node, pieces: list[_Piece]) -> None:
