@@ -4,10 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import zerocc
-from tests import distributed
-from tests.models import batches, build
 from tests.test_overlap_updates import compile_graph
+from tests.test_scatter_by_all_to_all import assert_two_ranks_train_the_same
 from zerocc import graph as g
 from zerocc import ops
 from zerocc.passes.overlap_updates import live_peaks
@@ -83,30 +81,6 @@ def test_the_bucket_is_read_only_after_every_write():
             assert readers == {node}
 
 
-def test_off_under_memory_pools():
-    torch.manual_seed(0)
-    model, _, loss_fn = build("gpt")
-    planned = zerocc.plan(model, torch.optim.AdamW(model.parameters(), lr=1e-3), stage=3, world_size=2,
-                          example_inputs=batches("gpt", 1, 2)[0], loss_fn=loss_fn, memory_pools=True)
-    assert planned.graph("gradients_into_buckets").note.startswith("off under memory_pools")
-    assert _gradient_cats(planned.graph("gradients_into_buckets").graph_module)
-
-
-def _train(rank, world_size, stage, disable):
-    torch.manual_seed(0)
-    model, _, loss_fn = build("gpt")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    step = zerocc.compile(model, optimizer, stage=stage, loss_fn=loss_fn, bucket_bytes=16 * 1024, disable=disable)
-    losses = [step(*(t[rank * 4:(rank + 1) * 4] for t in batch)) for batch in batches("gpt", 3, 4 * world_size)]
-    return torch.stack(losses), step.full_state_dict()
-
-
 def test_two_ranks_train_bit_for_bit_as_with_the_cat():
     """(One rank against eager, every stage: tests/test_numerics.py, which runs this pass.)"""
-    new = distributed.run(_train, 2, 3, ())
-    old = distributed.run(_train, 2, 3, ("gradients_into_buckets",))
-    for (losses, state), (old_losses, old_state) in zip(new, old):
-        assert torch.equal(losses, old_losses)
-        assert state.keys() == old_state.keys()
-        for key, value in old_state.items():
-            assert torch.equal(state[key], value), key
+    assert_two_ranks_train_the_same(3, "gradients_into_buckets")

@@ -236,3 +236,16 @@ def test_world_size_2_places_gathered_parameters_and_gradients_exactly():
         arena = {b.role for b in result[3][2].pool("arena").buffers}
         assert "gathered parameters" in arena     # all_gather_into_tensor_out writes into the arena
         assert "gradient buckets" in {b.role for b in result[0][2].pool("arena").buffers}
+
+
+def test_the_arena_keeps_the_all_gather_and_the_gradient_cat():
+    """gather_by_send_recv and gradients_into_buckets are off under pools: place_buffers writes gloo's all-gather
+    (all_gather_into_tensor_out) and the bucket's cat into the arena; their replacements have no out= form."""
+    model, _, loss_fn = build("gpt")
+    planned = zerocc.plan(model, adamw(model), stage=3, world_size=2, example_inputs=batches("gpt", 1, 2)[0],
+                          loss_fn=loss_fn, memory_pools=True)
+    assert planned.graph("gather_by_send_recv").note.startswith("off under memory_pools")
+    assert planned.graph("gradients_into_buckets").note.startswith("off under memory_pools")
+    program = str(planned.graph("place_buffers"))
+    assert "all_gather_into_tensor_out" in program and "all_gather_by_send_recv" not in program
+    assert "torch.ops.aten.cat.out(" in program and "bucket_written" not in program

@@ -56,11 +56,13 @@ def test_the_plan_counts_the_same_communication_with_and_without_the_pass():
         sum(g.nbytes(n.args[0]) for n in without.graph.nodes if g.is_reduce_scatter(n))
 
 
-def _train(rank, world_size, stage, disable):
+def train_gpt(rank, world_size, stage, disable, options=None):
+    """Rank ``rank``'s 3 steps of the tiny GPT (16 KiB buckets): losses, full state, the last step's collectives."""
     torch.manual_seed(0)
     model, _, loss_fn = build("gpt")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    step = zerocc.compile(model, optimizer, stage=stage, loss_fn=loss_fn, bucket_bytes=16 * 1024, disable=disable)
+    step = zerocc.compile(model, optimizer, stage=stage, loss_fn=loss_fn, bucket_bytes=16 * 1024, disable=disable,
+                          **(options or {}))
     losses = []
     for batch in batches("gpt", 3, 4 * world_size):
         with CountCollectives() as counted:
@@ -68,15 +70,22 @@ def _train(rank, world_size, stage, disable):
     return torch.stack(losses), step.full_state_dict(), dict(counted.calls), dict(counted.bytes)
 
 
-@pytest.mark.parametrize("stage", [1, 3])
-def test_two_ranks_train_bit_for_bit_as_with_reduce_scatter(stage):
-    """At 2 ranks a + b is what gloo's all-reduce computes: losses and state are equal, not close."""
-    new = distributed.run(_train, 2, stage, ())
-    old = distributed.run(_train, 2, stage, ("scatter_by_all_to_all",))
+def assert_two_ranks_train_the_same(stage, without_pass, options=None):
+    """2 ranks of ``train_gpt`` with every pass and with ``without_pass`` disabled: equal losses and state, the
+    same collectives counted (calls and volume); returns the calls."""
+    new = distributed.run(train_gpt, 2, stage, (), options)
+    old = distributed.run(train_gpt, 2, stage, (without_pass,), options)
     for (losses, state, calls, volume), (old_losses, old_state, old_calls, old_volume) in zip(new, old):
         assert torch.equal(losses, old_losses)
         assert state.keys() == old_state.keys()
         for key, value in old_state.items():
             assert torch.equal(state[key], value), key
-        # the counter sees the all-to-all as the reduce-scatter it stands for: same calls, same volume
         assert calls == old_calls and volume == old_volume
+    return calls
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_two_ranks_train_bit_for_bit_as_with_reduce_scatter(stage):
+    """At 2 ranks a + b is what gloo's all-reduce computes: losses and state are equal, not close. The counter
+    sees the all-to-all as the reduce-scatter it stands for: same calls, same volume."""
+    assert_two_ranks_train_the_same(stage, "scatter_by_all_to_all")
