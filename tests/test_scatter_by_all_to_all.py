@@ -10,6 +10,7 @@ from tests.models import batches, build
 from tests.test_overlap_updates import compile_graph
 from zerocc import graph as g
 from zerocc.passes.overlap_updates import live_peaks
+from zerocc.planning import Planner
 from zerocc.passes.schedule import wait_of
 from zerocc.runtime.comm_counter import CountCollectives
 
@@ -44,6 +45,23 @@ def test_each_reduce_scatter_becomes_an_all_to_all_and_one_sum_over_the_ranks(st
         assert total.meta[g.VAL].shape == (rows, *flat.meta[g.VAL].shape[1:])
         # what read the reduce-scatter (the averaging division) reads the sum
         assert [u.target for u in total.users] == [torch.ops.aten.div.Tensor]
+
+
+def test_an_estimate_that_would_raise_the_peak_is_caught_and_decided_again(monkeypatch):
+    """The choice is made on one lifetime analysis and confirmed on the rewritten program; were the estimate ever
+    short (here: told to replace everything), the pass undoes it and decides one replacement at a time."""
+    from zerocc.passes import scatter_by_all_to_all as module
+    model, _, _ = build("gpt")
+    planner = Planner(model, torch.optim.AdamW(model.parameters(), lr=1e-2), example_inputs=batches("gpt", 1, 2)[0],
+                      bucket_bytes=16 * 1024)
+    chosen = planner.plan(3, 64)
+    assert "1 kept" in chosen.graph("scatter_by_all_to_all").note   # on 64 ranks one reduce-scatter stays
+    monkeypatch.setattr(module, "_choose", lambda gm, scatters, peak: (scatters, []))
+    fallback = planner.plan(3, 64)
+    assert fallback.graph("scatter_by_all_to_all").note == chosen.graph("scatter_by_all_to_all").note
+    # the same program but for the names of the nodes made again
+    assert [(n.op, n.target) for n in fallback.graph("scatter_by_all_to_all").graph.nodes] == \
+        [(n.op, n.target) for n in chosen.graph("scatter_by_all_to_all").graph.nodes]
 
 
 def test_the_plan_counts_the_same_communication_with_and_without_the_pass():

@@ -49,9 +49,9 @@ from .. import graph as g
 from .. import ops
 from ..context import CompileContext
 from ..memory_plan import align
-from .overlap_updates import live_peaks
+from .overlap_updates import live_bytes, live_peaks
 from .place_buffers import out_variant
-from .plan_memory import _is_view, _storage_id, buffer_lifetimes
+from .plan_memory import _is_view, _storage_id
 
 aten = torch.ops.aten
 
@@ -69,7 +69,7 @@ def gradients_into_buckets(gm: fx.GraphModule, ctx: CompileContext, *, memory_po
         return gm
     peak = min(live_peaks(gm, ctx))
     position = {node: i for i, node in enumerate(gm.graph.nodes)}
-    live = _live_bytes(gm, len(position))   # by position in today's order; the rewrites' changes are added in
+    live = live_bytes(gm)   # by position in today's order; the chosen rewrites' changes are added in
     chosen, written, copied, kept = [], 0, 0, []
     for cat in cats:
         pieces = [_piece(cat, x) for x in cat.args[0]]
@@ -138,19 +138,6 @@ def _piece(cat: fx.Node, flat: fx.Node) -> _Piece:
     if not same_memory or value.dtype != bucket.dtype or value.device != bucket.device:
         return copied
     return _Piece(flat, node, views)
-
-
-def _live_bytes(gm: fx.GraphModule, length: int) -> list[int]:
-    """Bytes of planned buffers alive at each position of ``gm``'s order (old slot values kept to the end)."""
-    change = [0] * (length + 1)
-    for _, _, size, start, end, _ in buffer_lifetimes(gm):
-        change[start] += size
-        change[end + 1] -= size
-    live, total = [], 0
-    for delta in change[:length]:
-        total += delta
-        live.append(total)
-    return live
 
 
 def _live_change(cat: fx.Node, pieces: list[_Piece], position: dict[fx.Node, int]) -> dict[int, int]:

@@ -173,6 +173,25 @@ def live_peaks(gm: fx.GraphModule, ctx: CompileContext) -> tuple[int, int]:
             node.meta.pop(g.RELEASE_POINT, None)
 
 
+def live_bytes(gm: fx.GraphModule) -> list[int]:
+    """Bytes of planned buffers alive at each position of ``gm``'s current order (old slot values kept to the end).
+
+    Passes that weigh several rewrites against the peak (scatter_by_all_to_all,
+    gradients_into_buckets) take this once and add each chosen rewrite's
+    change to it, instead of analysing lifetimes again per rewrite.
+    """
+    length = len(gm.graph.nodes)
+    change = [0] * (length + 1)
+    for _, _, size, start, end, _ in buffer_lifetimes(gm):
+        change[start] += size
+        change[end + 1] -= size
+    live, total = [], 0
+    for delta in change[:length]:
+        total += delta
+        live.append(total)
+    return live
+
+
 def live_peak(gm: fx.GraphModule) -> int:
     """The most bytes of planned buffers alive at one position of ``gm``'s current order."""
     change: dict[int, int] = {}

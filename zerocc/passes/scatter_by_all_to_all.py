@@ -29,7 +29,10 @@ the additions differently, as gloo's ring does: a rounding-level difference
 of the kind DDP's own all-reduce has. The bytes alive while the collective
 is in flight grow from the shard (N-1)/N of a bucket smaller to a full
 bucket (the all-to-all's output), the same size as the buffer gloo's
-all-reduce works in; plan_memory counts it.
+all-reduce works in; plan_memory counts it. A reduce-scatter stays one if
+that would raise the planned live peak: decided in issue order on one
+lifetime analysis (``_choose``), confirmed on the rewritten program (one
+at a time, as a fallback, if the estimate were ever short).
 
 Not done: on CUDA tensors (NCCL has a real reduce-scatter), for all-reduces
 (stage 0, DDP's own collective) and under ``memory_pools`` (place_buffers
@@ -45,7 +48,8 @@ import torch.fx as fx
 
 from .. import graph as g
 from ..context import CompileContext
-from .overlap_updates import live_peaks
+from ..memory_plan import align
+from .overlap_updates import live_bytes, live_peaks
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -54,22 +58,26 @@ c10d = torch.ops._c10d_functional
 def scatter_by_all_to_all(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     """Replace each CPU reduce_scatter_tensor + wait by all_to_all_single + wait + the sum of the chunks."""
     graph = gm.graph
-    scatters = [n for n in graph.nodes if n.op == "call_function" and n.target is c10d.reduce_scatter_tensor.default
-                and g.tensor_meta(n) is not None and g.tensor_meta(n).device.type == "cpu"]
+    scatters = _cpu_reduce_scatters(gm)
     if not scatters:
         ctx.notes["scatter_by_all_to_all"] = "no reduce-scatter of CPU tensors"
         return gm
     peaks = live_peaks(gm, ctx)
-    replaced, kept = 0, []
-    for scatter in scatters:
-        bucket = scatter.meta.get(g.BUCKET)
-        replacement = _replace(gm, ctx, scatter)
-        new_peaks = live_peaks(gm, ctx)
-        if any(after > before for before, after in zip(peaks, new_peaks)):
+    chosen, kept = _choose(gm, scatters, min(peaks))
+    replacements = [_replace(gm, ctx, scatter) for scatter in chosen]
+    if any(after > before for before, after in zip(peaks, live_peaks(gm, ctx))):
+        # the estimate missed (positions shift as nodes are added): decide again, one replacement at a time
+        for replacement in reversed(replacements):
             _restore(gm, replacement)
-            kept.append(bucket)
-        else:
-            replaced += 1
+        chosen, kept = [], []
+        for scatter in _cpu_reduce_scatters(gm):   # restored: new nodes
+            replacement = _replace(gm, ctx, scatter)
+            if any(after > before for before, after in zip(peaks, live_peaks(gm, ctx))):
+                _restore(gm, replacement)
+                kept.append(scatter.meta.get(g.BUCKET))
+            else:
+                chosen.append(scatter)
+    replaced = len(chosen)
     graph.lint()
     gm.recompile()
     note = f"{replaced} reduce_scatter -> all_to_all_single + sum of {ctx.world_size} chunks"
@@ -78,6 +86,38 @@ def scatter_by_all_to_all(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphMo
                  f"the planned live peak")
     ctx.notes["scatter_by_all_to_all"] = note
     return gm
+
+
+def _cpu_reduce_scatters(gm: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is c10d.reduce_scatter_tensor.default
+            and g.tensor_meta(n) is not None and g.tensor_meta(n).device.type == "cpu"]
+
+
+def _choose(gm: fx.GraphModule, scatters: list[fx.Node], peak: int) -> tuple[list[fx.Node], list]:
+    """The reduce-scatters to replace (in order) without the planned live peak passing ``peak``, and the buckets kept.
+
+    From one lifetime analysis: from the issue to the wait, the all-to-all's
+    full bucket is alive instead of the reduce-scatter's shard; where the
+    wait was, the full bucket is read by the sum while the sum's shard is
+    allocated, so both. Elsewhere nothing changes. The window ends at a
+    collective wait, before ``release_slots``' release point, where both of
+    ``live_peaks``' accountings agree.
+    """
+    position = g.topological_index(gm)
+    live = live_bytes(gm)
+    chosen, kept = [], []
+    for scatter in scatters:
+        (wait,) = scatter.users
+        full, shard = align(g.nbytes(scatter.args[0])), align(g.nbytes(scatter))
+        change = {t: full - shard for t in range(position[scatter], position[wait])}
+        change[position[wait]] = full
+        if max(live[t] + delta for t, delta in change.items()) > peak:
+            kept.append(scatter.meta.get(g.BUCKET))
+            continue
+        for t, delta in change.items():
+            live[t] += delta
+        chosen.append(scatter)
+    return chosen, kept
 
 
 @dataclasses.dataclass
