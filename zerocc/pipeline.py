@@ -41,6 +41,7 @@ from . import graph as g
 from . import registry
 from .context import CompileContext
 from .errors import ConfigError, MemoryBudgetError, PassError
+from .runtime.failures import is_collective_failure
 from .passes.clip_gradients import clip_gradients
 from .passes.gather_by_send_recv import gather_by_send_recv
 from .passes.gradients_into_buckets import gradients_into_buckets
@@ -62,6 +63,12 @@ DUMP_DIR_VARIABLE = "ZEROCC_DUMP_DIR"
 
 # The environment variable that sets memory_pools where compile() and plan() are not given it: "1" on, "0" off.
 MEMORY_POOLS_VARIABLE = "ZEROCC_MEMORY_POOLS"
+
+
+def _raise_pass_error(error: Exception, name: str, before: Sequence["Pass"]) -> None:
+    done = ", ".join(p.name for p in before) or "none"
+    raise PassError(f"pass '{name}' failed (passes run before it: capture, {done}): "
+                    f"{type(error).__name__}: {error}") from error
 
 
 @dataclasses.dataclass(frozen=True)
@@ -273,10 +280,12 @@ def run_pipeline(gm: fx.GraphModule, ctx: CompileContext, passes: list[Pass], *,
                 verify_graph(gm, ctx)
         except MemoryBudgetError:
             raise   # the user's budget, not a failing pass: its message says what fits
+        except (RuntimeError, torch.distributed.DistError) as error:
+            if is_collective_failure(error):
+                raise   # a pass that agrees across ranks met a dead peer: the step reports it (RankFailureError)
+            _raise_pass_error(error, step.name, passes[: index - 1])
         except Exception as error:
-            done = ", ".join(p.name for p in passes[: index - 1]) or "none"
-            raise PassError(f"pass '{step.name}' failed (passes run before it: capture, {done}): "
-                            f"{type(error).__name__}: {error}") from error
+            _raise_pass_error(error, step.name, passes[: index - 1])
         elapsed = time.perf_counter() - started
         history.append(snapshot(index, step.name, gm, history[-1].node_counts, ctx.notes.get(step.name, "")))
         history[-1].seconds = elapsed

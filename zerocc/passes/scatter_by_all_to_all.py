@@ -30,9 +30,11 @@ of the kind DDP's own all-reduce has. The bytes alive while the collective
 is in flight grow from the shard (N-1)/N of a bucket smaller to a full
 bucket (the all-to-all's output), the same size as the buffer gloo's
 all-reduce works in; plan_memory counts it. A reduce-scatter stays one if
-that would raise the planned live peak: decided in issue order on one
-lifetime analysis (``_choose``), confirmed on the rewritten program (one
-at a time, as a fallback, if the estimate were ever short).
+that could raise the planned live peak: decided in issue order on one
+lifetime analysis with an upper bound of each replacement's change
+(``_kept``), and on several ranks a bucket any rank keeps is kept by all
+(``_kept_on_any_rank``): the choice depends on a rank's own peak, and
+every rank must issue the same collectives.
 
 Not done: on CUDA tensors (NCCL has a real reduce-scatter), for all-reduces
 (stage 0, DDP's own collective) and under ``memory_pools`` (place_buffers
@@ -40,8 +42,6 @@ writes the reduce-scatter's output into its arena slot; the all-to-all has
 no ``out=`` form there).
 """
 from __future__ import annotations
-
-import dataclasses
 
 import torch
 import torch.fx as fx
@@ -62,28 +62,18 @@ def scatter_by_all_to_all(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphMo
     if not scatters:
         ctx.notes["scatter_by_all_to_all"] = "no reduce-scatter of CPU tensors"
         return gm
-    peaks = live_peaks(gm, ctx)
-    chosen, kept = _choose(gm, scatters, min(peaks))
-    replacements = [_replace(gm, ctx, scatter) for scatter in chosen]
-    if any(after > before for before, after in zip(peaks, live_peaks(gm, ctx))):
-        # the estimate missed (positions shift as nodes are added): decide again, one replacement at a time
-        for replacement in reversed(replacements):
-            _restore(gm, replacement)
-        chosen, kept = [], []
-        for scatter in _cpu_reduce_scatters(gm):   # restored: new nodes
-            replacement = _replace(gm, ctx, scatter)
-            if any(after > before for before, after in zip(peaks, live_peaks(gm, ctx))):
-                _restore(gm, replacement)
-                kept.append(scatter.meta.get(g.BUCKET))
-            else:
-                chosen.append(scatter)
+    anywhere = _kept_on_any_rank(_kept(gm, scatters, min(live_peaks(gm, ctx))), ctx)
+    kept = [scatter.meta.get(g.BUCKET) for scatter in scatters if scatter.meta.get(g.BUCKET) in anywhere]
+    chosen = [scatter for scatter in scatters if scatter.meta.get(g.BUCKET) not in anywhere]
+    for scatter in chosen:
+        _replace(gm, ctx, scatter)
     replaced = len(chosen)
     graph.lint()
     gm.recompile()
     note = f"{replaced} reduce_scatter -> all_to_all_single + sum of {ctx.world_size} chunks"
     if kept:
-        note += (f"; {len(kept)} kept (bucket {', '.join(map(str, kept))}): its full-size output would raise "
-                 f"the planned live peak")
+        note += (f"; {len(kept)} kept (bucket {', '.join(map(str, kept))}): its full-size output could raise "
+                 f"the planned live peak (of this rank or another)")
     ctx.notes["scatter_by_all_to_all"] = note
     return gm
 
@@ -93,43 +83,50 @@ def _cpu_reduce_scatters(gm: fx.GraphModule) -> list[fx.Node]:
             and g.tensor_meta(n) is not None and g.tensor_meta(n).device.type == "cpu"]
 
 
-def _choose(gm: fx.GraphModule, scatters: list[fx.Node], peak: int) -> tuple[list[fx.Node], list]:
-    """The reduce-scatters to replace (in order) without the planned live peak passing ``peak``, and the buckets kept.
+def _kept(gm: fx.GraphModule, scatters: list[fx.Node], peak: int) -> list:
+    """The buckets whose reduce-scatter stays one: replacing it, in issue order, would take the live peak past ``peak``.
 
-    From one lifetime analysis: from the issue to the wait, the all-to-all's
-    full bucket is alive instead of the reduce-scatter's shard; where the
-    wait was, the full bucket is read by the sum while the sum's shard is
-    allocated, so both. Elsewhere nothing changes. The window ends at a
-    collective wait, before ``release_slots``' release point, where both of
-    ``live_peaks``' accountings agree.
+    From one lifetime analysis, with an upper bound of each replacement's
+    change: from the issue to the wait, the all-to-all's full bucket is
+    added (the reduce-scatter's shard it stands in for is not taken off, and
+    where the wait was, the sum's shard is allocated while the bucket is
+    read, so the bound is reached there). Other buffers keep their
+    lifetimes. The window ends at a collective wait, before
+    ``release_slots``' release point, where both of ``live_peaks``'
+    accountings agree; so neither peak can grow.
     """
     position = g.topological_index(gm)
     live = live_bytes(gm)
-    chosen, kept = [], []
+    kept = []
     for scatter in scatters:
         (wait,) = scatter.users
-        full, shard = align(g.nbytes(scatter.args[0])), align(g.nbytes(scatter))
-        change = {t: full - shard for t in range(position[scatter], position[wait])}
-        change[position[wait]] = full
-        if max(live[t] + delta for t, delta in change.items()) > peak:
+        window = range(position[scatter], position[wait] + 1)
+        full = align(g.nbytes(scatter.args[0]))
+        if max(live[t] for t in window) + full > peak:
             kept.append(scatter.meta.get(g.BUCKET))
             continue
-        for t, delta in change.items():
-            live[t] += delta
-        chosen.append(scatter)
-    return chosen, kept
+        for t in window:
+            live[t] += full
+    return kept
 
 
-@dataclasses.dataclass
-class _Replacement:
-    """What ``_replace`` did to one reduce-scatter, enough for ``_restore`` to undo it."""
-    scatter: tuple[str, tuple, dict]   # name, args, meta of the reduce-scatter
-    wait: tuple[str, dict]             # name, meta of its wait
-    added: list[fx.Node]               # the all-to-all, its wait, the [N, rows] view and the sum, in graph order
-    total: fx.Node                     # the sum, read where the wait was read
+def _kept_on_any_rank(kept: list, ctx: CompileContext) -> set:
+    """The buckets any rank keeps as a reduce-scatter: every rank must issue the same collectives.
+
+    Ranks own different optimizer pieces, so their peaks differ a little and
+    so may their choices; a bucket another rank keeps is kept here too (one
+    replacement fewer can only lower this rank's peak).
+    """
+    import torch.distributed as dist
+    if ctx.world_size == 1 or ctx.planning or ctx.group_name is None or not dist.is_initialized():
+        return set(kept)   # no peers to agree with (a plan, or a program built without them)
+    from torch.distributed.distributed_c10d import _resolve_process_group
+    every: list = [None] * ctx.world_size
+    dist.all_gather_object(every, kept, group=_resolve_process_group(ctx.group_name))
+    return {bucket for rank_kept in every for bucket in rank_kept}
 
 
-def _replace(gm: fx.GraphModule, ctx: CompileContext, scatter: fx.Node) -> _Replacement:
+def _replace(gm: fx.GraphModule, ctx: CompileContext, scatter: fx.Node) -> None:
     """Rewrite one reduce-scatter and its wait in place."""
     graph = gm.graph
     flat, reduce_op, world_size, group = scatter.args
@@ -150,25 +147,6 @@ def _replace(gm: fx.GraphModule, ctx: CompileContext, scatter: fx.Node) -> _Repl
         added.extend([received, by_rank, total])
     for node in added:
         node.meta.update(tags)
-    replacement = _Replacement((scatter.name, scatter.args, dict(scatter.meta)), (wait.name, dict(wait.meta)),
-                               added, total)
     wait.replace_all_uses_with(total)
     graph.erase_node(wait)
     graph.erase_node(scatter)
-    return replacement
-
-
-def _restore(gm: fx.GraphModule, replacement: _Replacement) -> None:
-    """Undo ``_replace``: the reduce-scatter and its wait back where they were, the new nodes gone."""
-    graph = gm.graph
-    exchanged, received = replacement.added[:2]
-    (name, args, meta), (wait_name, wait_meta) = replacement.scatter, replacement.wait
-    with graph.inserting_before(exchanged):
-        scatter = graph.call_function(c10d.reduce_scatter_tensor.default, args, name=name)
-    with graph.inserting_before(received):
-        wait = graph.call_function(c10d.wait_tensor.default, (scatter,), name=wait_name)
-    scatter.meta.update(meta)
-    wait.meta.update(wait_meta)
-    replacement.total.replace_all_uses_with(wait)
-    for node in reversed(replacement.added):
-        graph.erase_node(node)

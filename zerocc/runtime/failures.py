@@ -59,7 +59,7 @@ def collective_failures(ranks: Ranks, step_number: int, timeout: float | None):
     except RankFailureError:
         raise
     except (RuntimeError, dist.DistError) as error:
-        if not _is_collective_failure(error):
+        if not is_collective_failure(error):
             raise
         within = f"within {timeout:g} s " if timeout is not None else ""
         raise RankFailureError(
@@ -76,7 +76,7 @@ _MARKERS = ("gloo", "nccl", "timed out", "timeout", "connection", "closed", "pee
             "collective", "process group", "store")
 
 
-def _is_collective_failure(error: BaseException) -> bool:
+def is_collective_failure(error: BaseException) -> bool:
     if isinstance(error, dist.DistError):
         return True
     text = str(error).lower()
