@@ -65,3 +65,12 @@ def test_a_plan_for_many_ranks_runs_the_pass_on_fake_tensors():
     plan = zerocc.plan(model, torch.optim.AdamW(model.parameters(), lr=1e-3), stage=3, world_size=1024,
                        example_inputs=batches("gpt", 1, 2)[0], loss_fn=loss_fn)
     assert "zerocc.all_gather_by_send_recv" in str(plan.graph("gather_by_send_recv"))
+
+
+def test_ranks_compare_the_gathers_before_running():
+    """check_ranks_agree compares every rank's collectives: the sends and receives standing for a gather count."""
+    from zerocc.runtime.failures import agreement_lines
+    gm, _, _ = compile_graph(3)
+    lines = [line for line in agreement_lines(gm, None) if line.startswith("collective")]
+    gathers = [line for line in lines if "all_gather_by_send_recv" in line]
+    assert gathers and len(gathers) == sum(n.target is ops.all_gather_by_send_recv for n in gm.graph.nodes)

@@ -103,8 +103,10 @@ def agreement_lines(gm: fx.GraphModule, plan: ShardPlan | None) -> list[str]:
 
 
 def _is_collective(node: fx.Node) -> bool:
+    """A functional collective, or one of zerocc's own (graph.is_collective: the sends and receives of an
+    all-gather on gloo, passes/gather_by_send_recv.py)."""
     namespace = getattr(node.target, "namespace", None)
-    return namespace == "_c10d_functional" and "wait_tensor" not in str(node.target)
+    return g.is_collective(node) or namespace == "_c10d_functional" and "wait_tensor" not in str(node.target)
 
 
 def _describe(value) -> str:
