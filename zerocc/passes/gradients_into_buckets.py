@@ -50,13 +50,10 @@ from .. import ops
 from ..context import CompileContext
 from ..memory_plan import align
 from .overlap_updates import live_bytes, live_peaks
-from .place_buffers import out_variant
+from .place_buffers import has_backend_kernel, out_variant
 from .plan_memory import _is_view, _storage_id
 
 aten = torch.ops.aten
-
-_BACKEND_KEY = {"cpu": "CPU", "cuda": "CUDA"}
-
 
 def gradients_into_buckets(gm: fx.GraphModule, ctx: CompileContext, *, memory_pools: bool = False) -> fx.GraphModule:
     """Rewrite each gradient bucket's ``cat`` into writes into the bucket, where the peak allows."""
@@ -68,7 +65,7 @@ def gradients_into_buckets(gm: fx.GraphModule, ctx: CompileContext, *, memory_po
         ctx.notes["gradients_into_buckets"] = "no gradient bucket cat"
         return gm
     peak = min(live_peaks(gm, ctx))
-    position = {node: i for i, node in enumerate(gm.graph.nodes)}
+    position = g.topological_index(gm)
     live = live_bytes(gm)   # by position in today's order; the chosen rewrites' changes are added in
     chosen, written, copied, kept = [], 0, 0, []
     for cat in cats:
@@ -129,8 +126,7 @@ def _piece(cat: fx.Node, flat: fx.Node) -> _Piece:
     value, piece, bucket = g.tensor_meta(node), g.tensor_meta(flat), g.tensor_meta(cat)
     if found is None or len(found[1]) != 1 or value is None or piece is None:
         return copied
-    key = _BACKEND_KEY.get(value.device.type)
-    if key is None or not torch._C._dispatch_has_kernel_for_dispatch_key(found[0].name(), key):
+    if not has_backend_kernel(found[0], value.device):
         return copied   # an out= that calls the functional op and copies would allocate anyway
     same_memory = (value.is_contiguous() and piece.is_contiguous() and value.numel() == piece.numel()
                    and value.storage_offset() == piece.storage_offset() == 0
@@ -161,7 +157,7 @@ def _rewrite(gm: fx.GraphModule, ctx: CompileContext, cat: fx.Node, pieces: list
     graph = gm.graph
     tags = {g.PHASE: g.BACKWARD, g.BUCKET: cat.meta.get(g.BUCKET)}
     value = g.tensor_meta(cat)
-    position = {node: i for i, node in enumerate(graph.nodes)}
+    position = g.topological_index(gm)
     first = min((p.writer for p in pieces if p.writer is not None), key=position.__getitem__)
     with graph.inserting_before(first):
         bucket = g.call(graph, ctx.fake_mode, aten.empty.memory_format, [value.numel()], dtype=value.dtype,

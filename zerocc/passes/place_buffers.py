@@ -245,8 +245,7 @@ def _placeable_outputs(node: fx.Node, buffers: list[Buffer], last: int) -> list[
     else:
         ordered = buffers
     if node.target not in _COLLECTIVE_OUT:
-        key = _BACKEND_KEY.get(values[0].device.type)
-        if key is None or not torch._C._dispatch_has_kernel_for_dispatch_key(found[0].name(), key):
+        if not has_backend_kernel(found[0], values[0].device):
             return "out= variant only copies"
     if len({v.device for v in values}) != 1:
         return "outputs on several devices"
@@ -254,6 +253,13 @@ def _placeable_outputs(node: fx.Node, buffers: list[Buffer], last: int) -> list[
 
 
 @functools.cache
+def has_backend_kernel(op: torch._ops.OpOverload, device: torch.device) -> bool:
+    """Does ``op`` have a kernel of ``device``'s backend (not only the generated out= that calls the functional
+    op and copies, which would allocate anyway)?"""
+    key = _BACKEND_KEY.get(device.type)
+    return key is not None and torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), key)
+
+
 def out_variant(op: torch._ops.OpOverload) -> tuple[torch._ops.OpOverload, tuple[str, ...]] | None:
     """The overload of ``op`` that writes its results into given tensors, and the names of those arguments.
 
