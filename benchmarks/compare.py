@@ -91,8 +91,12 @@ def make_optimizer(params):
 ZEROCC_OPTIONS = {}   # bucket_bytes / prefetch_bytes from the command line, else zerocc's defaults
 
 
-def build_zerocc(stage, bucket_bytes=None, memory_pools=False, disable=()):
+def build_zerocc(stage, bucket_bytes=None, memory_pools=False, disable=(), prefetch_bytes=None, memory_budget=None):
     options = dict(ZEROCC_OPTIONS, **({} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}))
+    if prefetch_bytes is not None:
+        options["prefetch_bytes"] = prefetch_bytes
+    if memory_budget is not None:
+        options["memory_budget"] = memory_budget
     if memory_pools:
         options["memory_pools"] = True
     if disable:
@@ -106,17 +110,21 @@ def build_zerocc(stage, bucket_bytes=None, memory_pools=False, disable=()):
 
 
 def system(name):
-    """The builder for ``name``: one of SYSTEMS, or a zerocc variant ``zerocc-<stage>[@<bucket MiB>][+pools][-<pass>...]``
-    (``-<pass>``: compiled with that pass disabled, e.g. ``zerocc-3-overlap_updates``)."""
+    """The builder for ``name``: one of SYSTEMS, or a zerocc variant
+    ``zerocc-<stage>[@<bucket MiB>][^<prefetch MiB>][~<memory budget MiB>][+pools][-<pass>...]``
+    (``-<pass>``: compiled with that pass disabled, e.g. ``zerocc-3-overlap_updates``; ``^32``:
+    ``prefetch_bytes`` of 32 MiB; ``~88.5``: ``memory_budget`` of 88.5 MiB)."""
     if name in SYSTEMS:
         return SYSTEMS[name]
-    match = re.fullmatch(r"zerocc-([0-3])(?:@([0-9.]+))?(\+pools)?((?:-[a-z_]+)*)", name)
+    match = re.fullmatch(r"zerocc-([0-3])(?:@([0-9.]+))?(?:\^([0-9.]+))?(?:~([0-9.]+))?(\+pools)?((?:-[a-z_]+)*)", name)
     if match is None:
         raise SystemExit(f"unknown system {name!r}: one of {', '.join(SYSTEMS)} or "
-                         f"zerocc-<stage>[@<bucket MiB>][+pools][-<pass>...]")
+                         f"zerocc-<stage>[@<bucket MiB>][^<prefetch MiB>][~<memory budget MiB>][+pools][-<pass>...]")
     bucket_bytes = None if match[2] is None else int(float(match[2]) * 2**20)
-    disable = tuple(match[4].split("-")[1:])
-    return build_zerocc(int(match[1]), bucket_bytes, memory_pools=match[3] is not None, disable=disable)
+    prefetch_bytes, memory_budget = (None if m is None else int(float(m) * 2**20) for m in (match[3], match[4]))
+    disable = tuple(match[6].split("-")[1:])
+    return build_zerocc(int(match[1]), bucket_bytes, memory_pools=match[5] is not None, disable=disable,
+                        prefetch_bytes=prefetch_bytes, memory_budget=memory_budget)
 
 
 def eager_step(model, optimizer):

@@ -198,12 +198,16 @@ class CheckpointPlan:
     forward_flops: int                     # the forward's own work, for scale
     candidates: int                        # forward storages backward read before the pass
     evaluations: int                       # plans whose peak was measured
+    unbounded_schedule: bool = False       # stage 3: the budget, not prefetch_bytes, bounds the schedule; every
+                                           # forward gather is kept for backward, which gathers nothing
 
     def summary(self) -> str:
         share = f" ({self.extra_flops / self.forward_flops:.1%} of forward)" if self.forward_flops else ""
         kept = sum(1 for r in self.recomputed if r.bytes)
+        gathers = "; schedule unbounded: every forward gather kept for backward (no all_gather in backward)" \
+            if self.unbounded_schedule else ""
         return (f"{len(self.recomputed)} forward nodes recomputed in backward ({kept} of {self.candidates} "
-                f"stored tensors): {self.saved_bytes / 1e6:.2f} MB no longer kept, "
+                f"stored tensors){gathers}: {self.saved_bytes / 1e6:.2f} MB no longer kept, "
                 f"+{self.extra_flops / 1e6:.1f} MFLOP{share}; peak {self.peak_before_bytes / 1e6:.2f} MB -> "
                 f"{self.peak_bytes / 1e6:.2f} MB, budget {self.budget_bytes / 1e6:.2f} MB "
                 f"({self.evaluations} plans measured)")
@@ -223,4 +227,5 @@ class CheckpointPlan:
     def to_dict(self) -> dict:
         return {"budget_bytes": self.budget_bytes, "peak_before_bytes": self.peak_before_bytes,
                 "peak_bytes": self.peak_bytes, "saved_bytes": self.saved_bytes, "extra_flops": self.extra_flops,
-                "forward_flops": self.forward_flops, "recomputed": [dataclasses.asdict(r) for r in self.recomputed]}
+                "forward_flops": self.forward_flops, "unbounded_schedule": self.unbounded_schedule,
+                "recomputed": [dataclasses.asdict(r) for r in self.recomputed]}

@@ -25,6 +25,12 @@ Establishes: a ``Schedule`` on ``ctx``, and a node order in which
     their second gather could not be hidden behind compute (the loss is
     short), so it was the longest wait of the step.
 
+Under a memory budget, ``place_checkpoints`` may decide that the budget
+bounds the step's peak instead of ``prefetch_bytes``
+(``ctx.checkpoint_plan.unbounded_schedule``): then every gather and
+reduction is issued and kept without a byte bound, and backward gathers
+nothing.
+
 Only collectives, waits and the averaging divisions move; compute keeps its
 traced order, so random ops run in eager's order. Every decision is a function
 of the forward and backward part of the graph, which is the same on every rank
@@ -47,14 +53,26 @@ from .. import graph as g
 from ..context import CompileContext
 from ..plans import Schedule, ScheduledCollective
 
+# The bound on bytes in flight (and kept from forward) when a memory budget bounds the peak instead.
+UNBOUNDED = 2**62
+
 KIND = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
         "all_to_all_single": "reduce_scatter",   # a reduce-scatter on gloo (passes/scatter_by_all_to_all.py)
         "all_gather_by_send_recv": "all_gather",  # an all-gather on gloo (passes/gather_by_send_recv.py)
         "all_reduce": "all_reduce", "broadcast": "broadcast"}
 
 
-def schedule(gm: fx.GraphModule, ctx: CompileContext, *, prefetch_bytes: int) -> fx.GraphModule:
-    """Move waits to the first use of their result and prefetch parameter gathers within ``prefetch_bytes``."""
+def schedule(gm: fx.GraphModule, ctx: CompileContext, *, prefetch_bytes: int,
+             unbounded: bool | None = None) -> fx.GraphModule:
+    """Move waits to the first use of their result and prefetch parameter gathers within ``prefetch_bytes``.
+
+    ``unbounded`` (default: what ``ctx.checkpoint_plan`` decided, else False) lifts the ``prefetch_bytes``
+    bound: a memory budget bounds the peak instead.
+    """
+    if unbounded is None:
+        unbounded = ctx.checkpoint_plan is not None and ctx.checkpoint_plan.unbounded_schedule
+    if unbounded:
+        prefetch_bytes = UNBOUNDED
     graph = gm.graph
     collectives = [n for n in graph.nodes if g.is_collective(n)]
     if not collectives:
@@ -83,7 +101,8 @@ def schedule(gm: fx.GraphModule, ctx: CompileContext, *, prefetch_bytes: int) ->
     ctx.notes["schedule"] = (f"{sunk} waits moved to first use, {len(prefetched)} gathers prefetched "
                              f"({moved} collectives reordered), {len(kept)} kept from forward into backward "
                              f"(-{len(kept)} all_gather), {bounded} reduce-scatter waits moved earlier "
-                             f"to keep <= {prefetch_bytes:,} bytes in flight")
+                             + ("(no bound: under a memory budget)" if unbounded
+                                else f"to keep <= {prefetch_bytes:,} bytes in flight"))
     return gm
 
 
