@@ -37,8 +37,8 @@ least to most recomputation. How it chooses:
      instead of twice saves a transfer of the whole bucket; the cheap copies
      reread activations already in memory. Measured on benchmarks/compare.py's
      GPT at a budget of FSDP2's peak: 14 instead of 19 collectives, 38.4
-     instead of 53.4 MiB moved, +0.1% of forward's FLOPs, 0.95-1.03x DDP's
-     step time against 1.04-1.13x without (README, "Benchmark");
+     instead of 53.4 MiB moved, +0.1% of forward's FLOPs, the same peak,
+     0.87-0.99x DDP's step time in three runs (README, "Benchmark");
   3. otherwise a binary search finds the first plan whose peak fits the
      budget under the default schedule (the plan with nothing recomputed
      first);
