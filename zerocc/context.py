@@ -39,3 +39,15 @@ class CompileContext:
     update_order: UpdateOrder | None = None   # overlap_updates: bucket updates moved before the last reduction's wait
     memory_plan: MemoryPlan | None = None   # plan_memory: every buffer's pool, offset and live range
     notes: dict[str, Any] = dataclasses.field(default_factory=dict)   # one line of counts per pass
+
+    def from_every_rank(self, value: Any) -> list:
+        """``value`` from every rank of the group, by rank (one ``all_gather_object``): for a pass whose
+        choice depends on a rank's own numbers while every rank must issue the same collectives. Just
+        ``[value]`` where there are no peers to ask: world size 1, a plan, a program built without a group."""
+        import torch.distributed as dist
+        if self.world_size == 1 or self.planning or self.group_name is None or not dist.is_initialized():
+            return [value]
+        from torch.distributed.distributed_c10d import _resolve_process_group
+        every: list = [None] * self.world_size
+        dist.all_gather_object(every, value, group=_resolve_process_group(self.group_name))
+        return every

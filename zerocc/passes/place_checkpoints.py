@@ -97,7 +97,7 @@ def place_checkpoints(gm: fx.GraphModule, ctx: CompileContext, *, memory_budget:
         plans = plans or analysis.plans()
         high = _first_fitting(len(plans), lambda index: peak_of(plans[index]).bytes <= memory_budget)
         if high is None:
-            _refuse(memory_budget, before, min([p for (_, keep), p in peaks.items() if not keep], default=before),
+            _refuse(memory_budget, before, min([p for (_, lifted), p in peaks.items() if not lifted], default=before),
                     len(analysis.candidates))
         recompute, peak = plans[high], peak_of(plans[high])
     clones: dict[fx.Node, fx.Node] = {}
@@ -226,13 +226,7 @@ def megabytes(count: int) -> str:
 def _highest_over_ranks(peak: _Peak, ctx: CompileContext) -> _Peak:
     """The highest of every rank's peak: ranks own different optimizer pieces, so their peaks differ a little,
     and every rank must make the same decision (the collectives' order depends on it) and fit the budget."""
-    if ctx.world_size == 1 or ctx.planning or ctx.group_name is None:
-        return peak
-    import torch.distributed as dist
-    from torch.distributed.distributed_c10d import _resolve_process_group
-    peaks: list = [None] * ctx.world_size
-    dist.all_gather_object(peaks, peak, group=_resolve_process_group(ctx.group_name))
-    return max(peaks)
+    return max(ctx.from_every_rank(peak))
 
 
 def _first_fitting(count: int, fits) -> int | None:

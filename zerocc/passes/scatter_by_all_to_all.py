@@ -117,13 +117,7 @@ def _kept_on_any_rank(kept: list, ctx: CompileContext) -> set:
     so may their choices; a bucket another rank keeps is kept here too (one
     replacement fewer can only lower this rank's peak).
     """
-    import torch.distributed as dist
-    if ctx.world_size == 1 or ctx.planning or ctx.group_name is None or not dist.is_initialized():
-        return set(kept)   # no peers to agree with (a plan, or a program built without them)
-    from torch.distributed.distributed_c10d import _resolve_process_group
-    every: list = [None] * ctx.world_size
-    dist.all_gather_object(every, kept, group=_resolve_process_group(ctx.group_name))
-    return {bucket for rank_kept in every for bucket in rank_kept}
+    return {bucket for rank_kept in ctx.from_every_rank(kept) for bucket in rank_kept}
 
 
 def _replace(gm: fx.GraphModule, ctx: CompileContext, scatter: fx.Node) -> None:
