@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import zerocc
 from zerocc import graph as g
 from tests import distributed
-from tests.models import MLP, batches, build, eager_step
+from tests.models import MLP, batches, build
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 from custom_pass import keep_last_bucket_gathered  # noqa: E402

@@ -7,7 +7,7 @@ import torch.fx as fx
 
 import zerocc
 from zerocc import graph as g
-from tests.models import batches, build
+from tests.models import batches
 
 
 def adamw(model):

@@ -1,8 +1,6 @@
 """The shard pass's bucket plan: first-use order, sizes, param groups."""
 from __future__ import annotations
 
-import torch
-
 import zerocc
 from tests.architectures import architecture_batches, build_architecture
 from tests.test_architectures import two_groups
