@@ -93,7 +93,8 @@ def tiny_clip():
     return transformers.CLIPModel(transformers.CLIPConfig(text_config=text, vision_config=vision, projection_dim=16))
 
 
-@pytest.mark.parametrize("stage", [pytest.param(0, marks=pytest.mark.slow), 3])
+@pytest.mark.slow   # the tiny ScaledLinear pins the fix in the default suite; the model zoo trains CLIP too
+@pytest.mark.parametrize("stage", [0, 3])
 def test_tiny_clip_bit_for_bit(stage):
     """Hugging Face's CLIPModel, random init from a tiny config (no download): its contrastive loss, as eager."""
     reference = tiny_clip()
