@@ -558,7 +558,8 @@ class CompiledStep:
                 held["optimizer"] += g.nbytes(node)
         for bucket in plan.buckets:
             reduced_early = self.stage >= 2
-            held["grads"] += bucket.shard_numel * bucket.dtype.itemsize if reduced_early else bucket.nbytes
+            held["grads"] += (bucket.shard_numel if reduced_early else bucket.numel) * \
+                precision.gradient_dtype(self.precision, bucket.dtype).itemsize
         param_count = sum(info.numel for info in self._captured.params) + sum(i.numel for i in self._captured.frozen)
         return {
             "stage": self.stage,

@@ -22,7 +22,7 @@ fp16 parameters and gradients, fp32 master parameters and optimizer state,
 dtype and parameters, gradients and communication are counted in
 ``accounting_dtype`` bytes, an fp32 master copy of the parameters this rank
 updates with the optimizer state. The compiled layout differs from it (the
-gradients zerocc keeps are in the master dtype, and at stage 3 the rank
+gradients zerocc keeps are in ``reduce_dtype``, and at stage 3 the rank
 holds only the fp32 master shard), so use ``param_dtype`` to plan what
 ``compile`` will run.
 """
@@ -252,7 +252,9 @@ def model_state_bytes(gm: fx.GraphModule, ctx: CompileContext, param_dtype: torc
     """Bytes of parameters, gradients and optimizer state one rank holds, from the planned graph.
 
     "grads" is what the rank holds when backward ends: full buckets at stages
-    0-1, its shard at 2-3. With ``param_dtype``, see the module docstring.
+    0-1, its shard at 2-3, in the dtype gradients are reduced in (the
+    ``mixed_precision`` pass builds the buckets in it). With
+    ``param_dtype`` (the accounting dtype), see the module docstring.
     """
     held = {"params": 0, "grads": 0, "optimizer": 0}
     for node in g.placeholders(gm):
@@ -266,7 +268,7 @@ def model_state_bytes(gm: fx.GraphModule, ctx: CompileContext, param_dtype: torc
             held["optimizer"] += value.numel() * value.element_size()
     for bucket in ctx.shard_plan.buckets:
         numel = bucket.shard_numel if ctx.stage >= 2 else bucket.numel
-        held["grads"] += numel * (param_dtype or bucket.dtype).itemsize
+        held["grads"] += numel * (param_dtype or mixed.gradient_dtype(ctx.precision, bucket.dtype)).itemsize
     if param_dtype is not None:   # the fp32 master copy of what this rank updates
         held["optimizer"] += sum(piece.numel * max(bucket.dtype.itemsize, 4)
                                  for bucket, _, piece in ctx.shard_plan.owned_pieces())

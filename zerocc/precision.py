@@ -126,6 +126,11 @@ def resolve(param_dtype, reduce_dtype, loss_scale, cast_forward_inputs, model: t
     return Precision(param_dtype, reduce_dtype, loss_scale, cast_forward_inputs)
 
 
+def gradient_dtype(precision: Precision | None, master: torch.dtype) -> torch.dtype:
+    """The dtype of the gradient buckets a rank holds until they are reduced (``mixed_precision`` builds them so)."""
+    return master if precision is None else precision.reduction_dtype(master)
+
+
 def report_entries(precision: Precision | None, master: torch.dtype) -> dict[str, str]:
     """``step.report()``'s precision lines: the dtypes parameters compute in and gradients are reduced in."""
     def name(dtype):

@@ -15,9 +15,15 @@ Establishes, before ``insert_collectives`` lowers the markers:
     the full bucket is kept in ``param_dtype`` (slot ``compute:<i>``), which
     forward and backward read; the update casts the new master shard to
     ``param_dtype`` and gathers that, so gathers move ``param_dtype`` bytes.
-  - gradients: each bucket is cast to ``reduce_dtype`` before its
-    ``reduce_gradient`` and back to the master dtype after it, when they
-    differ.
+  - gradients: when ``reduce_dtype`` differs from the master dtype, each
+    bucket's flat gradient is built in ``reduce_dtype`` and cast back to the
+    master dtype after its ``reduce_gradient``. A gradient computed in
+    ``reduce_dtype`` (the backward of a parameter's cast) goes into the
+    bucket as it is, without its cast to the master dtype: so the bucket a
+    rank holds until it is reduced (all of it at stages 0-1, through
+    backward) is in ``reduce_dtype``, 2 bytes per parameter in bf16 as in
+    the ZeRO paper, where it used to be an fp32 bucket cast at the
+    reduction. The bits are the same: bf16 -> fp32 -> bf16 is exact.
   - loss scaling: the reduced gradients are checked for inf/nan and
     unscaled (``* (1 / scale)``, the reciprocal taken in float64 as
     ``GradScaler`` does); at stages 1-3 the found-inf flag is all-reduced
@@ -172,9 +178,12 @@ def _reduce_in(gm: fx.GraphModule, ctx: CompileContext, marker: fx.Node, precisi
     if dtype == master:
         return marker, 0
     bucket = marker.meta.get(g.BUCKET)
-    with graph.inserting_before(marker):
-        low = g.call(graph, ctx.fake_mode, aten._to_copy.default, flat, dtype=dtype)
-    low.meta.update({g.PHASE: g.BACKWARD, g.BUCKET: bucket})
+    if flat.op == "call_function" and flat.target is aten.cat.default:
+        low = _cat_in(gm, ctx, flat, dtype)
+    else:
+        with graph.inserting_before(marker):
+            low = g.call(graph, ctx.fake_mode, aten._to_copy.default, flat, dtype=dtype)
+        low.meta.update({g.PHASE: g.BACKWARD, g.BUCKET: bucket})
     marker.args = (low, *marker.args[1:])
     value = marker.meta[g.VAL]
     with ctx.fake_mode:
@@ -185,6 +194,33 @@ def _reduce_in(gm: fx.GraphModule, ctx: CompileContext, marker: fx.Node, precisi
     back.meta.update({g.PHASE: g.COMMUNICATION, g.BUCKET: bucket})
     marker.replace_all_uses_with(back, delete_user_cb=lambda user: user is not back)
     return back, 2
+
+
+def _cat_in(gm: fx.GraphModule, ctx: CompileContext, flat: fx.Node, dtype: torch.dtype) -> fx.Node:
+    """The shard pass's flat gradient ``cat`` rebuilt in ``dtype``, where it stood; returns the new cat.
+
+    A part that is the master-dtype cast of a ``dtype`` gradient is read
+    before its cast; padding is made in ``dtype``; any other part (a
+    gradient summed in the master dtype over micro-batches) is cast. Casting
+    the parts is casting the cat: the same bits.
+    """
+    graph = gm.graph
+    parts = []
+    with graph.inserting_before(flat):
+        for part in flat.args[0]:
+            source = part.args[0] if part.target is aten.reshape.default else None
+            if part.target is aten.zeros.default:
+                part = g.call(graph, ctx.fake_mode, aten.zeros.default, *part.args, **{**part.kwargs, "dtype": dtype})
+            elif (source is not None and source.op == "call_function" and source.target is aten._to_copy.default
+                  and g.tensor_meta(source.args[0]) is not None and g.tensor_meta(source.args[0]).dtype == dtype):
+                part = g.call(graph, ctx.fake_mode, aten.reshape.default, source.args[0], *part.args[1:])
+            else:
+                part = g.call(graph, ctx.fake_mode, aten._to_copy.default, part, dtype=dtype)
+            parts.append(part)
+        low = g.call(graph, ctx.fake_mode, aten.cat.default, parts)
+    for node in [*parts, low]:
+        node.meta.update({g.PHASE: flat.meta.get(g.PHASE, g.BACKWARD), g.BUCKET: flat.meta.get(g.BUCKET)})
+    return low
 
 
 def _scale_loss(gm: fx.GraphModule, ctx: CompileContext, reduced: list[fx.Node], scaling: mixed.DynamicLossScale) -> int:

@@ -111,7 +111,14 @@ def shard(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
                 start = piece.shard_offset
                 param_piece = g.call(graph, ctx.fake_mode, aten.slice.Tensor, placeholder, 0, base + start, base + start + piece.numel)
                 grad_piece = g.call(graph, ctx.fake_mode, aten.slice.Tensor, reduced, 0, grad_base + start, grad_base + start + piece.numel)
-                for node in (param_piece, grad_piece):
+                added = [param_piece, grad_piece]
+                if _is_zero_dim(ctx, piece):
+                    # the optimizer sees a 0-dim parameter as eager does: its state is 0-dim too
+                    # (a 1-element piece would meet 0-dim state, which every scalar state also is)
+                    param_piece = g.call(graph, ctx.fake_mode, aten.view.default, param_piece, [])
+                    grad_piece = g.call(graph, ctx.fake_mode, aten.view.default, grad_piece, [])
+                    added += [param_piece, grad_piece]
+                for node in added:
                     node.meta[g.PHASE] = g.OPTIMIZER
                 piece_inputs.append((bucket, number, piece, param_piece, grad_piece))
 
@@ -136,6 +143,8 @@ def shard(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
                     continue
                 if piece.shard_offset > cursor:
                     parts.append(_zeros(graph, ctx, piece.shard_offset - cursor, bucket.dtype, device))
+                if _is_zero_dim(ctx, piece):
+                    new = g.call(graph, ctx.fake_mode, aten.view.default, new, [1])
                 parts.append(new)
                 cursor = piece.shard_offset + piece.numel
             if bucket.shard_numel > cursor and ctx.stage != 0:
@@ -226,6 +235,11 @@ def choose_buckets(gm: fx.GraphModule, ctx: CompileContext, trained: list[fx.Nod
                for index, (_, key, segments, numel) in enumerate(closed)]
     param_dtype = ctx.precision.param_dtype if ctx.precision is not None else None
     return plans.ShardPlan(ctx.stage, ctx.world_size, ctx.rank, tuple(buckets), ctx.bucket_bytes, param_dtype)
+
+
+def _is_zero_dim(ctx: CompileContext, piece: plans.Piece) -> bool:
+    """Whether ``piece`` is a whole 0-dim parameter (CLIP's ``logit_scale``)."""
+    return len(ctx.captured.params[piece.param].shape) == 0
 
 
 def _empty(ctx: CompileContext, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
