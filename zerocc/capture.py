@@ -25,6 +25,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from . import graph as g
 from . import plans
 from .batch import BatchLayout
+from .data_guards import DataGuard, GuardRecorder, recording
 from .errors import CaptureError, ConfigError, ZeroccError, user_frame
 from .optimizer_step import REPLICATE_IF_ELEMENTWISE, check_elementwise, splice_update
 from . import precision as mixed
@@ -65,6 +66,7 @@ class Captured:
     num_inputs: int
     # output layout: [loss, *new params, *new buffers, *new states (flattened in state_keys order)]
     new_state_keys: list[tuple[str, ...]] = dataclasses.field(default_factory=list)
+    guards: tuple[DataGuard, ...] = ()  # branches decided on the batch's values, re-checked before every step
 
 
 def named_tensors(model: nn.Module, kind: str) -> list[tuple[tuple[str, ...], torch.Tensor]]:
@@ -244,24 +246,26 @@ def capture(
             if names[0] in parameter_shapes:
                 fake_args[0][position] = torch.empty(parameter_shapes[names[0]], dtype=tensor.dtype,
                                                      device=tensor.device).requires_grad_(True)
+    leaves = _placeholder_layout(fake_args)
+    # branches on batch values are decided on the real batch and kept as guards (zerocc/data_guards.py)
+    recorder = GuardRecorder(inputs, {position: index for position, (role, index, _) in enumerate(leaves)
+                                      if role == g.ROLE_INPUT})
     try:
-        gm, out_spec = trace_functional(whole_step, fake_args, fake_mode)
+        with recording(fake_mode, recorder):
+            gm, out_spec = trace_functional(whole_step, fake_args, fake_mode)
     except (GuardOnDataDependentSymNode, DynamicOutputShapeException, DataDependentOutputException) as error:
-        where = user_frame(error.__traceback__) or "(no user frame found)"
-        raise CaptureError(
-            f"the step cannot be traced at {where}\n"
-            f"  why: it depends on the values in a tensor (data-dependent control flow or output shape: {type(error).__name__}), "
-            "which one graph cannot represent.\n"
-            "  fix: compute it with tensor ops (torch.where, masking) instead of Python control flow, "
-            "or move it out of the model."
-        ) from error
+        raise _data_dependent_error(user_frame(error.__traceback__), type(error).__name__) from error
     except ZeroccError:
         raise
     except Exception as error:
+        if recorder.guards:   # the model raised on a side decided by this batch's values: its own error, as eager
+            error.add_note(f"zerocc: raised while tracing the step on this batch, after deciding the branch at "
+                           f"{recorder.guards[-1].where} on its values")
+            raise
         where = user_frame(error.__traceback__) or "(no user frame found)"
         raise CaptureError(f"tracing the training step failed at {where}: {type(error).__name__}: {error}") from error
+    _refuse_data_dependent_shapes(gm)
 
-    leaves = _placeholder_layout(fake_args)
     _refuse_writes_to_parameters(gm, leaves, param_infos, frozen_infos)
     _tag_placeholders(gm, leaves, param_infos, frozen_infos, buffer_infos, state_keys)
     if precision is not None:
@@ -299,7 +303,26 @@ def capture(
         check_elementwise([n for n in gm.graph.nodes if n.meta.get(g.PHASE) == g.OPTIMIZER], optimizer)
     gm.recompile()
     return Captured(gm, param_infos, frozen_infos, buffer_infos, state_keys, len(optimizer.param_groups),
-                    len(inputs), new_state_keys)
+                    len(inputs), new_state_keys, tuple(recorder.guards))
+
+
+def _data_dependent_error(where: str | None, why: str) -> CaptureError:
+    return CaptureError(
+        f"the step cannot be traced at {where or '(no user frame found)'}\n"
+        f"  why: it depends on the values in a tensor (data-dependent control flow or output shape: {why}), "
+        "which one graph cannot represent; only branches on values computed from the batch alone are decided "
+        "per batch.\n"
+        "  fix: compute it with tensor ops (torch.where, masking) instead of Python control flow, "
+        "or move it out of the model.")
+
+
+def _refuse_data_dependent_shapes(gm: fx.GraphModule) -> None:
+    """A value read from the batch that became a tensor's shape: the passes plan static shapes only."""
+    from .errors import user_line_of_node
+    for node in gm.graph.nodes:
+        value = node.meta.get(g.VAL)
+        if isinstance(value, torch.Tensor) and any(isinstance(size, torch.SymInt) for size in value.shape):
+            raise _data_dependent_error(user_line_of_node(node), f"the shape of {g.short_name(node.target)}")
 
 
 def _splice_optimizer(gm, fake_mode, optimizer, grad_nodes, group_of):

@@ -23,8 +23,8 @@ import torch.fx.traceback as fx_traceback
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
-from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
+from .data_guards import GuardedShapeEnv
 from .ops import batch_norm_with_stats
 
 aten = torch.ops.aten
@@ -80,8 +80,12 @@ def eager_composites():
 
 
 def make_fake_mode() -> FakeTensorMode:
-    """A fake mode whose ``.item()`` yields symbolic scalars instead of failing."""
-    return FakeTensorMode(shape_env=ShapeEnv(allow_scalar_outputs=True), allow_non_fake_inputs=True)
+    """A fake mode whose ``.item()`` yields symbolic scalars instead of failing.
+
+    Its ShapeEnv decides branches on batch values while capture records data
+    guards (``zerocc/data_guards.py``); otherwise it is torch's own.
+    """
+    return FakeTensorMode(shape_env=GuardedShapeEnv(allow_scalar_outputs=True), allow_non_fake_inputs=True)
 
 
 def fakeify(fake_mode: FakeTensorMode, tree: Any) -> Any:

@@ -29,6 +29,7 @@ class Program:
     arenas: Arenas | None = None         # where placed outputs live (passes/place_buffers.py), if any
     released_slots: tuple[str, ...] = () # slots dropped at the release point (passes/release_slots.py)
     arena_sizes: tuple = ()              # (slot, bytes, device) of each arena this program writes into
+    guards: tuple = ()                   # data guards (zerocc/data_guards.py): the batches this program is for
 
     @classmethod
     def from_graph(cls, gm: fx.GraphModule, arenas: Arenas | None = None) -> "Program":
