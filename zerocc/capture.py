@@ -26,7 +26,7 @@ from . import graph as g
 from . import plans
 from .batch import BatchLayout
 from .data_guards import DataGuard, GuardRecorder, recording
-from .errors import CaptureError, ConfigError, ZeroccError, user_frame
+from .errors import CaptureError, ConfigError, ZeroccError, raised_by_user_code, user_frame
 from .optimizer_step import REPLICATE_IF_ELEMENTWISE, check_elementwise, splice_update
 from . import precision as mixed
 from .tracing import fakeify, record_source_lines_of, trace_functional
@@ -258,13 +258,12 @@ def capture(
     except ZeroccError:
         raise
     except Exception as error:
-        if recorder.guards:   # the model raised on a side decided by this batch's values: its own error, as eager
+        if recorder.guards and raised_by_user_code(error):   # on a side this batch's values decided: as eager
             error.add_note(f"zerocc: raised while tracing the step on this batch, after deciding the branch at "
                            f"{recorder.guards[-1].where} on its values")
             raise
         where = user_frame(error.__traceback__) or "(no user frame found)"
         raise CaptureError(f"tracing the training step failed at {where}: {type(error).__name__}: {error}") from error
-    _refuse_data_dependent_shapes(gm)
 
     _refuse_writes_to_parameters(gm, leaves, param_infos, frozen_infos)
     _tag_placeholders(gm, leaves, param_infos, frozen_infos, buffer_infos, state_keys)
@@ -314,15 +313,6 @@ def _data_dependent_error(where: str | None, why: str) -> CaptureError:
         "per batch.\n"
         "  fix: compute it with tensor ops (torch.where, masking) instead of Python control flow, "
         "or move it out of the model.")
-
-
-def _refuse_data_dependent_shapes(gm: fx.GraphModule) -> None:
-    """A value read from the batch that became a tensor's shape: the passes plan static shapes only."""
-    from .errors import user_line_of_node
-    for node in gm.graph.nodes:
-        value = node.meta.get(g.VAL)
-        if isinstance(value, torch.Tensor) and any(isinstance(size, torch.SymInt) for size in value.shape):
-            raise _data_dependent_error(user_line_of_node(node), f"the shape of {g.short_name(node.target)}")
 
 
 def _splice_optimizer(gm, fake_mode, optimizer, grad_nodes, group_of):

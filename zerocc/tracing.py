@@ -24,6 +24,7 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from . import fake_kernels  # noqa: F401  (registers fake kernels for ops torch traces only with real values)
 from .data_guards import GuardedShapeEnv
 from .ops import batch_norm_with_stats
 
