@@ -13,6 +13,7 @@ the user's source line.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any, Callable, Sequence
 
@@ -250,8 +251,9 @@ def capture(
     # branches on batch values are decided on the real batch and kept as guards (zerocc/data_guards.py)
     recorder = GuardRecorder(inputs, {position: index for position, (role, index, _) in enumerate(leaves)
                                       if role == g.ROLE_INPUT})
+    attributes = tensor_attributes(model)
     try:
-        with recording(fake_mode, recorder):
+        with recording(fake_mode, recorder), _restored(attributes):
             gm, out_spec = trace_functional(whole_step, fake_args, fake_mode)
     except (GuardOnDataDependentSymNode, DynamicOutputShapeException, DataDependentOutputException) as error:
         raise _data_dependent_error(user_frame(error.__traceback__), type(error).__name__) from error
@@ -266,6 +268,7 @@ def capture(
         raise CaptureError(f"tracing the training step failed at {where}: {type(error).__name__}: {error}") from error
 
     _refuse_writes_to_parameters(gm, leaves, param_infos, frozen_infos)
+    _refuse_writes_to_tensor_attributes(gm, attributes)
     _tag_placeholders(gm, leaves, param_infos, frozen_infos, buffer_infos, state_keys)
     if precision is not None:
         mixed.tag_parameter_casts(gm)
@@ -357,6 +360,56 @@ def _refuse_writes_to_parameters(gm, layout, param_infos, frozen_infos) -> None:
             "updates them, so this write would be lost.\n"
             "  fix: compute a new tensor instead (w = w * s), keep the value in a buffer (register_buffer), "
             "or change the parameters outside the step (before compiling, or through load_checkpoint).")
+
+
+def tensor_attributes(model: nn.Module) -> dict[int, tuple[str, torch.Tensor]]:
+    """Tensors held as plain module attributes (neither parameters nor buffers), by id: (qualified name, tensor)."""
+    found: dict[int, tuple[str, torch.Tensor]] = {}
+    for module_name, module in model.named_modules():
+        for name, value in vars(module).items():
+            if isinstance(value, torch.Tensor):
+                found.setdefault(id(value), (f"{module_name}.{name}" if module_name else name, value))
+    return found
+
+
+@contextlib.contextmanager
+def _restored(attributes: dict[int, tuple[str, torch.Tensor]]):
+    """Tracing never changes the user's tensors: put back any attribute an op wrote while tracing.
+
+    make_fx computes ops on one-element real constants for real (constant
+    propagation), so ``self.counter += 1`` in forward would add to the
+    user's tensor at every trace. The copies cost the attributes' size once,
+    while tracing (models keep large tensors in buffers, not attributes).
+    """
+    saved = {key: (tensor._version, tensor.detach().clone()) for key, (_, tensor) in attributes.items()}
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for key, (_, tensor) in attributes.items():
+                version, value = saved[key]
+                if tensor._version != version:
+                    tensor.copy_(value)
+
+
+def _refuse_writes_to_tensor_attributes(gm, attributes) -> None:
+    """A tensor attribute that is not a buffer, written in place inside the step: its new value would be lost."""
+    from .errors import user_line_of_node
+    from .tracing import WRITTEN_CONSTANTS
+    written = [(attributes[key][0], node) for key, node in gm.meta.get(WRITTEN_CONSTANTS, {}).items()
+               if key in attributes]
+    if written:
+        problems = [f"  - {name!r} by {g.short_name(node.target)} at {user_line_of_node(node) or '(no user frame found)'}"
+                    for name, node in written]
+        name = written[0][0].rsplit(".", 1)[-1]
+        raise CaptureError(
+            "the model writes in place into tensor attributes that are neither parameters nor buffers:\n"
+            + "\n".join(problems) + "\n"
+            "  why: the compiled step carries parameters, buffers and optimizer state from one step to the next; "
+            "a plain tensor attribute is a constant of the traced program, so its updates would be lost or "
+            "repeated.\n"
+            f"  fix: register it as a buffer in the module's __init__, e.g. self.register_buffer({name!r}, "
+            "torch.zeros(())) (persistent=False keeps it out of state_dict); the step then carries it.")
 
 
 def _placeholder_layout(fake_args) -> list[tuple[str, int, str]]:
