@@ -20,6 +20,7 @@ from .precision import DynamicLossScale
 from .batch import BatchLayout
 from .capture import Captured, capture, named_tensors
 from .data_guards import all_hold
+from .user_tooling import suspended_user_tooling
 from .context import CompileContext
 from .errors import ConfigError, RecompileWarning
 from .optimizer_step import hyperparameter_signature, live_hyperparameters
@@ -316,7 +317,8 @@ class CompiledStep:
         if found is None:
             self._check_static_shapes(key[0])
             started = time.perf_counter()
-            found = self._compile(batch, layout)
+            with suspended_user_tooling():   # the user's MemTracker, profilers, global hooks (zerocc/user_tooling.py)
+                found = self._compile(batch, layout)
             self.compile_seconds += time.perf_counter() - started
             self._programs[key] = found
             if key[1] == ("initial",) and self._state_key():

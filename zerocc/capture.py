@@ -31,6 +31,7 @@ from .errors import CaptureError, ConfigError, ZeroccError, raised_by_user_code,
 from .optimizer_step import REPLICATE_IF_ELEMENTWISE, check_elementwise, splice_update
 from . import precision as mixed
 from .tracing import fakeify, record_source_lines_of, trace_functional
+from .user_tooling import suspended_user_tooling
 
 GRAD_OF = "zerocc_grad_of"   # meta key on gradient nodes: indices of the parameters it is the gradient of
 
@@ -120,7 +121,13 @@ def micro_batches(batch: Sequence[Any], count: int) -> list[list[Any]]:
     return [list(micro) for micro in zip(*parts)]
 
 
-def capture(
+def capture(model: nn.Module, optimizer: torch.optim.Optimizer, inputs: Sequence[Any], **options) -> Captured:
+    """``trace_step`` without the user's dispatch modes and global hooks (``zerocc/user_tooling.py``)."""
+    with suspended_user_tooling():
+        return trace_step(model, optimizer, inputs, **options)
+
+
+def trace_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     inputs: Sequence[Any],

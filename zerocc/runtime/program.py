@@ -62,8 +62,10 @@ class Program:
                 arguments.append(self.arenas[slot])
             else:
                 arguments.append(slots[slot])
+        # gm.forward, not gm(...): the program is no module of the user's, so global module hooks (a user's
+        # MemTracker or ModTracker, zerocc/user_tooling.py) must not see it as one called every step
         if not releases_slots(self.gm):
-            loss, *results = self.gm(*arguments)
+            loss, *results = self.gm.forward(*arguments)
             del arguments
         else:
             dropped: list[str] = []
@@ -73,7 +75,7 @@ class Program:
                     dropped.append(slot)
                     del slots[slot]
             try:
-                loss, *results = self.gm(arguments, release_slots)   # clears ``arguments``
+                loss, *results = self.gm.forward(arguments, release_slots)   # clears ``arguments``
             except Exception as error:
                 if dropped:
                     error.add_note(f"zerocc: the step failed after its release point (passes/release_slots.py): the "
