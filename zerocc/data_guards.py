@@ -89,8 +89,8 @@ class GuardRecorder:
         if sources is None:
             return None
         guard_graph, batch_indices = self._graph_over_batch(mode.tracer.root, graph, [n for n, _ in sources.values()])
-        if guard_graph is None:
-            return None
+        if guard_graph is None or not all(_is_real(self.batch[i]) for i in batch_indices):
+            return None   # planning (zerocc/planning.py) traces meta or fake batches: no values to decide on
         with _disable_current_modes(), torch.no_grad():
             values = guard_graph(*[self.batch[i] for i in batch_indices])
         symbols = tuple((symbol, is_bool) for symbol, (_, is_bool) in sources.items())
@@ -128,6 +128,11 @@ class GuardRecorder:
                 copied[node] = copy.node_copy(node, lambda n: copied[n])
         copy.output(tuple(copied[n] for n in outputs))
         return fx.GraphModule(root, copy), tuple(batch_indices)
+
+
+def _is_real(value) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+    return not isinstance(value, torch.Tensor) or not (is_fake(value) or value.is_meta)
 
 
 def _symbol_sources(graph: fx.Graph, symbols) -> dict[sympy.Symbol, tuple[fx.Node, bool]] | None:
