@@ -9,7 +9,11 @@ and every placeholder is tagged with its role (``graph.ROLE``), every node
 with its phase (``graph.PHASE``): forward, backward or optimizer. Gradient
 nodes carry ``GRAD_OF`` (the indices of their parameters). Python control flow
 is specialized on the example batch; what cannot be traced fails here with
-the user's source line.
+the user's source line. Branches on batch values are decided on the real
+batch and kept as guards (``zerocc/data_guards.py``); the user's dispatch
+modes and global hooks sit out the trace (``zerocc/user_tooling.py``); and
+tracing leaves every real tensor of the model as it found it (a tensor
+attribute that forward writes in place is refused: it must be a buffer).
 """
 from __future__ import annotations
 
