@@ -19,6 +19,8 @@ from . import precision as precision_module   # where a parameter named ``precis
 from .precision import DynamicLossScale
 from .batch import BatchLayout
 from .capture import Captured, capture, named_tensors
+from .data_guards import all_hold
+from .user_tooling import suspended_user_tooling
 from .context import CompileContext
 from .errors import ConfigError, RecompileWarning
 from .optimizer_step import hyperparameter_signature, live_hyperparameters
@@ -310,10 +312,13 @@ class CompiledStep:
     def _program_for(self, batch, layout):
         key = (self._input_signature(batch, layout), self._state_key(), hyperparameter_signature(self.optimizer))
         found = self._programs.get(key)
+        if found is not None and not all_hold(found[0].guards, batch):
+            found = None   # the batch takes another side of a branch decided on values: trace it (zerocc/data_guards.py)
         if found is None:
             self._check_static_shapes(key[0])
             started = time.perf_counter()
-            found = self._compile(batch, layout)
+            with suspended_user_tooling():   # the user's MemTracker, profilers, global hooks (zerocc/user_tooling.py)
+                found = self._compile(batch, layout)
             self.compile_seconds += time.perf_counter() - started
             self._programs[key] = found
             if key[1] == ("initial",) and self._state_key():
@@ -371,6 +376,7 @@ class CompiledStep:
                                    verify=self.verify, dump_dir=dump_dir_of(self.dump_dir))
         failures.check_ranks_agree(self.ranks, gm, ctx.shard_plan)   # before any of its collectives can hang
         program = Program.from_graph(gm, self._arenas)
+        program.guards = captured.guards
         if self._slots is None:
             self._captured = captured
             self._plan = ctx.shard_plan

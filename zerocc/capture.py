@@ -9,10 +9,15 @@ and every placeholder is tagged with its role (``graph.ROLE``), every node
 with its phase (``graph.PHASE``): forward, backward or optimizer. Gradient
 nodes carry ``GRAD_OF`` (the indices of their parameters). Python control flow
 is specialized on the example batch; what cannot be traced fails here with
-the user's source line.
+the user's source line. Branches on batch values are decided on the real
+batch and kept as guards (``zerocc/data_guards.py``); the user's dispatch
+modes and global hooks sit out the trace (``zerocc/user_tooling.py``); and
+tracing leaves every real tensor of the model as it found it (a tensor
+attribute that forward writes in place is refused: it must be a buffer).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any, Callable, Sequence
 
@@ -25,10 +30,12 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from . import graph as g
 from . import plans
 from .batch import BatchLayout
-from .errors import CaptureError, ConfigError, ZeroccError, user_frame
+from .data_guards import DataGuard, GuardRecorder, recording
+from .errors import CaptureError, ConfigError, ZeroccError, raised_by_user_code, user_frame
 from .optimizer_step import REPLICATE_IF_ELEMENTWISE, check_elementwise, splice_update
 from . import precision as mixed
 from .tracing import fakeify, record_source_lines_of, trace_functional
+from .user_tooling import suspended_user_tooling
 
 GRAD_OF = "zerocc_grad_of"   # meta key on gradient nodes: indices of the parameters it is the gradient of
 
@@ -65,6 +72,7 @@ class Captured:
     num_inputs: int
     # output layout: [loss, *new params, *new buffers, *new states (flattened in state_keys order)]
     new_state_keys: list[tuple[str, ...]] = dataclasses.field(default_factory=list)
+    guards: tuple[DataGuard, ...] = ()  # branches decided on the batch's values, re-checked before every step
 
 
 def named_tensors(model: nn.Module, kind: str) -> list[tuple[tuple[str, ...], torch.Tensor]]:
@@ -117,7 +125,13 @@ def micro_batches(batch: Sequence[Any], count: int) -> list[list[Any]]:
     return [list(micro) for micro in zip(*parts)]
 
 
-def capture(
+def capture(model: nn.Module, optimizer: torch.optim.Optimizer, inputs: Sequence[Any], **options) -> Captured:
+    """``trace_step`` without the user's dispatch modes and global hooks (``zerocc/user_tooling.py``)."""
+    with suspended_user_tooling():
+        return trace_step(model, optimizer, inputs, **options)
+
+
+def trace_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     inputs: Sequence[Any],
@@ -244,25 +258,28 @@ def capture(
             if names[0] in parameter_shapes:
                 fake_args[0][position] = torch.empty(parameter_shapes[names[0]], dtype=tensor.dtype,
                                                      device=tensor.device).requires_grad_(True)
+    leaves = _placeholder_layout(fake_args)
+    # branches on batch values are decided on the real batch and kept as guards (zerocc/data_guards.py)
+    recorder = GuardRecorder(inputs, {position: index for position, (role, index, _) in enumerate(leaves)
+                                      if role == g.ROLE_INPUT})
+    attributes = tensor_attributes(model)
     try:
-        gm, out_spec = trace_functional(whole_step, fake_args, fake_mode)
+        with recording(fake_mode, recorder), _restored(attributes):
+            gm, out_spec = trace_functional(whole_step, fake_args, fake_mode)
     except (GuardOnDataDependentSymNode, DynamicOutputShapeException, DataDependentOutputException) as error:
-        where = user_frame(error.__traceback__) or "(no user frame found)"
-        raise CaptureError(
-            f"the step cannot be traced at {where}\n"
-            f"  why: it depends on the values in a tensor (data-dependent control flow or output shape: {type(error).__name__}), "
-            "which one graph cannot represent.\n"
-            "  fix: compute it with tensor ops (torch.where, masking) instead of Python control flow, "
-            "or move it out of the model."
-        ) from error
+        raise _data_dependent_error(user_frame(error.__traceback__), type(error).__name__) from error
     except ZeroccError:
         raise
     except Exception as error:
+        if recorder.guards and raised_by_user_code(error):   # on a side this batch's values decided: as eager
+            error.add_note(f"zerocc: raised while tracing the step on this batch, after deciding the branch at "
+                           f"{recorder.guards[-1].where} on its values")
+            raise
         where = user_frame(error.__traceback__) or "(no user frame found)"
         raise CaptureError(f"tracing the training step failed at {where}: {type(error).__name__}: {error}") from error
 
-    leaves = _placeholder_layout(fake_args)
     _refuse_writes_to_parameters(gm, leaves, param_infos, frozen_infos)
+    _refuse_writes_to_tensor_attributes(gm, attributes)
     _tag_placeholders(gm, leaves, param_infos, frozen_infos, buffer_infos, state_keys)
     if precision is not None:
         mixed.tag_parameter_casts(gm)
@@ -299,7 +316,17 @@ def capture(
         check_elementwise([n for n in gm.graph.nodes if n.meta.get(g.PHASE) == g.OPTIMIZER], optimizer)
     gm.recompile()
     return Captured(gm, param_infos, frozen_infos, buffer_infos, state_keys, len(optimizer.param_groups),
-                    len(inputs), new_state_keys)
+                    len(inputs), new_state_keys, tuple(recorder.guards))
+
+
+def _data_dependent_error(where: str | None, why: str) -> CaptureError:
+    return CaptureError(
+        f"the step cannot be traced at {where or '(no user frame found)'}\n"
+        f"  why: it depends on the values in a tensor (data-dependent control flow or output shape: {why}), "
+        "which one graph cannot represent; only branches on values computed from the batch alone are decided, "
+        "on each real batch (zerocc/data_guards.py; not when planning with meta or fake example inputs).\n"
+        "  fix: compute it with tensor ops (torch.where, masking) instead of Python control flow, "
+        "or move it out of the model.")
 
 
 def _splice_optimizer(gm, fake_mode, optimizer, grad_nodes, group_of):
@@ -344,6 +371,56 @@ def _refuse_writes_to_parameters(gm, layout, param_infos, frozen_infos) -> None:
             "updates them, so this write would be lost.\n"
             "  fix: compute a new tensor instead (w = w * s), keep the value in a buffer (register_buffer), "
             "or change the parameters outside the step (before compiling, or through load_checkpoint).")
+
+
+def tensor_attributes(model: nn.Module) -> dict[int, tuple[str, torch.Tensor]]:
+    """Tensors held as plain module attributes (neither parameters nor buffers), by id: (qualified name, tensor)."""
+    found: dict[int, tuple[str, torch.Tensor]] = {}
+    for module_name, module in model.named_modules():
+        for name, value in vars(module).items():
+            if isinstance(value, torch.Tensor):
+                found.setdefault(id(value), (f"{module_name}.{name}" if module_name else name, value))
+    return found
+
+
+@contextlib.contextmanager
+def _restored(attributes: dict[int, tuple[str, torch.Tensor]]):
+    """Tracing never changes the user's tensors: put back any attribute an op wrote while tracing.
+
+    make_fx computes ops on one-element real constants for real (constant
+    propagation), so ``self.counter += 1`` in forward would add to the
+    user's tensor at every trace. The copies cost the attributes' size once,
+    while tracing (models keep large tensors in buffers, not attributes).
+    """
+    saved = {key: (tensor._version, tensor.detach().clone()) for key, (_, tensor) in attributes.items()}
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for key, (_, tensor) in attributes.items():
+                version, value = saved[key]
+                if tensor._version != version:
+                    tensor.copy_(value)
+
+
+def _refuse_writes_to_tensor_attributes(gm, attributes) -> None:
+    """A tensor attribute that is not a buffer, written in place inside the step: its new value would be lost."""
+    from .errors import user_line_of_node
+    from .tracing import WRITTEN_CONSTANTS
+    written = [(attributes[key][0], node) for key, node in gm.meta.get(WRITTEN_CONSTANTS, {}).items()
+               if key in attributes]
+    if written:
+        problems = [f"  - {name!r} by {g.short_name(node.target)} at {user_line_of_node(node) or '(no user frame found)'}"
+                    for name, node in written]
+        name = written[0][0].rsplit(".", 1)[-1]
+        raise CaptureError(
+            "the model writes in place into tensor attributes that are neither parameters nor buffers:\n"
+            + "\n".join(problems) + "\n"
+            "  why: the compiled step carries parameters, buffers and optimizer state from one step to the next; "
+            "a plain tensor attribute is a constant of the traced program, so its updates would be lost or "
+            "repeated.\n"
+            f"  fix: register it as a buffer in the module's __init__, e.g. self.register_buffer({name!r}, "
+            "torch.zeros(())) (persistent=False keeps it out of state_dict); the step then carries it.")
 
 
 def _placeholder_layout(fake_args) -> list[tuple[str, int, str]]:

@@ -55,6 +55,13 @@ def user_frame(tb) -> str | None:
     return found
 
 
+def raised_by_user_code(error: BaseException) -> bool:
+    """Whether ``error`` was raised by the user's own code (a ``raise`` in a model), not inside a library."""
+    frames = traceback.extract_tb(error.__traceback__)
+    return bool(frames) and not (os.path.abspath(frames[-1].filename).startswith(_LIBRARY_DIRS)
+                                 or frames[-1].filename.startswith("<"))
+
+
 def user_line_of_node(node) -> str | None:
     """The user's source line recorded on an FX node's stack trace, if any."""
     stack = node.meta.get("stack_trace")

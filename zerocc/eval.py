@@ -25,6 +25,7 @@ from . import plans
 from .batch import BatchLayout
 from .errors import CaptureError, ConfigError, RecompileWarning, ZeroccError, user_frame
 from .tracing import fakeify, make_fake_mode, trace_functional
+from .user_tooling import suspended_user_tooling
 
 c10d = torch.ops._c10d_functional
 
@@ -39,7 +40,7 @@ class EvalProgram:
     def run(self, slots: dict[str, torch.Tensor], batch: list) -> Any:
         leaves = iter(pytree.tree_leaves(list(batch)))
         arguments = [slots[slot] if slot is not None else next(leaves) for slot in self.slots]
-        return pytree.tree_unflatten(list(self.gm(*arguments)), self.output_spec)
+        return pytree.tree_unflatten(list(self.gm.forward(*arguments)), self.output_spec)
 
 
 def eval_forward(step, inputs: tuple, keyword_inputs: dict | None = None) -> Any:
@@ -104,7 +105,8 @@ def _compile(step, batch: list, layout: BatchLayout) -> EvalProgram:
     modes = {module: module.training for module in model.modules()}
     model.eval()
     try:
-        gm, spec = trace_functional(forward, arguments, fake_mode)
+        with suspended_user_tooling():   # zerocc/user_tooling.py
+            gm, spec = trace_functional(forward, arguments, fake_mode)
     except ZeroccError:
         raise
     except Exception as error:

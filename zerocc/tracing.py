@@ -23,8 +23,9 @@ import torch.fx.traceback as fx_traceback
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
-from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
+from . import fake_kernels  # noqa: F401  (registers fake kernels for ops torch traces only with real values)
+from .data_guards import GuardedShapeEnv
 from .ops import batch_norm_with_stats
 
 aten = torch.ops.aten
@@ -80,8 +81,12 @@ def eager_composites():
 
 
 def make_fake_mode() -> FakeTensorMode:
-    """A fake mode whose ``.item()`` yields symbolic scalars instead of failing."""
-    return FakeTensorMode(shape_env=ShapeEnv(allow_scalar_outputs=True), allow_non_fake_inputs=True)
+    """A fake mode whose ``.item()`` yields symbolic scalars instead of failing.
+
+    Its ShapeEnv decides branches on batch values while capture records data
+    guards (``zerocc/data_guards.py``); otherwise it is torch's own.
+    """
+    return FakeTensorMode(shape_env=GuardedShapeEnv(allow_scalar_outputs=True), allow_non_fake_inputs=True)
 
 
 def fakeify(fake_mode: FakeTensorMode, tree: Any) -> Any:
@@ -126,6 +131,7 @@ def trace_functional(fn: Callable[..., Any], args: tuple, fake_mode: FakeTensorM
     with fake_mode:
         gm = make_fx(torch.func.functionalize(replay, remove="mutations"))(*detached)
     gm.meta[WRITTEN_INPUTS] = written_inputs(first)
+    gm.meta[WRITTEN_CONSTANTS] = written_constants(first)
     _remove_trailing_input_copies(gm)
     _remove_profiler_nodes(gm)
     gm.graph.eliminate_dead_code()
@@ -135,13 +141,27 @@ def trace_functional(fn: Callable[..., Any], args: tuple, fake_mode: FakeTensorM
 
 # gm.meta key set by trace_functional: {placeholder position: the first node that writes it in place}
 WRITTEN_INPUTS = "zerocc_written_inputs"
+# gm.meta key set by trace_functional: {id of a tensor constant: the first node that writes it in place}
+WRITTEN_CONSTANTS = "zerocc_written_constants"
 
 
 def written_inputs(gm: fx.GraphModule) -> dict[int, fx.Node]:
     """Placeholders (by position) that an op writes in place, directly or through a view of them."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    root = {node: position for position, node in enumerate(placeholders)}
-    written: dict[int, fx.Node] = {}
+    return written_values(gm, {node: position for position, node in enumerate(placeholders)})
+
+
+def written_constants(gm: fx.GraphModule) -> dict[int, fx.Node]:
+    """Tensor constants (by ``id`` of the tensor, the object tracing found) that an op writes in place."""
+    constants = {node: id(getattr(gm, node.target)) for node in gm.graph.nodes
+                 if node.op == "get_attr" and isinstance(getattr(gm, node.target, None), torch.Tensor)}
+    return written_values(gm, constants)
+
+
+def written_values(gm: fx.GraphModule, root: dict[fx.Node, Any]) -> dict[Any, fx.Node]:
+    """Of the nodes keyed in ``root``, the first op writing each in place (directly or through a view), by key."""
+    root = dict(root)
+    written: dict[Any, fx.Node] = {}
     for node in gm.graph.nodes:
         if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
             continue

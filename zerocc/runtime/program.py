@@ -29,6 +29,7 @@ class Program:
     arenas: Arenas | None = None         # where placed outputs live (passes/place_buffers.py), if any
     released_slots: tuple[str, ...] = () # slots dropped at the release point (passes/release_slots.py)
     arena_sizes: tuple = ()              # (slot, bytes, device) of each arena this program writes into
+    guards: tuple = ()                   # data guards (zerocc/data_guards.py): the batches this program is for
 
     @classmethod
     def from_graph(cls, gm: fx.GraphModule, arenas: Arenas | None = None) -> "Program":
@@ -61,8 +62,10 @@ class Program:
                 arguments.append(self.arenas[slot])
             else:
                 arguments.append(slots[slot])
+        # gm.forward, not gm(...): the program is no module of the user's, so global module hooks (a user's
+        # MemTracker or ModTracker, zerocc/user_tooling.py) must not see it as one called every step
         if not releases_slots(self.gm):
-            loss, *results = self.gm(*arguments)
+            loss, *results = self.gm.forward(*arguments)
             del arguments
         else:
             dropped: list[str] = []
@@ -72,7 +75,7 @@ class Program:
                     dropped.append(slot)
                     del slots[slot]
             try:
-                loss, *results = self.gm(arguments, release_slots)   # clears ``arguments``
+                loss, *results = self.gm.forward(arguments, release_slots)   # clears ``arguments``
             except Exception as error:
                 if dropped:
                     error.add_note(f"zerocc: the step failed after its release point (passes/release_slots.py): the "

@@ -1,0 +1,126 @@
+"""Branches on batch values are decided on the real batch and guarded every step (zerocc/data_guards.py)."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import zerocc
+
+
+class CheckedLabels(nn.Module):
+    """Validates its labels as wav2vec2's CTC head does, with a Python branch on their values."""
+
+    def __init__(self, vocab=7):
+        super().__init__()
+        self.vocab = vocab
+        self.linear = nn.Linear(12, vocab)
+
+    def forward(self, x, labels):
+        if labels.max() >= self.vocab:
+            raise ValueError(f"Label values must be < vocab_size: {self.vocab}")
+        return F.cross_entropy(self.linear(x), labels)
+
+
+class ScaledWhenFlagged(nn.Module):
+    """A branch on batch values that changes the computation (no side raises): each side is a program."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(12, 5)
+
+    def forward(self, x, flags):
+        y = self.linear(x)
+        if flags.any():
+            y = y * 2
+        return y.square().mean()
+
+
+def good_batch(generator):
+    return torch.randn(4, 12, generator=generator), torch.randint(0, 7, (4,), generator=generator)
+
+
+def eager(model, optimizer, *batch):
+    optimizer.zero_grad(set_to_none=True)
+    loss = model(*batch)
+    loss.backward()
+    optimizer.step()
+    return loss.detach()
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_validation_on_labels_trains_like_eager_and_a_bad_batch_raises_the_models_error(stage):
+    torch.manual_seed(0)
+    model = CheckedLabels()
+    reference = copy.deepcopy(model)
+    step = zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=0.1), stage=stage)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.1)
+    generator = torch.Generator().manual_seed(1)
+    for index in range(4):
+        batch = good_batch(generator)
+        assert torch.equal(step(*batch), eager(reference, reference_optimizer, *batch))
+        if index == 1:   # labels out of range: the model's own error, and nothing changed
+            with pytest.raises(ValueError, match=r"Label values must be < vocab_size: 7") as info:
+                step(batch[0], torch.tensor([0, 9, 1, 2]))
+            assert any("test_guards.py" in note and "labels.max() >= self.vocab" in note for note in info.value.__notes__)
+
+
+def test_a_bad_first_batch_raises_the_models_error():
+    model = CheckedLabels()
+    step = zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), stage=3)
+    with pytest.raises(ValueError, match=r"Label values must be < vocab_size: 7"):
+        step(torch.randn(4, 12), torch.tensor([0, 9, 1, 2]))
+
+
+def test_a_branch_on_batch_values_that_changes_the_computation_compiles_each_side():
+    torch.manual_seed(0)
+    model = ScaledWhenFlagged()
+    reference = copy.deepcopy(model)
+    step = zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), stage=3)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    generator = torch.Generator().manual_seed(1)
+    for flags in ([0, 0, 0, 0], [0, 1, 0, 0], [0, 0, 0, 0]):
+        batch = (torch.randn(4, 12, generator=generator), torch.tensor(flags))
+        assert torch.equal(step(*batch), eager(reference, reference_optimizer, *batch))
+    for parameter, expected in zip(step.full_state_dict().values(), reference.state_dict().values()):
+        assert torch.equal(parameter, expected)
+
+
+def tiny_wav2vec2_for_ctc():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Wav2Vec2Config(
+        vocab_size=12, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+        conv_dim=(8, 8), conv_stride=(4, 4), conv_kernel=(8, 8), num_conv_pos_embeddings=4,
+        num_conv_pos_embedding_groups=2, hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+        feat_proj_dropout=0.0, final_dropout=0.0, layerdrop=0.0, mask_time_prob=0.0, pad_token_id=0)
+    torch.manual_seed(0)
+    return transformers.Wav2Vec2ForCTC(config)
+
+
+@pytest.mark.slow   # about 30 s: three traces of the whole step
+def test_wav2vec2_ctc_trains_like_eager_and_rejects_labels_beyond_its_vocabulary():
+    """Its CTC head validates labels with a branch on their values, and ctc_loss's shapes depend on them."""
+    model = tiny_wav2vec2_for_ctc()
+    reference = copy.deepcopy(model)
+    step = zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-3), stage=3)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    generator = torch.Generator().manual_seed(1)
+
+    def eager_ctc(audio, labels):
+        reference_optimizer.zero_grad(set_to_none=True)
+        loss = reference(input_values=audio, labels=labels).loss
+        loss.backward()
+        reference_optimizer.step()
+        return loss.detach()
+
+    for index in range(3):
+        audio, labels = torch.randn(2, 400, generator=generator), torch.randint(1, 12, (2, 5), generator=generator)
+        if index == 2:
+            labels[0, 3:] = -100   # a shorter target: another longest-target length, the same program
+        assert torch.equal(step(input_values=audio, labels=labels), eager_ctc(audio, labels))
+        if index == 0:
+            with pytest.raises(ValueError, match=r"Label values must be <= vocab_size: 12"):
+                step(input_values=audio, labels=torch.tensor([[1, 2, 30, 4, 5], [1, 2, 3, 4, 5]]))

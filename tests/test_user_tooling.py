@@ -1,0 +1,206 @@
+"""Capture meets the user's own code and tools: tensor attributes, module hooks, dispatch modes, MemTracker."""
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import zerocc
+from zerocc.capture import capture, tensor_attributes
+from zerocc.tracing import make_fake_mode
+
+
+class CountingAttribute(nn.Module):
+    """Counts its calls in a plain tensor attribute (not a buffer) and scales by a read-only one."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(12, 5)
+        self.counter = torch.zeros(())
+        self.scale = torch.tensor(2.0)
+
+    def forward(self, x):
+        self.counter += 1
+        return self.linear(x).square().mean() * self.counter * self.scale
+
+
+class CountingBuffer(nn.Module):
+    """The fix the error names: the counter as a buffer, which the step carries."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(12, 5)
+        self.register_buffer("counter", torch.zeros(()))
+        self.scale = torch.tensor(2.0)
+
+    def forward(self, x):
+        self.counter += 1
+        return self.linear(x).square().mean() * self.counter * self.scale
+
+
+class Normalized(nn.Module):
+    """Parameters, BatchNorm buffers and read-only tensor attributes of several sizes."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(12, 8)
+        self.norm = nn.BatchNorm1d(8)
+        self.shift = torch.linspace(-1, 1, 8)
+        self.scale = torch.tensor(0.5)
+
+    def forward(self, x):
+        return (self.norm(self.linear(x)) * self.scale + self.shift).square().mean()
+
+
+def every_tensor(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    tensors = {f"param {name}": t for name, t in model.named_parameters()}
+    tensors |= {f"buffer {name}": t for name, t in model.named_buffers()}
+    tensors |= {f"attribute {name}": t for name, t in tensor_attributes(model).values()}
+    for index, state in enumerate(optimizer.state.values()):
+        tensors |= {f"state {index} {key}": t for key, t in state.items() if isinstance(t, torch.Tensor)}
+    return tensors
+
+
+def eager(model, optimizer, *batch):
+    optimizer.zero_grad(set_to_none=True)
+    loss = model(*batch)
+    loss.backward()
+    optimizer.step()
+    return loss.detach()
+
+
+# -- tensor attributes that forward changes in place ----------------------------------
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_tensor_attribute_written_in_forward_is_refused_naming_it_and_left_as_it_was(stage):
+    model = CountingAttribute()
+    step = zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), stage=stage)
+    with pytest.raises(zerocc.CaptureError, match=r"(?s)neither parameters nor buffers:\n  - 'counter' by add_ at "
+                       r".*test_user_tooling.py:\d+: self.counter \+= 1\n.*"
+                       r"fix: register it as a buffer .*self.register_buffer\('counter', torch.zeros\(\(\)\)\)"):
+        step(torch.randn(4, 12))
+    assert torch.equal(model.counter, torch.zeros(())) and torch.equal(model.scale, torch.tensor(2.0))
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_the_counter_as_a_buffer_counts_like_eager(stage):
+    torch.manual_seed(0)
+    model = CountingBuffer()
+    reference = copy.deepcopy(model)
+    step = zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), stage=stage)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x = torch.randn(4, 12, generator=generator)
+        assert torch.equal(step(x), eager(reference, reference_optimizer, x))
+    assert torch.equal(step.full_state_dict()["counter"], torch.tensor(3.0))
+    assert torch.equal(model.scale, torch.tensor(2.0))
+
+
+def test_capture_leaves_every_tensor_reachable_from_the_model_and_optimizer_untouched():
+    torch.manual_seed(0)
+    model = Normalized()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    eager(model, optimizer, torch.randn(4, 12))   # optimizer state exists, BatchNorm statistics moved
+    before = {name: (t._version, t.detach().clone()) for name, t in every_tensor(model, optimizer).items()}
+    capture(model, optimizer, [torch.randn(4, 12)], loss_fn=None, num_targets=0, fake_mode=make_fake_mode())
+    after = every_tensor(model, optimizer)
+    assert after.keys() == before.keys()
+    changed = [name for name, (version, value) in before.items()
+               if after[name]._version != version or not torch.equal(after[name], value)]
+    assert not changed
+
+
+# -- the user's tools and hooks ----------------------------------------------------------
+
+def mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(12, 16), nn.GELU(), nn.Linear(16, 5))
+
+
+def train_both(model, steps=3, stage=3, around=None):
+    """The compiled step (its calls inside ``around``) and eager on the same batches: the losses, compared."""
+    reference = copy.deepcopy(model)
+    step = zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=0.1), stage=stage, loss_fn=F.mse_loss)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.1)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x, y = torch.randn(4, 12, generator=generator), torch.randn(4, 5, generator=generator)
+        with around() if around is not None else contextlib.nullcontext():
+            loss = step(x, y)
+        reference_optimizer.zero_grad(set_to_none=True)
+        expected = F.mse_loss(reference(x), y)
+        expected.backward()
+        reference_optimizer.step()
+        assert torch.equal(loss, expected.detach())
+    return step
+
+
+def test_compiling_and_training_under_memtracker():
+    from torch.distributed._tools.mem_tracker import MemTracker
+    model = mlp()
+    tracker = MemTracker()
+    tracker.track_external(model)
+    train_both(model, around=lambda: tracker)   # compiled at the first call, inside the tracker
+    assert tracker.get_tracker_snapshot("peak")   # it saw the compiled step's real tensors
+
+
+class CountingMode(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_users_dispatch_mode_sits_out_the_trace_and_sees_the_steps_ops():
+    mode = CountingMode()
+    model = mlp()
+    seen = []
+
+    @contextlib.contextmanager
+    def counting():
+        before = mode.calls
+        with mode:
+            yield
+        seen.append(mode.calls - before)
+    train_both(model, steps=3, around=counting)
+    assert all(count > 0 for count in seen)   # each step's ops, at run time
+    assert seen[0] < 2 * seen[2]              # the first two calls compile: the mode saw no trace
+
+
+def test_global_module_hooks_sit_out_the_trace_and_stay_registered():
+    from torch.nn.modules.module import register_module_forward_hook
+    calls = []
+    handle = register_module_forward_hook(lambda module, inputs, output: calls.append(type(module).__name__))
+    try:
+        train_both(mlp(), steps=2)
+        calls.clear()
+        mlp()(torch.randn(2, 12))
+        assert calls   # still registered after compiling
+    finally:
+        handle.remove()
+
+
+@pytest.mark.parametrize("kind", ["forward", "forward_pre"])
+def test_a_module_hook_that_changes_the_output_is_traced(kind):
+    model = mlp()
+    if kind == "forward":
+        model[1].register_forward_hook(lambda module, inputs, output: output * 0.5)
+    else:
+        model[2].register_forward_pre_hook(lambda module, inputs: (inputs[0] + 1.0,))
+    train_both(model)   # the reference is a deep copy: it has the same hook
+
+
+def test_a_module_hook_that_only_observes_leaves_the_step_as_eager():
+    model = mlp()
+    shapes = []
+    model[0].register_forward_hook(lambda module, inputs, output: shapes.append(tuple(output.shape)))
+    train_both(model, stage=0)
+    assert (4, 16) in shapes
