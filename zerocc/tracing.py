@@ -25,6 +25,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
+from . import fake_kernels
 from .ops import batch_norm_with_stats
 
 aten = torch.ops.aten
@@ -80,8 +81,11 @@ def eager_composites():
 
 
 def make_fake_mode() -> FakeTensorMode:
-    """A fake mode whose ``.item()`` yields symbolic scalars instead of failing."""
-    return FakeTensorMode(shape_env=ShapeEnv(allow_scalar_outputs=True), allow_non_fake_inputs=True)
+    """A fake mode whose ``.item()`` yields symbolic scalars instead of failing, and whose ops accept what the CPU kernels do."""
+    fake_mode = FakeTensorMode(shape_env=ShapeEnv(allow_scalar_outputs=True), allow_non_fake_inputs=True)
+    fake_kernels.register()
+    fake_kernels.mark_zerocc_fake_mode(fake_mode)
+    return fake_mode
 
 
 def fakeify(fake_mode: FakeTensorMode, tree: Any) -> Any:
