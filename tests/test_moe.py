@@ -137,3 +137,28 @@ def test_two_ranks_match_one_process_on_the_global_batch(deterministic):
     for rank, (_, state) in enumerate(results):
         for key, value in reference.state_dict().items():
             torch.testing.assert_close(state[key], value, rtol=1e-4, atol=1e-5, msg=lambda m: f"rank {rank} {key}: {m}")
+
+
+def test_grouped_mm_fake_kernel_matches_the_cpu_kernel_in_zerocc_fake_modes_only():
+    """Every layout the CPU kernel takes in float32, with its result's shape and strides; other fake modes unchanged."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from zerocc.tracing import make_fake_mode
+    offs = torch.tensor([2, 2, 6], dtype=torch.int32)   # one empty group
+    cases = [(torch.randn(6, 4), torch.randn(3, 4, 8), offs),                   # tokens x per-expert matrices
+             (torch.randn(6, 4), torch.randn(3, 8, 4).transpose(-2, -1), offs),  # transposed weights, as transformers
+             (torch.randn(6, 4).t(), torch.randn(6, 8), offs),                  # the weights' gradient
+             (torch.randn(3, 6, 4), torch.randn(3, 4, 8), None)]                # batched
+    fake_mode = make_fake_mode()
+    for a, b, groups in cases:
+        real = torch._grouped_mm(a, b, offs=groups)
+        with fake_mode:
+            fake = torch._grouped_mm(*(fake_mode.from_tensor(t) if t is not None else None for t in (a, b)),
+                                     offs=fake_mode.from_tensor(groups) if groups is not None else None)
+        assert (fake.shape, fake.stride(), fake.dtype) == (real.shape, real.stride(), real.dtype)
+    with fake_mode, pytest.raises(RuntimeError, match="Expected mat_a to be Float32, BFloat16 or Float16 matrix"):
+        torch._grouped_mm(fake_mode.from_tensor(torch.randn(6, 4, dtype=torch.float64)),
+                          fake_mode.from_tensor(torch.randn(3, 4, 8, dtype=torch.float64)), offs=fake_mode.from_tensor(offs))
+    plain = FakeTensorMode()
+    with plain, pytest.raises(RuntimeError, match="Expected inputs of BF16 type"):
+        torch._grouped_mm(plain.from_tensor(cases[0][0]), plain.from_tensor(cases[0][1]), offs=plain.from_tensor(offs))
