@@ -49,12 +49,12 @@ def token_batches(steps, rows=TOKENS[0], seed=1):
     return batches
 
 
-def train_and_compare(name, stage, steps=3, **options):
+def train_and_compare(name, stage, steps=3, compile_options=None, **options):
     """Train eager and compiled side by side; every loss and, at the end, every parameter equal bit for bit."""
     reference = build(name, **options)
     reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     model = build(name, **options)
-    step = zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-2), stage=stage)
+    step = zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-2), stage=stage, **(compile_options or {}))
     for number, batch in enumerate(token_batches(steps)):
         torch.manual_seed(100 + number)
         reference_optimizer.zero_grad(set_to_none=True)
@@ -88,7 +88,8 @@ def test_routing_differs_between_the_batches_the_tests_train():
     assert len({tuple(c) for c in counts}) == 3   # a program specialized on the first batch's routing would fail
 
 
-@pytest.mark.parametrize("stage", [0, pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow), 3])
+@pytest.mark.parametrize("stage", [pytest.param(0, marks=pytest.mark.slow), pytest.param(1, marks=pytest.mark.slow),
+                                   pytest.param(2, marks=pytest.mark.slow), 3])
 def test_mixtral_grouped_mm_equals_eager_at_every_stage(stage, deterministic):
     step = train_and_compare("mixtral", stage, experts_implementation="grouped_mm")
     graph = str(step.graph("capture"))
@@ -96,6 +97,13 @@ def test_mixtral_grouped_mm_equals_eager_at_every_stage(stage, deterministic):
     assert len(step._programs) == 2   # the first step's program and the steady state's, for every routing
 
 
+@pytest.mark.slow
+def test_grouped_mm_in_memory_pools_equals_eager(deterministic):
+    """Pools place _grouped_mm's results in arena slices a previous value used: its rows must all be written."""
+    train_and_compare("mixtral", stage=3, compile_options=dict(memory_pools=True))
+
+
+@pytest.mark.slow
 def test_batched_mm_experts_equal_eager(deterministic):
     step = train_and_compare("qwen2_moe", stage=3, experts_implementation="batched_mm")
     assert "torch.ops.aten._grouped_mm.default(" not in str(step.graph("capture"))
@@ -120,6 +128,7 @@ def _against_single_process(rank, world_size, name):
     return torch.stack(losses), step.full_state_dict()
 
 
+@pytest.mark.slow
 @pytest.mark.multirank
 def test_two_ranks_match_one_process_on_the_global_batch(deterministic):
     reference = build("mixtral")
