@@ -1,14 +1,108 @@
-"""Fake kernels for aten ops that torch traces only with real values, registered when zerocc is imported.
+"""Fake kernels for aten ops that capture could not trace otherwise, registered when zerocc is imported.
 
-Capture traces on fake tensors (``zerocc/tracing.py``); an op whose output
-shape depends on its input values has no fake kernel and stops the trace.
-Those whose output shape is a size bounded by the data get one here that
-returns that size as an unbacked symbol, as ``nonzero`` does in torch: the
-graph then holds one program for every batch.
+Capture traces on fake tensors (``zerocc/tracing.py``), so an op's fake
+(meta) kernel decides what can be traced, while its real kernel decides what
+eager PyTorch runs. Two kinds of op need help here:
+
+- Ops with no fake kernel because their output shape depends on their input
+  values (CTC loss: its log alpha is 2 x the longest target + 1 wide). Their
+  fake kernel returns that size as an unbacked symbol, as ``nonzero`` does in
+  torch: the graph then holds one program for every batch.
+- Ops whose meta kernel refuses what the CPU kernel runs. ``aten._grouped_mm``
+  (the grouped GEMM of transformers' mixture-of-experts layers) is one: its
+  meta kernel implements the CUDA kernel's checks and demands bf16, while the
+  CPU kernel multiplies float32, bfloat16 and float16. The kernel here states
+  what the CPU kernel accepts and returns. It applies only to the fake modes
+  zerocc makes (``tracing.make_fake_mode`` marks them with
+  ``mark_zerocc_fake_mode``), so other users of fake tensors in the same
+  process (``torch.compile``) see PyTorch's behaviour unchanged; every other
+  case falls through to PyTorch's own kernel.
 """
+
 from __future__ import annotations
 
 import torch
+from torch._subclasses.fake_impls import op_implementations_dict
+
+aten = torch.ops.aten
+
+# Attribute set on the fake modes these kernels serve.
+_ZEROCC_FAKE_MODE = "_zerocc_fake_mode"
+
+# Dtypes aten._grouped_mm's CPU kernel multiplies (it names them when it refuses float64).
+_GROUPED_MM_CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def mark_zerocc_fake_mode(fake_mode) -> None:
+    """Let the kernels in this module serve ``fake_mode``."""
+    setattr(fake_mode, _ZEROCC_FAKE_MODE, True)
+
+
+def _grouped_mm_cpu(fake_mode, func, mat_a, mat_b, offs=None, bias=None, out_dtype=None):
+    """The result aten._grouped_mm's CPU kernel returns, with the checks it makes.
+
+    Shapes: 2-D x 3-D (tokens sorted by group x one matrix per group, the
+    forward of a mixture of experts), 3-D x 2-D, 2-D x 2-D (groups along the
+    contraction: the gradient of the per-group matrices) and 3-D x 3-D
+    (a batched matmul, no offsets). The result is contiguous. Rows past
+    ``offs[-1]`` are left unwritten by the kernel; transformers' offsets
+    always end at the row count.
+    """
+    if not getattr(fake_mode, _ZEROCC_FAKE_MODE, False) or mat_a.device.type != "cpu":
+        return NotImplemented
+    torch._check(mat_a.dtype == mat_b.dtype,
+                 lambda: f"expected m1 and m2 to have the same dtype, but got: {mat_a.dtype} != {mat_b.dtype}")
+    torch._check(mat_a.dtype in _GROUPED_MM_CPU_DTYPES,
+                 lambda: f"Expected mat_a to be Float32, BFloat16 or Float16 matrix, got {mat_a.dtype}")
+    torch._check(out_dtype is None or out_dtype == mat_a.dtype,
+                 lambda: "Grouped gemm output dtype must match `mat_a` dtype")
+    torch._check(bias is None, lambda: "Bias not supported yet")
+    torch._check(mat_a.dim() in (2, 3) and mat_b.dim() in (2, 3),
+                 lambda: f"Multiplicands must be 2D or 3D but got mat_a.dim()={mat_a.dim()} and mat_b.dim()={mat_b.dim()}")
+    a_is_2d, b_is_2d = mat_a.dim() == 2, mat_b.dim() == 2
+    if not (a_is_2d and b_is_2d):
+        torch._check(mat_a.size(-1) == mat_b.size(-2), lambda: "contraction dimension of mat_a and mat_b must match")
+    for name, mat in (("mat_a", mat_a), ("mat_b", mat_b)):
+        _check_strides(name, mat)
+    if a_is_2d or b_is_2d:
+        torch._check(offs is not None, lambda: "Offsets tensor not provided, but is needed for 2D multiplicands")
+        torch._check(offs.dim() == 1 and offs.dtype == torch.int32, lambda: "Offsets have to be int32")
+    else:
+        torch._check(offs is None, lambda: "Offsets tensor provided, but is not needed for 3D/3D multiplicand layouts.")
+    if a_is_2d and b_is_2d:
+        size = [offs.size(0), mat_a.size(0), mat_b.size(1)]
+    elif a_is_2d:
+        torch._check(offs.size(0) == mat_b.size(0), lambda: "matrix batch sizes have to match")
+        size = [mat_a.size(0), mat_b.size(-1)]
+    elif b_is_2d:
+        torch._check(offs.size(0) == mat_a.size(0), lambda: "matrix batch sizes have to match")
+        size = [mat_a.size(1), mat_b.size(1)]
+    else:
+        torch._check(mat_a.size(0) == mat_b.size(0), lambda: "batched dimension has to match")
+        size = [mat_a.size(0), mat_a.size(1), mat_b.size(-1)]
+    with fake_mode:
+        return torch.empty(size, dtype=mat_a.dtype, device=mat_a.device)
+
+
+def _check_strides(name: str, mat: torch.Tensor) -> None:
+    """Row- or column-major in the last two dimensions, the leading stride a multiple of 16 bytes."""
+    last = mat.dim() - 1
+    alignment = 16 // mat.element_size()
+    stride = mat.stride()
+    if stride[last - 1] == 1 and stride[last] >= max(1, mat.shape[last - 1]):
+        leading = stride[last]
+    elif stride[last] == 1 and stride[last - 1] >= max(1, mat.shape[last]):
+        leading = stride[last - 1]
+    else:
+        torch._check(False, lambda: f"Invalid strides/sizes, got {stride} for strides and {mat.shape} for sizes")
+        return
+    torch._check(leading % alignment == 0, lambda: f"{name}: strides should be multiple of 16 bytes")
+
+
+def register() -> None:
+    """Install the kernels (idempotent); they serve only marked fake modes."""
+    op_implementations_dict.setdefault(aten._grouped_mm.default, _grouped_mm_cpu)
+
 
 
 @torch.library.register_fake("aten::_ctc_loss.Tensor")

@@ -24,7 +24,7 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from . import fake_kernels  # noqa: F401  (registers fake kernels for ops torch traces only with real values)
+from . import fake_kernels
 from .data_guards import GuardedShapeEnv
 from .ops import batch_norm_with_stats
 
@@ -81,12 +81,15 @@ def eager_composites():
 
 
 def make_fake_mode() -> FakeTensorMode:
-    """A fake mode whose ``.item()`` yields symbolic scalars instead of failing.
+    """A fake mode whose ``.item()`` yields symbolic scalars instead of failing, and whose ops accept what the CPU kernels do.
 
     Its ShapeEnv decides branches on batch values while capture records data
     guards (``zerocc/data_guards.py``); otherwise it is torch's own.
     """
-    return FakeTensorMode(shape_env=GuardedShapeEnv(allow_scalar_outputs=True), allow_non_fake_inputs=True)
+    fake_mode = FakeTensorMode(shape_env=GuardedShapeEnv(allow_scalar_outputs=True), allow_non_fake_inputs=True)
+    fake_kernels.register()
+    fake_kernels.mark_zerocc_fake_mode(fake_mode)
+    return fake_mode
 
 
 def fakeify(fake_mode: FakeTensorMode, tree: Any) -> Any:

@@ -1,0 +1,173 @@
+"""Mixture-of-experts models from Hugging Face transformers train under zerocc as in eager PyTorch.
+
+transformers 5 runs a model's experts one of three ways (the config's
+``experts_implementation``): ``grouped_mm`` (the default: tokens sorted by
+expert, one ``aten._grouped_mm`` per projection), ``batched_mm`` (each
+token's expert weights gathered, one ``bmm``) and ``eager`` (a Python loop
+over the experts that received tokens). ``aten._grouped_mm``'s meta kernel
+accepts only bf16 while its CPU kernel multiplies float32; zerocc's fake
+kernel (zerocc/fake_kernels.py) states what the CPU kernel does.
+
+The routing differs from batch to batch, so each test trains several batches
+and compares every step. The reference runs with
+``torch.use_deterministic_algorithms(True)``: eager PyTorch's CPU
+``index_put_(accumulate=True)`` (the backward of gathering expert weights or
+tokens by index) otherwise sums duplicates in a run-dependent order, and no
+two eager runs agree bit for bit.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import zerocc
+from tests import distributed
+
+transformers = pytest.importorskip("transformers")
+from tests.zoo import MIXTURES_OF_EXPERTS, TOKENS, VOCAB  # noqa: E402  (needs transformers; the zoo trains every MoE model)
+
+
+@pytest.fixture
+def deterministic():
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(previous)
+
+
+def build(name, **options):
+    torch.manual_seed(0)
+    return MIXTURES_OF_EXPERTS[name](**options)
+
+
+def token_batches(steps, rows=TOKENS[0], seed=1):
+    generator = torch.Generator().manual_seed(seed)
+    batches = []
+    for _ in range(steps):
+        ids = torch.randint(0, VOCAB, (rows, TOKENS[1]), generator=generator)
+        batches.append(dict(input_ids=ids, labels=ids))
+    return batches
+
+
+def train_and_compare(name, stage, steps=3, compile_options=None, **options):
+    """Train eager and compiled side by side; every loss and, at the end, every parameter equal bit for bit."""
+    reference = build(name, **options)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    model = build(name, **options)
+    step = zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-2), stage=stage, **(compile_options or {}))
+    for number, batch in enumerate(token_batches(steps)):
+        torch.manual_seed(100 + number)
+        reference_optimizer.zero_grad(set_to_none=True)
+        expected = reference(**batch).loss
+        expected.backward()
+        reference_optimizer.step()
+        torch.manual_seed(100 + number)
+        assert torch.equal(step(**batch), expected.detach()), number
+    full = step.full_state_dict()
+    for key, value in reference.state_dict().items():
+        assert torch.equal(full[key], value), key
+    return step
+
+
+def routed_counts(name, batches):
+    """How many tokens each expert of the first MoE layer gets, per batch (eager, before training)."""
+    model = build(name)
+    gate = next(module for module_name, module in model.named_modules() if module_name.endswith("mlp.gate"))
+    counts = []
+    handle = gate.register_forward_hook(lambda module, args, output: counts.append(
+        torch.bincount(output[-1].flatten(), minlength=4).tolist()))
+    with torch.no_grad():
+        for batch in batches:
+            model(**batch)
+    handle.remove()
+    return counts
+
+
+def test_routing_differs_between_the_batches_the_tests_train():
+    counts = routed_counts("mixtral", token_batches(3))
+    assert len({tuple(c) for c in counts}) == 3   # a program specialized on the first batch's routing would fail
+
+
+@pytest.mark.parametrize("stage", [pytest.param(0, marks=pytest.mark.slow), pytest.param(1, marks=pytest.mark.slow),
+                                   pytest.param(2, marks=pytest.mark.slow), 3])
+def test_mixtral_grouped_mm_equals_eager_at_every_stage(stage, deterministic):
+    step = train_and_compare("mixtral", stage, experts_implementation="grouped_mm")
+    graph = str(step.graph("capture"))
+    assert graph.count("torch.ops.aten._grouped_mm.default(") == 6   # 2 forward, 4 backward (input and weight grads)
+    assert len(step._programs) == 2   # the first step's program and the steady state's, for every routing
+
+
+@pytest.mark.slow
+def test_grouped_mm_in_memory_pools_equals_eager(deterministic):
+    """Pools place _grouped_mm's results in arena slices a previous value used: its rows must all be written."""
+    train_and_compare("mixtral", stage=3, compile_options=dict(memory_pools=True))
+
+
+@pytest.mark.slow
+def test_batched_mm_experts_equal_eager(deterministic):
+    step = train_and_compare("qwen2_moe", stage=3, experts_implementation="batched_mm")
+    assert "torch.ops.aten._grouped_mm.default(" not in str(step.graph("capture"))
+
+
+def test_eager_experts_loop_is_refused_naming_the_loop():
+    """The loop runs once per expert that received tokens: a different computation for each routing."""
+    model = build("mixtral", experts_implementation="eager")
+    step = zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-2), stage=3)
+    with pytest.raises(zerocc.CaptureError, match=r"modeling_mixtral.py:\d+: for expert_idx in expert_hit:\n"
+                                                  r"  why: it depends on the values in a tensor"):
+        step(**token_batches(1)[0])
+
+
+def _against_single_process(rank, world_size, name):
+    torch.use_deterministic_algorithms(True)
+    batches = token_batches(3, rows=2 * world_size)
+    model = build(name)
+    step = zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-2), stage=3)
+    losses = [step(**{key: value.chunk(world_size)[rank] if isinstance(value, torch.Tensor) else value
+                      for key, value in batch.items()}) for batch in batches]
+    return torch.stack(losses), step.full_state_dict()
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+def test_two_ranks_match_one_process_on_the_global_batch(deterministic):
+    reference = build("mixtral")
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    expected = []
+    for batch in token_batches(3, rows=4):
+        optimizer.zero_grad(set_to_none=True)
+        loss = reference(**batch).loss
+        loss.backward()
+        optimizer.step()
+        expected.append(loss.detach())
+    results = distributed.run(_against_single_process, 2, "mixtral")
+    # each rank's loss is the mean over its half of the tokens: their mean is the global batch's loss
+    torch.testing.assert_close((results[0][0] + results[1][0]) / 2, torch.stack(expected), rtol=1e-5, atol=1e-6)
+    for rank, (_, state) in enumerate(results):
+        for key, value in reference.state_dict().items():
+            torch.testing.assert_close(state[key], value, rtol=1e-4, atol=1e-5, msg=lambda m: f"rank {rank} {key}: {m}")
+
+
+def test_grouped_mm_fake_kernel_matches_the_cpu_kernel_in_zerocc_fake_modes_only():
+    """Every layout the CPU kernel takes in float32, with its result's shape and strides; other fake modes unchanged."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from zerocc.tracing import make_fake_mode
+    offs = torch.tensor([2, 2, 6], dtype=torch.int32)   # one empty group
+    cases = [(torch.randn(6, 4), torch.randn(3, 4, 8), offs),                   # tokens x per-expert matrices
+             (torch.randn(6, 4), torch.randn(3, 8, 4).transpose(-2, -1), offs),  # transposed weights, as transformers
+             (torch.randn(6, 4).t(), torch.randn(6, 8), offs),                  # the weights' gradient
+             (torch.randn(3, 6, 4), torch.randn(3, 4, 8), None)]                # batched
+    fake_mode = make_fake_mode()
+    for a, b, groups in cases:
+        real = torch._grouped_mm(a, b, offs=groups)
+        with fake_mode:
+            fake = torch._grouped_mm(*(fake_mode.from_tensor(t) if t is not None else None for t in (a, b)),
+                                     offs=fake_mode.from_tensor(groups) if groups is not None else None)
+        assert (fake.shape, fake.stride(), fake.dtype) == (real.shape, real.stride(), real.dtype)
+    with fake_mode, pytest.raises(RuntimeError, match="Expected mat_a to be Float32, BFloat16 or Float16 matrix"):
+        torch._grouped_mm(fake_mode.from_tensor(torch.randn(6, 4, dtype=torch.float64)),
+                          fake_mode.from_tensor(torch.randn(3, 4, 8, dtype=torch.float64)), offs=fake_mode.from_tensor(offs))
+    plain = FakeTensorMode()
+    with plain, pytest.raises(RuntimeError, match="Expected inputs of BF16 type"):
+        torch._grouped_mm(plain.from_tensor(cases[0][0]), plain.from_tensor(cases[0][1]), offs=plain.from_tensor(offs))
