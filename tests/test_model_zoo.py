@@ -19,13 +19,7 @@ pytest.importorskip("transformers")
 from tests.zoo import ZOO, batches, train_eagerly  # noqa: E402  (needs transformers)
 
 # Architectures that fail today, each with the error a user sees; strict, so a fix shows up as a failure here.
-KNOWN_FAILURES = {
-    "clip": (zerocc.PassError, "the 0-dim parameter logit_scale: AdamW.step() could not be traced "
-                               "(output with shape torch.Size([]) doesn't match the broadcast shape (1,)); "
-                               "engineer userpath's fix"),
-    "wav2vec2": (zerocc.CaptureError, "Wav2Vec2ForCTC validates labels with a Python branch on their values "
-                                      "(if labels.max() >= vocab_size: raise); engineer capture's fix"),
-}
+KNOWN_FAILURES: dict[str, tuple[type, str]] = {}
 
 # The default suite trains these two (a rotary grouped-query decoder, a vision transformer; tests/test_moe.py trains
 # Mixtral); the rest of the zoo and the two-rank run are marked slow (python -m pytest -m slow tests/test_model_zoo.py).
