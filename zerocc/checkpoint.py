@@ -46,6 +46,7 @@ from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetada
 
 from . import plans
 from .capture import named_tensors
+from .optimizer_step import initial_state_layout
 from .runtime import slots as slot_store
 from .errors import ConfigError
 
@@ -83,7 +84,13 @@ def _parts(step) -> dict[str, _Part]:
 
 
 def _parts_before_compile(step) -> dict[str, _Part]:
-    """Before the first step the model and optimizer are whole on every rank: all replicated."""
+    """Before the first step the model and optimizer are whole on every rank: all replicated.
+
+    A trained parameter the optimizer has no state for yet gets the state its
+    first step would create, as zeros: a state dict that ``dcp.load`` fills
+    must name every entry it is to read, or the saved optimizer state is
+    silently left behind (DCP loads only the keys it is given).
+    """
     parts = {}
     for kind in ("param", "buffer"):
         for names, tensor in named_tensors(step.model, kind):
@@ -91,6 +98,15 @@ def _parts_before_compile(step) -> dict[str, _Part]:
             for key, value in step.optimizer.state.get(tensor, {}).items() if kind == "param" else ():
                 if isinstance(value, torch.Tensor):
                     parts[optim_key(names[0], key)] = _whole(optim_key(names[0], key), value.detach())
+    trained_ids = {id(p) for group in step.optimizer.param_groups for p in group["params"] if p.requires_grad}
+    stateless = [(names, t) for names, t in named_tensors(step.model, "param")
+                 if id(t) in trained_ids and not step.optimizer.state.get(t)]
+    if stateless:
+        layouts = initial_state_layout(step.optimizer, [t for _, t in stateless])
+        for (names, tensor), layout in zip(stateless, layouts):
+            for key, (shape, dtype) in layout.items():
+                zeros = torch.zeros(shape, dtype=dtype, device=tensor.device)
+                parts[optim_key(names[0], key)] = _whole(optim_key(names[0], key), zeros)
     return parts
 
 
@@ -205,10 +221,12 @@ def load_state_dict(step, state: dict[str, object]) -> None:
             + "".join(f"  - missing: {k}\n" for k in missing[:10])
             + "".join(f"  - not in this model/optimizer: {k}\n" for k in unknown[:10])
             + "  load a checkpoint of the same model, with the same optimizer type")
+    optimizer_entries = set()
     if step._slots is None:
-        _install_optimizer_state(step, {k: state[k] for k in given if k not in parts and not k.startswith(SCALER_PREFIX)})
+        optimizer_entries = {k for k in given if k.startswith("optim/")}
+        _install_optimizer_state(step, {k: state[k] for k in optimizer_entries})
     with torch.no_grad():
-        for key in given & parts.keys():
+        for key in (given & parts.keys()) - optimizer_entries:
             _copy_into(parts[key], _sources(state[key]))
         if step._slots is not None:   # the param_dtype copies of loaded masters (stages 1-2; a collective)
             slot_store.refresh_compute_copies(step._plan, step._slots, step.ranks.group)
@@ -232,7 +250,17 @@ def _copy_into(part: _Part, sources: list[tuple[int, torch.Tensor]]) -> None:
 def _install_optimizer_state(step, state: dict[str, object]) -> None:
     """Before the first step: put whole optimizer state where the first compile reads it."""
     params = {names[0]: t for names, t in named_tensors(step.model, "param")}
+    by_param: dict[str, list[torch.Tensor]] = {}
     for key, value in state.items():
+        by_param.setdefault(key.split("/", 2)[1], []).append(value)
+    # all zeros: saved before any step ran (the state a first step would create, not yet created); an
+    # optimizer without state takes its first step exactly as eager does, so leave it without state
+    never_stepped = {fqn for fqn, values in by_param.items()
+                     if fqn in params and not step.optimizer.state.get(params[fqn])
+                     and not any(isinstance(v, torch.Tensor) and bool(v.any()) for v in values)}
+    for key, value in state.items():
+        if key.split("/", 2)[1] in never_stepped:
+            continue
         _, fqn, name = key.split("/", 2)
         if fqn not in params:
             raise ConfigError(f"{key}: the model has no parameter {fqn!r}")
@@ -361,6 +389,8 @@ def load_checkpoint(step, path: str) -> None:
     for key, entry in saved.items():
         if key not in state and step._slots is None and key.startswith("optim/"):
             state[key] = torch.empty(entry.size, dtype=entry.properties.dtype)
+    if step._slots is None:   # before the first step, optimizer state the checkpoint lacks starts afresh
+        state = {k: v for k, v in state.items() if k in saved or not k.startswith("optim/")}
     absent = sorted(k for k in state if k not in saved)
     if absent:
         raise ConfigError(f"{path} lacks {len(absent)} entr{'y' if len(absent) == 1 else 'ies'} this step needs: "
