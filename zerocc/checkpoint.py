@@ -40,6 +40,7 @@ import struct
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
@@ -48,7 +49,7 @@ from . import plans
 from .capture import named_tensors
 from .optimizer_step import initial_state_layout
 from .runtime import slots as slot_store
-from .errors import ConfigError
+from .errors import CheckpointError, ConfigError
 
 META_FILE = "zerocc.json"
 FORMAT_VERSION = 1
@@ -395,7 +396,10 @@ def load_checkpoint(step, path: str) -> None:
     if absent:
         raise ConfigError(f"{path} lacks {len(absent)} entr{'y' if len(absent) == 1 else 'ies'} this step needs: "
                           f"{', '.join(absent[:5])}; it was saved from a different model or optimizer")
-    dcp.load(state, storage_reader=reader, process_group=step.ranks.group, no_dist=step.ranks.group is None)
+    try:
+        dcp.load(state, storage_reader=reader, process_group=step.ranks.group, no_dist=step.ranks.group is None)
+    except CheckpointException as error:   # a BaseException: ``except Exception`` would not see it
+        raise CheckpointError(f"loading {path} failed: {_first_line(error)}") from error
     load_state_dict(step, state)
 
 
@@ -414,6 +418,9 @@ def export_full_state_dict(checkpoint_dir: str, out_path: str) -> dict:
     Returns what it wrote: ``tensors``, ``bytes`` and ``largest_tensor_bytes``
     (the most tensor memory it held at once).
     """
+    if not os.path.exists(os.path.join(checkpoint_dir, META_FILE)):
+        raise CheckpointError(f"{checkpoint_dir} is not a complete zerocc checkpoint (no {META_FILE}); "
+                              "export the path zerocc.save_checkpoint wrote")
     with open(os.path.join(checkpoint_dir, META_FILE)) as handle:
         meta = json.load(handle)
     reader = dcp.FileSystemReader(checkpoint_dir)
@@ -426,18 +433,33 @@ def export_full_state_dict(checkpoint_dir: str, out_path: str) -> dict:
     encoded += b" " * (-len(encoded) % 8)
     largest = 0
     partial = f"{out_path}.partial"
-    with open(partial, "wb") as out:
-        out.write(struct.pack("<Q", len(encoded)) + encoded)
-        for name, key, shape, dtype in meta["model"]:
-            tensor = torch.empty(_numel(shape), dtype=getattr(torch, dtype))
-            dcp.load({key: tensor}, storage_reader=reader, no_dist=True)
-            largest = max(largest, tensor.numel() * tensor.element_size())
-            out.write(tensor.view(torch.uint8).numpy().data if tensor.numel() else b"")
-            del tensor
-        out.flush()
-        os.fsync(out.fileno())
-    os.replace(partial, out_path)
+    try:
+        with open(partial, "wb") as out:
+            out.write(struct.pack("<Q", len(encoded)) + encoded)
+            for name, key, shape, dtype in meta["model"]:
+                # a 0-dim tensor (BatchNorm's num_batches_tracked) is saved 0-dim, every other one flat
+                tensor = torch.empty(shape if not shape else [_numel(shape)], dtype=getattr(torch, dtype))
+                try:
+                    dcp.load({key: tensor}, storage_reader=reader, no_dist=True)
+                except CheckpointException as error:
+                    raise CheckpointError(f"exporting {checkpoint_dir}: reading {name} ({key}) failed: "
+                                          f"{_first_line(error)}") from error
+                largest = max(largest, tensor.numel() * tensor.element_size())
+                out.write(tensor.reshape(-1).view(torch.uint8).numpy().data if tensor.numel() else b"")
+                del tensor
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(partial, out_path)
+    except BaseException:   # nothing half-written is left behind, whatever stopped the export
+        if os.path.exists(partial):
+            os.remove(partial)
+        raise
     return {"tensors": len(header), "bytes": offset, "largest_tensor_bytes": largest}
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 def _numel(shape) -> int:
