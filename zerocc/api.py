@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import math
 import time
 import warnings
@@ -260,7 +261,7 @@ class CompiledStep:
     def __call__(self, *inputs, **keyword_inputs):
         layout = BatchLayout.of(inputs, keyword_inputs)
         batch = layout.flatten(inputs, keyword_inputs)   # zerocc/batch.py: the program reads one flat list
-        with failures.collective_failures(self.ranks, self.steps + 1, self.timeout):
+        with self._undone_if_first_call_fails(), failures.collective_failures(self.ranks, self.steps + 1, self.timeout):
             program, ctx, _ = self._program_for(batch, layout)   # compiling compares the program across ranks
             for group_index, value in enumerate(live_hyperparameters(self.optimizer)):
                 self._slots[plans.lr_slot(group_index)] = value
@@ -279,6 +280,35 @@ class CompiledStep:
         # the step ran the optimizer's update; tell LR schedulers so, as optimizer.step() would
         self.optimizer._opt_called = True
         return loss
+
+    @contextlib.contextmanager
+    def _undone_if_first_call_fails(self):
+        """A first call that fails (a bad batch, a failed compile) leaves the step, model and optimizer as they were.
+
+        The first compile moves the model's parameters and the optimizer's
+        state into the step's slots (releasing the parameters at stage 3);
+        a failure after that would leave a step that half owns them. Later
+        calls need nothing: a failed program rebinds no slot
+        (``runtime/program.py``).
+        """
+        if self._slots is not None:
+            yield
+            return
+        tensors = [(t, t.data) for t in [*self.model.parameters(), *self.model.buffers()]]
+        optimizer_state = dict(self.optimizer.state)
+        try:
+            yield
+        except BaseException:
+            for tensor, data in tensors:
+                tensor.data = data
+            self.optimizer.state.clear()
+            self.optimizer.state.update(optimizer_state)
+            self._slots = self._plan = self._captured = self._state_signature = self._last = None
+            self._released_shapes = {}
+            self._programs.clear()
+            self._eval_programs.clear()
+            self._measured_peak_bytes.clear()
+            raise
 
     def _drop_state_of_skipped_first_step(self, program, batch, layout) -> None:
         """A first step that overflowed under loss scaling leaves no optimizer state, as GradScaler would.
