@@ -87,3 +87,34 @@ def test_fresh_process_resume_resharded_to_one_rank_at_stage_2(tmp_path):
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_fresh_process_resume_matrix(tmp_path, world_size, stage, options):
     check_resume(str(tmp_path / "ckpt"), world_size, stage, options)
+
+
+# -- the optimizer's param_groups (an LR scheduler's learning rate) -------------------
+def _with_scheduler(stage, seed):
+    model, _, loss_fn = build("mlp", seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step = zerocc.compile(model, optimizer, stage=stage, loss_fn=loss_fn)
+    return step, torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_resume_with_an_lr_scheduler_is_exact(tmp_path, stage):
+    data = batches("mlp", 2 * K + 1, 8)
+    step, scheduler = _with_scheduler(stage, 0)
+    for batch in data[:K]:
+        step(*batch)
+        scheduler.step()
+    zerocc.save_checkpoint(step, tmp_path / "ckpt")
+    saved_scheduler = scheduler.state_dict()   # the scheduler's own state, saved beside the step's (README)
+    expected = []
+    for batch in data[K:]:
+        expected.append(step(*batch))
+        scheduler.step()
+
+    resumed, scheduler = _with_scheduler(stage, 5)
+    zerocc.load_checkpoint(resumed, tmp_path / "ckpt")
+    scheduler.load_state_dict(saved_scheduler)
+    assert resumed.optimizer.param_groups[0]["lr"] == 1e-2 * 0.5 ** K
+    for batch, loss in zip(data[K:], expected):
+        assert torch.equal(resumed(*batch), loss)
+        scheduler.step()

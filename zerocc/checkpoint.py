@@ -11,6 +11,9 @@ when weights are tied):
     optim/<fqn>/<key>        optimizer-state tensor (``exp_avg``), flat; a
                              0-dim one (Adam's ``step``) stays 0-dim
     zerocc/steps             how many steps the compiled step has run
+    zerocc/param_groups      the optimizer's param_groups as ``Optimizer.state_dict()`` has them
+                             (lr, betas, weight decay, a scheduler's initial_lr, ...), each
+                             group's ``params`` given by fqn; a Python object, saved once
 
 A tensor this rank holds whole (a replicated parameter at stages 0-2, a
 buffer, a scalar) is a plain tensor: DCP writes it once. A tensor that is
@@ -54,6 +57,7 @@ from .errors import CheckpointError, ConfigError
 META_FILE = "zerocc.json"
 FORMAT_VERSION = 1
 STEPS_KEY = "zerocc/steps"
+PARAM_GROUPS_KEY = "zerocc/param_groups"   # optional on load: checkpoints of older versions lack it
 SCALER_PREFIX = "zerocc/loss_scale/"   # optional on load: a step without loss scaling ignores it, one with starts afresh
 
 
@@ -181,7 +185,27 @@ def state_dict(step) -> dict[str, object]:
         else:
             result[key] = _sharded(part, step.ranks)
     result[STEPS_KEY] = torch.tensor(step.steps, dtype=torch.int64)
+    result[PARAM_GROUPS_KEY] = _param_groups(step)
     return result
+
+
+def _param_groups(step) -> list[dict]:
+    """The optimizer's groups, hyper-parameters copied, parameters by fqn (tied weights under their first name)."""
+    fqn = {id(t): names[0] for names, t in named_tensors(step.model, "param")}
+    return [{**{k: v for k, v in group.items() if k != "params"}, "params": [fqn[id(p)] for p in group["params"]]}
+            for group in step.optimizer.param_groups]
+
+
+def _load_param_groups(step, saved: list[dict]) -> None:
+    """Set every group's hyper-parameters to the saved ones, as ``Optimizer.load_state_dict`` does."""
+    own = _param_groups(step)
+    if [g["params"] for g in saved] != [g["params"] for g in own]:
+        raise ConfigError(
+            f"the checkpoint's optimizer has {len(saved)} param group(s) over parameters "
+            f"{[g['params'][:3] for g in saved]}, this one {len(own)} over {[g['params'][:3] for g in own]}; "
+            "build the optimizer with the same param groups, in the same order, as the run that saved it")
+    for group, settings in zip(step.optimizer.param_groups, saved):
+        group.update({k: v for k, v in settings.items() if k != "params"})
 
 
 def _sharded(part: _Part, ranks) -> ShardedTensor:
@@ -210,8 +234,10 @@ def load_state_dict(step, state: dict[str, object]) -> None:
     """Copy ``state`` (as from ``state_dict()``, after ``dcp.load`` filled it) into the step."""
     if STEPS_KEY in state:
         step.steps = int(state[STEPS_KEY])
+    if PARAM_GROUPS_KEY in state:
+        _load_param_groups(step, state[PARAM_GROUPS_KEY])
     parts = _parts(step)
-    given = {k for k in state if k != STEPS_KEY}
+    given = {k for k in state if k not in (STEPS_KEY, PARAM_GROUPS_KEY)}
     missing = sorted(k for k in parts if k not in given and not (step._slots is None and k.startswith("optim/"))
                      and not k.startswith(SCALER_PREFIX))
     unknown = sorted(k for k in given if k not in parts and not (step._slots is None and k.startswith("optim/"))
@@ -392,7 +418,10 @@ def load_checkpoint(step, path: str) -> None:
             state[key] = torch.empty(entry.size, dtype=entry.properties.dtype)
     if step._slots is None:   # before the first step, optimizer state the checkpoint lacks starts afresh
         state = {k: v for k, v in state.items() if k in saved or not k.startswith("optim/")}
-    absent = sorted(k for k in state if k not in saved)
+    groups_saved = any(k.startswith(PARAM_GROUPS_KEY + ".") for k in saved)   # DCP flattens the groups' entries
+    if not groups_saved:
+        del state[PARAM_GROUPS_KEY]
+    absent = sorted(k for k in state if k not in saved and k != PARAM_GROUPS_KEY)
     if absent:
         raise ConfigError(f"{path} lacks {len(absent)} entr{'y' if len(absent) == 1 else 'ies'} this step needs: "
                           f"{', '.join(absent[:5])}; it was saved from a different model or optimizer")
