@@ -208,6 +208,24 @@ def _load_param_groups(step, saved: list[dict]) -> None:
         group.update({k: v for k, v in settings.items() if k != "params"})
 
 
+def whole_optimizer_state(step) -> dict[str, dict[str, torch.Tensor]]:
+    """Per parameter fqn, its optimizer state whole and shaped like it (copies); this rank must hold all of it."""
+    shapes = {info.name: info.shape for info in step._captured.params}
+    result: dict[str, dict[str, torch.Tensor]] = {}
+    for key, part in _parts(step).items():
+        if not key.startswith("optim/"):
+            continue
+        _, fqn, name = key.split("/", 2)
+        if part.scalar:
+            value = part.local[0][1].clone()
+        else:
+            value = torch.empty(part.numel, dtype=part.local[0][1].dtype, device=part.local[0][1].device)
+            _copy_into(_Part(key, part.numel, False, [(0, value)], None), part.local)
+            value = value.reshape(shapes[fqn])
+        result.setdefault(fqn, {})[name] = value
+    return {fqn: dict(sorted(entries.items())) for fqn, entries in result.items()}
+
+
 def _sharded(part: _Part, ranks) -> ShardedTensor:
     like = part.local[0][1] if part.local else part.like
 
@@ -361,7 +379,11 @@ def _write_meta(step, folder: str) -> None:
                 shape = tuple(step._released_shapes.get(names[0], shape))
             for name in names:
                 shapes[name] = (names[0], shape, str(tensor.dtype).removeprefix("torch."))
-    keys = step.model.state_dict().keys()
+    step._reading_model_keys = True   # zerocc/user_views.py: only the keys are read, no current values needed
+    try:
+        keys = step.model.state_dict().keys()
+    finally:
+        step._reading_model_keys = False
     meta = {"format": FORMAT_VERSION, "world_size": step.ranks.world_size, "stage": step.stage, "steps": step.steps,
             "model": [[key, model_key(shapes[key][0]), list(shapes[key][1]), shapes[key][2]]
                       for key in keys if key in shapes]}
