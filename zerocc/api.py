@@ -516,7 +516,11 @@ class CompiledStep:
 
     # -- checkpoints (zerocc/checkpoint.py) ------------------------------------------
     def state_dict(self) -> dict:
-        """This rank's shards of parameters, buffers and optimizer state, by name, ready for ``dcp.save``."""
+        """This rank's shards of parameters, buffers and optimizer state, and the optimizer's param_groups, by name.
+
+        Ready for ``dcp.save``, and, before or after the first call, for
+        ``dcp.load`` then ``load_state_dict`` (it names every entry to read).
+        """
         return checkpoint.state_dict(self)
 
     def load_state_dict(self, state_dict: dict) -> None:
