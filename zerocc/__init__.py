@@ -13,6 +13,7 @@ from .checkpoint import export_full_state_dict, load_checkpoint, save_checkpoint
 from .pipeline import register_pass, unregister_pass
 from .planning import Plan, plan
 from .errors import CaptureError, ConfigError, PassError, RecompileWarning, UnsupportedOptimizerError, ZeroccError
+from .errors import CheckpointError
 from .runtime.failures import RankFailureError, RankMismatchError
 from .runtime.host_allocator import keep_freed_host_memory
 
@@ -20,4 +21,5 @@ __all__ = ["compile", "CompiledStep", "DynamicLossScale", "plan", "Plan", "regis
            "save_checkpoint", "load_checkpoint", "export_full_state_dict",
            "ZeroccError", "ConfigError", "CaptureError", "PassError", "UnsupportedOptimizerError", "RecompileWarning",
            "RankFailureError", "RankMismatchError", "keep_freed_host_memory"]
+__all__ += ["CheckpointError"]
 __version__ = "0.1.0"

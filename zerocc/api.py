@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import math
 import time
 import warnings
+import weakref
 from typing import Any, Callable, Sequence
 
 import torch
@@ -15,6 +17,7 @@ from . import checkpoint
 from . import graph as g
 from . import plans
 from . import precision
+from . import user_views
 from . import precision as precision_module   # where a parameter named ``precision`` shadows it
 from .precision import DynamicLossScale
 from .batch import BatchLayout
@@ -176,6 +179,7 @@ def compile(
     if isinstance(max_programs, bool) or not isinstance(max_programs, int) or max_programs < 1:
         raise ConfigError(f"max_programs must be a positive int (compiled programs kept, by input shape), "
                           f"got {max_programs!r}")
+    _refuse_a_second_step(model, optimizer)
     mixed = precision.resolve(param_dtype, reduce_dtype, loss_scale, cast_forward_inputs, model)
     build_pipeline(stage, disable, clip=clip, mixed_precision=mixed is not None,
                    memory_pools=memory_pools)   # unknown or essential names fail here
@@ -185,6 +189,28 @@ def compile(
                         grad_accumulation=grad_accumulation, clip=clip, static_shapes=bool(static_shapes),
                         max_programs=max_programs, memory_budget=memory_budget, precision=mixed,
                         gather_per_micro_batch=gather_per_micro_batch, memory_pools=memory_pools)
+
+
+# The step that holds a model's (and its optimizer's) state, once its first call has moved it into slots.
+_OWNERS: "weakref.WeakKeyDictionary[Any, weakref.ref]" = weakref.WeakKeyDictionary()
+
+
+def _refuse_a_second_step(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """A model or optimizer whose state a compiled step already holds cannot start a second step over it.
+
+    The first step owns the parameters (released at stage 3) and the
+    optimizer's state (sharded): a second step would start from the stale
+    copies the user's objects still have, silently restarting Adam's moments.
+    """
+    for thing, what in ((model, "model"), (optimizer, "optimizer")):
+        owner = _OWNERS.get(thing)
+        if owner is not None and owner() is not None:
+            raise ConfigError(
+                f"this {what} is already trained by a compiled step (stage {owner().stage}, {owner().steps} steps "
+                "run): its parameters and optimizer state live in that step now, and a second compile would start "
+                "from stale copies. Keep calling the first step; to change compile options, "
+                "zerocc.save_checkpoint(first_step, path), build a new model and optimizer, compile them, and "
+                "zerocc.load_checkpoint(new_step, path)")
 
 
 def check_grad_accumulation(grad_accumulation) -> None:
@@ -255,6 +281,9 @@ class CompiledStep:
         self._measured_peak_bytes: dict[int, int] = {}   # by id(program): measured at its first run
         self._arenas = Arenas()   # the memory pools' arenas, shared by this step's programs
         self.compile_seconds = 0.0
+        self._user_hooks: list = []          # zerocc/user_views.py, installed at the first compile
+        self._full_model_depth = 0           # inside step.full_model(): the module holds the whole parameters
+        self._reading_model_keys = False     # model.state_dict() called for its keys only
         if self.ranks.world_size > 1:
             self._sync_initial_state()
 
@@ -262,7 +291,7 @@ class CompiledStep:
     def __call__(self, *inputs, **keyword_inputs):
         layout = BatchLayout.of(inputs, keyword_inputs)
         batch = layout.flatten(inputs, keyword_inputs)   # zerocc/batch.py: the program reads one flat list
-        with failures.collective_failures(self.ranks, self.steps + 1, self.timeout):
+        with self._undone_if_first_call_fails(), failures.collective_failures(self.ranks, self.steps + 1, self.timeout):
             program, ctx, _ = self._program_for(batch, layout)   # compiling compares the program across ranks
             for group_index, value in enumerate(live_hyperparameters(self.optimizer)):
                 self._slots[plans.lr_slot(group_index)] = value
@@ -281,6 +310,40 @@ class CompiledStep:
         # the step ran the optimizer's update; tell LR schedulers so, as optimizer.step() would
         self.optimizer._opt_called = True
         return loss
+
+    @contextlib.contextmanager
+    def _undone_if_first_call_fails(self):
+        """A first call that fails (a bad batch, a failed compile) leaves the step, model and optimizer as they were.
+
+        The first compile moves the model's parameters and the optimizer's
+        state into the step's slots (releasing the parameters at stage 3);
+        a failure after that would leave a step that half owns them. Later
+        calls need nothing: a failed program rebinds no slot
+        (``runtime/program.py``).
+        """
+        if self._slots is not None:
+            yield
+            return
+        tensors = [(t, t.data) for t in [*self.model.parameters(), *self.model.buffers()]]
+        optimizer_state = dict(self.optimizer.state)
+        try:
+            yield
+        except BaseException:
+            for tensor, data in tensors:
+                tensor.data = data
+            self.optimizer.state.clear()
+            self.optimizer.state.update(optimizer_state)
+            self._slots = self._plan = self._captured = self._state_signature = self._last = None
+            self._released_shapes = {}
+            self._programs.clear()
+            self._eval_programs.clear()
+            self._measured_peak_bytes.clear()
+            _OWNERS.pop(self.model, None)
+            _OWNERS.pop(self.optimizer, None)
+            for handle in self._user_hooks:
+                handle.remove()
+            self._user_hooks = []
+            raise
 
     def _drop_state_of_skipped_first_step(self, program, batch, layout) -> None:
         """A first step that overflowed under loss scaling leaves no optimizer state, as GradScaler would.
@@ -383,16 +446,22 @@ class CompiledStep:
             self._slots = slot_store.initial_slots(ctx.shard_plan, captured, self.model, self.optimizer)
             self._slots.update(self._scaler)   # created (or loaded from a checkpoint) before the first step
             self.optimizer.state.clear()   # the step owns the (sharded) optimizer state from now on
+            _OWNERS[self.model] = _OWNERS[self.optimizer] = weakref.ref(self)
+            self._user_hooks = user_views.install(self)
             self._release_model_parameters()
         self._state_signature = state_signature
         return program, ctx, history
 
     def _after_step(self, ctx: CompileContext) -> None:
-        """Keep the user's module usable at stages 0-2: its parameters view the new buckets.
+        """Keep the user's module current: its buffers are the step's, its parameters view the new buckets.
 
-        Buckets whose masters are sharded (mixed precision at stages 1-2) are
-        released as at stage 3: no rank holds them whole.
+        Parameters of buckets whose masters are sharded (stage 3, and mixed
+        precision at stages 1-2) stay released: no rank holds them whole
+        (``step.full_model()`` gathers them).
         """
+        buffers = {names[0]: t for names, t in named_tensors(self.model, "buffer")}
+        for info in self._captured.buffers:
+            buffers[info.name].data = self._slots[plans.buffer_slot(info.name)]
         if self.stage == 3:
             return
         views = slot_store.parameter_views(self._plan, self._captured, {
@@ -401,9 +470,6 @@ class CompiledStep:
         tensors = {names[0]: t for names, t in named_tensors(self.model, "param")}
         for index, view in views.items():
             tensors[self._captured.params[index].name].data = view
-        buffers = {names[0]: t for names, t in named_tensors(self.model, "buffer")}
-        for info in self._captured.buffers:
-            buffers[info.name].data = self._slots[plans.buffer_slot(info.name)]
 
     def _release_model_parameters(self) -> None:
         tensors = {names[0]: t for names, t in named_tensors(self.model, "param")}
@@ -456,7 +522,11 @@ class CompiledStep:
 
     # -- checkpoints (zerocc/checkpoint.py) ------------------------------------------
     def state_dict(self) -> dict:
-        """This rank's shards of parameters, buffers and optimizer state, by name, ready for ``dcp.save``."""
+        """This rank's shards of parameters, buffers and optimizer state, and the optimizer's param_groups, by name.
+
+        Ready for ``dcp.save``, and, before or after the first call, for
+        ``dcp.load`` then ``load_state_dict`` (it names every entry to read).
+        """
         return checkpoint.state_dict(self)
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -468,6 +538,11 @@ class CompiledStep:
         """Unsharded parameters and buffers, keyed as ``model.state_dict()`` (a collective at stage 3)."""
         if self._slots is None:
             return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        self._reading_model_keys = True   # zerocc/user_views.py: the keys only, the values come from the slots
+        try:
+            keys = list(self.model.state_dict().keys())
+        finally:
+            self._reading_model_keys = False
         buckets = slot_store.full_buckets(self._plan, self._slots, self.ranks.group)
         views = slot_store.parameter_views(self._plan, self._captured, buckets)
         by_name: dict[str, torch.Tensor] = {}
@@ -481,7 +556,17 @@ class CompiledStep:
         for info in self._captured.buffers:
             for name in info.names:
                 by_name[name] = self._slots[plans.buffer_slot(info.name)].clone()
-        return {key: by_name[key] for key in self.model.state_dict().keys() if key in by_name}
+        return {key: by_name[key] for key in keys if key in by_name}
+
+    def full_model(self, writeback: bool = True):
+        """``with step.full_model(): model(x)``: the whole parameters in the user's module for the block.
+
+        As FSDP's ``summon_full_params`` and DeepSpeed's ``GatheredParameters``:
+        a collective at stage 3 over several ranks (every rank enters it); with
+        ``writeback`` the module's parameter values go back into the step on
+        exit, so edits there train on; ``writeback=False`` drops them.
+        """
+        return user_views.full_model(self, writeback)
 
     @property
     def passes(self) -> list[str]:

@@ -11,6 +11,9 @@ when weights are tied):
     optim/<fqn>/<key>        optimizer-state tensor (``exp_avg``), flat; a
                              0-dim one (Adam's ``step``) stays 0-dim
     zerocc/steps             how many steps the compiled step has run
+    zerocc/param_groups      the optimizer's param_groups as ``Optimizer.state_dict()`` has them
+                             (lr, betas, weight decay, a scheduler's initial_lr, ...), each
+                             group's ``params`` given by fqn; a Python object, saved once
 
 A tensor this rank holds whole (a replicated parameter at stages 0-2, a
 buffer, a scalar) is a plain tensor: DCP writes it once. A tensor that is
@@ -40,18 +43,21 @@ import struct
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 
 from . import plans
 from .capture import named_tensors
+from .optimizer_step import initial_state_layout
 from .runtime import slots as slot_store
-from .errors import ConfigError
+from .errors import CheckpointError, ConfigError
 
 META_FILE = "zerocc.json"
 FORMAT_VERSION = 1
 STEPS_KEY = "zerocc/steps"
+PARAM_GROUPS_KEY = "zerocc/param_groups"   # optional on load: checkpoints of older versions lack it
 SCALER_PREFIX = "zerocc/loss_scale/"   # optional on load: a step without loss scaling ignores it, one with starts afresh
 
 
@@ -83,7 +89,13 @@ def _parts(step) -> dict[str, _Part]:
 
 
 def _parts_before_compile(step) -> dict[str, _Part]:
-    """Before the first step the model and optimizer are whole on every rank: all replicated."""
+    """Before the first step the model and optimizer are whole on every rank: all replicated.
+
+    A trained parameter the optimizer has no state for yet gets the state its
+    first step would create, as zeros: a state dict that ``dcp.load`` fills
+    must name every entry it is to read, or the saved optimizer state is
+    silently left behind (DCP loads only the keys it is given).
+    """
     parts = {}
     for kind in ("param", "buffer"):
         for names, tensor in named_tensors(step.model, kind):
@@ -91,6 +103,15 @@ def _parts_before_compile(step) -> dict[str, _Part]:
             for key, value in step.optimizer.state.get(tensor, {}).items() if kind == "param" else ():
                 if isinstance(value, torch.Tensor):
                     parts[optim_key(names[0], key)] = _whole(optim_key(names[0], key), value.detach())
+    trained_ids = {id(p) for group in step.optimizer.param_groups for p in group["params"] if p.requires_grad}
+    stateless = [(names, t) for names, t in named_tensors(step.model, "param")
+                 if id(t) in trained_ids and not step.optimizer.state.get(t)]
+    if stateless:
+        layouts = initial_state_layout(step.optimizer, [t for _, t in stateless])
+        for (names, tensor), layout in zip(stateless, layouts):
+            for key, (shape, dtype) in layout.items():
+                zeros = torch.zeros(shape, dtype=dtype, device=tensor.device)
+                parts[optim_key(names[0], key)] = _whole(optim_key(names[0], key), zeros)
     return parts
 
 
@@ -164,7 +185,45 @@ def state_dict(step) -> dict[str, object]:
         else:
             result[key] = _sharded(part, step.ranks)
     result[STEPS_KEY] = torch.tensor(step.steps, dtype=torch.int64)
+    result[PARAM_GROUPS_KEY] = _param_groups(step)
     return result
+
+
+def _param_groups(step) -> list[dict]:
+    """The optimizer's groups, hyper-parameters copied, parameters by fqn (tied weights under their first name)."""
+    fqn = {id(t): names[0] for names, t in named_tensors(step.model, "param")}
+    return [{**{k: v for k, v in group.items() if k != "params"}, "params": [fqn[id(p)] for p in group["params"]]}
+            for group in step.optimizer.param_groups]
+
+
+def _load_param_groups(step, saved: list[dict]) -> None:
+    """Set every group's hyper-parameters to the saved ones, as ``Optimizer.load_state_dict`` does."""
+    own = _param_groups(step)
+    if [g["params"] for g in saved] != [g["params"] for g in own]:
+        raise ConfigError(
+            f"the checkpoint's optimizer has {len(saved)} param group(s) over parameters "
+            f"{[g['params'][:3] for g in saved]}, this one {len(own)} over {[g['params'][:3] for g in own]}; "
+            "build the optimizer with the same param groups, in the same order, as the run that saved it")
+    for group, settings in zip(step.optimizer.param_groups, saved):
+        group.update({k: v for k, v in settings.items() if k != "params"})
+
+
+def whole_optimizer_state(step) -> dict[str, dict[str, torch.Tensor]]:
+    """Per parameter fqn, its optimizer state whole and shaped like it (copies); this rank must hold all of it."""
+    shapes = {info.name: info.shape for info in step._captured.params}
+    result: dict[str, dict[str, torch.Tensor]] = {}
+    for key, part in _parts(step).items():
+        if not key.startswith("optim/"):
+            continue
+        _, fqn, name = key.split("/", 2)
+        if part.scalar:
+            value = part.local[0][1].clone()
+        else:
+            value = torch.empty(part.numel, dtype=part.local[0][1].dtype, device=part.local[0][1].device)
+            _copy_into(_Part(key, part.numel, False, [(0, value)], None), part.local)
+            value = value.reshape(shapes[fqn])
+        result.setdefault(fqn, {})[name] = value
+    return {fqn: dict(sorted(entries.items())) for fqn, entries in result.items()}
 
 
 def _sharded(part: _Part, ranks) -> ShardedTensor:
@@ -193,8 +252,10 @@ def load_state_dict(step, state: dict[str, object]) -> None:
     """Copy ``state`` (as from ``state_dict()``, after ``dcp.load`` filled it) into the step."""
     if STEPS_KEY in state:
         step.steps = int(state[STEPS_KEY])
+    if PARAM_GROUPS_KEY in state:
+        _load_param_groups(step, state[PARAM_GROUPS_KEY])
     parts = _parts(step)
-    given = {k for k in state if k != STEPS_KEY}
+    given = {k for k in state if k not in (STEPS_KEY, PARAM_GROUPS_KEY)}
     missing = sorted(k for k in parts if k not in given and not (step._slots is None and k.startswith("optim/"))
                      and not k.startswith(SCALER_PREFIX))
     unknown = sorted(k for k in given if k not in parts and not (step._slots is None and k.startswith("optim/"))
@@ -205,10 +266,12 @@ def load_state_dict(step, state: dict[str, object]) -> None:
             + "".join(f"  - missing: {k}\n" for k in missing[:10])
             + "".join(f"  - not in this model/optimizer: {k}\n" for k in unknown[:10])
             + "  load a checkpoint of the same model, with the same optimizer type")
+    optimizer_entries = set()
     if step._slots is None:
-        _install_optimizer_state(step, {k: state[k] for k in given if k not in parts and not k.startswith(SCALER_PREFIX)})
+        optimizer_entries = {k for k in given if k.startswith("optim/")}
+        _install_optimizer_state(step, {k: state[k] for k in optimizer_entries})
     with torch.no_grad():
-        for key in given & parts.keys():
+        for key in (given & parts.keys()) - optimizer_entries:
             _copy_into(parts[key], _sources(state[key]))
         if step._slots is not None:   # the param_dtype copies of loaded masters (stages 1-2; a collective)
             slot_store.refresh_compute_copies(step._plan, step._slots, step.ranks.group)
@@ -232,7 +295,17 @@ def _copy_into(part: _Part, sources: list[tuple[int, torch.Tensor]]) -> None:
 def _install_optimizer_state(step, state: dict[str, object]) -> None:
     """Before the first step: put whole optimizer state where the first compile reads it."""
     params = {names[0]: t for names, t in named_tensors(step.model, "param")}
+    by_param: dict[str, list[torch.Tensor]] = {}
     for key, value in state.items():
+        by_param.setdefault(key.split("/", 2)[1], []).append(value)
+    # all zeros: saved before any step ran (the state a first step would create, not yet created); an
+    # optimizer without state takes its first step exactly as eager does, so leave it without state
+    never_stepped = {fqn for fqn, values in by_param.items()
+                     if fqn in params and not step.optimizer.state.get(params[fqn])
+                     and not any(isinstance(v, torch.Tensor) and bool(v.any()) for v in values)}
+    for key, value in state.items():
+        if key.split("/", 2)[1] in never_stepped:
+            continue
         _, fqn, name = key.split("/", 2)
         if fqn not in params:
             raise ConfigError(f"{key}: the model has no parameter {fqn!r}")
@@ -306,7 +379,11 @@ def _write_meta(step, folder: str) -> None:
                 shape = tuple(step._released_shapes.get(names[0], shape))
             for name in names:
                 shapes[name] = (names[0], shape, str(tensor.dtype).removeprefix("torch."))
-    keys = step.model.state_dict().keys()
+    step._reading_model_keys = True   # zerocc/user_views.py: only the keys are read, no current values needed
+    try:
+        keys = step.model.state_dict().keys()
+    finally:
+        step._reading_model_keys = False
     meta = {"format": FORMAT_VERSION, "world_size": step.ranks.world_size, "stage": step.stage, "steps": step.steps,
             "model": [[key, model_key(shapes[key][0]), list(shapes[key][1]), shapes[key][2]]
                       for key in keys if key in shapes]}
@@ -361,11 +438,19 @@ def load_checkpoint(step, path: str) -> None:
     for key, entry in saved.items():
         if key not in state and step._slots is None and key.startswith("optim/"):
             state[key] = torch.empty(entry.size, dtype=entry.properties.dtype)
-    absent = sorted(k for k in state if k not in saved)
+    if step._slots is None:   # before the first step, optimizer state the checkpoint lacks starts afresh
+        state = {k: v for k, v in state.items() if k in saved or not k.startswith("optim/")}
+    groups_saved = any(k.startswith(PARAM_GROUPS_KEY + ".") for k in saved)   # DCP flattens the groups' entries
+    if not groups_saved:
+        del state[PARAM_GROUPS_KEY]
+    absent = sorted(k for k in state if k not in saved and k != PARAM_GROUPS_KEY)
     if absent:
         raise ConfigError(f"{path} lacks {len(absent)} entr{'y' if len(absent) == 1 else 'ies'} this step needs: "
                           f"{', '.join(absent[:5])}; it was saved from a different model or optimizer")
-    dcp.load(state, storage_reader=reader, process_group=step.ranks.group, no_dist=step.ranks.group is None)
+    try:
+        dcp.load(state, storage_reader=reader, process_group=step.ranks.group, no_dist=step.ranks.group is None)
+    except CheckpointException as error:   # a BaseException: ``except Exception`` would not see it
+        raise CheckpointError(f"loading {path} failed: {_first_line(error)}") from error
     load_state_dict(step, state)
 
 
@@ -384,6 +469,9 @@ def export_full_state_dict(checkpoint_dir: str, out_path: str) -> dict:
     Returns what it wrote: ``tensors``, ``bytes`` and ``largest_tensor_bytes``
     (the most tensor memory it held at once).
     """
+    if not os.path.exists(os.path.join(checkpoint_dir, META_FILE)):
+        raise CheckpointError(f"{checkpoint_dir} is not a complete zerocc checkpoint (no {META_FILE}); "
+                              "export the path zerocc.save_checkpoint wrote")
     with open(os.path.join(checkpoint_dir, META_FILE)) as handle:
         meta = json.load(handle)
     reader = dcp.FileSystemReader(checkpoint_dir)
@@ -396,18 +484,33 @@ def export_full_state_dict(checkpoint_dir: str, out_path: str) -> dict:
     encoded += b" " * (-len(encoded) % 8)
     largest = 0
     partial = f"{out_path}.partial"
-    with open(partial, "wb") as out:
-        out.write(struct.pack("<Q", len(encoded)) + encoded)
-        for name, key, shape, dtype in meta["model"]:
-            tensor = torch.empty(_numel(shape), dtype=getattr(torch, dtype))
-            dcp.load({key: tensor}, storage_reader=reader, no_dist=True)
-            largest = max(largest, tensor.numel() * tensor.element_size())
-            out.write(tensor.view(torch.uint8).numpy().data if tensor.numel() else b"")
-            del tensor
-        out.flush()
-        os.fsync(out.fileno())
-    os.replace(partial, out_path)
+    try:
+        with open(partial, "wb") as out:
+            out.write(struct.pack("<Q", len(encoded)) + encoded)
+            for name, key, shape, dtype in meta["model"]:
+                # a 0-dim tensor (BatchNorm's num_batches_tracked) is saved 0-dim, every other one flat
+                tensor = torch.empty(shape if not shape else [_numel(shape)], dtype=getattr(torch, dtype))
+                try:
+                    dcp.load({key: tensor}, storage_reader=reader, no_dist=True)
+                except CheckpointException as error:
+                    raise CheckpointError(f"exporting {checkpoint_dir}: reading {name} ({key}) failed: "
+                                          f"{_first_line(error)}") from error
+                largest = max(largest, tensor.numel() * tensor.element_size())
+                out.write(tensor.reshape(-1).view(torch.uint8).numpy().data if tensor.numel() else b"")
+                del tensor
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(partial, out_path)
+    except BaseException:   # nothing half-written is left behind, whatever stopped the export
+        if os.path.exists(partial):
+            os.remove(partial)
+        raise
     return {"tensors": len(header), "bytes": offset, "largest_tensor_bytes": largest}
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 def _numel(shape) -> int:

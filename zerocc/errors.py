@@ -80,3 +80,7 @@ def user_line_of_node(node) -> str | None:
             code = lines[i + 1] if i + 1 < len(lines) and not lines[i + 1].startswith("File ") else ""
             best = f"{filename}:{lineno}: {code}"
     return best
+
+
+class CheckpointError(ZeroccError):
+    """Reading or writing a checkpoint failed (torch.distributed.checkpoint's own error is its cause)."""

@@ -15,9 +15,10 @@ from typing import Sequence
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 
 from . import graph as g
-from .tracing import record_source_lines_of
+from .tracing import fakeify, make_fake_mode, record_source_lines_of, trace_functional
 from .errors import ConfigError, UnsupportedOptimizerError, user_line_of_node
 
 aten = torch.ops.aten
@@ -367,3 +368,27 @@ def _propagate_fake(node: fx.Node, fake_mode, broadcast: bool = False) -> None:
         return
     with fake_mode:
         node.meta[g.VAL] = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
+
+
+def initial_state_layout(optimizer: torch.optim.Optimizer,
+                         params: Sequence[torch.Tensor]) -> list[dict[str, tuple[tuple[int, ...], torch.dtype]]]:
+    """Per parameter of ``params``: the (shape, dtype) of each state tensor the optimizer's first step creates.
+
+    Traced on fake tensors with zero gradients: nothing real is read or
+    written. A checkpoint loaded before the first step needs it to ask for
+    the saved optimizer state by name (``zerocc/checkpoint.py``).
+    """
+    group_of_id = {id(p): index for index, group in enumerate(optimizer.param_groups) for p in group["params"]}
+    group_of = [group_of_id[id(p)] for p in params]
+    fake_mode = make_fake_mode()
+    fakes = fakeify(fake_mode, ([p.detach() for p in params], [torch.zeros_like(p.detach()) for p in params]))
+
+    def first_step(fake_params, fake_grads):
+        _, states = optimizer_update(optimizer, fake_params, fake_grads, [{} for _ in params], group_of,
+                                     live_hyperparameters(optimizer))
+        return states
+
+    gm, spec = trace_functional(first_step, fakes, fake_mode)
+    values = [node.meta[g.VAL] for node in g.output_node(gm).args[0]]
+    states = pytree.tree_unflatten(values, spec)
+    return [{key: (tuple(value.shape), value.dtype) for key, value in sorted(state.items())} for state in states]

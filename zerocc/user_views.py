@@ -1,0 +1,142 @@
+"""The user's model and optimizer after compile: every view of them current, or a clear error.
+
+Sits beside the runtime, like ``zerocc/checkpoint.py``: once a step's first
+call moves the parameters and optimizer state into its slots
+(``runtime/slots.py``), the user's objects would otherwise show stale or
+empty copies (stage 3 releases parameters to shape ``(0,)``; the optimizer's
+``state`` is cleared). Hooks installed here make them tell the truth:
+
+- ``model(x)`` with released parameters raises, pointing at ``step.full_model()``;
+- ``model.state_dict()`` holds the current full parameters where this rank
+  has them without a collective, else raises, pointing at ``step.full_state_dict()``;
+- ``optimizer.state_dict()`` holds the current state in torch's format where
+  this rank holds all of it, else raises; ``optimizer.load_state_dict`` raises,
+  pointing at ``step.load_state_dict`` and ``zerocc.load_checkpoint``.
+
+``full_model(step)`` is the in-place full model FSDP's ``summon_full_params``
+and DeepSpeed's ``GatheredParameters`` give: the parameters gathered into the
+module for the block, written back into the step's shards on exit.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from . import plans
+from .capture import named_tensors
+from .errors import ConfigError
+from .runtime import slots as slot_store
+
+
+def install(step) -> list:
+    """Hook the user's model and optimizer to ``step``; returns the hook handles (removed if the first call fails)."""
+    return [
+        step.model.register_forward_pre_hook(lambda module, args: _refuse_released_forward(step)),
+        step.model.register_state_dict_post_hook(
+            lambda module, state, prefix, metadata: _current_model_state(step, state, prefix)),
+        step.optimizer.register_state_dict_post_hook(lambda optimizer, state: _current_optimizer_state(step, state)),
+        step.optimizer.register_load_state_dict_pre_hook(lambda optimizer, state: _refuse_optimizer_load()),
+    ]
+
+
+def _released(step) -> bool:
+    """Parameters of the user's module are (0,)-shaped now (stage 3 outside ``full_model``)."""
+    if not step._released_shapes or step._full_model_depth:
+        return False
+    name = next(iter(step._released_shapes))
+    module = step.model
+    *path, leaf = name.split(".")
+    for part in path:
+        module = getattr(module, part)
+    return getattr(module, leaf).numel() == 0   # inside capture's functional_call it is the traced tensor
+
+
+def _refuse_released_forward(step) -> None:
+    if _released(step):
+        raise ConfigError(
+            f"the model's parameters are sharded across the compiled step (stage {step.stage}): the module holds "
+            "empty placeholders. To run the eager model, wrap the call in `with step.full_model(): model(x)` "
+            "(`writeback=False` to discard changes); to evaluate, use step.eval_forward(x)")
+
+
+def _current_model_state(step, state: dict, prefix: str) -> None:
+    if not _released(step) or step._reading_model_keys:
+        return
+    if any(step._plan.holds_shard(b) for b in step._plan.buckets) and step.ranks.world_size > 1:
+        raise ConfigError(
+            "model.state_dict() after compile at stage 3 over several ranks: each rank holds a shard of the "
+            "parameters. Call step.full_state_dict() on every rank (a collective), use `with step.full_model(): "
+            "model.state_dict()` on every rank, or save with zerocc.save_checkpoint")
+    full = step.full_state_dict()
+    for key in state:
+        if key.startswith(prefix) and key[len(prefix):] in full:
+            state[key] = full[key[len(prefix):]]
+
+
+def _current_optimizer_state(step, state: dict) -> dict:
+    if step._slots is None:
+        return state
+    if step.ranks.world_size > 1 and step.stage > 0:
+        raise ConfigError(
+            f"optimizer.state_dict() after compile at stage {step.stage} over {step.ranks.world_size} ranks: each "
+            "rank holds a shard of the optimizer state. Save it with step.state_dict() and "
+            "torch.distributed.checkpoint (or zerocc.save_checkpoint), which reshards it on load")
+    from .checkpoint import whole_optimizer_state
+    position = {id(p): i for i, p in enumerate(p for g in step.optimizer.param_groups for p in g["params"])}
+    params = {names[0]: t for names, t in named_tensors(step.model, "param")}
+    state["state"] = {position[id(params[fqn])]: entries for fqn, entries in whole_optimizer_state(step).items()}
+    return state
+
+
+def _refuse_optimizer_load() -> None:
+    raise ConfigError(
+        "optimizer.load_state_dict() after compile: the compiled step holds the optimizer state now. Load "
+        "with step.load_state_dict(state) (after dcp.load) or zerocc.load_checkpoint(step, path)")
+
+
+@contextlib.contextmanager
+def full_model(step, writeback: bool = True):
+    """The whole model in place for the block (a collective at stage 3 over several ranks).
+
+    On exit, with ``writeback``, the module's parameter values are copied
+    into the step's buckets (this rank's shard of them), so in-place edits
+    (``model.fc.weight.mul_(0.5)``) reach training; without it they are dropped.
+    """
+    if step._slots is None:   # before the first call the module is the model
+        yield step.model
+        return
+    plan, captured = step._plan, step._captured
+    buckets = slot_store.full_buckets(plan, step._slots, step.ranks.group)
+    views = slot_store.parameter_views(plan, captured, buckets)
+    params = {names[0]: t for names, t in named_tensors(step.model, "param")}
+    kept = {name: tensor.data for name, tensor in params.items()}
+    for index, view in views.items():
+        params[captured.params[index].name].data = view.clone()
+    step._full_model_depth += 1
+    try:
+        yield step.model
+        if writeback:
+            _write_back(step, buckets, params)
+    finally:
+        step._full_model_depth -= 1
+        for name, tensor in params.items():
+            tensor.data = kept[name]
+        step._after_step(None)
+
+
+def _write_back(step, buckets: dict[int, torch.Tensor], params: dict[str, torch.Tensor]) -> None:
+    plan, captured = step._plan, step._captured
+    with torch.no_grad():
+        for bucket in plan.buckets:
+            full = buckets[bucket.index].clone()
+            for segment in bucket.segments:
+                value = params[captured.params[segment.param].name].detach().reshape(-1)
+                full[segment.offset: segment.offset + segment.numel].copy_(value)
+            slot = step._slots[plans.bucket_slot(bucket.index)]
+            if plan.holds_shard(bucket):
+                start = plan.rank * bucket.shard_numel
+                slot.copy_(full[start: start + bucket.shard_numel])
+            else:
+                slot.copy_(full)
+        slot_store.refresh_compute_copies(plan, step._slots, step.ranks.group)
