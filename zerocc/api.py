@@ -13,6 +13,7 @@ import torch.nn as nn
 
 from . import checkpoint
 from . import graph as g
+from . import guards
 from . import plans
 from . import precision
 from . import precision as precision_module   # where a parameter named ``precision`` shadows it
@@ -36,8 +37,6 @@ from .tracing import make_fake_mode
 # Target bucket size. Small enough that a 5M-parameter model gets several
 # buckets to overlap, large enough that biases and norms ride along.
 DEFAULT_BUCKET_BYTES = 4 * 1024 * 1024
-
-STAGES = (0, 1, 2, 3)
 
 # Programs a step keeps, by input shape (and optimizer-state structure) before dropping the least
 # recently used: the first step and the steady state take two, leaving room for a few batch shapes.
@@ -150,10 +149,10 @@ def compile(
     (the default) reads ``$ZEROCC_MEMORY_POOLS`` (``1`` on; unset or ``0``
     off, README "Memory pools" says why).
     """
-    if stage not in STAGES:
-        raise ConfigError(f"stage={stage!r} is not a ZeRO stage; use 0 (plain data parallel), 1, 2 or 3")
+    guards.check_stage(stage)
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    guards.check_not_meta(model)
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ConfigError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
@@ -253,6 +252,7 @@ class CompiledStep:
         self._measured_peak_bytes: dict[int, int] = {}   # by id(program): measured at its first run
         self._arenas = Arenas()   # the memory pools' arenas, shared by this step's programs
         self.compile_seconds = 0.0
+        self._param_groups: tuple[tuple[int, ...], ...] | None = None   # guards.param_groups_of at the first call
         if self.ranks.world_size > 1:
             self._sync_initial_state()
 
@@ -260,8 +260,12 @@ class CompiledStep:
     def __call__(self, *inputs, **keyword_inputs):
         layout = BatchLayout.of(inputs, keyword_inputs)
         batch = layout.flatten(inputs, keyword_inputs)   # zerocc/batch.py: the program reads one flat list
+        if self._param_groups is not None:
+            guards.check_param_groups_unchanged(self._param_groups, self.optimizer)
         with failures.collective_failures(self.ranks, self.steps + 1, self.timeout):
             program, ctx, _ = self._program_for(batch, layout)   # compiling compares the program across ranks
+            if self._param_groups is None:
+                self._param_groups = guards.param_groups_of(self.optimizer)   # what the buckets are laid out for
             for group_index, value in enumerate(live_hyperparameters(self.optimizer)):
                 self._slots[plans.lr_slot(group_index)] = value
             if id(program) in self._measured_peak_bytes:
@@ -572,16 +576,22 @@ class CompiledStep:
             "comm_bytes_per_step": comm,
             "collectives_per_step": dict(counts),
             "model_state_bytes_per_rank": held,
-            "memory_pools": bool(ctx.memory_plan.arenas),
-            "planned_peak_bytes": ctx.memory_plan.planned_peak_bytes,
-            "lower_bound_bytes": ctx.memory_plan.lower_bound_peak_bytes,
+            **_memory_plan_entries(ctx.memory_plan),   # None each with disable=["plan_memory"]
             "arena_bytes": self._arenas.nbytes,
-            "unplanned_bytes": ctx.memory_plan.unplanned_bytes,
-            "live_peak_bytes": ctx.memory_plan.live_peak_bytes,
             "measured_peak_bytes": self._measured_peak_bytes.get(id(program)),
             "compile_seconds": round(self.compile_seconds, 3),
             "checkpoint": ctx.checkpoint_plan.to_dict() if ctx.checkpoint_plan is not None else None,
         }
+
+
+def _memory_plan_entries(memory_plan: MemoryPlan | None) -> dict:
+    """The report's entries read from the memory plan; None each when no plan was made."""
+    if memory_plan is None:
+        return {"memory_pools": False, "planned_peak_bytes": None, "lower_bound_bytes": None,
+                "unplanned_bytes": None, "live_peak_bytes": None}
+    return {"memory_pools": bool(memory_plan.arenas), "planned_peak_bytes": memory_plan.planned_peak_bytes,
+            "lower_bound_bytes": memory_plan.lower_bound_peak_bytes, "unplanned_bytes": memory_plan.unplanned_bytes,
+            "live_peak_bytes": memory_plan.live_peak_bytes}
 
 
 def _state_signature_of(captured: Captured) -> list[dict[str, tuple[bool, torch.dtype]]]:
