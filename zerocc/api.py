@@ -18,7 +18,7 @@ from . import plans
 from . import precision
 from . import precision as precision_module   # where a parameter named ``precision`` shadows it
 from .precision import DynamicLossScale
-from .batch import BatchLayout
+from .batch import BatchLayout, FirstBatch, agreement_lines, check_batch
 from .capture import Captured, capture, named_tensors
 from .context import CompileContext
 from .errors import ConfigError, RecompileWarning
@@ -253,6 +253,7 @@ class CompiledStep:
         self._arenas = Arenas()   # the memory pools' arenas, shared by this step's programs
         self.compile_seconds = 0.0
         self._param_groups: tuple[tuple[int, ...], ...] | None = None   # guards.param_groups_of at the first call
+        self._first_batch: FirstBatch | None = None   # zerocc/batch.py: later batches keep its dtypes and devices
         if self.ranks.world_size > 1:
             self._sync_initial_state()
 
@@ -260,12 +261,16 @@ class CompiledStep:
     def __call__(self, *inputs, **keyword_inputs):
         layout = BatchLayout.of(inputs, keyword_inputs)
         batch = layout.flatten(inputs, keyword_inputs)   # zerocc/batch.py: the program reads one flat list
+        check_batch(batch, layout, self._first_batch)   # dtypes, devices, requires_grad: before any program runs
         if self._param_groups is not None:
             guards.check_param_groups_unchanged(self._param_groups, self.optimizer)
         with failures.collective_failures(self.ranks, self.steps + 1, self.timeout):
+            # every call: a rank whose batch changed shape would compile while the others run a cached program
+            failures.check_batches_agree(self.ranks, agreement_lines(batch, layout))
             program, ctx, _ = self._program_for(batch, layout)   # compiling compares the program across ranks
             if self._param_groups is None:
                 self._param_groups = guards.param_groups_of(self.optimizer)   # what the buckets are laid out for
+                self._first_batch = FirstBatch.of(batch, layout)   # what later batches are checked against
             for group_index, value in enumerate(live_hyperparameters(self.optimizer)):
                 self._slots[plans.lr_slot(group_index)] = value
             if id(program) in self._measured_peak_bytes:
