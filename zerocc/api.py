@@ -97,7 +97,10 @@ def compile(
     bytes (and the unreduced gradient bytes) that may be in flight at once.
     ``timeout`` (seconds) bounds how long a collective waits for the other
     ranks: a rank that died turns into a ``RankFailureError`` on the others
-    instead of a hang.
+    instead of a hang. Without it collectives wait as long as the process
+    group does (torch.distributed's default: 30 minutes on gloo, 10 on
+    NCCL). Every call also checks, with one all-reduce of two integers, that
+    all ranks' batches have the same shapes (``RankMismatchError`` if not).
 
     ``disable`` drops passes by name (``step.passes`` lists them; passes others
     need are refused, with the reason). ``verify=True`` checks invariants after
