@@ -37,6 +37,13 @@ def test_a_model_on_the_meta_device_points_to_plan():
         zerocc.compile(model, adamw(model), stage=3, loss_fn=F.mse_loss)
 
 
+def test_a_batch_on_the_meta_device_points_to_plan():
+    step, _, _ = compiled_mlp(stage=0)
+    x, y = batches("mlp", 1, 4)[0]
+    with pytest.raises(zerocc.ConfigError, match=r"  - argument 0 is on the meta device: .*zerocc.plan\(model"):
+        step(x.to("meta"), y)
+
+
 def test_add_param_group_after_the_first_step_is_refused_with_the_way_out():
     model, _, loss_fn = build("mlp")
     head = nn.Linear(5, 5)

@@ -69,6 +69,10 @@ def check_batch(batch: Sequence[Any], layout: BatchLayout, first: FirstBatch | N
         if not isinstance(value, torch.Tensor):
             continue
         name = layout.name_of(index)
+        if value.is_meta:
+            problems.append(f"  - {name} is on the meta device: it holds no values, the step would return a meta "
+                            "loss; to plan memory without data use zerocc.plan(model, optimizer, stage=..., "
+                            "world_size=..., example_inputs=...)")
         if value.requires_grad:
             problems.append(f"  - {name} requires grad: the step differentiates the loss with respect to the "
                             "model's parameters only; pass it detached (x.detach()), or build it under "
