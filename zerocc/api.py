@@ -15,12 +15,13 @@ import torch.nn as nn
 
 from . import checkpoint
 from . import graph as g
+from . import guards
 from . import plans
 from . import precision
 from . import user_views
 from . import precision as precision_module   # where a parameter named ``precision`` shadows it
 from .precision import DynamicLossScale
-from .batch import BatchLayout
+from .batch import BatchLayout, FirstBatch, agreement_lines, check_batch
 from .capture import Captured, capture, named_tensors
 from .data_guards import all_hold
 from .user_tooling import suspended_user_tooling
@@ -41,8 +42,6 @@ from .tracing import make_fake_mode
 # Target bucket size. Small enough that a 5M-parameter model gets several
 # buckets to overlap, large enough that biases and norms ride along.
 DEFAULT_BUCKET_BYTES = 4 * 1024 * 1024
-
-STAGES = (0, 1, 2, 3)
 
 # Programs a step keeps, by input shape (and optimizer-state structure) before dropping the least
 # recently used: the first step and the steady state take two, leaving room for a few batch shapes.
@@ -103,7 +102,10 @@ def compile(
     bytes (and the unreduced gradient bytes) that may be in flight at once.
     ``timeout`` (seconds) bounds how long a collective waits for the other
     ranks: a rank that died turns into a ``RankFailureError`` on the others
-    instead of a hang.
+    instead of a hang. Without it collectives wait as long as the process
+    group does (torch.distributed's default: 30 minutes on gloo, 10 on
+    NCCL). Every call also checks, with one all-reduce of two integers, that
+    all ranks' batches have the same shapes (``RankMismatchError`` if not).
 
     ``disable`` drops passes by name (``step.passes`` lists them; passes others
     need are refused, with the reason). ``verify=True`` checks invariants after
@@ -155,10 +157,10 @@ def compile(
     (the default) reads ``$ZEROCC_MEMORY_POOLS`` (``1`` on; unset or ``0``
     off, README "Memory pools" says why).
     """
-    if stage not in STAGES:
-        raise ConfigError(f"stage={stage!r} is not a ZeRO stage; use 0 (plain data parallel), 1, 2 or 3")
+    guards.check_stage(stage)
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    guards.check_not_meta(model)
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ConfigError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
@@ -284,6 +286,8 @@ class CompiledStep:
         self._user_hooks: list = []          # zerocc/user_views.py, installed at the first compile
         self._full_model_depth = 0           # inside step.full_model(): the module holds the whole parameters
         self._reading_model_keys = False     # model.state_dict() called for its keys only
+        self._param_groups: tuple[tuple[int, ...], ...] | None = None   # guards.param_groups_of at the first call
+        self._first_batch: FirstBatch | None = None   # zerocc/batch.py: later batches keep its dtypes and devices
         if self.ranks.world_size > 1:
             self._sync_initial_state()
 
@@ -291,8 +295,16 @@ class CompiledStep:
     def __call__(self, *inputs, **keyword_inputs):
         layout = BatchLayout.of(inputs, keyword_inputs)
         batch = layout.flatten(inputs, keyword_inputs)   # zerocc/batch.py: the program reads one flat list
+        check_batch(batch, layout, self._first_batch)   # dtypes, devices, requires_grad: before any program runs
+        if self._param_groups is not None:
+            guards.check_param_groups_unchanged(self._param_groups, self.optimizer)
         with self._undone_if_first_call_fails(), failures.collective_failures(self.ranks, self.steps + 1, self.timeout):
+            # every call: a rank whose batch changed shape would compile while the others run a cached program
+            failures.check_batches_agree(self.ranks, agreement_lines(batch, layout))
             program, ctx, _ = self._program_for(batch, layout)   # compiling compares the program across ranks
+            if self._param_groups is None:
+                self._param_groups = guards.param_groups_of(self.optimizer)   # what the buckets are laid out for
+                self._first_batch = FirstBatch.of(batch, layout)   # what later batches are checked against
             for group_index, value in enumerate(live_hyperparameters(self.optimizer)):
                 self._slots[plans.lr_slot(group_index)] = value
             if id(program) in self._measured_peak_bytes:
@@ -334,6 +346,7 @@ class CompiledStep:
             self.optimizer.state.clear()
             self.optimizer.state.update(optimizer_state)
             self._slots = self._plan = self._captured = self._state_signature = self._last = None
+            self._param_groups = self._first_batch = None
             self._released_shapes = {}
             self._programs.clear()
             self._eval_programs.clear()
@@ -664,16 +677,22 @@ class CompiledStep:
             "comm_bytes_per_step": comm,
             "collectives_per_step": dict(counts),
             "model_state_bytes_per_rank": held,
-            "memory_pools": bool(ctx.memory_plan.arenas),
-            "planned_peak_bytes": ctx.memory_plan.planned_peak_bytes,
-            "lower_bound_bytes": ctx.memory_plan.lower_bound_peak_bytes,
+            **_memory_plan_entries(ctx.memory_plan),   # None each with disable=["plan_memory"]
             "arena_bytes": self._arenas.nbytes,
-            "unplanned_bytes": ctx.memory_plan.unplanned_bytes,
-            "live_peak_bytes": ctx.memory_plan.live_peak_bytes,
             "measured_peak_bytes": self._measured_peak_bytes.get(id(program)),
             "compile_seconds": round(self.compile_seconds, 3),
             "checkpoint": ctx.checkpoint_plan.to_dict() if ctx.checkpoint_plan is not None else None,
         }
+
+
+def _memory_plan_entries(memory_plan: MemoryPlan | None) -> dict:
+    """The report's entries read from the memory plan; None each when no plan was made."""
+    if memory_plan is None:
+        return {"memory_pools": False, "planned_peak_bytes": None, "lower_bound_bytes": None,
+                "unplanned_bytes": None, "live_peak_bytes": None}
+    return {"memory_pools": bool(memory_plan.arenas), "planned_peak_bytes": memory_plan.planned_peak_bytes,
+            "lower_bound_bytes": memory_plan.lower_bound_peak_bytes, "unplanned_bytes": memory_plan.unplanned_bytes,
+            "live_peak_bytes": memory_plan.live_peak_bytes}
 
 
 def _state_signature_of(captured: Captured) -> list[dict[str, tuple[bool, torch.dtype]]]:

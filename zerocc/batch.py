@@ -5,11 +5,19 @@ labels=labels)`` both reach the model; the graph has one placeholder per
 flat entry. Keyword arguments go to the model, sorted by name so that the
 order they are written in does not make a new program; the targets
 (``num_targets``) are always the last positional arguments.
+
+``check_batch`` compares each call's batch with the first one before any
+program runs: shapes may change from call to call (each new shape compiles
+a program), dtypes and devices may not, and no entry may require grad.
 """
 from __future__ import annotations
 
 import dataclasses
 from typing import Any, Mapping, Sequence
+
+import torch
+
+from .errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,3 +39,71 @@ class BatchLayout:
     def name_of(self, index: int) -> str:
         """How an error names a flat entry: 'argument 2' or 'input_ids='."""
         return f"argument {index}" if index < self.positional else f"{self.keywords[index - self.positional]}="
+
+
+@dataclasses.dataclass(frozen=True)
+class FirstBatch:
+    """The dtype and device of each tensor of the step's first batch, by entry name, and how it read."""
+    kinds: dict[str, tuple[torch.dtype, torch.device]]
+    description: str
+
+    @classmethod
+    def of(cls, batch: Sequence[Any], layout: BatchLayout) -> "FirstBatch":
+        kinds = {layout.name_of(i): (v.dtype, v.device) for i, v in enumerate(batch) if isinstance(v, torch.Tensor)}
+        return cls(kinds, describe_batch(batch, layout))
+
+
+def describe_batch(batch: Sequence[Any], layout: BatchLayout) -> str:
+    """'argument 0: (8, 12) float32 on cpu, labels=: (8,) int64 on cpu'."""
+    def describe(value):
+        if isinstance(value, torch.Tensor):
+            return f"{tuple(value.shape)} {_dtype_name(value.dtype)} on {value.device}"
+        return repr(value)
+    return ", ".join(f"{layout.name_of(i)}: {describe(v)}" for i, v in enumerate(batch))
+
+
+def check_batch(batch: Sequence[Any], layout: BatchLayout, first: FirstBatch | None, where: str = "step") -> None:
+    """Refuse, before running, a batch the compiled programs cannot take: every problem in one error."""
+    problems = []
+    for index, value in enumerate(batch):
+        if not isinstance(value, torch.Tensor):
+            continue
+        name = layout.name_of(index)
+        if value.is_meta:
+            problems.append(f"  - {name} is on the meta device: it holds no values, the step would return a meta "
+                            "loss; to plan memory without data use zerocc.plan(model, optimizer, stage=..., "
+                            "world_size=..., example_inputs=...)")
+        if value.requires_grad:
+            problems.append(f"  - {name} requires grad: the step differentiates the loss with respect to the "
+                            "model's parameters only; pass it detached (x.detach()), or build it under "
+                            "torch.no_grad()")
+        if first is None or name not in first.kinds:
+            continue
+        dtype, device = first.kinds[name]
+        if value.dtype != dtype:
+            problems.append(f"  - {name} is {_dtype_name(value.dtype)}, the first batch's was {_dtype_name(dtype)}: "
+                            f"cast it (.to(torch.{_dtype_name(dtype)})) where the batch is made")
+        if value.device != device:
+            problems.append(f"  - {name} is on {value.device}, the first batch's was on {device}: "
+                            f"move it (.to('{device}')) where the batch is made")
+    if problems:
+        compared = f" (the first batch was {first.description})" if first is not None else ""
+        raise ConfigError(f"this batch cannot run in the compiled {where}{compared}; shapes may change from call "
+                          "to call, dtypes and devices may not:\n" + "\n".join(problems))
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def agreement_lines(batch: Sequence[Any], layout: BatchLayout) -> list[str]:
+    """What every rank's batch must have in common at a call: each entry's shape and dtype (not its device).
+
+    Written as ``runtime/failures.agreement_lines`` writes a program's inputs ('input 0: float32[8, 12]').
+    """
+    def describe(value):
+        if isinstance(value, torch.Tensor):
+            return f"{_dtype_name(value.dtype)}{list(value.shape)}"
+        return repr(value)
+    return [f"input {i}{'' if i < layout.positional else ' (' + layout.name_of(i) + ')'}: {describe(v)}"
+            for i, v in enumerate(batch)]

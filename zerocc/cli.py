@@ -7,7 +7,13 @@
 The factory (``module:callable``) is called under ``torch.device("meta")``
 (``--device`` changes that) and returns the model, or ``(model,
 example_inputs)``. Inputs given with ``--inputs`` are ``dtype:shape``
-(``long:8x1024``), built on the model's device.
+(``long:8x1024``; ``bf16``, ``fp16``, ``fp32`` and torch's own names such as
+``bfloat16``, ``half``, ``long`` are dtypes), built on the model's device.
+
+Mistakes in the arguments (a factory that does not import, bad JSON, a bad
+shape, world size or dtype, a plot folder that does not exist) are one line
+on stderr and exit code 2, as argparse's own errors are; they are found
+before planning starts.
 """
 from __future__ import annotations
 
@@ -21,7 +27,18 @@ import time
 
 import torch
 
-GB = 1e9   # decimal gigabytes, as the ZeRO paper counts
+# the table's unit: the largest whose value of the table's largest cell is at least 1 (decimal, as the ZeRO
+# paper counts), so a small model's table does not read 0.000 everywhere
+UNITS = (("TB", 10 ** 12), ("GB", 10 ** 9), ("MB", 10 ** 6), ("kB", 10 ** 3), ("B", 1))
+
+# dtype names people write besides torch's own attribute names (torch.bfloat16, torch.half, torch.long, ...)
+DTYPE_ALIASES = {"bf16": torch.bfloat16, "fp16": torch.float16, "f16": torch.float16, "fp32": torch.float32,
+                 "f32": torch.float32, "fp64": torch.float64, "f64": torch.float64, "i32": torch.int32,
+                 "i64": torch.int64}
+
+
+class UsageError(Exception):
+    """A bad command-line argument: printed as one line, exit code 2."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,7 +61,11 @@ def main(argv: list[str] | None = None) -> int:
     planning.add_argument("--explain", action="store_true", help="print what every pass decided, per plan")
     planning.add_argument("--json", default=None, help="write every plan's report here")
     args = parser.parse_args(argv)
-    return plan_command(args)
+    try:
+        return plan_command(args)
+    except UsageError as error:
+        print(f"zerocc plan: error: {error}", file=sys.stderr)
+        return 2
 
 
 OPTIMIZERS = {
@@ -56,25 +77,64 @@ OPTIMIZERS = {
 
 def load_factory(spec: str):
     if ":" not in spec:
-        raise SystemExit(f"--model {spec!r}: expected module:factory, e.g. examples.gpt:GPT")
+        raise UsageError(f"--model {spec!r}: expected module:factory, e.g. examples.gpt:GPT")
     module_name, attribute = spec.split(":", 1)
     sys.path.insert(0, os.getcwd())
-    if module_name.endswith(".py") or os.sep in module_name:
-        loaded = importlib.util.spec_from_file_location("zerocc_user_model", module_name)
-        module = importlib.util.module_from_spec(loaded)
-        loaded.loader.exec_module(module)
-    else:
-        module = importlib.import_module(module_name)
+    try:
+        if module_name.endswith(".py") or os.sep in module_name:
+            loaded = importlib.util.spec_from_file_location("zerocc_user_model", module_name)
+            if loaded is None or not os.path.exists(module_name):
+                raise UsageError(f"--model {spec!r}: no file {module_name!r}")
+            module = importlib.util.module_from_spec(loaded)
+            loaded.loader.exec_module(module)
+        else:
+            module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise UsageError(f"--model {spec!r}: cannot import {module_name!r} ({error}); run from the folder that "
+                         "holds it, or give a path: path/to/file.py:factory") from error
+    if not hasattr(module, attribute):
+        raise UsageError(f"--model {spec!r}: {module_name!r} has no attribute {attribute!r}")
     return getattr(module, attribute)
+
+
+def parse_dtype(name: str, option: str) -> torch.dtype:
+    dtype = DTYPE_ALIASES.get(name.lower(), getattr(torch, name, None))
+    if not isinstance(dtype, torch.dtype):
+        raise UsageError(f"{option}: unknown dtype {name!r}; use a torch dtype name (float32, bfloat16, float16, "
+                         "long, ...) or bf16, fp16, fp32")
+    return dtype
 
 
 def parse_input(text: str, device) -> torch.Tensor:
     dtype_name, _, shape = text.partition(":")
-    dtype = getattr(torch, dtype_name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise SystemExit(f"--inputs {text!r}: unknown dtype {dtype_name!r} (long, float32, bfloat16, ...)")
-    sizes = [int(s) for s in shape.split("x") if s]
+    dtype = parse_dtype(dtype_name, f"--inputs {text!r}")
+    try:
+        sizes = [int(s) for s in shape.split("x") if s]
+    except ValueError:
+        sizes = None
+    if not sizes or any(size < 0 for size in sizes):
+        raise UsageError(f"--inputs {text!r}: the shape must be sizes joined by x, e.g. long:8x1024")
     return torch.zeros(sizes, dtype=dtype, device=device)
+
+
+def parse_ints(text: str, option: str, allowed=None) -> list[int]:
+    """'1,8,64' -> [1, 8, 64]; anything else is a one-line usage error."""
+    try:
+        values = [int(part) for part in str(text).split(",")]
+    except ValueError:
+        values = None
+    if not values or any(v < 1 if allowed is None else v not in allowed for v in values):
+        wanted = "positive ints" if allowed is None else f"some of {', '.join(map(str, allowed))}"
+        raise UsageError(f"{option} {text!r}: expected {wanted}, comma-separated (e.g. {option} "
+                         f"{'1,8,64' if allowed is None else '2,3'})")
+    return values
+
+
+def check_writable(path: str | None, option: str) -> None:
+    """Before planning (minutes at a large world size): the file's folder exists."""
+    folder = os.path.dirname(os.path.abspath(path)) if path else None
+    if folder and not os.path.isdir(folder):
+        raise UsageError(f"{option} {path!r}: the folder {folder!r} does not exist; create it or write elsewhere")
 
 
 def plan_command(args) -> int:
@@ -84,22 +144,34 @@ def plan_command(args) -> int:
     def say(line: str) -> None:
         print(f"[zerocc plan {time.perf_counter() - started:6.1f} s] {line}", file=sys.stderr, flush=True)
 
+    stages = parse_ints(args.stage, "--stage", allowed=(0, 1, 2, 3))
+    world_sizes = parse_ints(args.world_size, "--world-size")
+    param_dtype = parse_dtype(args.param_dtype, "--param-dtype") if args.param_dtype else None
+    check_writable(args.plot, "--plot")
+    check_writable(args.json, "--json")
+    try:
+        model_kwargs = json.loads(args.model_kwargs)
+    except json.JSONDecodeError as error:
+        raise UsageError(f"--model-kwargs {args.model_kwargs!r}: not JSON ({error}); e.g. '{{\"layers\": 2}}'") \
+            from error
+    if not isinstance(model_kwargs, dict):
+        raise UsageError(f"--model-kwargs {args.model_kwargs!r}: expected a JSON object of keyword arguments")
     factory = load_factory(args.model)
     with torch.device(args.device):
-        built = factory(**json.loads(args.model_kwargs))
+        try:
+            built = factory(**model_kwargs)
+        except TypeError as error:   # most often keyword arguments the factory does not take
+            raise UsageError(f"--model {args.model!r} with --model-kwargs {args.model_kwargs!r}: {error}") from error
     model, inputs = (built if isinstance(built, tuple) else (built, None))
     if inputs is None:
         if not args.inputs:
-            raise SystemExit("give the example inputs with --inputs dtype:shape ... (or return them from the factory)")
+            raise UsageError("give the example inputs with --inputs dtype:shape ... (or return them from the factory)")
         inputs = tuple(parse_input(text, args.device) for text in args.inputs)
     param_count = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     say(f"built {type(model).__name__} with {param_count:,} parameters on {args.device}")
     optimizer = OPTIMIZERS[args.optimizer](model.parameters(), args.lr)
-    param_dtype = getattr(torch, args.param_dtype) if args.param_dtype else None
     planner = Planner(model, optimizer, example_inputs=inputs, accounting_dtype=param_dtype,
                       bucket_bytes=int(args.bucket_mb * 1024 * 1024), progress=say)
-    stages = [int(s) for s in str(args.stage).split(",")]
-    world_sizes = [int(w) for w in str(args.world_size).split(",")]
     rows, reports = [], []
     for stage in stages:
         for world_size in world_sizes:
@@ -124,13 +196,19 @@ def plan_command(args) -> int:
     return 0
 
 
+def unit_for(largest: float) -> tuple[str, float]:
+    """The largest decimal unit in which ``largest`` bytes read at least 1."""
+    return next(((name, size) for name, size in UNITS if largest >= size), UNITS[-1])
+
+
 def table(rows, param_count: int, dtype) -> str:
-    lines = [f"model states per rank (GB = 1e9 bytes), {param_count:,} parameters, "
-             f"{str(dtype).replace('torch.', '')} compute:",
+    unit, size = unit_for(max((max(row[2:]) for row in rows), default=0))
+    lines = [f"model states per rank ({unit}{f' = 1e{len(str(size)) - 1} bytes' if size > 1 else ''}), {param_count:,} "
+             f"parameters, {str(dtype).replace('torch.', '')} compute:",
              f"{'stage':>5} {'ranks':>6} {'params':>10} {'grads':>10} {'optimizer':>10} {'total':>10} {'comm/step':>10}"]
     for stage, world_size, params, grads, optimizer, total, comm in rows:
-        lines.append(f"{stage:>5} {world_size:>6} {params / GB:>10.3f} {grads / GB:>10.3f} {optimizer / GB:>10.3f} "
-                     f"{total / GB:>10.3f} {comm / GB:>10.3f}")
+        lines.append(f"{stage:>5} {world_size:>6} {params / size:>10.3f} {grads / size:>10.3f} "
+                     f"{optimizer / size:>10.3f} {total / size:>10.3f} {comm / size:>10.3f}")
     return "\n".join(lines)
 
 
@@ -142,14 +220,15 @@ def plot(rows, path: str, title: str) -> str | None:
     except ImportError:
         print("no plot: matplotlib is not installed (pip install matplotlib)", file=sys.stderr)
         return None
+    unit, size = unit_for(max((r[5] for r in rows), default=0))
     figure, axis = plt.subplots(figsize=(6, 4))
     for stage in sorted({r[0] for r in rows}):
         mine = [r for r in rows if r[0] == stage]
-        axis.plot([r[1] for r in mine], [r[5] / GB for r in mine], marker="o", label=f"stage {stage}")
+        axis.plot([r[1] for r in mine], [r[5] / size for r in mine], marker="o", label=f"stage {stage}")
     axis.set_xscale("log", base=2)
     axis.set_yscale("log")
     axis.set_xlabel("ranks (data-parallel degree)")
-    axis.set_ylabel("model states per rank (GB)")
+    axis.set_ylabel(f"model states per rank ({unit})")
     axis.set_title(title)
     axis.grid(True, which="both", alpha=0.3)
     axis.legend()

@@ -84,3 +84,41 @@ def user_line_of_node(node) -> str | None:
 
 class CheckpointError(ZeroccError):
     """Reading or writing a checkpoint failed (torch.distributed.checkpoint's own error is its cause)."""
+
+
+def failing_node(gm, tb):
+    """The node of ``gm`` whose generated line raised, from a traceback through ``gm.forward``; None if not there."""
+    code = getattr(type(gm).forward, "__code__", None)
+    lineno_map = getattr(gm, "_lineno_map", None)
+    if code is None or not lineno_map:
+        return None
+    found = None
+    for frame, lineno in traceback.walk_tb(tb):
+        if frame.f_code is code:
+            found = lineno_map.get(lineno - code.co_firstlineno)
+    if found is None:
+        return None
+    nodes = list(gm.graph.nodes)
+    return nodes[found] if 0 <= found < len(nodes) else None
+
+
+def note_failing_node(error: BaseException, gm, what: str, batch: list) -> None:
+    """Add to ``error`` (kept as is, type included) where in the user's code the program raised, and a hint.
+
+    A run-time error inside a compiled program otherwise points at
+    ``<eval_with_key>``: generated code the user never wrote.
+    """
+    node = failing_node(gm, error.__traceback__)
+    if node is None:
+        return
+    where = user_line_of_node(node)
+    place = f"at {where} (graph node {node.name})" if where else f"at graph node {node.name} (no line of yours)"
+    shapes = ", ".join(f"{tuple(value.shape)} {str(value.dtype).removeprefix('torch.')}" if hasattr(value, "shape")
+                       else repr(value) for value in batch)
+    if isinstance(error, IndexError):
+        hint = ("an index out of range at run time comes from the batch's values (a token id >= the embedding's "
+                "num_embeddings, a label >= the number of classes): check the data, e.g. ids.max() < vocab size")
+    else:
+        hint = "to debug, run the same model code eagerly on this batch"
+    error.add_note(f"zerocc: {type(error).__name__} raised by the compiled {what} {place}, on a batch of {shapes}; "
+                   f"{hint}")

@@ -9,7 +9,8 @@ the buckets, exactly as in the training step. Programs are cached by the
 batch's shapes, apart from the training step's, at most ``max_programs``.
 
 At stage 3 over several ranks the gathers are collectives: every rank must
-call ``eval_forward`` at the same point, as it calls the step.
+call ``eval_forward`` at the same point, as it calls the step (a rank left
+waiting gets a ``RankFailureError`` that says so).
 """
 from __future__ import annotations
 
@@ -22,8 +23,9 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from . import plans
-from .batch import BatchLayout
-from .errors import CaptureError, ConfigError, RecompileWarning, ZeroccError, user_frame
+from .batch import BatchLayout, check_batch
+from .errors import CaptureError, ConfigError, RecompileWarning, ZeroccError, note_failing_node, user_frame
+from .runtime import failures
 from .tracing import fakeify, make_fake_mode, trace_functional
 from .user_tooling import suspended_user_tooling
 
@@ -40,7 +42,12 @@ class EvalProgram:
     def run(self, slots: dict[str, torch.Tensor], batch: list) -> Any:
         leaves = iter(pytree.tree_leaves(list(batch)))
         arguments = [slots[slot] if slot is not None else next(leaves) for slot in self.slots]
-        return pytree.tree_unflatten(list(self.gm.forward(*arguments)), self.output_spec)
+        try:
+            outputs = self.gm.forward(*arguments)   # not gm(): user module hooks stay out (user_tooling.py)
+        except Exception as error:
+            note_failing_node(error, self.gm, "eval_forward", batch)   # the user's line, not <eval_with_key>
+            raise
+        return pytree.tree_unflatten(list(outputs), self.output_spec)
 
 
 def eval_forward(step, inputs: tuple, keyword_inputs: dict | None = None) -> Any:
@@ -53,6 +60,7 @@ def eval_forward(step, inputs: tuple, keyword_inputs: dict | None = None) -> Any
             "eval_forward needs the training step compiled first: the parameters live in the step's buckets, "
             "whose layout the first step(*batch) decides; call the step once (or, before training, evaluate "
             "the model itself: its parameters are intact until then)")
+    check_batch(batch, layout, step._first_batch, where="eval_forward")
     signature = step._input_signature(batch, layout)
     program = step._eval_programs.get(signature)
     if program is None:
@@ -66,7 +74,7 @@ def eval_forward(step, inputs: tuple, keyword_inputs: dict | None = None) -> Any
                           stacklevel=3)
     else:
         step._eval_programs[signature] = step._eval_programs.pop(signature)   # most recently used last
-    with torch.no_grad():
+    with torch.no_grad(), failures.collective_failures(step.ranks, step.steps, step.timeout, call="eval_forward"):
         return program.run(step._slots, batch)
 
 

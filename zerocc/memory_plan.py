@@ -20,6 +20,7 @@ from typing import Iterable, Sequence
 # Offsets and sizes inside a pool are multiples of this, as the caching
 # allocators of CPU and CUDA hand out (64 bytes covers AVX-512 and a cache line).
 ALIGNMENT_BYTES = 64
+DEFAULT_PLOT_PATH = "memory_plan.png"   # MemoryPlan.plot() without a path writes here
 
 # Roles, grouped by the pool that holds them, in the order pools are printed and stacked.
 POOLS: dict[str, tuple[str, ...]] = {
@@ -242,8 +243,11 @@ class MemoryPlan:
             "unplanned": [u.to_dict() for u in self.unplanned],
         }
 
-    def plot(self, path: str, title: str | None = None) -> str:
-        """Write a PNG of memory over the step: live bytes stacked by role, and where each buffer sits."""
+    def plot(self, path: str = DEFAULT_PLOT_PATH, title: str | None = None) -> str:
+        """Write a PNG of memory over the step: live bytes stacked by role, and where each buffer sits.
+
+        Returns the path written (``memory_plan.png`` in the working directory unless given).
+        """
         return _plot(self, path, title)
 
 

@@ -148,6 +148,8 @@ def build_pipeline(stage: int, disable: Sequence[str] = (), prefetch_bytes: int 
         passes.insert(position, Pass(user.name, user.run, tuple(user.requires)))
 
     names = [p.name for p in passes]
+    if "capture" in disable:   # step.passes lists it first: say why it stays rather than "no such pass"
+        raise ConfigError("cannot disable 'capture': it traces the step into the graph every other pass rewrites")
     unknown = [name for name in disable if name not in names]
     if unknown:
         raise ConfigError(f"cannot disable {', '.join(map(repr, unknown))}: no such pass; "

@@ -44,6 +44,7 @@ from .batch import BatchLayout
 from .capture import Captured, capture, named_tensors
 from .context import CompileContext
 from .errors import ConfigError
+from .guards import check_stage
 from . import precision as mixed
 from .pipeline import (DEFAULT_PREFETCH_BYTES, GraphSnapshot, build_pipeline, copy_graph, dump_dir_of,
                        memory_pools_of, run_pipeline)
@@ -160,8 +161,7 @@ class Planner:
 
     def plan(self, stage: int, world_size: int, *, rank: int = 0, disable: Sequence[str] = (), verify: bool = False,
             dump_dir: str | None = None, memory_pools: bool | None = None, memory_budget: int | None = None) -> "Plan":
-        if stage not in (0, 1, 2, 3):
-            raise ConfigError(f"stage={stage!r} is not a ZeRO stage; use 0 (plain data parallel), 1, 2 or 3")
+        check_stage(stage)
         if not isinstance(world_size, int) or world_size < 1 or not 0 <= rank < world_size:
             raise ConfigError(f"world_size must be a positive int and 0 <= rank < world_size, got {world_size!r}, {rank!r}")
         if memory_budget is not None and (not isinstance(memory_budget, int) or memory_budget <= 0):

@@ -49,8 +49,12 @@ def with_timeout(ranks: Ranks, timeout: float | None) -> Ranks:
 
 
 @contextlib.contextmanager
-def collective_failures(ranks: Ranks, step_number: int, timeout: float | None):
-    """Re-raise a failed collective as a ``RankFailureError`` naming the step and the likely cause."""
+def collective_failures(ranks: Ranks, step_number: int, timeout: float | None, call: str | None = None):
+    """Re-raise a failed collective as a ``RankFailureError`` naming the step and the likely cause.
+
+    ``call`` names a method other than the step itself (``eval_forward``) whose collectives failed: the
+    likely cause is then that not every rank called it.
+    """
     if ranks.group is None:
         yield
         return
@@ -62,11 +66,16 @@ def collective_failures(ranks: Ranks, step_number: int, timeout: float | None):
         if not is_collective_failure(error):
             raise
         within = f"within {timeout:g} s " if timeout is not None else ""
+        what = f"{call} after step {step_number}" if call else f"step {step_number}"
+        why = (f"{call} is a collective (it gathers the sharded parameters): every rank must call it at the same "
+               "point of the loop, with batches of the same shapes; another rank probably did not call it, or "
+               "died." if call else
+               "another rank probably died, hung, or is running a different step (different batch shapes "
+               "or code on different ranks).")
         raise RankFailureError(
-            f"rank {ranks.rank} of {ranks.world_size}: a collective of step {step_number} did not complete {within}"
+            f"rank {ranks.rank} of {ranks.world_size}: a collective of {what} did not complete {within}"
             f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})\n"
-            "  why: another rank probably died, hung, or is running a different step (different batch shapes "
-            "or code on different ranks).\n"
+            f"  why: {why}\n"
             "  fix: look at the other ranks' output for the first error; restart every rank from the last "
             "checkpoint (zerocc.load_checkpoint). compile(..., timeout=seconds) bounds how long ranks wait."
         ) from error
@@ -144,4 +153,32 @@ def check_ranks_agree(ranks: Ranks, gm: fx.GraphModule, plan: ShardPlan | None) 
         "step would hang or mix unrelated data:\n" + "\n".join(details) + "\n"
         "  fix: give every rank a batch of the same shapes and the same model code and optimizer "
         "(drop or pad a short last batch)."
+    )
+
+
+def check_batches_agree(ranks: Ranks, lines: list[str]) -> None:
+    """Raise ``RankMismatchError`` on every rank if any rank's batch (``lines``: shapes and dtypes) differs.
+
+    Costs one all-reduce of two int64 per call: the maximum of each rank's
+    digest and of its negation are equal and opposite only if every rank
+    has the same digest. Only then, on the failing path, are the lines gathered.
+    """
+    if ranks.group is None:
+        return
+    digest = int.from_bytes(hashlib.sha256("\n".join(lines).encode()).digest()[:7], "big")   # fits an int64
+    device = "cpu" if dist.get_backend(ranks.group) == "gloo" else torch.device("cuda", torch.cuda.current_device())
+    extremes = torch.tensor([digest, -digest], dtype=torch.int64, device=device)
+    dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=ranks.group)
+    highest, negated_lowest = extremes.tolist()
+    if highest == digest == -negated_lowest:
+        return
+    gathered = [None] * ranks.world_size
+    dist.all_gather_object(gathered, lines, group=ranks.group)
+    differing = [rank for rank, other in enumerate(gathered) if other != gathered[0]]
+    details = [f"  - rank {rank}: {'; '.join(gathered[rank])}" for rank in [0, *differing[:3]]]
+    raise RankMismatchError(
+        f"ranks {differing} were called with a batch of other shapes than rank 0's in this call; the ranks' "
+        "programs would not match and the step would hang:\n" + "\n".join(details) + "\n"
+        "  fix: give every rank a batch of the same shapes at every call (the same batch size per rank: "
+        "drop_last=True or pad a short last batch; the same sequence length: pad to a fixed length)."
     )

@@ -15,6 +15,7 @@ import torch
 import torch.fx as fx
 
 from .. import graph as g
+from ..errors import note_failing_node
 from .arenas import Arenas, is_arena_slot
 from .release import releases_slots
 
@@ -52,6 +53,13 @@ class Program:
         return cls(gm, slots, positions, list(gm.meta[g.OUTPUT_SLOTS]), arenas, released, tuple(sizes))
 
     def run(self, slots: dict[str, torch.Tensor], batch: list) -> torch.Tensor:
+        try:
+            return self._run(slots, batch)
+        except Exception as error:
+            note_failing_node(error, self.gm, "step", batch)   # the user's line, not <eval_with_key>
+            raise
+
+    def _run(self, slots: dict[str, torch.Tensor], batch: list) -> torch.Tensor:
         for slot, nbytes, device in self.arena_sizes:   # another program may have run since
             self.arenas.fit(slot, nbytes, device)
         arguments = []

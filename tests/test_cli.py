@@ -1,0 +1,57 @@
+"""``zerocc plan``: a mistake in the arguments is one line and exit code 2; the table's unit fits the numbers."""
+from __future__ import annotations
+
+import pytest
+
+from zerocc.cli import main, table
+
+TINY = ["plan", "--model", "tests.models:TinyGPT", "--inputs", "long:2x16", "long:2x16", "--world-size", "1",
+        "--stage", "0", "--plot", ""]
+
+
+@pytest.mark.parametrize("arguments,message", [
+    (["--model", "tests.no_such_module:GPT"], r"--model 'tests.no_such_module:GPT': cannot import "
+                                              r"'tests.no_such_module' \(No module named"),
+    (["--model", "tests.models:NoSuchFactory"], r"--model 'tests.models:NoSuchFactory': 'tests.models' has no "
+                                                r"attribute 'NoSuchFactory'"),
+    (["--model", "missing/file.py:GPT"], r"--model 'missing/file.py:GPT': no file 'missing/file.py'"),
+    (["--model-kwargs", "{layers: 2}"], r"--model-kwargs '\{layers: 2\}': not JSON \(Expecting property name"),
+    (["--model-kwargs", "[2]"], r"--model-kwargs '\[2\]': expected a JSON object"),
+    (["--model-kwargs", '{"no_such_keyword": 2}'], r"--model 'tests.models:TinyGPT' with --model-kwargs .*"
+                                                   r"unexpected keyword argument 'no_such_keyword'"),
+    (["--inputs", "long:2xa"], r"--inputs 'long:2xa': the shape must be sizes joined by x, e.g. long:8x1024"),
+    (["--inputs", "bfloat17:2x16"], r"--inputs 'bfloat17:2x16': unknown dtype 'bfloat17'; .* or bf16, fp16, fp32"),
+    (["--world-size", "eight"], r"--world-size 'eight': expected positive ints, comma-separated"),
+    (["--world-size", "0"], r"--world-size '0': expected positive ints"),
+    (["--stage", "4"], r"--stage '4': expected some of 0, 1, 2, 3, comma-separated"),
+    (["--param-dtype", "bf17"], r"--param-dtype: unknown dtype 'bf17'"),
+    (["--plot", "no/such/folder/plan.png"], r"--plot 'no/such/folder/plan.png': the folder .* does not exist"),
+    (["--json", "no/such/folder/plan.json"], r"--json 'no/such/folder/plan.json': the folder .* does not exist"),
+])
+def test_a_bad_argument_is_one_line_and_exit_code_2(arguments, message, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)   # relative paths resolve here; the tests package stays importable
+    monkeypatch.syspath_prepend(str(__import__("pathlib").Path(__file__).parent.parent))
+    assert main(TINY + arguments) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if not line.startswith("[zerocc plan")]
+    assert len(lines) == 1, err
+    assert lines[0].startswith("zerocc plan: error: ")
+    assert __import__("re").search(message, lines[0]), lines[0]
+
+
+def test_dtype_aliases_are_accepted(capsys):
+    assert main([*TINY, "--param-dtype", "bf16"]) == 0
+    assert "mixed-precision accounting: bfloat16" in capsys.readouterr().out
+
+
+def test_the_table_unit_fits_a_small_model(capsys):
+    assert main(TINY) == 0
+    out = capsys.readouterr().out
+    assert "model states per rank (kB = 1e3 bytes)" in out
+    row = next(line for line in out.splitlines() if line.strip().startswith("0 "))
+    assert all(cell != "0.000" for cell in row.split()[2:6]), row   # comm/step is 0 at one rank
+
+
+def test_the_table_unit_fits_a_large_model():
+    text = table([(3, 1024, 2 * 10 ** 9, 10 ** 9, 12 * 10 ** 9, 15 * 10 ** 9, 4 * 10 ** 9)], 10 ** 9, "bfloat16")
+    assert "(GB = 1e9 bytes)" in text and "15.000" in text

@@ -1,0 +1,191 @@
+"""The loop around the step: misuse between calls is an error naming the input or object and the fix (issue 20, 7-9)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import zerocc
+from tests.models import MLP, batches, build
+
+
+def adamw(model):
+    return torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def compiled_mlp(stage=3, **options):
+    model, _, loss_fn = build("mlp")
+    optimizer = adamw(model)
+    return zerocc.compile(model, optimizer, stage=stage, loss_fn=loss_fn, **options), model, optimizer
+
+
+# -- item 8: crashes and silent cases around compile ------------------------------------
+
+@pytest.mark.parametrize("stage", [True, 3.0, "3"])
+def test_a_stage_that_only_compares_equal_to_one_is_refused(stage):
+    model = MLP()
+    with pytest.raises(zerocc.ConfigError, match=rf"stage={stage!r} is not a ZeRO stage; .* as an int"):
+        zerocc.compile(model, adamw(model), stage=stage, loss_fn=F.mse_loss)
+
+
+def test_a_model_on_the_meta_device_points_to_plan():
+    with torch.device("meta"):
+        model = MLP()
+    with pytest.raises(zerocc.ConfigError, match=r"on the meta device \(net.0.weight, .*zerocc.plan\(model, "
+                                                 r"optimizer.*model.to_empty\(device='cpu'\)"):
+        zerocc.compile(model, adamw(model), stage=3, loss_fn=F.mse_loss)
+
+
+def test_a_batch_on_the_meta_device_points_to_plan():
+    step, _, _ = compiled_mlp(stage=0)
+    x, y = batches("mlp", 1, 4)[0]
+    with pytest.raises(zerocc.ConfigError, match=r"  - argument 0 is on the meta device: .*zerocc.plan\(model"):
+        step(x.to("meta"), y)
+
+
+def test_add_param_group_after_the_first_step_is_refused_with_the_way_out():
+    model, _, loss_fn = build("mlp")
+    head = nn.Linear(5, 5)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step = zerocc.compile(model, optimizer, stage=0, loss_fn=loss_fn)
+    data = batches("mlp", 2, 4)
+    step(*data[0])
+    optimizer.add_param_group({"params": head.parameters()})
+    with pytest.raises(zerocc.ConfigError, match=r"the optimizer's parameters changed after the step's first call "
+                                                 r"\(it had 1 param group\(s\) of \d+ tensors, it now has 2 .*"
+                                                 r"Add every param group before the first step"):
+        step(*data[1])
+
+
+@pytest.mark.parametrize("method", ["report", "explain"])
+def test_report_and_explain_without_a_memory_plan(method):
+    step, _, _ = compiled_mlp(stage=0, disable=["plan_memory"])
+    step(*batches("mlp", 1, 4)[0])
+    result = getattr(step, method)()
+    if method == "report":
+        assert result["planned_peak_bytes"] is None and result["memory_pools"] is False
+    else:
+        assert "passes:" in result
+
+
+def test_memory_plan_plot_without_a_path_writes_a_default_file(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    step, _, _ = compiled_mlp(stage=0)
+    step(*batches("mlp", 1, 4)[0])
+    monkeypatch.chdir(tmp_path)
+    assert step.memory_plan.plot() == "memory_plan.png"
+    assert (tmp_path / "memory_plan.png").stat().st_size > 0
+
+
+def test_memory_budget_error_is_exported():
+    assert issubclass(zerocc.MemoryBudgetError, zerocc.ZeroccError)
+    assert "MemoryBudgetError" in zerocc.__all__
+
+
+def test_disabling_capture_says_why_it_stays():
+    step, _, _ = compiled_mlp(stage=0)
+    assert step.passes[0] == "capture"
+    model = MLP()
+    with pytest.raises(zerocc.ConfigError, match=r"cannot disable 'capture': it traces the step"):
+        zerocc.compile(model, adamw(model), stage=0, loss_fn=F.mse_loss, disable=["capture"])
+
+
+# -- item 7: run-time errors name the input and the user's line, not generated code ----------
+
+def test_a_batch_of_another_dtype_names_the_input_and_the_first_batch():
+    step, _, _ = compiled_mlp(stage=3)
+    x, y = batches("mlp", 1, 4)[0]
+    step(x, y)
+    with pytest.raises(zerocc.ConfigError, match=r"this batch cannot run in the compiled step \(the first batch was "
+                                                 r"argument 0: \(4, 12\) float32 on cpu, argument 1: \(4, 5\) float32 "
+                                                 r"on cpu\).*\n  - argument 0 is float64, the first batch's was float32: "
+                                                 r"cast it \(.to\(torch.float32\)\)"):
+        step(x.double(), y)
+    assert torch.isfinite(step(x, y))   # refused before running: the step goes on
+
+
+def test_a_batch_that_requires_grad_is_refused_with_the_fix():
+    step, _, _ = compiled_mlp(stage=0)
+    x, y = batches("mlp", 1, 4)[0]
+    with pytest.raises(zerocc.ConfigError, match=r"  - argument 0 requires grad: .*pass it detached \(x.detach\(\)\)"):
+        step(x.clone().requires_grad_(), y)
+    step(x, y)
+    with pytest.raises(zerocc.ConfigError, match=r"argument 1 requires grad"):
+        step(x, y.clone().requires_grad_())
+
+
+def test_an_out_of_range_token_id_names_the_users_line():
+    model, _, _ = build("gpt")
+    step = zerocc.compile(model, adamw(model), stage=3)
+    ids, labels = batches("gpt", 1, 2)[0]
+    step(ids, labels)
+    bad = ids.clone()
+    bad[0, 0] = 10_000
+    with pytest.raises(IndexError, match=r"zerocc: IndexError raised by the compiled step at .*gpt.py:\d+: "
+                                         r"x = self.wte\(tokens\).*a token id >= the embedding's num_embeddings"):
+        step(bad, labels)
+    assert torch.isfinite(step(ids, labels))   # the data error happened before any state changed
+
+
+def test_eval_forward_checks_its_batch_and_names_the_users_line():
+    model, _, _ = build("gpt")
+    step = zerocc.compile(model, adamw(model), stage=0)
+    ids, labels = batches("gpt", 1, 2)[0]
+    step(ids, labels)
+    with pytest.raises(zerocc.ConfigError, match=r"(?s)cannot run in the compiled eval_forward .*argument 0 is int32"):
+        step.eval_forward(ids.int(), labels)
+    bad = ids.clone()
+    bad[0, 0] = 10_000
+    with pytest.raises(IndexError, match=r"raised by the compiled eval_forward at .*gpt.py:\d+: x = self.wte"):
+        step.eval_forward(bad, labels)
+
+
+# -- items 7 and 9 across ranks: clear errors on every rank, never a hang ---------------------
+
+def _shape_changes_on_one_rank_at_call_3(rank, world_size):
+    import time
+    step, _, _ = compiled_mlp(stage=3)   # no timeout=: the per-call check must not need one
+    started = time.monotonic()
+    try:
+        for call in range(1, 5):
+            step(*batches("mlp", 1, 6 if rank == 1 and call == 3 else 4)[0])
+    except zerocc.RankMismatchError as error:
+        return call, str(error), time.monotonic() - started
+    return call, "no error", time.monotonic() - started
+
+
+@pytest.mark.multirank
+def test_a_batch_shape_that_changes_on_one_rank_after_the_first_call_fails_on_every_rank():
+    from tests.test_failures import run_tolerant
+    results, exit_codes = run_tolerant(_shape_changes_on_one_rank_at_call_3, 2, limit=150)   # the deadline
+    assert exit_codes == [0, 0], (exit_codes, results)   # nobody hung
+    for call, message, _ in results:
+        assert call == 3
+        assert "ranks [1] were called with a batch of other shapes than rank 0's in this call" in message
+        assert "rank 0: input 0: float32[4, 12]; input 1: float32[4, 5]" in message
+        assert "rank 1: input 0: float32[6, 12]; input 1: float32[6, 5]" in message
+        assert "fix: give every rank a batch of the same shapes at every call" in message
+
+
+def _eval_forward_on_rank_0_only(rank, world_size):
+    step, _, _ = compiled_mlp(stage=3, timeout=5)
+    x, y = batches("mlp", 1, 4)[0]
+    step(x, y)
+    if rank == 1:
+        return "skipped eval_forward"
+    try:
+        step.eval_forward(x)
+    except zerocc.RankFailureError as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.multirank
+def test_eval_forward_on_one_rank_only_says_it_is_collective():
+    from tests.test_failures import run_tolerant
+    results, exit_codes = run_tolerant(_eval_forward_on_rank_0_only, 2, limit=150)
+    assert exit_codes == [0, 0], (exit_codes, results)
+    assert results[1] == "skipped eval_forward"
+    assert "rank 0 of 2: a collective of eval_forward after step 1 did not complete within 5 s" in results[0]
+    assert "eval_forward is a collective (it gathers the sharded parameters): every rank must call it" in results[0]
