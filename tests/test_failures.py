@@ -20,10 +20,9 @@ def adamw(model):
     return torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
-def _tolerant_entry(rank, world_size, port, folder, fn, args):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+def _tolerant_entry(rank, world_size, folder, fn, args):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    distributed.init_process_group(rank, world_size, folder)
     result = fn(rank, world_size, *args)
     torch.save(result, os.path.join(folder, f"rank{rank}.pt"))
     os._exit(0)   # no destroy_process_group: its peers may be gone
@@ -32,8 +31,7 @@ def _tolerant_entry(rank, world_size, port, folder, fn, args):
 def run_tolerant(fn, world_size, *args, limit=180):
     """Like ``distributed.run``, but a rank may exit early: returns (results or None, exit codes), by rank."""
     with tempfile.TemporaryDirectory() as folder:
-        port = distributed.free_port()
-        processes = [distributed.process(_tolerant_entry, r, world_size, port, folder, fn, args)
+        processes = [distributed.process(_tolerant_entry, r, world_size, folder, fn, args)
                      for r in range(world_size)]
         for process in processes:
             process.start()
