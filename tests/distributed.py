@@ -155,8 +155,8 @@ def run(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT):
         for rank, p in enumerate(processes):
             paths = _paths(folder, rank)
             if rank in stuck:
-                problems.append(f"rank {rank} was still running {elapsed:.0f} s after the start (deadline {timeout:g} s; "
-                                f"killed); its stack:\n"
+                problems.append(f"rank {rank} was still running {elapsed:.0f} s after the start "
+                                f"(deadline {timeout:g} s; killed); its stack:\n"
                                 + _stack_summary(paths["stack"]))
             elif os.path.exists(paths["error"]):
                 with open(paths["error"]) as file:

@@ -69,6 +69,7 @@ def _one_rank_dies(rank, world_size, stage):
     return "no error", "", time.monotonic() - started
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("world_size,stage", [(2, 3), (4, 1)])
 def test_a_dead_rank_stops_the_others_with_a_clear_error(world_size, stage):
     results, exit_codes = run_tolerant(_one_rank_dies, world_size, stage)
@@ -92,6 +93,7 @@ def _different_batch_shapes(rank, world_size):
     return "no error"
 
 
+@pytest.mark.multirank
 def test_different_shapes_on_one_rank_fail_at_compile_naming_the_rank():
     for message in distributed.run(_different_batch_shapes, 2):
         assert "ranks [1] compiled a different step than rank 0" in message
@@ -112,6 +114,7 @@ def _different_code(rank, world_size):
     return "no error"
 
 
+@pytest.mark.multirank
 def test_different_code_on_one_rank_fails_at_compile():
     for message in distributed.run(_different_code, 4):
         assert "ranks [2] compiled a different step than rank 0" in message
