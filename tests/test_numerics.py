@@ -90,9 +90,23 @@ def sgd(model):
     return torch.optim.SGD(model.parameters(), lr=1.0)
 
 
+# the slots (persistent tensors) by the report's kinds of model state; gradients are not persistent
+HELD_SLOTS = {"bucket": "params", "compute": "params", "param": "params", "frozen": "params", "state": "optimizer"}
+
+
+def held_bytes(step) -> dict[str, int]:
+    """The bytes the step's slot tensors really take, by kind: what ``model_state_bytes_per_rank`` must report."""
+    held = {"params": 0, "optimizer": 0}
+    for slot, tensor in step._slots.items():
+        if slot.split(":")[0] in HELD_SLOTS:
+            held[HELD_SLOTS[slot.split(":")[0]]] += tensor.numel() * tensor.element_size()
+    return held
+
+
 def _train_all_stages(rank, world_size, name, memory_pools=None):
     """Per rank: DDP's losses, final state and first-step gradients (mean over ranks); then each stage's
-    losses, final state and (at 2 ranks, to keep the suite's time) first SGD update.
+    losses, final state, (at 2 ranks, to keep the suite's time) first SGD update, and the bytes its slots
+    hold beside the bytes its report says they hold.
 
     Each rank builds its zerocc model from its own seed, as jobs on several machines can: compile
     broadcasts rank 0's weights, so every rank trains as DDP does from rank 0's (seed 0) weights.
@@ -110,7 +124,9 @@ def _train_all_stages(rank, world_size, name, memory_pools=None):
         model, _, _ = build(name, seed=rank)
         step = zerocc.compile(model, adamw(model), stage=stage, loss_fn=loss_fn, memory_pools=memory_pools)
         losses = [step(*batch) for batch in local]
-        results[stage] = (losses, step.full_state_dict(), None)
+        reported = step.report()["model_state_bytes_per_rank"]
+        results[stage] = (losses, step.full_state_dict(), None, held_bytes(step),
+                          {kind: reported[kind] for kind in ("params", "optimizer")})
         if world_size != 2:
             continue
         model, _, _ = build(name, seed=rank)
@@ -118,7 +134,8 @@ def _train_all_stages(rank, world_size, name, memory_pools=None):
         before = sgd_step.full_state_dict()
         sgd_step(*local[0])
         results[stage] = (losses, results[stage][1],
-                          {key: value - before[key] for key, value in sgd_step.full_state_dict().items()})
+                          {key: value - before[key] for key, value in sgd_step.full_state_dict().items()},
+                          *results[stage][3:])
     return results
 
 
@@ -131,7 +148,8 @@ def test_world_size_n_matches_ddp(name, world_size, memory_pools):
     for rank, results in enumerate(per_rank):
         expected_losses, expected_state, expected_gradients = results["ddp"]
         for stage in STAGES:
-            losses, state, update = results[stage]
+            losses, state, update, held, reported = results[stage]
+            assert held == reported, f"stage {stage} rank {rank}: the slots hold {held}, the report says {reported}"
             torch.testing.assert_close(torch.stack(losses), torch.stack(expected_losses), rtol=1e-5, atol=1e-6,
                                        msg=lambda m: f"stage {stage} rank {rank} losses: {m}")
             if update is not None:   # SGD with lr 1: the first update is minus the averaged gradient
