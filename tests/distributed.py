@@ -127,7 +127,7 @@ def _stop(processes, folder):
         os.kill(processes[rank].pid, signal.SIGUSR1)
     stacks = [_paths(folder, rank)["stack"] for rank in stuck]
     end = time.monotonic() + STACK_DUMP_WAIT
-    while time.monotonic() < end and not all(os.path.getsize(path) > 0 for path in stacks):
+    while time.monotonic() < end and not all(os.path.exists(path) and os.path.getsize(path) > 0 for path in stacks):
         time.sleep(0.05)
     time.sleep(0.2)   # let the last lines of a dump reach the file
     for rank in stuck:
@@ -145,12 +145,18 @@ def run(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT):
     context()
     with tempfile.TemporaryDirectory() as folder:
         processes = [process(_rank, rank, world_size, folder, fn, args) for rank in range(world_size)]
-        for p in processes:
-            p.start()
-        started = time.monotonic()
-        _wait(processes, started + timeout)
-        elapsed = time.monotonic() - started
-        stuck = _stop(processes, folder)
+        try:
+            for p in processes:
+                p.start()
+            started = time.monotonic()
+            _wait(processes, started + timeout)
+            elapsed = time.monotonic() - started
+            stuck = _stop(processes, folder)
+        finally:   # interrupted (Ctrl-C, pytest-timeout): no rank outlives the test
+            for p in processes:
+                if p.is_alive():
+                    p.kill()
+                    p.join()
         problems = []
         for rank, p in enumerate(processes):
             paths = _paths(folder, rank)
