@@ -74,6 +74,7 @@ def _against_ddp(rank, world_size, names):
     return results
 
 
+@pytest.mark.multirank
 def test_world_size_2_matches_ddp():
     for rank, results in enumerate(distributed.run(_against_ddp, 2, sorted(ARCHITECTURES))):
         for name, (expected, got, expected_state, state) in results.items():

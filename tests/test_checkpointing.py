@@ -201,6 +201,7 @@ def _gather_under(node):
     return None
 
 
+@pytest.mark.multirank
 def test_stage3_two_ranks_budget_equals_no_budget_spent_on_gathers_first():
     for results in distributed.run(_stage3_two_ranks, 2):
         without = results["without"]

@@ -21,6 +21,7 @@ def _measure(rank, world_size, stage, bucket_bytes=16 * 1024, disable=()):
     return step.report(), dict(counter.calls), dict(counter.bytes)
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_reported_volume_is_what_is_issued_and_what_the_paper_says(stage):
     for report, calls, volume in distributed.run(_measure, 2, stage):
@@ -50,6 +51,7 @@ def _measure_one_bucket_scheduled_and_not(rank, world_size):
     return _measure(rank, world_size, 3, 1 << 30), _measure(rank, world_size, 3, 1 << 30, ("schedule",))
 
 
+@pytest.mark.multirank
 def test_stage_3_is_three_times_the_parameters_when_backward_gathers_every_bucket_again():
     for scheduled, unscheduled in distributed.run(_measure_one_bucket_scheduled_and_not, 2):   # one bucket
         report, calls, volume = unscheduled

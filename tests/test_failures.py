@@ -20,10 +20,9 @@ def adamw(model):
     return torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
-def _tolerant_entry(rank, world_size, port, folder, fn, args):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+def _tolerant_entry(rank, world_size, folder, fn, args):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    distributed.init_process_group(rank, world_size, folder)
     result = fn(rank, world_size, *args)
     torch.save(result, os.path.join(folder, f"rank{rank}.pt"))
     os._exit(0)   # no destroy_process_group: its peers may be gone
@@ -32,8 +31,7 @@ def _tolerant_entry(rank, world_size, port, folder, fn, args):
 def run_tolerant(fn, world_size, *args, limit=180):
     """Like ``distributed.run``, but a rank may exit early: returns (results or None, exit codes), by rank."""
     with tempfile.TemporaryDirectory() as folder:
-        port = distributed.free_port()
-        processes = [distributed.process(_tolerant_entry, r, world_size, port, folder, fn, args)
+        processes = [distributed.process(_tolerant_entry, r, world_size, folder, fn, args)
                      for r in range(world_size)]
         for process in processes:
             process.start()
@@ -71,6 +69,7 @@ def _one_rank_dies(rank, world_size, stage):
     return "no error", "", time.monotonic() - started
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("world_size,stage", [(2, 3), (4, 1)])
 def test_a_dead_rank_stops_the_others_with_a_clear_error(world_size, stage):
     results, exit_codes = run_tolerant(_one_rank_dies, world_size, stage)
@@ -94,6 +93,7 @@ def _different_batch_shapes(rank, world_size):
     return "no error"
 
 
+@pytest.mark.multirank
 def test_different_shapes_on_one_rank_fail_at_compile_naming_the_rank():
     for message in distributed.run(_different_batch_shapes, 2):
         # found by the check every call makes (failures.check_batches_agree), before compiling
@@ -115,6 +115,7 @@ def _different_code(rank, world_size):
     return "no error"
 
 
+@pytest.mark.multirank
 def test_different_code_on_one_rank_fails_at_compile():
     for message in distributed.run(_different_code, 4):
         assert "ranks [2] compiled a different step than rank 0" in message

@@ -8,6 +8,7 @@ Frozen parameters are kept whole on every rank (not sharded, even at stage 3).
 """
 from __future__ import annotations
 
+import pytest
 import torch
 
 import zerocc
@@ -53,6 +54,7 @@ def _frozen_against_ddp(rank, world_size):
     return expected, {k: v.clone() for k, v in reference.state_dict().items()}, initial, results
 
 
+@pytest.mark.multirank
 def test_frozen_parameters_get_no_gradient_no_state_no_reduction_and_train_as_ddp():
     for rank, (expected, expected_state, initial, results) in enumerate(distributed.run(_frozen_against_ddp, 2)):
         for stage, got in results.items():

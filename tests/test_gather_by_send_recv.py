@@ -45,6 +45,7 @@ def _gather(rank, world_size, rows):
     return full, reference, c10d.wait_tensor(second), c10d.wait_tensor(first)
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_the_op_gathers_what_all_gather_gathers(world_size):
     for full, reference, second, first in distributed.run(_gather, world_size, 5):

@@ -229,6 +229,7 @@ def _two_ranks(rank, world_size):
     return results
 
 
+@pytest.mark.multirank
 def test_world_size_2_places_gathered_parameters_and_gradients_exactly():
     for result in distributed.run(_two_ranks, 2):
         for stage, (losses, report, plan) in result.items():

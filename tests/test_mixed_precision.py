@@ -152,6 +152,7 @@ def _train_world_size_n(rank, world_size, name, precision, scaling):
     return results
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("case", ["bf16", "fp16_dynamic"])
 def test_world_size_2_matches_the_hand_written_reference(case):
     """Every stage against the eager reference on 2 ranks.
@@ -211,6 +212,7 @@ def _one_rank_overflows(rank, world_size, stage):
     return before, step.full_state_dict(), step.loss_scale, owned
 
 
+@pytest.mark.multirank
 def test_an_overflow_on_one_rank_skips_the_step_on_every_rank():
     """At stage 3 each rank checks only its shard: the found-inf flag is all-reduced."""
     for before, after, scale, owned in distributed.run(_one_rank_overflows, 2, 3):
@@ -241,28 +243,32 @@ def _volumes(rank, world_size):
     return results
 
 
+@pytest.mark.multirank
 def test_gathers_move_param_dtype_bytes_and_reductions_reduce_dtype_bytes():
-    for stage, precision, report, calls, volume in distributed.run(_volumes, 2)[0]:
-        assert calls == report["collectives_per_step"]
-        assert volume == {k: v for k, v in report["comm_bytes_per_step"].items() if v}
-        padded = report["param_count"] + report["padding_elements"]        # elements, all trained here
-        reduce_bytes = 4 if precision.get("reduce_dtype") is torch.float32 else 2
-        comm = report["comm_bytes_per_step"]
-        assert report["param_dtype"] == str(precision["param_dtype"]).replace("torch.", "")
-        if stage == 0:
-            assert comm["all_reduce"] == 2 * padded * reduce_bytes and comm["all_gather"] == 0
-        elif stage in (1, 2):   # the updated fp32 master shards are gathered cast to bf16: once, 2 bytes each
-            assert comm["reduce_scatter"] == padded * reduce_bytes and comm["all_gather"] == padded * 2
-            assert comm["all_reduce"] == 0
-            held = report["model_state_bytes_per_rank"]
-            assert held["params"] == padded * 2 + padded // 2 * 4     # the bf16 bucket, the fp32 master shard
-        else:              # bf16 gathers: half of test_communication's fp32 bytes
-            assert comm["reduce_scatter"] == padded * reduce_bytes
-            # each bucket gathered once for forward, again for backward unless the schedule
-            # kept forward's copy (test_communication)
-            assert padded * 2 <= comm["all_gather"] <= 2 * padded * 2
-            # loss scaling all-reduces one fp32 found-inf flag (counted twice, as all_reduce is)
-            assert comm["all_reduce"] == (8 if "loss_scale" in precision else 0)
+    per_rank = distributed.run(_volumes, 2)
+    for rank, results in enumerate(per_rank):
+        for (stage, precision, report, calls, volume), first in zip(results, per_rank[0]):
+            assert (calls, volume) == first[3:], (rank, stage, precision)   # every rank issues the same
+            assert calls == report["collectives_per_step"]
+            assert volume == {k: v for k, v in report["comm_bytes_per_step"].items() if v}
+            padded = report["param_count"] + report["padding_elements"]        # elements, all trained here
+            reduce_bytes = 4 if precision.get("reduce_dtype") is torch.float32 else 2
+            comm = report["comm_bytes_per_step"]
+            assert report["param_dtype"] == str(precision["param_dtype"]).replace("torch.", "")
+            if stage == 0:
+                assert comm["all_reduce"] == 2 * padded * reduce_bytes and comm["all_gather"] == 0
+            elif stage in (1, 2):   # the updated fp32 master shards are gathered cast to bf16: once, 2 bytes each
+                assert comm["reduce_scatter"] == padded * reduce_bytes and comm["all_gather"] == padded * 2
+                assert comm["all_reduce"] == 0
+                held = report["model_state_bytes_per_rank"]
+                assert held["params"] == padded * 2 + padded // 2 * 4     # the bf16 bucket, the fp32 master shard
+            else:              # bf16 gathers: half of test_communication's fp32 bytes
+                assert comm["reduce_scatter"] == padded * reduce_bytes
+                # each bucket gathered once for forward, again for backward unless the schedule
+                # kept forward's copy (test_communication)
+                assert padded * 2 <= comm["all_gather"] <= 2 * padded * 2
+                # loss scaling all-reduces one fp32 found-inf flag (counted twice, as all_reduce is)
+                assert comm["all_reduce"] == (8 if "loss_scale" in precision else 0)
 
 
 def test_the_loss_scale_is_checkpointed(tmp_path):
@@ -273,6 +279,7 @@ def test_the_loss_scale_is_checkpointed(tmp_path):
         original(*batch)
     assert original.loss_scale == 2.0 ** 16
     zerocc.save_checkpoint(original, tmp_path / "ckpt")
+    saved = original.full_state_dict()
     resumed = _compiled("mlp", 3, param_dtype=torch.float16, loss_scale=scaling)
     zerocc.load_checkpoint(resumed, tmp_path / "ckpt")     # before its first step
     assert resumed.loss_scale == 2.0 ** 16
@@ -281,6 +288,11 @@ def test_the_loss_scale_is_checkpointed(tmp_path):
         assert resumed.loss_scale == original.loss_scale
     plain = _compiled("mlp", 3)                            # a step without loss scaling ignores the scale
     zerocc.load_checkpoint(plain, tmp_path / "ckpt")
+    assert plain.loss_scale is None
+    loaded = plain.full_state_dict()
+    assert loaded.keys() == saved.keys()
+    for key, value in saved.items():                       # but takes the fp32 masters
+        assert torch.equal(loaded[key], value), key
 
 
 def test_unsupported_precision_settings_are_refused_clearly():
@@ -330,6 +342,7 @@ def _bf16_stage_2_checkpoint(rank, world_size, folder):
     return saved, slots, expected, after_running, before_running, original.shard_plan.buckets[0].shard_numel
 
 
+@pytest.mark.multirank
 def test_stage_2_bf16_keeps_fp32_master_shards_checkpoints_them_and_resumes_exactly(tmp_path):
     from tests.test_checkpoint import read_whole
     per_rank = distributed.run(_bf16_stage_2_checkpoint, 2, str(tmp_path))

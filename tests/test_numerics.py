@@ -4,7 +4,10 @@ World size 1: every stage equals eager bit for bit (torch.equal), losses and
 parameters, for several steps, with plain allocation and with memory pools
 (``compile(memory_pools=True)``: outputs written into arenas at planned
 offsets). World size N: every stage matches DDP on the same global batch
-within float tolerance (with pools too, for the GPT at 2 ranks).
+within float tolerance (with pools too, for the GPT at 2 ranks), starting from
+rank 0's weights whatever each rank built, with the first SGD update equal to
+minus DDP's averaged gradient, and every rank holding the same parameters bit
+for bit.
 """
 from __future__ import annotations
 
@@ -81,38 +84,84 @@ def test_learning_rate_schedule_is_read_every_step():
         assert torch.equal(step.full_state_dict()[key], value), key
 
 
+def sgd(model):
+    """Plain SGD, lr 1: the first update is minus the averaged gradient, so a gradient off by a factor shows
+    (Adam's first update is the gradient's sign, blind to a rank summing instead of averaging)."""
+    return torch.optim.SGD(model.parameters(), lr=1.0)
+
+
+# the slots (persistent tensors) by the report's kinds of model state; gradients are not persistent
+HELD_SLOTS = {"bucket": "params", "compute": "params", "param": "params", "frozen": "params", "state": "optimizer"}
+
+
+def held_bytes(step) -> dict[str, int]:
+    """The bytes the step's slot tensors really take, by kind: what ``model_state_bytes_per_rank`` must report."""
+    held = {"params": 0, "optimizer": 0}
+    for slot, tensor in step._slots.items():
+        if slot.split(":")[0] in HELD_SLOTS:
+            held[HELD_SLOTS[slot.split(":")[0]]] += tensor.numel() * tensor.element_size()
+    return held
+
+
 def _train_all_stages(rank, world_size, name, memory_pools=None):
-    """Per rank: DDP's losses and final state, then each stage's."""
+    """Per rank: DDP's losses, final state and first-step gradients (mean over ranks); then each stage's
+    losses, final state, first SGD update (at 2 ranks without pools, to keep the suite's time), and the
+    bytes its slots hold beside the bytes its report says they hold.
+
+    Each rank builds its zerocc model from its own seed, as jobs on several machines can: compile
+    broadcasts rank 0's weights, so every rank trains as DDP does from rank 0's (seed 0) weights.
+    """
     data = batches(name, STEPS, 4 * world_size)
     local = [tuple(t[rank * 4:(rank + 1) * 4] for t in batch) for batch in data]
     reference, _, loss_fn = build(name)
     ddp = DistributedDataParallel(reference)
     optimizer = adamw(reference)
-    expected = [eager_step(ddp, optimizer, loss_fn, batch) for batch in local]
-    results = {"ddp": (expected, {k: v.clone() for k, v in reference.state_dict().items()})}
+    expected = [eager_step(ddp, optimizer, loss_fn, local[0])]
+    gradients = {key: p.grad.clone() for key, p in reference.named_parameters()}
+    expected += [eager_step(ddp, optimizer, loss_fn, batch) for batch in local[1:]]
+    results = {"ddp": (expected, {k: v.clone() for k, v in reference.state_dict().items()}, gradients)}
     for stage in STAGES:
-        model, _, _ = build(name)
+        model, _, _ = build(name, seed=rank)
         step = zerocc.compile(model, adamw(model), stage=stage, loss_fn=loss_fn, memory_pools=memory_pools)
         losses = [step(*batch) for batch in local]
-        results[stage] = (losses, step.full_state_dict())
+        reported = step.report()["model_state_bytes_per_rank"]
+        results[stage] = (losses, step.full_state_dict(), None, held_bytes(step),
+                          {kind: reported[kind] for kind in ("params", "optimizer")})
+        if world_size != 2 or memory_pools:   # the default allocation's runs carry the SGD check
+            continue
+        model, _, _ = build(name, seed=rank)
+        sgd_step = zerocc.compile(model, sgd(model), stage=stage, loss_fn=loss_fn, memory_pools=memory_pools)
+        before = sgd_step.full_state_dict()
+        sgd_step(*local[0])
+        results[stage] = (losses, results[stage][1],
+                          {key: value - before[key] for key, value in sgd_step.full_state_dict().items()},
+                          *results[stage][3:])
     return results
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("name, world_size, memory_pools", [
     *[(name, world_size, None) for world_size in (2, 4) for name in ("mlp", "gpt", "cnn")],   # None: the default
     ("gpt", 2, True)])
 def test_world_size_n_matches_ddp(name, world_size, memory_pools):
     per_rank = distributed.run(_train_all_stages, world_size, name, memory_pools)
     for rank, results in enumerate(per_rank):
-        expected_losses, expected_state = results["ddp"]
+        expected_losses, expected_state, expected_gradients = results["ddp"]
         for stage in STAGES:
-            losses, state = results[stage]
+            losses, state, update, held, reported = results[stage]
+            assert held == reported, f"stage {stage} rank {rank}: the slots hold {held}, the report says {reported}"
             torch.testing.assert_close(torch.stack(losses), torch.stack(expected_losses), rtol=1e-5, atol=1e-6,
                                        msg=lambda m: f"stage {stage} rank {rank} losses: {m}")
+            if update is not None:   # SGD with lr 1: the first update is minus the averaged gradient
+                for key, gradient in expected_gradients.items():
+                    torch.testing.assert_close(-update[key], gradient, rtol=1e-4, atol=1e-6,
+                                               msg=lambda m: f"stage {stage} rank {rank} first update of {key}: {m}")
             assert state.keys() == expected_state.keys()
             for key, value in expected_state.items():
                 torch.testing.assert_close(state[key], value, rtol=1e-4, atol=1e-5,
                                            msg=lambda m: f"stage {stage} rank {rank} {key}: {m}")
+            for key in expected_gradients:   # the ranks hold one model: parameters equal bit for bit
+                assert torch.equal(state[key], per_rank[0][stage][1][key]), f"stage {stage} rank {rank} {key}"
 
 
 def test_compile_after_eager_steps_continues_exactly():

@@ -137,6 +137,7 @@ def _train(rank, world_size, stage):
     return results
 
 
+@pytest.mark.multirank
 def test_moved_updates_train_bit_for_bit_and_match_ddp():
     for results in distributed.run(_train, 2, 3):
         losses, state, moved = results[()]

@@ -1,7 +1,9 @@
 """The pass manager: listing, reading, disabling and adding passes; verification; dumps; explain()."""
 from __future__ import annotations
 
+import hashlib
 import os
+import re
 import sys
 
 import pytest
@@ -132,16 +134,39 @@ def test_verify_accepts_the_pipeline_and_catches_a_collective_used_before_its_wa
 
 
 def _compile_verified(rank, world_size):
+    """The fingerprint verify compared and the collectives the step issued; then a compile in which
+    rank 1 alone retags one collective (a pass registered on every rank, acting on rank 1): verify's error."""
     from zerocc import verify
     model = MLP()
     step = zerocc.compile(model, torch.optim.AdamW(model.parameters()), stage=3, loss_fn=F.mse_loss, verify=True)
     step(*batches("mlp", 1, 4)[0])
-    return verify.collective_fingerprint(step._last[0].gm)
+    fingerprint = verify.collective_fingerprint(step._last[0].gm)
+    issued = step.report()["collectives_per_step"]
+
+    def retag_on_rank_1(gm, ctx):
+        if ctx.rank == 1:
+            next(n for n in gm.graph.nodes if g.is_collective(n)).meta[g.BUCKET] = -1
+        return gm
+    zerocc.register_pass(retag_on_rank_1, after="insert_collectives")
+    model = MLP()
+    step = zerocc.compile(model, torch.optim.AdamW(model.parameters()), stage=3, loss_fn=F.mse_loss, verify=True)
+    try:
+        step(*batches("mlp", 1, 4)[0])
+        error = None
+    except zerocc.PassError as raised:
+        error = str(raised)
+    return fingerprint, issued, error
 
 
+@pytest.mark.multirank
 def test_verify_compares_collective_order_across_ranks():
-    fingerprints = distributed.run(_compile_verified, 2)
-    assert len(set(fingerprints)) == 1
+    results = distributed.run(_compile_verified, 2)
+    fingerprints = {fingerprint for fingerprint, _, _ in results}
+    assert len(fingerprints) == 1 and hashlib.sha256().hexdigest() not in fingerprints   # not the hash of nothing
+    assert all(issued.get("all_gather", 0) > 0 and issued.get("reduce_scatter", 0) > 0 for _, issued, _ in results)
+    for _, _, error in results:   # every rank learns that rank 1 differs, after the pass that made it differ
+        assert error is not None and re.search(r"(?s)pass 'retag_on_rank_1' failed.*ranks \[1\] issue different "
+                                               r"collectives \(or in a different order\) than rank 0", error), error
 
 
 def test_dump_dir_setting_and_environment_variable(tmp_path, monkeypatch):
@@ -191,6 +216,7 @@ def _train_with_and_without_the_custom_pass(rank, world_size):
     return results
 
 
+@pytest.mark.multirank
 def test_custom_pass_example_trains_exactly_as_without_it():
     for losses, gathers, losses_with, gathers_with in distributed.run(_train_with_and_without_the_custom_pass, 2):
         assert gathers_with == gathers - 1

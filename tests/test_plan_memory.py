@@ -199,6 +199,7 @@ def _two_ranks(rank, world_size):
     return results
 
 
+@pytest.mark.multirank
 def test_world_size_2_plans_gathered_parameters_and_communication_buffers():
     for result in distributed.run(_two_ranks, 2):
         assert "gathered parameters" in result["gpt"]          # stage 3 gathers parameters

@@ -62,6 +62,7 @@ def _compile_with_rank_0_keeping_the_first_bucket(rank, world_size):
                           if g.is_collective(n)]
 
 
+@pytest.mark.multirank
 def test_a_bucket_one_rank_keeps_is_kept_by_every_rank():
     """Ranks' peaks differ a little (they own different optimizer pieces); a bucket kept as a reduce-scatter on
     one rank must be kept on all, or they would issue different collectives (verify=True compares them)."""
@@ -112,6 +113,7 @@ def assert_two_ranks_train_the_same(stage, without_pass, options=None):
     return calls
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("stage", [1, 3])
 def test_two_ranks_train_bit_for_bit_as_with_reduce_scatter(stage):
     """At 2 ranks a + b is what gloo's all-reduce computes: losses and state are equal, not close. The counter

@@ -209,6 +209,7 @@ def _train_with_and_without_schedule(rank, world_size):
     return results
 
 
+@pytest.mark.multirank
 def test_kept_gathers_train_bit_for_bit_as_gathering_twice():
     for (losses, state, gathers), (losses_unscheduled, state_unscheduled, gathers_twice) in distributed.run(
             _train_with_and_without_schedule, 2):
@@ -241,6 +242,7 @@ def _train_on_gpu(rank, world_size, port, folder):
         dist.destroy_process_group()
 
 
+@pytest.mark.multirank
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices: NCCL runs collectives on its own stream")
 def test_stage_3_with_prefetch_on_two_gpus_matches_ddp():
     import os

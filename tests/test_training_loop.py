@@ -205,6 +205,7 @@ def _against_ddp(rank, world_size):
     return results
 
 
+@pytest.mark.multirank
 def test_world_size_2_matches_ddp():
     per_rank = distributed.run(_against_ddp, 2)
     for rank, results in enumerate(per_rank):
@@ -352,6 +353,7 @@ def _both_gather_modes(rank, world_size):
     return results
 
 
+@pytest.mark.multirank
 def test_stage_3_gather_modes_train_the_same_at_world_size_2():
     """Only when parameters are gathered differs: the losses and parameters are the same bit for bit."""
     for (losses, state, gathers), (kept_losses, kept_state, kept_gathers) in distributed.run(_both_gather_modes, 2):
