@@ -19,8 +19,9 @@ The reference is eager PyTorch doing what the options say:
   ``reduce_dtype`` (``tests/test_mixed_precision.mixed_eager_step``, which
   this generalizes to accumulation and clipping);
 - ``loss_scale="dynamic"``: ``torch.amp.GradScaler``, unscaling before the clip;
-- across N ranks: each rank's summed gradients all_reduced and divided by N
-  (what DDP computes), then the same update on every rank.
+- across N ranks: buffers (BatchNorm statistics) broadcast from rank 0 at the
+  start of the step, each rank's summed gradients all_reduced and divided by
+  N (what DDP does), then the same update on every rank.
 
 Options that must not change the numbers (``memory_budget``, ``memory_pools``,
 ``prefetch_bytes``, ``bucket_bytes``, the stage) have no counterpart in the
@@ -171,6 +172,8 @@ def reference_step(case, model, optimizer, loss_fn, batch, scaler, world_size):
     """One eager step as the case's options define it; returns (loss, norm before clipping or None)."""
     param_dtype, reduce_dtype, _ = PRECISIONS[case.precision]
     optimizer.zero_grad(set_to_none=True)
+    for buffer in model.buffers() if world_size > 1 else ():   # DDP: every rank starts from rank 0's statistics
+        dist.broadcast(buffer, 0)
     micro_batches = list(zip(*[t.chunk(case.grad_accumulation) for t in batch]))
     total = None
     if param_dtype is None:   # fp32: the documented reference, (loss / K).backward() per micro-batch

@@ -34,12 +34,12 @@ from tests.fuzz_reference import FREEZABLE, MODELS, OPTIMIZERS, PRECISIONS, Case
 LONG_EXAMPLES = int(os.environ.get("ZEROCC_FUZZ_EXAMPLES", "200"))
 
 
-def draw_case(choose) -> Case:
+def draw_case(choose, models=MODELS) -> Case:
     """A case, each field picked by ``choose(options)`` (Hypothesis' draw or a seeded Random's choice).
 
     Options are listed simplest first: Hypothesis shrinks a failure towards them.
     """
-    model = choose(MODELS)
+    model = choose(models)
     # eager BatchNorm refuses bf16 inputs with fp32 running statistics: the CNN has no mixed reference
     precision = choose(sorted(PRECISIONS, key=lambda name: name != "fp32")) if model != "cnn" else "fp32"
     clip = choose((None, 1.0, 0.05))
@@ -63,23 +63,28 @@ def draw_case(choose) -> Case:
 
 
 @st.composite
-def cases(draw):
-    return draw_case(lambda options: draw(st.sampled_from(options)))
+def cases(draw, models=MODELS):
+    return draw_case(lambda options: draw(st.sampled_from(options)), models)
 
 
-def random_cases(count: int, seed: int) -> list[Case]:
+def random_cases(count: int, seed: int, models=MODELS) -> list[Case]:
     generator = random.Random(seed)
-    return [draw_case(generator.choice) for _ in range(count)]
+    return [draw_case(generator.choice, models) for _ in range(count)]
+
+
+# the default suite's slice trains the cheap models (a GPT case compiles for 10-60 s on a loaded 2-core
+# machine, the MLP's and CNN's for 3-15 s); the long run draws the GPT too
+CHEAP = ("mlp", "cnn")
 
 
 # -- world size 1: bit for bit ---------------------------------------------------------
 
-SHORT = settings(max_examples=8, derandomize=True, deadline=None, database=None,
+SHORT = settings(max_examples=6, derandomize=True, deadline=None, database=None,
                  suppress_health_check=[HealthCheck.too_slow])
 
 
 @SHORT
-@given(cases())
+@given(cases(CHEAP))
 def test_world_size_1_equals_the_eager_reference(case):
     compare(run_case(case))
 
@@ -97,6 +102,9 @@ def _run_cases(rank, world_size, drawn):
     return [run_case(case, rank, world_size) for case in drawn]
 
 
+DEFAULT_RANK_SEED = 7   # 2 cases: a CNN at stage 2, an MLP at stage 3 in fp16 with loss scaling
+
+
 def _check_across_ranks(drawn, world_size=2):
     per_rank = distributed.run(_run_cases, world_size, drawn)
     for rank, outcomes in enumerate(per_rank):
@@ -106,13 +114,25 @@ def _check_across_ranks(drawn, world_size=2):
 
 @pytest.mark.multirank
 def test_world_size_2_matches_the_eager_reference():
-    _check_across_ranks(random_cases(3, seed=2))
+    _check_across_ranks(random_cases(2, seed=DEFAULT_RANK_SEED, models=CHEAP))
 
 
 @pytest.mark.slow
 @pytest.mark.multirank
 def test_world_size_2_long():
     _check_across_ranks(random_cases(max(1, LONG_EXAMPLES // 4), seed=int(os.environ.get("ZEROCC_FUZZ_SEED", "3"))))
+
+
+# -- what the fuzzer found: each failure, as the smallest case that still shows it -------------
+
+@pytest.mark.multirank
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "memory_budget with memory_pools=True at world size 2 is exceeded without an error: place_checkpoints "
+    "measures the pooled peak of the steady-state program at 44,480 bytes and keeps nothing recomputed under "
+    "a 49,536-byte budget, but the final memory plan's planned_peak_bytes is 55,040 (rank 0); at world size 1 "
+    "the two agree (zerocc/passes/place_checkpoints.py _measure against the plan after place_buffers)"))
+def test_memory_budget_with_memory_pools_holds_at_world_size_2():
+    _check_across_ranks([Case(model="mlp", stage=1, memory_budget_fraction=0.9, memory_pools=True)])
 
 
 # -- the long run as a script: every case logged, failures collected, none stops the run -----
