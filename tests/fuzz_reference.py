@@ -304,12 +304,11 @@ def tolerance_of(case: Case, world_size: int) -> Tolerance:
 
 
 def _close(got, expected, tolerance, what):
-    if tolerance is None:
-        assert got.dtype == expected.dtype and torch.equal(got, expected), \
-            f"{what}: not bit for bit: got {got!r}, expected {expected!r}"
-    else:
-        torch.testing.assert_close(got, expected, rtol=tolerance[0], atol=tolerance[1],
-                                   msg=lambda m: f"{what}: {m}")
+    """Bit for bit (rtol = atol = 0) or within ``tolerance``; NaN equals NaN (a skipped fp16 step's norm is NaN)."""
+    rtol, atol = tolerance if tolerance is not None else (0.0, 0.0)
+    assert got.dtype == expected.dtype, f"{what}: dtype {got.dtype}, expected {expected.dtype}"
+    torch.testing.assert_close(got, expected, rtol=rtol, atol=atol, equal_nan=True,
+                               msg=lambda m: f"{what}: {'not bit for bit' if tolerance is None else 'not close'}: {m}")
 
 
 def compare(outcome: Outcome, world_size: int = 1, where: str = "") -> None:
