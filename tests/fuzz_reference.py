@@ -134,8 +134,15 @@ def compile_options(case: Case, model, optimizer, loss_fn, example, world_size) 
     if case.bucket_bytes is not None:
         options["bucket_bytes"] = case.bucket_bytes
     if case.memory_budget_fraction is not None:
-        planned = zerocc.plan(model, optimizer, world_size=world_size, example_inputs=example, **options).memory_plan
-        options["memory_budget"] = int(getattr(planned, budgeted_peak(case)) * case.memory_budget_fraction)
+        # the budget bounds the highest rank's peak (ranks own different optimizer pieces), and a plan is
+        # one rank's: each rank plans its own, the highest is the baseline
+        rank = dist.get_rank() if world_size > 1 else 0
+        planned = zerocc.plan(model, optimizer, world_size=world_size, rank=rank, example_inputs=example,
+                              **options).memory_plan
+        peak = torch.tensor(getattr(planned, budgeted_peak(case)))
+        if world_size > 1:
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        options["memory_budget"] = int(int(peak) * case.memory_budget_fraction)
     return options
 
 
