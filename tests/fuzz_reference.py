@@ -1,0 +1,347 @@
+"""The differential fuzzer's cases and the eager reference each case defines (``tests/test_fuzz.py`` draws them).
+
+A ``Case`` is one combination of ``zerocc.compile`` options over one small
+model of ``tests/models.py`` (the MLP, the example GPT with tied embeddings,
+the CNN with BatchNorm), one optimizer, frozen parameters and param groups.
+``run_case`` trains the compiled step and the eager reference the options
+define on the same batches, on this rank, and returns both; ``compare``
+checks them, bit for bit where the docs promise it, within a stated
+tolerance otherwise (``tolerance_of``).
+
+The reference is eager PyTorch doing what the options say:
+
+- ``grad_accumulation=K``: K micro-batches along dim 0, ``(loss / K).backward()``
+  each, one update (``tests/test_training_loop.eager_accumulated_step``);
+- ``clip_grad_norm``: ``torch.nn.utils.clip_grad_norm_`` on the averaged gradients;
+- ``param_dtype``: the forward and backward on the fp32 masters cast to it
+  (``torch.func.functional_call``, so BatchNorm updates the master's own
+  buffers), each micro-batch's gradients cast to fp32 and summed, reduced in
+  ``reduce_dtype`` (``tests/test_mixed_precision.mixed_eager_step``, which
+  this generalizes to accumulation and clipping);
+- ``loss_scale="dynamic"``: ``torch.amp.GradScaler``, unscaling before the clip;
+- across N ranks: buffers (BatchNorm statistics) broadcast from rank 0 at the
+  start of the step, each rank's summed gradients all_reduced and divided by
+  N (what DDP does), then the same update on every rank.
+
+Options that must not change the numbers (``memory_budget``, ``memory_pools``,
+``prefetch_bytes``, ``bucket_bytes``, the stage) have no counterpart in the
+reference: that is the point of comparing.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+import torch.distributed as dist
+
+import zerocc
+from zerocc.errors import MemoryBudgetError
+from tests.models import ZOO, build
+
+MODELS = ("mlp", "gpt", "cnn")
+
+# parameters a case may freeze, per model: a leading layer (its output still feeds trained ones)
+FREEZABLE = {
+    "mlp": ("net.0.weight", "net.0.bias", "net.2.bias"),
+    "gpt": ("wpe.weight", "blocks.0.ln1.weight", "blocks.0.ln1.bias", "blocks.1.fc.weight"),
+    "cnn": ("conv1.weight", "bn1.weight", "bn1.bias"),
+}
+
+# name -> (optimizer class, keyword arguments): elementwise optimizers the docs say compile exactly
+OPTIMIZERS = {
+    "adamw": (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)),
+    "adam_amsgrad": (torch.optim.Adam, dict(lr=1e-2, amsgrad=True)),
+    "sgd_momentum": (torch.optim.SGD, dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3)),
+    "sgd": (torch.optim.SGD, dict(lr=0.1)),
+    "adagrad": (torch.optim.Adagrad, dict(lr=0.05)),
+    "rmsprop": (torch.optim.RMSprop, dict(lr=1e-3, momentum=0.5, centered=True)),
+}
+
+# name -> (param_dtype, reduce_dtype, loss_scale)
+PRECISIONS = {
+    "fp32": (None, None, None),
+    "bf16": (torch.bfloat16, torch.float32, None),
+    "bf16_reduce_bf16": (torch.bfloat16, None, None),       # reduce_dtype defaults to param_dtype
+    "fp16_dynamic": (torch.float16, torch.float32, "dynamic"),
+}
+
+TIMEOUT_S = 120   # a collective that waits longer than this on a peer turns a hang into an error
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One drawn combination; ``repr`` is a runnable ``Case(...)`` for a regression test."""
+    model: str = "mlp"
+    stage: int = 3
+    optimizer: str = "adamw"
+    precision: str = "fp32"
+    grad_accumulation: int = 1
+    clip_grad_norm: float | None = None
+    clip_norm_type: float = 2.0
+    memory_budget_fraction: float | None = None   # of the unbudgeted planned peak (zerocc.plan)
+    memory_pools: bool = False
+    prefetch_bytes: int | None = None              # None: the default
+    bucket_bytes: int | None = None
+    frozen: tuple[str, ...] = ()
+    frozen_in_optimizer: bool = True               # frozen parameters handed to the optimizer too
+    param_groups: bool = False                     # two groups: weights, and the rest with another lr and no decay
+    steps: int = 2
+    batch_size: int = 8                            # per rank
+
+
+def make_optimizer(case: Case, model: torch.nn.Module) -> torch.optim.Optimizer:
+    cls, options = OPTIMIZERS[case.optimizer]
+    params = [(n, p) for n, p in model.named_parameters() if case.frozen_in_optimizer or p.requires_grad]
+    if not case.param_groups:
+        return cls([p for _, p in params], **options)
+    weights = [p for _, p in params if p.dim() >= 2]
+    rest = [p for _, p in params if p.dim() < 2]
+    other = {"lr": options["lr"] * 0.3}
+    if "weight_decay" in options:
+        other["weight_decay"] = 0.0
+    return cls([{"params": weights}, {"params": rest, **other}], **options)
+
+
+def make_model(case: Case) -> tuple[torch.nn.Module, object]:
+    """The case's model (frozen parameters frozen) and its loss_fn; the same weights on every call."""
+    model, _, loss_fn = build(case.model)
+    for name, param in model.named_parameters():
+        if name in case.frozen:
+            param.requires_grad_(False)
+    return model, loss_fn
+
+
+def case_batches(case: Case, world_size: int, seed: int = 1) -> list[tuple[torch.Tensor, ...]]:
+    """The global batches (``batch_size`` per rank); rank r trains on its r-th slice."""
+    generator = torch.Generator().manual_seed(seed)
+    return [ZOO[case.model][1](generator, case.batch_size * world_size) for _ in range(case.steps)]
+
+
+def local(batch, rank, world_size):
+    return tuple(t.chunk(world_size)[rank] for t in batch)
+
+
+def compile_options(case: Case, model, optimizer, loss_fn, example, world_size) -> dict:
+    """``zerocc.compile`` keywords of the case; the budget is a fraction of what ``zerocc.plan`` plans without one."""
+    param_dtype, reduce_dtype, loss_scale = PRECISIONS[case.precision]
+    options = dict(stage=case.stage, loss_fn=loss_fn, grad_accumulation=case.grad_accumulation,
+                   clip_grad_norm=case.clip_grad_norm, clip_norm_type=case.clip_norm_type,
+                   param_dtype=param_dtype, reduce_dtype=reduce_dtype, loss_scale=loss_scale,
+                   memory_pools=case.memory_pools)
+    if case.prefetch_bytes is not None:
+        options["prefetch_bytes"] = case.prefetch_bytes
+    if case.bucket_bytes is not None:
+        options["bucket_bytes"] = case.bucket_bytes
+    if case.memory_budget_fraction is not None:
+        # the budget bounds the highest rank's peak (ranks own different optimizer pieces), and a plan is
+        # one rank's: each rank plans its own, the highest is the baseline
+        rank = dist.get_rank() if world_size > 1 else 0
+        planned = zerocc.plan(model, optimizer, world_size=world_size, rank=rank, example_inputs=example,
+                              **options).memory_plan
+        peak = torch.tensor(getattr(planned, budgeted_peak(case)))
+        if world_size > 1:
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        options["memory_budget"] = int(int(peak) * case.memory_budget_fraction)
+    return options
+
+
+def budgeted_peak(case: Case) -> str:
+    """The memory plan's peak (and report entry) that ``memory_budget`` bounds: with memory pools, the pooled layout's peak (the arenas,
+    allocated whole, plus what lives outside them: ``passes/place_checkpoints.py``), else the live peak."""
+    return "planned_peak_bytes" if case.memory_pools else "live_peak_bytes"
+
+
+def loss_of(model, loss_fn, batch):
+    return model(*batch) if loss_fn is None else loss_fn(model(*batch[:-1]), batch[-1])
+
+
+def _micro_gradients(case, model, loss_fn, micro, dtype, scale):
+    """(loss / K, this micro-batch's gradients in fp32 by parameter name) on ``dtype`` copies of the masters."""
+    trained = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    computed = {n: p.detach().to(dtype).requires_grad_(p.requires_grad) for n, p in model.named_parameters()}
+    inputs = [t.to(dtype) if t.is_floating_point() else t for t in micro[:-1]] if loss_fn else list(micro)
+    targets = [micro[-1]] if loss_fn else []
+
+    def forward(*args):
+        return torch.func.functional_call(model, computed, args, tie_weights=True, strict=False)
+    loss = forward(*inputs) if loss_fn is None else loss_fn(forward(*inputs), *targets)
+    loss = loss.float()
+    if case.grad_accumulation > 1:
+        loss = loss / case.grad_accumulation
+    differentiated = loss * scale if scale is not None else loss
+    names = list(trained)
+    grads = torch.autograd.grad(differentiated, [computed[n] for n in names], allow_unused=True)
+    return loss.detach(), {n: None if g is None else g.to(trained[n].dtype) for n, g in zip(names, grads)}
+
+
+def reference_step(case, model, optimizer, loss_fn, batch, scaler, world_size):
+    """One eager step as the case's options define it; returns (loss, norm before clipping or None)."""
+    param_dtype, reduce_dtype, _ = PRECISIONS[case.precision]
+    optimizer.zero_grad(set_to_none=True)
+    for buffer in model.buffers() if world_size > 1 else ():   # DDP: every rank starts from rank 0's statistics
+        dist.broadcast(buffer, 0)
+    micro_batches = list(zip(*[t.chunk(case.grad_accumulation) for t in batch]))
+    total = None
+    if param_dtype is None:   # fp32: the documented reference, (loss / K).backward() per micro-batch
+        for micro in micro_batches:
+            loss = loss_of(model, loss_fn, micro)
+            if case.grad_accumulation > 1:
+                loss = loss / case.grad_accumulation
+            loss.backward()
+            total = loss.detach() if total is None else total + loss.detach()
+    else:
+        grads = {}
+        for micro in micro_batches:
+            scale = scaler.scale(torch.ones(())).reshape(()) if scaler is not None else None   # also creates it
+            loss, micro_grads = _micro_gradients(case, model, loss_fn, micro, param_dtype, scale)
+            for name, grad in micro_grads.items():   # AccumulateGrad's order: the running sum, then the new one
+                old = grads.get(name)
+                grads[name] = grad if old is None else old if grad is None else old + grad
+            total = loss if total is None else total + loss
+        for name, param in model.named_parameters():
+            if param.requires_grad:
+                param.grad = grads.get(name)
+    reduce = reduce_dtype or param_dtype
+    for param in model.parameters():
+        if param.grad is None:
+            continue
+        if reduce is not None and reduce != param.grad.dtype:   # reduced in reduce_dtype, cast back
+            reduced = param.grad.to(reduce)
+            if world_size > 1:
+                dist.all_reduce(reduced)
+                reduced.div_(world_size)
+            param.grad = reduced.to(param.dtype)
+        elif world_size > 1:
+            dist.all_reduce(param.grad)
+            param.grad.div_(world_size)
+    if scaler is not None:
+        scaler.unscale_(optimizer)
+    norm = None
+    if case.clip_grad_norm is not None:
+        trained = [p for p in model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(trained, case.clip_grad_norm, norm_type=case.clip_norm_type)
+    if scaler is not None:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
+    return total.float(), norm
+
+
+@dataclasses.dataclass
+class Outcome:
+    """What one case did on one rank: the reference's and the compiled step's losses, norms and final state."""
+    case: Case
+    expected_losses: list
+    expected_norms: list
+    expected_state: dict
+    expected_scale: float | None
+    losses: list = dataclasses.field(default_factory=list)
+    norms: list = dataclasses.field(default_factory=list)
+    state: dict = dataclasses.field(default_factory=dict)
+    scale: float | None = None
+    budget: int | None = None
+    peak_bytes: int | None = None  # what the budget bounds (budgeted_peak)
+    refused: str | None = None     # a documented refusal (MemoryBudgetError): not a failure
+    error: str | None = None       # anything else raised: a failure
+    seconds: float = 0.0
+
+
+def run_case(case: Case, rank: int = 0, world_size: int = 1) -> Outcome:
+    """Train the reference and the compiled step on this rank's slices of the same batches."""
+    start = time.perf_counter()
+    data = [local(batch, rank, world_size) for batch in case_batches(case, world_size)]
+    reference, loss_fn = make_model(case)
+    reference_optimizer = make_optimizer(case, reference)
+    scaler = torch.amp.GradScaler("cpu") if PRECISIONS[case.precision][2] else None
+    expected = [reference_step(case, reference, reference_optimizer, loss_fn, batch, scaler, world_size)
+                for batch in data]
+    outcome = Outcome(case, [e for e, _ in expected], [n for _, n in expected],
+                      {k: v.clone() for k, v in reference.state_dict().items()},
+                      scaler.get_scale() if scaler is not None else None)
+    model, _ = make_model(case)
+    optimizer = make_optimizer(case, model)
+    try:
+        options = compile_options(case, model, optimizer, loss_fn, data[0], world_size)
+        outcome.budget = options.get("memory_budget")
+        step = zerocc.compile(model, optimizer, timeout=TIMEOUT_S if world_size > 1 else None, **options)
+        for batch in data:
+            outcome.losses.append(step(*batch))
+            outcome.norms.append(step.last_grad_norm)
+        outcome.state = step.full_state_dict()
+        outcome.scale = step.loss_scale if case.precision == "fp16_dynamic" else None
+        outcome.peak_bytes = step.report()[budgeted_peak(case)]
+    except MemoryBudgetError as error:
+        outcome.refused = f"{type(error).__name__}: {error}"
+    except Exception as error:  # noqa: BLE001  (every other error is a finding, reported with the case)
+        outcome.error = f"{type(error).__name__}: {error}"
+    outcome.seconds = time.perf_counter() - start
+    return outcome
+
+
+@dataclasses.dataclass(frozen=True)
+class Tolerance:
+    """How close the compiled step must be to the reference: None means bit for bit (torch.equal)."""
+    losses: tuple[float, float] | None      # (rtol, atol)
+    state: tuple[float, float] | None
+
+
+EXACT = Tolerance(None, None)
+# across ranks, fp32 reductions: gloo sums in another order than one process would (test_numerics' bounds)
+ACROSS_RANKS = Tolerance((1e-5, 1e-6), (1e-4, 1e-5))
+# gradients reduced in bf16 (8 bits of mantissa): the same sum in another order or another rounding point
+# moves a gradient by an ulp of bf16 (4e-3 relative); Adam-like updates normalize the gradient, so a
+# parameter near zero may move by up to a learning rate's worth (1e-2) over the case's steps
+LOW_PRECISION_REDUCTION = Tolerance((1e-2, 1e-3), (2e-2, 3e-2))
+
+
+def tolerance_of(case: Case, world_size: int) -> Tolerance:
+    """Bit for bit where the docs promise it: world size 1 with fp32 reductions (any stage, any option).
+
+    README and ``zerocc.compile``'s docstring: stages 0-3 at world size 1 equal eager PyTorch bit for bit,
+    also with accumulation, clipping, a memory budget (recomputation is exact) and memory pools;
+    ``tests/test_mixed_precision.py`` pins bf16 and fp16 with fp32 reductions bit for bit. A bf16
+    reduction at world size 1 is a cast round trip the reference also does, so it is exact too.
+    """
+    reduce = PRECISIONS[case.precision][1] or PRECISIONS[case.precision][0]
+    if world_size == 1:
+        return EXACT
+    return ACROSS_RANKS if reduce in (None, torch.float32) else LOW_PRECISION_REDUCTION
+
+
+def _close(got, expected, tolerance, what):
+    """Bit for bit (rtol = atol = 0) or within ``tolerance``; NaN equals NaN (a skipped fp16 step's norm is NaN)."""
+    rtol, atol = tolerance if tolerance is not None else (0.0, 0.0)
+    assert got.dtype == expected.dtype, f"{what}: dtype {got.dtype}, expected {expected.dtype}"
+    torch.testing.assert_close(got, expected, rtol=rtol, atol=atol, equal_nan=True,
+                               msg=lambda m: f"{what}: {'not bit for bit' if tolerance is None else 'not close'}: {m}")
+
+
+def compare(outcome: Outcome, world_size: int = 1, where: str = "") -> None:
+    """Assert that the compiled step trained as the reference did (a refusal must be a documented one)."""
+    case = outcome.case
+    where = f"{case!r}{where}"
+    assert outcome.error is None, f"{where}: raised {outcome.error}"
+    if outcome.refused is not None:   # a budget below the smallest reachable peak; a budget >= the plan must fit
+        assert case.memory_budget_fraction is not None and case.memory_budget_fraction < 1, \
+            f"{where}: refused {outcome.refused}"
+        return
+    tolerance = tolerance_of(case, world_size)
+    _close(torch.stack(outcome.losses), torch.stack(outcome.expected_losses), tolerance.losses, f"{where} losses")
+    if case.clip_grad_norm is not None:
+        _close(torch.stack(outcome.norms), torch.stack(outcome.expected_norms), tolerance.losses, f"{where} norms")
+    assert outcome.scale == outcome.expected_scale, f"{where}: loss scale {outcome.scale} != {outcome.expected_scale}"
+    assert outcome.state.keys() == outcome.expected_state.keys(), where
+    for key, value in outcome.expected_state.items():
+        _close(outcome.state[key], value, tolerance.state, f"{where} {key}")
+    if outcome.budget is not None:
+        assert outcome.peak_bytes <= outcome.budget, \
+            f"{where}: {budgeted_peak(case)} {outcome.peak_bytes} over the budget {outcome.budget}"
+
+
+def describe(outcome: Outcome) -> str:
+    """One line for the long run's log."""
+    status = "ERROR " + outcome.error if outcome.error else "refused" if outcome.refused else "ran"
+    return f"{outcome.seconds:6.1f}s {status[:300]}  {outcome.case!r}"
+

@@ -1,0 +1,165 @@
+"""Differential fuzzing: drawn combinations of compile options against the eager reference they define.
+
+``draw_case`` picks a model (MLP, tied-embedding GPT, BatchNorm CNN), a stage,
+an optimizer, param groups, frozen parameters, mixed precision and loss
+scaling, gradient accumulation, clipping, a memory budget (a fraction of the
+unbudgeted planned peak), memory pools, prefetch and bucket sizes;
+``tests/fuzz_reference.py`` trains the compiled step and the eager reference
+on the same batches and compares them (bit for bit at world size 1, within
+the tolerances stated there across ranks).
+
+The default suite runs a short derandomized slice (5 cases at world size 1,
+2 cases inside one 2-rank run). The long run, and the regression cases it
+found, are in ``docs/fuzzing.md``:
+
+    ZEROCC_FUZZ_EXAMPLES=200 python -m pytest -m slow tests/test_fuzz.py
+    python -m tests.test_fuzz --examples 200 --seed 1 [--world-size 2]   # logs every case, keeps going
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+import os
+import random
+import sys
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests import distributed
+from tests.fuzz_reference import FREEZABLE, MODELS, OPTIMIZERS, PRECISIONS, Case, compare, describe, run_case
+
+LONG_EXAMPLES = int(os.environ.get("ZEROCC_FUZZ_EXAMPLES", "200"))
+
+
+def draw_case(choose, models=MODELS) -> Case:
+    """A case, each field picked by ``choose(options)`` (Hypothesis' draw or a seeded Random's choice).
+
+    Options are listed simplest first: Hypothesis shrinks a failure towards them.
+    """
+    model = choose(models)
+    # eager BatchNorm refuses bf16 inputs with fp32 running statistics: the CNN has no mixed reference
+    precision = choose(sorted(PRECISIONS, key=lambda name: name != "fp32")) if model != "cnn" else "fp32"
+    clip = choose((None, 1.0, 0.05))
+    frozen_sets = [()] + [c for n in (1, 2) for c in itertools.combinations(FREEZABLE[model], n)]
+    return Case(
+        model=model,
+        stage=choose((3, 0, 1, 2)),
+        optimizer=choose(sorted(OPTIMIZERS, key=lambda name: name != "adamw")),
+        precision=precision,
+        grad_accumulation=choose((1, 2, 4)),
+        clip_grad_norm=clip,
+        clip_norm_type=choose((2.0, math.inf)) if clip is not None else 2.0,
+        memory_budget_fraction=choose((None, 1.0, 0.9, 0.75)),
+        memory_pools=choose((False, True)),
+        prefetch_bytes=choose((None, 0, 4096)),
+        bucket_bytes=choose((None, 16384, 2048)),
+        frozen=choose(frozen_sets),
+        frozen_in_optimizer=choose((True, False)),
+        param_groups=choose((False, True)),
+    )
+
+
+@st.composite
+def cases(draw, models=MODELS):
+    return draw_case(lambda options: draw(st.sampled_from(options)), models)
+
+
+def random_cases(count: int, seed: int, models=MODELS) -> list[Case]:
+    generator = random.Random(seed)
+    return [draw_case(generator.choice, models) for _ in range(count)]
+
+
+# the default suite's slice trains the cheap models (a GPT case compiles for 10-60 s on a loaded 2-core
+# machine, the MLP's and CNN's for 3-15 s); the long run draws the GPT too
+CHEAP = ("mlp", "cnn")
+
+
+# -- world size 1: bit for bit ---------------------------------------------------------
+
+SHORT = settings(max_examples=5, derandomize=True, deadline=None, database=None,
+                 suppress_health_check=[HealthCheck.too_slow])
+
+
+@SHORT
+@given(cases(CHEAP))
+def test_world_size_1_equals_the_eager_reference(case):
+    compare(run_case(case))
+
+
+@pytest.mark.slow
+@settings(max_examples=LONG_EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@given(cases())
+def test_world_size_1_long(case):
+    compare(run_case(case))
+
+
+# -- world size 2: within tolerance, several cases in one process group ----------------------
+
+def _run_cases(rank, world_size, drawn):
+    return [run_case(case, rank, world_size) for case in drawn]
+
+
+DEFAULT_RANK_SEED = 7   # 2 cases: a CNN at stage 2, an MLP at stage 3 in fp16 with loss scaling
+
+
+def _check_across_ranks(drawn, world_size=2):
+    per_rank = distributed.run(_run_cases, world_size, drawn)
+    for rank, outcomes in enumerate(per_rank):
+        for outcome in outcomes:
+            compare(outcome, world_size, where=f" rank {rank}")
+
+
+@pytest.mark.multirank
+def test_world_size_2_matches_the_eager_reference():
+    _check_across_ranks(random_cases(2, seed=DEFAULT_RANK_SEED, models=CHEAP))
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+def test_world_size_2_long():
+    _check_across_ranks(random_cases(max(1, LONG_EXAMPLES // 4), seed=int(os.environ.get("ZEROCC_FUZZ_SEED", "3"))))
+
+
+# -- what the fuzzer found: each failure, as the smallest case that still shows it -------------
+
+@pytest.mark.multirank
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "memory_budget with memory_pools=True at world size 2 is exceeded without an error: place_checkpoints "
+    "measures the pooled peak of the steady-state program at 44,480 bytes and keeps nothing recomputed under "
+    "a 49,708-byte budget, but the final memory plan's planned_peak_bytes is 55,040 (rank 0); at world size 1 "
+    "the two agree (zerocc/passes/place_checkpoints.py _measure against the plan after place_buffers)"))
+def test_memory_budget_with_memory_pools_holds_at_world_size_2():
+    _check_across_ranks([Case(model="mlp", stage=1, memory_budget_fraction=0.9, memory_pools=True)])
+
+
+# -- the long run as a script: every case logged, failures collected, none stops the run -----
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="zerocc's differential fuzzer, logging every case")
+    parser.add_argument("--examples", type=int, default=LONG_EXAMPLES)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--world-size", type=int, default=1)
+    args = parser.parse_args(argv)
+    drawn = random_cases(args.examples, args.seed)
+    if args.world_size == 1:   # one at a time, logged as it ends
+        outcomes = ([run_case(case)] for case in drawn)
+    else:
+        outcomes = zip(*distributed.run(_run_cases, args.world_size, drawn))
+    failures = 0
+    for per_rank in outcomes:
+        try:
+            for rank, outcome in enumerate(per_rank):
+                compare(outcome, args.world_size, where=f" rank {rank}")
+            print("ok   ", describe(per_rank[0]), flush=True)
+        except AssertionError as error:
+            failures += 1
+            print("FAIL ", describe(per_rank[0]), "\n      ", str(error).splitlines()[0][:600], flush=True)
+    print(f"{failures} of {len(drawn)} cases failed (seed {args.seed}, world size {args.world_size})")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
