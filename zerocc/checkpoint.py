@@ -185,7 +185,9 @@ def state_dict(step) -> dict[str, object]:
         else:
             result[key] = _sharded(part, step.ranks)
     result[STEPS_KEY] = torch.tensor(step.steps, dtype=torch.int64)
-    result[PARAM_GROUPS_KEY] = _param_groups(step)
+    # A tuple is one entry to DCP (pickled whole): a list of dicts would be flattened into one entry per
+    # setting, which DCP's load failed to match across ranks when the state also held ShardedTensors.
+    result[PARAM_GROUPS_KEY] = tuple(_param_groups(step))
     return result
 
 
@@ -253,7 +255,7 @@ def load_state_dict(step, state: dict[str, object]) -> None:
     if STEPS_KEY in state:
         step.steps = int(state[STEPS_KEY])
     if PARAM_GROUPS_KEY in state:
-        _load_param_groups(step, state[PARAM_GROUPS_KEY])
+        _load_param_groups(step, list(state[PARAM_GROUPS_KEY]))
     parts = _parts(step)
     given = {k for k in state if k not in (STEPS_KEY, PARAM_GROUPS_KEY)}
     missing = sorted(k for k in parts if k not in given and not (step._slots is None and k.startswith("optim/"))
@@ -440,7 +442,7 @@ def load_checkpoint(step, path: str) -> None:
             state[key] = torch.empty(entry.size, dtype=entry.properties.dtype)
     if step._slots is None:   # before the first step, optimizer state the checkpoint lacks starts afresh
         state = {k: v for k, v in state.items() if k in saved or not k.startswith("optim/")}
-    groups_saved = any(k.startswith(PARAM_GROUPS_KEY + ".") for k in saved)   # DCP flattens the groups' entries
+    groups_saved = PARAM_GROUPS_KEY in saved
     if not groups_saved:
         del state[PARAM_GROUPS_KEY]
     absent = sorted(k for k in state if k not in saved and k != PARAM_GROUPS_KEY)

@@ -20,6 +20,7 @@ import hashlib
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import _disable_current_modes
 import torch.fx as fx
 
 from .. import graph as g
@@ -162,13 +163,17 @@ def check_batches_agree(ranks: Ranks, lines: list[str]) -> None:
     Costs one all-reduce of two int64 per call: the maximum of each rank's
     digest and of its negation are equal and opposite only if every rank
     has the same digest. Only then, on the failing path, are the lines gathered.
+    The all-reduce is control traffic, not the step's: it runs with the
+    user's dispatch modes off, so a collective counter (``runtime/comm_counter.py``)
+    or a memory tracker sees the step's own collectives only.
     """
     if ranks.group is None:
         return
     digest = int.from_bytes(hashlib.sha256("\n".join(lines).encode()).digest()[:7], "big")   # fits an int64
     device = "cpu" if dist.get_backend(ranks.group) == "gloo" else torch.device("cuda", torch.cuda.current_device())
     extremes = torch.tensor([digest, -digest], dtype=torch.int64, device=device)
-    dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=ranks.group)
+    with _disable_current_modes():
+        dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=ranks.group)
     highest, negated_lowest = extremes.tolist()
     if highest == digest == -negated_lowest:
         return

@@ -1,0 +1,34 @@
+"""Suite-wide settings: which tests the default run leaves to ``python -m pytest -m slow tests``.
+
+The default suite must stay near 20 minutes on a 2-core machine (``.ci/run``). These cases repeat, at a
+bigger size or another stage, what a faster test in the default run already checks; each names the test
+that stays. Measured with ``--durations`` on a fresh run of the whole suite (2026-11-23).
+"""
+from __future__ import annotations
+
+import pytest
+
+# node id -> the default-suite test that covers the same path
+SLOW_REPEATS = {
+    "tests/test_numerics.py::test_world_size_n_matches_ddp[gpt-4-None]": "the 4-rank MLP and CNN, the 2-rank GPT",
+    "tests/test_numerics.py::test_world_size_n_matches_ddp[cnn-4-None]": "the 4-rank MLP, the 2-rank CNN",
+    "tests/test_numerics.py::test_world_size_n_matches_ddp[gpt-2-True]":
+        "test_memory_pools::test_world_size_2_places_gathered_parameters_and_gradients_exactly",
+    "tests/test_hf_models.py::test_tiny_transformers_train_bit_for_bit[t5-1]": "the keyword-batch T5 test, stage 3",
+    "tests/test_hf_models.py::test_tiny_transformers_train_bit_for_bit[t5-2]": "the keyword-batch T5 test, stage 3",
+    "tests/test_hf_models.py::test_tiny_transformers_train_bit_for_bit[t5-3]": "the keyword-batch T5 test, stage 3",
+    "tests/test_resume.py::test_fresh_process_resume_resharded_to_one_rank_at_stage_2":
+        "test_checkpoint::test_reshard_2_to_4_to_1_across_stages",
+    "tests/test_gather_by_send_recv.py::test_two_ranks_train_bit_for_bit_as_with_all_gather[1-options0]":
+        "the same test at stage 3",
+    "tests/test_scatter_by_all_to_all.py::test_two_ranks_train_bit_for_bit_as_with_reduce_scatter[1]":
+        "the same test at stage 3",
+    "tests/test_launch.py::test_two_nodes_train_bit_for_bit_like_one_node": "tests/test_numerics' 2-rank runs",
+}
+
+
+@pytest.hookimpl(tryfirst=True)   # before pytest's own -m selection reads the marks
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.nodeid in SLOW_REPEATS:
+            item.add_marker(pytest.mark.slow)
