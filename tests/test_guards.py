@@ -124,3 +124,24 @@ def test_wav2vec2_ctc_trains_like_eager_and_rejects_labels_beyond_its_vocabulary
         if index == 0:
             with pytest.raises(ValueError, match=r"Label values must be <= vocab_size: 12"):
                 step(input_values=audio, labels=torch.tensor([[1, 2, 30, 4, 5], [1, 2, 3, 4, 5]]))
+
+
+class LayerDrop(nn.Module):
+    """Skips its layer when a random draw says so, as transformers' LayerDrop does in training."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(4, 4)
+
+    def forward(self, x, labels):
+        if torch.rand([]) < 0.5:   # a random branch: it changes the computation, no check on the batch
+            x = self.layer(x)
+        return F.cross_entropy(x, labels)
+
+
+def test_a_branch_on_a_random_draw_is_refused_naming_its_line():
+    """A guard would re-draw the number (taking the step's random numbers) and the branch changes the computation."""
+    model = LayerDrop()
+    step = zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), stage=0)
+    with pytest.raises(zerocc.CaptureError, match=r"(?s)the step cannot be traced at .*test_guards.py.*torch.rand"):
+        step(torch.randn(3, 4), torch.tensor([0, 1, 2]))

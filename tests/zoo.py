@@ -194,7 +194,7 @@ def _zoo() -> dict[str, Architecture]:
         "wav2vec2": Architecture("audio", _seeded(lambda: _t("Wav2Vec2ForCTC")(_t("Wav2Vec2Config")(
             vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
             conv_dim=(16, 16), conv_stride=(5, 4), conv_kernel=(10, 4), num_conv_pos_embeddings=8,
-            num_conv_pos_embedding_groups=2, mask_time_prob=0.0))), _speech_ctc),
+            num_conv_pos_embedding_groups=2, mask_time_prob=0.0, layerdrop=0.0))), _speech_ctc),
         "whisper": Architecture("audio", _seeded(lambda: _t("WhisperForConditionalGeneration")(_t("WhisperConfig")(
             vocab_size=VOCAB, num_mel_bins=16, d_model=32, encoder_layers=1, decoder_layers=1,
             encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,

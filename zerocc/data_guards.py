@@ -115,6 +115,10 @@ class GuardRecorder:
         positions = {node: i for i, node in enumerate(n for n in graph.nodes if n.op == "placeholder")}
         if any(node.op == "placeholder" and positions[node] not in self.batch_of_position for node in needed):
             return None, ()
+        # A random draw (LayerDrop's ``torch.rand([]) < p``) is no check on the batch: re-drawing it in a guard
+        # would take the generator's numbers from the step, and the branch changes the computation.
+        if any(_is_random(node) for node in needed):
+            return None, ()
         copy = fx.Graph()
         copied: dict[fx.Node, fx.Node] = {}
         batch_indices = []
@@ -128,6 +132,10 @@ class GuardRecorder:
                 copied[node] = copy.node_copy(node, lambda n: copied[n])
         copy.output(tuple(copied[n] for n in outputs))
         return fx.GraphModule(root, copy), tuple(batch_indices)
+
+
+def _is_random(node: fx.Node) -> bool:
+    return torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
 
 
 def _is_real(value) -> bool:
