@@ -43,7 +43,9 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, ShapeEnv
 from torch.utils._python_dispatch import _disable_current_modes
 
+from . import graph as g
 from .errors import _LIBRARY_DIRS
+from .recomputation import is_random
 
 _SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
 
@@ -105,19 +107,13 @@ class GuardRecorder:
 
     def _graph_over_batch(self, root, graph: fx.Graph, outputs: list[fx.Node]):
         """A copy of ``outputs``' ancestors whose placeholders are batch entries; (None, ()) if any is not."""
-        needed: set[fx.Node] = set()
-        stack = list(outputs)
-        while stack:
-            node = stack.pop()
-            if node not in needed:
-                needed.add(node)
-                stack.extend(node.all_input_nodes)
+        needed = g.ancestors(outputs)
         positions = {node: i for i, node in enumerate(n for n in graph.nodes if n.op == "placeholder")}
         if any(node.op == "placeholder" and positions[node] not in self.batch_of_position for node in needed):
             return None, ()
         # A random draw (LayerDrop's ``torch.rand([]) < p``) is no check on the batch: re-drawing it in a guard
         # would take the generator's numbers from the step, and the branch changes the computation.
-        if any(_is_random(node) for node in needed):
+        if any(is_random(node) for node in needed):
             return None, ()
         copy = fx.Graph()
         copied: dict[fx.Node, fx.Node] = {}
@@ -132,10 +128,6 @@ class GuardRecorder:
                 copied[node] = copy.node_copy(node, lambda n: copied[n])
         copy.output(tuple(copied[n] for n in outputs))
         return fx.GraphModule(root, copy), tuple(batch_indices)
-
-
-def _is_random(node: fx.Node) -> bool:
-    return torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
 
 
 def _is_real(value) -> bool:
