@@ -8,7 +8,7 @@ from tests.test_overlap_updates import compile_graph
 from tests.test_scatter_by_all_to_all import assert_two_ranks_train_the_same
 from zerocc import graph as g
 from zerocc import ops
-from zerocc.passes.overlap_updates import live_peaks
+from zerocc.analysis.live_bytes import live_peaks
 
 aten = torch.ops.aten
 

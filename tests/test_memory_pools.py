@@ -11,7 +11,7 @@ from tests import distributed
 from tests.models import BooleanMask, batches, build, eager_step
 from zerocc import graph as g
 from zerocc.memory_plan import ALIGNMENT_BYTES, overlapping_pairs
-from zerocc.passes.place_buffers import out_variant
+from zerocc.analysis.kernels import out_variant
 from zerocc.runtime.arenas import arena_view
 
 aten = torch.ops.aten

@@ -15,7 +15,7 @@ from zerocc.pipeline import build_pipeline, run_pipeline
 from zerocc.tracing import make_fake_mode
 from zerocc import graph as g
 from zerocc.passes.overlap_updates import is_gradient_reduction
-from zerocc.passes.schedule import wait_of
+from zerocc.graph import wait_of
 
 
 def compile_graph(stage, *, world_size=2, disable=(), clip=None):
@@ -155,7 +155,7 @@ def test_the_peak_check_counts_release_slots_releases_and_leaves_no_mark():
     """A moved update reads its old state before release_slots' release point, so that state cannot die early:
     the pass compares the peak both ways (on the example GPT at the smallest reachable memory_budget, stage 3 on
     2 ranks, moving would have grown the released peak from 62,424,768 to 62,469,248 bytes, over the budget)."""
-    from zerocc.passes.overlap_updates import live_peaks
+    from zerocc.analysis.live_bytes import live_peaks
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[m for _ in range(4) for m in (torch.nn.Linear(256, 256), torch.nn.Tanh())])
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)

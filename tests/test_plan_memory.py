@@ -15,7 +15,7 @@ from tests.architectures import ARCHITECTURES, architecture_batches, build_archi
 from tests.models import ZOO, batches, build
 from zerocc.memory_plan import (ALIGNMENT_BYTES, ORDERS, Buffer, Lifetime, align, best_fit, lower_bound,
                                 overlapping_pairs, place)
-from zerocc.passes import plan_memory
+from zerocc.analysis import aliasing
 from zerocc.passes.plan_memory import memory_plan_of
 
 # the issue's target: every pool within 5% of the most bytes its buffers hold at once
@@ -117,7 +117,7 @@ def test_pieces_of_unsafe_chunk_are_views_though_the_schema_does_not_say_so(know
     # known=False: without the list of such ops, the values' shared storage still says so (zerocc traces on
     # fake tensors, which track storages)
     if not known:
-        monkeypatch.setattr(plan_memory, "_UNDECLARED_VIEWS", set())
+        monkeypatch.setattr(aliasing, "_UNDECLARED_VIEWS", set())
 
     def fn(x, w):
         reset, update = (x @ w).unsafe_chunk(2, 1)

@@ -9,8 +9,8 @@ from tests import distributed
 from tests.models import batches, build
 from tests.test_overlap_updates import compile_graph
 from zerocc import graph as g
-from zerocc.passes.overlap_updates import live_peaks
-from zerocc.passes.schedule import wait_of
+from zerocc.analysis.live_bytes import live_peaks
+from zerocc.graph import wait_of
 from zerocc.runtime.comm_counter import CountCollectives
 
 c10d = torch.ops._c10d_functional

@@ -81,6 +81,12 @@ def is_wait(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target is c10d.wait_tensor.default
 
 
+def wait_of(collective: fx.Node) -> fx.Node:
+    """The wait of a collective (each has exactly one)."""
+    (wait,) = [u for u in collective.users if is_wait(u)]
+    return wait
+
+
 def is_parameter_shard(node: fx.Node) -> bool:
     """A bucket's persistent shard (a placeholder), or its cast to the compute dtype under mixed precision."""
     if node.op == "call_function" and node.meta.get(PRECISION_CAST) == "param":

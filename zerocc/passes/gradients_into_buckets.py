@@ -13,7 +13,7 @@ each gradient ``cat`` it rewrites,
     flat = zerocc.bucket_written(bucket, [mm_3, ..., copy_])   # read where the cat was read
 
 A piece is written by its op when that op has an ``out=`` overload with a
-kernel of the device's backend (``place_buffers.out_variant``: ``mm``,
+kernel of the device's backend (``analysis/kernels.py``' ``out_variant``: ``mm``,
 ``sum``, ``add``, ``embedding_dense_backward``...), one output, no reader
 but the views that flatten it into the cat, and those views keep its
 memory order (it and the flattened piece are contiguous, the same storage);
@@ -49,9 +49,9 @@ from .. import graph as g
 from .. import ops
 from ..context import CompileContext
 from ..memory_plan import align
-from .overlap_updates import live_bytes, live_peaks
-from .place_buffers import has_backend_kernel, out_variant
-from .plan_memory import _is_view, _storage_id
+from ..analysis.aliasing import is_view, storage_id
+from ..analysis.kernels import has_backend_kernel, out_variant
+from ..analysis.live_bytes import live_bytes, live_peaks
 
 aten = torch.ops.aten
 
@@ -115,7 +115,7 @@ def _piece(cat: fx.Node, flat: fx.Node) -> _Piece:
     if not isinstance(flat, fx.Node) or sum(a is flat for a in cat.args[0]) != 1 or len(flat.users) != 1:
         return copied
     views, node = [], flat
-    while node.op == "call_function" and _is_view(node) and not g.is_wait(node):
+    while node.op == "call_function" and is_view(node) and not g.is_wait(node):
         views.append(node)
         node = node.args[0]
         if not isinstance(node, fx.Node) or len(node.users) != 1:
@@ -130,7 +130,7 @@ def _piece(cat: fx.Node, flat: fx.Node) -> _Piece:
         return copied   # an out= that calls the functional op and copies would allocate anyway
     same_memory = (value.is_contiguous() and piece.is_contiguous() and value.numel() == piece.numel()
                    and value.storage_offset() == piece.storage_offset() == 0
-                   and (not views or _storage_id(value) == _storage_id(piece)))
+                   and (not views or storage_id(value) == storage_id(piece)))
     if not same_memory or value.dtype != bucket.dtype or value.device != bucket.device:
         return copied
     return _Piece(flat, node, views)

@@ -32,12 +32,12 @@ functional overload runs, into memory given instead of allocated
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import torch
 import torch.fx as fx
 
 from .. import graph as g
+from ..analysis.kernels import COLLECTIVE_OUT, has_backend_kernel, out_variant
 from ..context import CompileContext
 from ..memory_plan import Buffer, Lifetime, MemoryPlan, Pool, Unplanned, lower_bound, megabytes, place
 from ..runtime.arenas import arena_slot, arena_view
@@ -53,15 +53,6 @@ PERSISTENT_POOL = "persistent"
 # 20.97 MB against 27.94 MB (README, "Memory pools"). Map a pool to its own name for an arena per role.
 ARENA_OF_POOL = {"gathered parameters": "arena", "activations": "arena", "gradient buckets": "arena",
                  "communication": "arena"}
-
-# Collectives whose functional form has a twin writing into a given tensor (the one inductor uses).
-_COLLECTIVE_OUT = {
-    c10d.all_gather_into_tensor.default: c10d.all_gather_into_tensor_out.default,
-    c10d.reduce_scatter_tensor.default: c10d.reduce_scatter_tensor_out.default,
-}
-
-_BACKEND_KEY = {"cpu": "CPU", "cuda": "CUDA"}
-
 
 def place_buffers(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     """Allocate the plan's pools as arenas and point every op that can write into one at its offset."""
@@ -244,43 +235,12 @@ def _placeable_outputs(node: fx.Node, buffers: list[Buffer], last: int) -> list[
             return "another output is not in an arena pool"
     else:
         ordered = buffers
-    if node.target not in _COLLECTIVE_OUT:
+    if node.target not in COLLECTIVE_OUT:
         if not has_backend_kernel(found[0], values[0].device):
             return "out= variant only copies"
     if len({v.device for v in values}) != 1:
         return "outputs on several devices"
     return ordered
-
-
-@functools.cache
-def has_backend_kernel(op: torch._ops.OpOverload, device: torch.device) -> bool:
-    """Does ``op`` have a kernel of ``device``'s backend (not only the generated out= that calls the functional
-    op and copies, which would allocate anyway)?"""
-    key = _BACKEND_KEY.get(device.type)
-    return key is not None and torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), key)
-
-
-def out_variant(op: torch._ops.OpOverload) -> tuple[torch._ops.OpOverload, tuple[str, ...]] | None:
-    """The overload of ``op`` that writes its results into given tensors, and the names of those arguments.
-
-    It must take the same arguments as ``op`` (names and types) plus one
-    ``out`` argument per result, as ``aten.mm.out`` does for ``aten.mm``.
-    """
-    if op in _COLLECTIVE_OUT:
-        return _COLLECTIVE_OUT[op], ("out",)
-    schema = op._schema
-    if not schema.returns or any(r.alias_info is not None or str(r.type) != "Tensor" for r in schema.returns):
-        return None
-    wanted = [(a.name, str(a.type)) for a in schema.arguments]
-    packet = getattr(getattr(torch.ops, op.namespace), schema.name.split("::")[-1])
-    for overload in packet.overloads():
-        candidate = getattr(packet, overload)
-        arguments = candidate._schema.arguments
-        outs = [a.name for a in arguments if a.is_out]
-        rest = [(a.name, str(a.type)) for a in arguments if not a.is_out]
-        if outs and rest == wanted and len(outs) == len(schema.returns):
-            return candidate, tuple(outs)
-    return None
 
 
 def _add_arena_placeholders(gm: fx.GraphModule, ctx: CompileContext, pools: list[Pool],

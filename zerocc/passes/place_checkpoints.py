@@ -58,11 +58,12 @@ from ..context import CompileContext
 from ..errors import MemoryBudgetError, user_line_of_node
 from ..memory_plan import POOL_OF_ROLE, ROLES
 from ..plans import CheckpointPlan, RecomputedTensor
+from ..analysis.lifetimes import buffer_lifetimes
+from ..analysis.releases import mark_releases
 from ..recomputation import Recomputation, forward_region, is_alias, is_backward
 from .insert_collectives import insert_collectives
 from .place_buffers import arena_layout
-from .plan_memory import buffer_lifetimes, memory_plan_of
-from .release_slots import mark_releases
+from .plan_memory import memory_plan_of
 from .schedule import schedule
 
 

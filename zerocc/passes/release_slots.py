@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from .. import graph as g
-from .. import plans
+from ..analysis.releases import mark_releases
 from ..context import CompileContext
 from ..runtime.release import ReleasingCodeGen
 
@@ -52,39 +52,3 @@ def release_slots(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     return gm
 
 
-def mark_releases(gm: fx.GraphModule, ctx: CompileContext) -> tuple[list[fx.Node], fx.Node | None]:
-    """Tag the releasable placeholders and the release point (see the module docstring); returns both."""
-    nodes = list(gm.graph.nodes)
-    for node in nodes:
-        node.meta.pop(g.RELEASED, None)
-        node.meta.pop(g.RELEASE_POINT, None)
-    replaced = set(gm.meta.get(g.OUTPUT_SLOTS, ()))
-    sharded = _buckets_only_the_step_holds(ctx)
-    released = [node for node in g.placeholders(gm) if node.meta.get(g.SLOT) in replaced and (
-                node.meta.get(g.ROLE) == g.ROLE_STATE or node.meta.get(g.ROLE) == g.ROLE_PARAM
-                and node.meta.get(g.SLOT) in sharded)]
-    point = release_point(nodes)
-    if not released or point is None:
-        return [], None
-    for node in released:
-        node.meta[g.RELEASED] = True
-    point.meta[g.RELEASE_POINT] = True
-    return released, point
-
-
-def release_point(nodes: list[fx.Node]) -> fx.Node | None:
-    """The last collective wait or forward/backward node: the last node that can realistically fail."""
-    last = None
-    for node in nodes:
-        if node.op == "call_function" and (g.is_wait(node) or node.meta.get(g.PHASE) in (g.FORWARD, g.BACKWARD)):
-            last = node
-    return last
-
-
-def _buckets_only_the_step_holds(ctx: CompileContext) -> set[str]:
-    """Bucket slots no module parameter views between steps (a full bucket is viewed at stages 0-2: api._after_step;
-    a parameter outside every bucket keeps the tensor it was built from)."""
-    plan = ctx.shard_plan
-    if plan is None:
-        return set()
-    return {plans.bucket_slot(b.index) for b in plan.buckets if plan.holds_shard(b)}

@@ -49,7 +49,7 @@ import torch.fx as fx
 from .. import graph as g
 from ..context import CompileContext
 from ..memory_plan import align
-from .overlap_updates import live_bytes, live_peaks
+from ..analysis.live_bytes import live_bytes, live_peaks
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional

@@ -51,6 +51,7 @@ import torch.fx as fx
 
 from .. import graph as g
 from ..context import CompileContext
+from ..graph import wait_of
 from ..plans import Schedule, ScheduledCollective
 
 # The bound on bytes in flight (and kept from forward) when a memory budget bounds the peak instead.
@@ -120,11 +121,6 @@ def held_bytes(collective: fx.Node) -> int:
 def _is_shard_cast(node: fx.Node) -> bool:
     """A shard's cast to param_dtype (mixed precision): it goes with its gather."""
     return node.op == "call_function" and g.is_parameter_shard(node)
-
-
-def wait_of(collective: fx.Node) -> fx.Node:
-    (wait,) = [u for u in collective.users if g.is_wait(u)]
-    return wait
 
 
 def _movable(node: fx.Node) -> bool:

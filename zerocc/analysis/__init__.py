@@ -1,0 +1,8 @@
+"""Analyses several passes read; none changes a graph. No pass imports another pass: what two passes share lives here.
+
+    aliasing.py     which nodes return views of an input; a value's storage
+    lifetimes.py    every storage's first and last position in the current node order, and its role
+    live_bytes.py   bytes alive at each position, and the step's live peaks with and without slot releases
+    releases.py     which slots the step may drop early, and after which node (release_slots' marks)
+    kernels.py      which ops have an ``out=`` overload with a kernel of the device's backend
+"""

@@ -1,0 +1,52 @@
+"""Kernel capabilities: which ops can write their results into given memory (``out=``) on a device's backend.
+
+An analysis that passes read (``place_buffers`` points ops at arena
+offsets through these overloads; ``gradients_into_buckets`` points a
+gradient's op at its bucket); it changes no graph.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+c10d = torch.ops._c10d_functional
+
+# Collectives whose functional form has a twin writing into a given tensor (the one inductor uses).
+COLLECTIVE_OUT = {
+    c10d.all_gather_into_tensor.default: c10d.all_gather_into_tensor_out.default,
+    c10d.reduce_scatter_tensor.default: c10d.reduce_scatter_tensor_out.default,
+}
+
+_BACKEND_KEY = {"cpu": "CPU", "cuda": "CUDA"}
+
+
+@functools.cache
+def has_backend_kernel(op: torch._ops.OpOverload, device: torch.device) -> bool:
+    """Does ``op`` have a kernel of ``device``'s backend (not only the generated out= that calls the functional
+    op and copies, which would allocate anyway)?"""
+    key = _BACKEND_KEY.get(device.type)
+    return key is not None and torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), key)
+
+
+def out_variant(op: torch._ops.OpOverload) -> tuple[torch._ops.OpOverload, tuple[str, ...]] | None:
+    """The overload of ``op`` that writes its results into given tensors, and the names of those arguments.
+
+    It must take the same arguments as ``op`` (names and types) plus one
+    ``out`` argument per result, as ``aten.mm.out`` does for ``aten.mm``.
+    """
+    if op in COLLECTIVE_OUT:
+        return COLLECTIVE_OUT[op], ("out",)
+    schema = op._schema
+    if not schema.returns or any(r.alias_info is not None or str(r.type) != "Tensor" for r in schema.returns):
+        return None
+    wanted = [(a.name, str(a.type)) for a in schema.arguments]
+    packet = getattr(getattr(torch.ops, op.namespace), schema.name.split("::")[-1])
+    for overload in packet.overloads():
+        candidate = getattr(packet, overload)
+        arguments = candidate._schema.arguments
+        outs = [a.name for a in arguments if a.is_out]
+        rest = [(a.name, str(a.type)) for a in arguments if not a.is_out]
+        if outs and rest == wanted and len(outs) == len(schema.returns):
+            return candidate, tuple(outs)
+    return None

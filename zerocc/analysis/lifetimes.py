@@ -1,0 +1,173 @@
+"""Lifetimes: every storage of a step in the graph's current node order, from its allocation to its last use.
+
+An analysis that passes read (``plan_memory`` places these lifetimes in
+pools; ``analysis/live_bytes.py`` sums them per position for the passes
+that weigh a rewrite against the peak); it changes no graph.
+
+A *buffer* is one storage: a node whose value is a fresh tensor (or output
+``i`` of a multi-output op). Views do not allocate; they keep their base's
+storage alive (``analysis/aliasing.py``), so a buffer lives from the node
+that allocates it to the last use of any view of it. The outputs of a
+multi-output op live at least as long as the op's tuple. Slots read by the
+step live across the whole step, except those ``release_slots`` marked
+(``analysis/releases.py``): they live to the release point or their last
+use, whichever is later; values that replace slots (and the loss) live to
+the end. A collective's inputs live until its wait. Tensors sized by the
+data are listed apart, as ``memory_plan.Unplanned``.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
+import torch.utils._pytree as pytree
+
+from .. import graph as g
+from ..memory_plan import Unplanned, align
+from .aliasing import aliased_input, is_view, returns_alias
+
+aten = torch.ops.aten
+
+_PLACEHOLDER_ROLES = {
+    g.ROLE_PARAM: "parameters", g.ROLE_FROZEN: "parameters", g.ROLE_BUFFER: "buffers",
+    g.ROLE_STATE: "optimizer state", g.ROLE_INPUT: "inputs",
+}
+
+
+def buffer_lifetimes(gm: fx.GraphModule) -> list[tuple[str, str, int, int, int, tuple[str, ...]]]:
+    """Every storage of ``gm`` in its node order, unplaced: (name, role, aligned bytes, start, end, aliases)."""
+    return lifetimes_and_unplanned(gm)[0]
+
+
+def lifetimes_and_unplanned(gm: fx.GraphModule):
+    """``buffer_lifetimes``, and the tensors whose size depends on the data (``Unplanned``, bytes None)."""
+    nodes = list(gm.graph.nodes)
+    position = {node: i for i, node in enumerate(nodes)}
+    last = len(nodes) - 1
+    roots = _storage_roots(nodes)
+    # released slots (passes/release_slots.py) live to the release point, then to their last use
+    release = next((position[n] for n in nodes if n.meta.get(g.RELEASE_POINT)), None)
+
+    # a storage is alive from its allocation to the last use of any of its views
+    start: dict[object, int] = {}
+    end: dict[object, int] = {}
+    aliases: dict[object, list[str]] = {}
+    for node in nodes:
+        for key in roots.get(node, ()):
+            start.setdefault(key, 0 if node.op == "placeholder" else position[node])
+            if node.op == "placeholder":
+                end[key] = release if release is not None and node.meta.get(g.RELEASED) else last
+            reach = max((_released_at(user, position) for user in node.users), default=position[node])
+            end[key] = max(end.get(key, position[node]), reach)
+            if key[0] is not node:
+                aliases.setdefault(key, []).append(node.name)
+    outputs = pytree.tree_leaves(g.output_node(gm).args[0])   # [loss, *values that replace slots]
+    output_slots = gm.meta.get(g.OUTPUT_SLOTS, ())
+    updated = set()
+    for index, value in enumerate(outputs):
+        for key in roots.get(value, ()) if isinstance(value, fx.Node) else ():
+            end[key] = last
+            if index > 0 and index - 1 < len(output_slots):
+                updated.add(key)
+
+    buffers, unplanned = [], []
+    for key in start:
+        node, index = key
+        value = _value_of(node, index)
+        role = _role(node, index, key in updated)
+        name = node.name if index is None else f"{node.name}[{index}]"
+        if _data_dependent(value):
+            size = "x".join(str(s) for s in value.shape) or "1"
+            unplanned.append(Unplanned(name, role, None, start[key], end[key],
+                                       f"size depends on the data ({size} elements)"))
+            continue
+        size = _storage_bytes(value)
+        buffers.append((name, role, align(size), start[key], end[key], tuple(aliases.get(key, ()))))
+    return buffers, unplanned
+
+
+def _released_at(user: fx.Node, position: dict[fx.Node, int]) -> int:
+    """Where ``user`` is done reading its inputs: a collective reads them until its wait, as it runs meanwhile."""
+    if g.is_collective(user):
+        return max((position[w] for w in user.users if g.is_wait(w)), default=position[user])
+    return position[user]
+
+
+def _storage_roots(nodes: list[fx.Node]) -> dict[fx.Node, tuple]:
+    """For each node with a tensor value: the storages it keeps alive, as (allocating node, output index or None)."""
+    roots: dict[fx.Node, tuple] = {}
+    for node in nodes:
+        if node.op == "output":
+            continue
+        value = node.meta.get(g.VAL)
+        if node.op == "call_function" and node.target is operator.getitem:
+            source, index = node.args
+            if isinstance(source, fx.Node) and returns_alias(source):
+                roots[node] = roots.get(aliased_input(source), ())
+            elif isinstance(value, torch.Tensor):
+                roots[node] = ((source, index),)
+            continue
+        if isinstance(value, (tuple, list)):
+            if not returns_alias(node):
+                # every tensor output is a storage, alive at least while the tuple is
+                roots[node] = tuple((node, i) for i, v in enumerate(value) if isinstance(v, torch.Tensor))
+            continue
+        if not isinstance(value, torch.Tensor):
+            continue
+        if node.op == "call_function" and is_view(node):
+            roots[node] = roots.get(aliased_input(node), ())
+        else:
+            roots[node] = ((node, None),)
+    return roots
+
+
+def _value_of(node: fx.Node, index: int | None):
+    value = node.meta.get(g.VAL)
+    if index is not None:
+        value = value[index] if isinstance(value, (tuple, list)) and index < len(value) else None
+    return value
+
+
+def _data_dependent(value) -> bool:
+    """Is ``value`` a tensor whose size depends on the data (boolean-mask indexing, ``nonzero``)?
+
+    Such a tensor cannot be placed ahead of time: the plan lists it as unplanned.
+    """
+    return isinstance(value, torch.Tensor) and not all(is_concrete_int(x) for x in (*value.shape, *value.stride()))
+
+
+def _storage_bytes(value) -> int:
+    """Bytes of the storage a fresh ``value`` needs (its strides may skip elements); 0 if it is no tensor."""
+    if not isinstance(value, torch.Tensor) or _data_dependent(value):
+        return 0
+    if value.numel() == 0:
+        return 0
+    span = 1 + sum((int(size) - 1) * abs(int(stride)) for size, stride in zip(value.shape, value.stride()))
+    return span * value.element_size()
+
+
+def _role(node: fx.Node, index: int | None, updated: bool) -> str:
+    if node.op == "placeholder":
+        return _PLACEHOLDER_ROLES.get(node.meta.get(g.ROLE), "inputs")
+    if updated:
+        return "updated state"
+    if g.is_all_gather(node):
+        return "gathered parameters"
+    if g.is_reduce_scatter(node) or g.is_all_reduce(node):
+        return "gradient buckets"
+    phase = node.meta.get(g.PHASE)
+    if g.BUCKET in node.meta and node.target in (aten.cat.default, aten.empty.memory_format) and phase == g.BACKWARD:
+        return "gradient buckets"   # the flat gradient of one bucket (written in place: passes/gradients_into_buckets.py)
+    if phase == g.COMMUNICATION:
+        # the average of a reduced gradient is part of the bucket; other collective outputs are comm buffers
+        if any(g.is_reduce_scatter(a) or g.is_all_reduce(a) or g.is_wait(a) and _reduces(a) for a in node.all_input_nodes):
+            return "gradient buckets"
+        return "communication"
+    return "activations"
+
+
+def _reduces(wait: fx.Node) -> bool:
+    source = wait.args[0]
+    return isinstance(source, fx.Node) and (g.is_reduce_scatter(source) or g.is_all_reduce(source))

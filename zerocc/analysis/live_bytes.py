@@ -1,0 +1,66 @@
+"""Live bytes: how many bytes of planned buffers are alive at each position of a graph's current order.
+
+An analysis over ``analysis/lifetimes.py`` that the passes moving or
+rewriting nodes under the peak read (``overlap_updates``,
+``scatter_by_all_to_all``, ``gradients_into_buckets``): each keeps a
+rewrite only if the peak does not grow.
+"""
+from __future__ import annotations
+
+import torch.fx as fx
+
+from .. import graph as g
+from ..context import CompileContext
+from .lifetimes import buffer_lifetimes
+from .releases import mark_releases
+
+
+def live_peaks(gm: fx.GraphModule, ctx: CompileContext) -> tuple[int, int]:
+    """The planned live peak with old slot values kept to the end, and with ``release_slots``' releases.
+
+    Moving an update before the last wait also moves its old state's last
+    use before ``release_slots``' release point (the last wait), so those
+    values can no longer die at their last use: with releases, the optimizer
+    phase can become the peak (under a ``memory_budget``). The move is kept
+    only if neither peak grows, so it is safe with the pass and without it.
+    """
+    kept = live_peak(gm)
+    mark_releases(gm, ctx)
+    try:
+        return kept, live_peak(gm)
+    finally:
+        for node in gm.graph.nodes:
+            node.meta.pop(g.RELEASED, None)
+            node.meta.pop(g.RELEASE_POINT, None)
+
+
+def live_bytes(gm: fx.GraphModule) -> list[int]:
+    """Bytes of planned buffers alive at each position of ``gm``'s current order (old slot values kept to the end).
+
+    Passes that weigh several rewrites against the peak (scatter_by_all_to_all,
+    gradients_into_buckets) take this once and add each chosen rewrite's
+    change to it, instead of analysing lifetimes again per rewrite.
+    """
+    length = len(gm.graph.nodes)
+    change = [0] * (length + 1)
+    for _, _, size, start, end, _ in buffer_lifetimes(gm):
+        change[start] += size
+        change[end + 1] -= size
+    live, total = [], 0
+    for delta in change[:length]:
+        total += delta
+        live.append(total)
+    return live
+
+
+def live_peak(gm: fx.GraphModule) -> int:
+    """The most bytes of planned buffers alive at one position of ``gm``'s current order."""
+    change: dict[int, int] = {}
+    for _, _, size, start, end, _ in buffer_lifetimes(gm):
+        change[start] = change.get(start, 0) + size
+        change[end + 1] = change.get(end + 1, 0) - size
+    live, peak = 0, 0
+    for index in sorted(change):
+        live += change[index]
+        peak = max(peak, live)
+    return peak
