@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -39,6 +39,9 @@ class CompileContext:
     update_order: UpdateOrder | None = None   # overlap_updates: bucket updates moved before the last reduction's wait
     memory_plan: MemoryPlan | None = None   # plan_memory: every buffer's pool, offset and live range
     notes: dict[str, Any] = dataclasses.field(default_factory=dict)   # one line of counts per pass
+    # set by the runner (pipeline.run_pipeline) while a pass runs: the passes after it as one (gm, ctx) -> gm,
+    # for a pass that measures what the rest of the pipeline makes of a candidate (place_checkpoints)
+    rest_of_pipeline: Callable[[Any, "CompileContext"], Any] | None = None
 
     def from_every_rank(self, value: Any) -> list:
         """``value`` from every rank of the group, by rank (one ``all_gather_object``): for a pass whose

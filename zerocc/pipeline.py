@@ -110,7 +110,7 @@ def default_pipeline(stage: int, *, prefetch_bytes: int = DEFAULT_PREFETCH_BYTES
         *precision,                                                                              # bf16 compute from fp32 master buckets, loss scaling
         *clipping,                                                                               # global-norm clipping between reduction and update
         Pass("place_checkpoints", functools.partial(place_checkpoints, memory_budget=memory_budget,
-                                                    prefetch_bytes=prefetch_bytes, memory_pools=memory_pools),
+                                                    memory_pools=memory_pools),
              requires=("shard",)),                                                                # recompute activations to fit memory_budget
         Pass("insert_collectives", insert_collectives, requires=("shard",),
              essential="the shard pass's markers cannot run across ranks"),                      # the communication the buckets need
@@ -272,6 +272,7 @@ def run_pipeline(gm: fx.GraphModule, ctx: CompileContext, passes: list[Pass], *,
         _dump(dump_dir, history[-1])
     for index, step in enumerate(passes, start=1):
         started = time.perf_counter()
+        ctx.rest_of_pipeline = functools.partial(_run_passes, passes[index:])
         try:
             result = step.run(gm, ctx)
             if not isinstance(result, fx.GraphModule):
@@ -295,12 +296,22 @@ def run_pipeline(gm: fx.GraphModule, ctx: CompileContext, passes: list[Pass], *,
             progress(f"pass {step.name}: {elapsed:.1f} s")
         if dump_dir:
             _dump(dump_dir, history[-1])
+    ctx.rest_of_pipeline = None
     if dump_dir:
         memory_plan = getattr(ctx, "memory_plan", None)
         if memory_plan is not None and hasattr(memory_plan, "to_dict"):
             with open(os.path.join(dump_dir, "memory_plan.json"), "w") as file:
                 json.dump(memory_plan.to_dict(), file, indent=1, default=str)
     return gm, history
+
+
+def _run_passes(passes: Sequence[Pass], gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
+    """``passes`` over ``gm``, bare: no snapshots, dumps or checks. A pass measuring what the passes after
+    it make of a candidate runs them so on a copy (``ctx.rest_of_pipeline``): the compiler's own list, not a copy
+    of part of it."""
+    for later in passes:
+        gm = later.run(gm, ctx)
+    return gm
 
 
 def _dump(folder: str, shot: GraphSnapshot) -> None:

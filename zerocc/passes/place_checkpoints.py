@@ -4,8 +4,7 @@ Requires: ``shard`` (parameters are views of buckets behind ``ops.unshard``
 markers, not yet lowered to gathers). Runs before ``insert_collectives``.
 Establishes: ``ctx.checkpoint_plan`` (a ``plans.CheckpointPlan``, which
 ``schedule`` reads), and a graph whose step peaks at most ``memory_budget``
-bytes once the later passes (collectives, schedule) have run. Without a
-budget it does nothing.
+bytes once the later passes have run. Without a budget it does nothing.
 
 The graph is the joint step, so checkpointing is a rewrite: a forward value
 that backward reads is either kept (it lives from forward into backward) or
@@ -24,10 +23,11 @@ then matmuls and attention by FLOPs saved per byte). Plans are ordered from
 least to most recomputation. How it chooses:
 
   1. the peak of a plan is *measured*: the rewrite applied to a copy, then
-     ``insert_collectives``, ``schedule`` and ``release_slots``' marks, then
-     the lifetime analysis ``plan_memory`` uses (the bytes the cut counts are
-     a proxy: copies are alive in backward too); with memory pools, the peak
-     of the layout ``place_buffers`` would make (``arena_layout``);
+     the passes after this one in the pipeline being built, which the runner
+     hands over as ``ctx.rest_of_pipeline`` (registered passes in, disabled
+     ones out; no pass is imported here), then the final memory plan's peak
+     (the bytes the cut counts are a proxy: copies are alive in backward
+     too): the live peak, or with memory pools the pooled layout's;
   2. at stage 3 across ranks, the budget is first spent on communication:
      the schedule's byte bounds are lifted (``CheckpointPlan.unbounded_schedule``:
      the budget bounds the peak instead of ``prefetch_bytes``), so it keeps
@@ -48,7 +48,6 @@ least to most recomputation. How it chooses:
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import time
 
 import torch.fx as fx
@@ -56,19 +55,13 @@ import torch.fx as fx
 from .. import graph as g
 from ..context import CompileContext
 from ..errors import MemoryBudgetError, user_line_of_node
-from ..memory_plan import POOL_OF_ROLE, ROLES
+from ..memory_plan import POOL_OF_ROLE
 from ..plans import CheckpointPlan, RecomputedTensor
-from ..analysis.lifetimes import buffer_lifetimes
-from ..analysis.releases import mark_releases
 from ..recomputation import Recomputation, forward_region, is_alias, is_backward
-from .insert_collectives import insert_collectives
-from .place_buffers import arena_layout
-from .plan_memory import memory_plan_of
-from .schedule import schedule
 
 
 def place_checkpoints(gm: fx.GraphModule, ctx: CompileContext, *, memory_budget: int | None,
-                      prefetch_bytes: int, memory_pools: bool = False) -> fx.GraphModule:
+                      memory_pools: bool = False) -> fx.GraphModule:
     """Recompute in backward the forward values that cost least per byte, until the step's peak fits the budget."""
     if memory_budget is None:
         ctx.notes["place_checkpoints"] = "no memory budget: every forward value backward reads is kept"
@@ -81,7 +74,7 @@ def place_checkpoints(gm: fx.GraphModule, ctx: CompileContext, *, memory_budget:
         """The step's peak (the highest over ranks) with ``recompute`` recomputed (None: nothing)."""
         if (recompute, unbounded) not in peaks:
             peaks[recompute, unbounded] = _highest_over_ranks(
-                _measure(gm, ctx, recompute, prefetch_bytes, memory_pools, unbounded), ctx)
+                _measure(gm, ctx, recompute, memory_pools, unbounded), ctx)
         return peaks[recompute, unbounded]
 
     before = peak_of(None)
@@ -164,7 +157,7 @@ def _recompute(gm: fx.GraphModule, recompute: set[fx.Node]) -> dict[fx.Node, fx.
     return clones
 
 
-# -- measuring a plan: the remaining passes on a copy, then the lifetimes plan_memory sees ------------
+# -- measuring a plan: the rest of the pipeline on a copy, then the memory plan it ends with ------------
 
 @dataclasses.dataclass(frozen=True, order=True)
 class _Peak:
@@ -172,47 +165,47 @@ class _Peak:
     by_role: tuple[tuple[str, int], ...] = ()
 
 
-class _Scratch:
-    """A graph and its meta standing in for a GraphModule: the passes run on it without generating code."""
+class _Unemitted(fx.GraphModule):
+    """A copy of the step for the rest of the pipeline to run on: nothing runs it, so no Python is generated."""
 
-    def __init__(self, graph: fx.Graph, meta: dict):
-        self.graph, self.meta = graph, meta
-
-    def recompile(self) -> None:
+    def recompile(self):
         pass
 
 
-def _measure(gm: fx.GraphModule, ctx: CompileContext, recompute: set[fx.Node] | None, prefetch_bytes: int,
-             memory_pools: bool, unbounded: bool = False) -> _Peak:
-    """The most bytes alive at once in the step once ``recompute`` is recomputed (None: as it is) and scheduled.
+def _measure(gm: fx.GraphModule, ctx: CompileContext, recompute: set[fx.Node] | None, memory_pools: bool,
+             unbounded: bool = False) -> _Peak:
+    """The peak the final memory plan reports once ``recompute`` is recomputed (None: as it is).
 
-    With memory pools, the peak of the pooled layout instead (``place_buffers``: the arenas, allocated whole,
-    plus what lives outside them), which fragmentation puts above the live peak.
+    The passes after this one in the pipeline being built (``ctx.rest_of_pipeline``, handed over by the
+    runner: the registered ones in, the disabled ones out) run on a copy with a scratch context; the peak
+    is the final plan's: the live peak, or with memory pools the pooled layout's (``place_buffers``: the
+    arenas, allocated whole, plus what lives outside them), which fragmentation puts above the live peak.
     """
+    if ctx.rest_of_pipeline is None:
+        raise RuntimeError("place_checkpoints measures a plan by running the passes after it: run it through "
+                           "pipeline.run_pipeline, which hands them over as ctx.rest_of_pipeline")
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for node in gm.graph.nodes:
         env[node] = graph.node_copy(node, lambda n: env[n])
-    copy = _Scratch(graph, dict(gm.meta))
+    copy = _Unemitted(gm, graph, class_name=type(gm).__name__)
+    copy.meta = dict(gm.meta)
     if recompute is not None:
         _recompute(copy, {env[n] for n in recompute})
         g.eliminate_dead_code(copy)
-    scratch = dataclasses.replace(ctx, notes={})
-    copy = insert_collectives(copy, scratch)
-    copy = schedule(copy, scratch, prefetch_bytes=prefetch_bytes, unbounded=unbounded)
-    mark_releases(copy, scratch)
-    positions = len(copy.graph.nodes)
-    deltas = {role: [0] * (positions + 1) for role in ROLES}
-    for _, role, nbytes, start, end, _ in buffer_lifetimes(copy):
-        deltas[role][start] += nbytes
-        deltas[role][end + 1] -= nbytes
-    running = {role: list(itertools.accumulate(values)) for role, values in deltas.items()}
-    totals = [sum(column) for column in zip(*running.values())]
-    at = max(range(positions), key=totals.__getitem__)
-    peak = totals[at]
-    if memory_pools:
-        peak = arena_layout(copy, memory_plan_of(copy, placed=False)).plan.planned_peak_bytes
-    return _Peak(peak, tuple((role, values[at]) for role, values in running.items() if values[at]))
+    # the schedule reads unbounded_schedule off the plan this pass records; the rest of it is not decided yet
+    provisional = CheckpointPlan(budget_bytes=0, peak_before_bytes=0, peak_bytes=0, recomputed=(), saved_bytes=0,
+                                 extra_flops=0, forward_flops=0, candidates=0, evaluations=0,
+                                 unbounded_schedule=unbounded)
+    scratch = dataclasses.replace(ctx, notes={}, checkpoint_plan=provisional, schedule=None, update_order=None,
+                                  memory_plan=None)
+    ctx.rest_of_pipeline(copy, scratch)
+    plan = scratch.memory_plan
+    live = plan.live_bytes_by_role()
+    totals = live.total()
+    at = max(range(len(totals)), key=totals.__getitem__)
+    peak = plan.planned_peak_bytes if memory_pools else plan.live_peak_bytes
+    return _Peak(peak, tuple((role, values[at]) for role, values in live.by_role.items() if values[at]))
 
 
 def _gathers_in_backward(ctx: CompileContext) -> bool:
