@@ -134,7 +134,7 @@ def run_zerocc(settings, args, memory_budget=None) -> dict:
         step(*batch)
     flops = _flops(lambda: step(*batch))
     report = step.report()
-    plan = step.checkpoint_plan
+    plan = step.remat_plan
     return {"live": report["live_peak_bytes"], "measured": report["measured_peak_bytes"], "flops": flops,
             "compile": report["compile_seconds"], "extra_flops": plan.extra_flops if plan is not None else 0,
             "recomputed": sum(1 for r in plan.recomputed if r.bytes) if plan is not None else 0}, \

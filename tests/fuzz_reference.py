@@ -148,7 +148,7 @@ def compile_options(case: Case, model, optimizer, loss_fn, example, world_size) 
 
 def budgeted_peak(case: Case) -> str:
     """The memory plan's peak (and report entry) that ``memory_budget`` bounds: with memory pools, the pooled layout's peak (the arenas,
-    allocated whole, plus what lives outside them: ``passes/place_checkpoints.py``), else the live peak."""
+    allocated whole, plus what lives outside them: ``passes/place_remat.py``), else the live peak."""
     return "planned_peak_bytes" if case.memory_pools else "live_peak_bytes"
 
 

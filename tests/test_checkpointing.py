@@ -1,4 +1,4 @@
-"""place_checkpoints: a memory budget makes backward recompute forward values, exactly.
+"""place_remat: a memory budget makes backward recompute forward values, exactly.
 
 The contract: under a budget the step trains bit for bit as without one
 (CPU, fp32), its planned and measured peaks fall under the budget, random ops
@@ -21,7 +21,7 @@ from tests.architectures import architecture_batches, build_architecture
 from tests.models import batches, build
 from zerocc import graph as g
 from zerocc.errors import MemoryBudgetError
-from zerocc.recomputation import Recomputation, forward_region, is_backward, is_random
+from zerocc.analysis.remat import Recomputation, forward_region, is_backward, is_random
 
 STEPS = 2   # the first step's program (optimizer state created) and the steady state's
 
@@ -82,7 +82,7 @@ def test_budget_trains_bit_for_bit_as_without_and_fits(name, fraction):
     for key in want:
         assert torch.equal(full[key], want[key]), key
 
-    plan = step.checkpoint_plan
+    plan = step.remat_plan
     assert plan is not None and plan.budget_bytes == budget
     assert plan.saved_bytes > 0 and plan.recomputed, "a budget under the peak must recompute something"
     assert plan.peak_before_bytes == unbudgeted > budget >= plan.peak_bytes
@@ -90,7 +90,7 @@ def test_budget_trains_bit_for_bit_as_without_and_fits(name, fraction):
     # the plan_memory pass agrees with the pass (with memory pools, as ZEROCC_MEMORY_POOLS=1 sets: the pooled layout)
     assert report["planned_peak_bytes" if step.memory_pools else "live_peak_bytes"] == plan.peak_bytes <= budget
     assert report["measured_peak_bytes"] <= budget
-    assert report["checkpoint"]["peak_bytes"] == plan.peak_bytes
+    assert report["remat"]["peak_bytes"] == plan.peak_bytes
     assert all(r.source for r in plan.recomputed if r.bytes), "recomputed tensors name the user's line"
     assert "recomputed tensors:" in step.explain()
 
@@ -110,24 +110,24 @@ def test_budget_holds_with_memory_pools():
     step, losses, reports = _train("gpt", memory_pools=True, memory_budget=budget)
     for loss, want in zip(losses, expected):
         assert torch.equal(loss, want)
-    report, plan = reports[-1], step.checkpoint_plan
+    report, plan = reports[-1], step.remat_plan
     assert plan.recomputed and report["planned_peak_bytes"] == plan.peak_bytes <= budget
     assert report["measured_peak_bytes"] <= budget
 
 
 def test_unreachable_budget_says_the_smallest_peak_and_what_dominates():
     with pytest.raises(MemoryBudgetError, match=r"memory_budget=1,000 bytes \(0\.00 MB\) cannot be met: the smallest "
-                                                r"peak the checkpoint planner reaches is [\d,]+ bytes(.|\n)*model states "
+                                                r"peak the remat planner reaches is [\d,]+ bytes(.|\n)*model states "
                                                 r"[\d.]+ MB, activations(.|\n)*model states dominate it"):
         _train("gpt", memory_budget=1000)
 
 
 def test_without_budget_the_pass_changes_nothing():
     step, _, _ = _train("gpt")
-    assert step.checkpoint_plan is None
-    before, after = step.graph("shard"), step.graph("place_checkpoints")
+    assert step.remat_plan is None
+    before, after = step.graph("shard"), step.graph("place_remat")
     assert after.node_counts == before.node_counts and not after.changes
-    assert step.passes.index("place_checkpoints") == step.passes.index("shard") + 1
+    assert step.passes.index("place_remat") == step.passes.index("shard") + 1
 
 
 def _train_gpt_on_rank(rank, world_size, budget):
@@ -170,7 +170,7 @@ def _stage3_two_ranks(rank, world_size):
                       gathered_twice=sum(1 for count in gathered.values() if count == 2),
                       recomputes_matmul=any(n.target.overloadpacket in flop_registry for n in copies
                                             if isinstance(n.target, torch._ops.OpOverload)),
-                      unbounded=step.checkpoint_plan.unbounded_schedule)
+                      unbounded=step.remat_plan.unbounded_schedule)
         results[fraction] = result
     return results
 
@@ -237,16 +237,16 @@ def _planner(name):
 
 def test_plan_with_memory_budget_fits_on_fake_tensors_and_copies_come_after_forward():
     planner = _planner("gpt")
-    before = planner.plan(3, 1, memory_budget=10**12).checkpoint_plan
+    before = planner.plan(3, 1, memory_budget=10**12).remat_plan
     assert before.peak_bytes == before.peak_before_bytes and not before.recomputed   # fits: nothing recomputed
     budget = int(before.peak_before_bytes * 0.85)   # the smallest peak reached is 0.82 of it
     plan = planner.plan(3, 1, memory_budget=budget)
-    chosen = plan.checkpoint_plan
+    chosen = plan.remat_plan
     assert chosen.peak_bytes <= budget < chosen.peak_before_bytes == before.peak_before_bytes
     assert chosen.recomputed and chosen.saved_bytes > 0
-    assert plan.report()["checkpoint"]["peak_bytes"] == chosen.peak_bytes
+    assert plan.report()["remat"]["peak_bytes"] == chosen.peak_bytes
     # every copy is placed in backward proper: a copy inside forward would be alive all along and save nothing
-    nodes = list(plan.graph("place_checkpoints").graph_module.graph.nodes)
+    nodes = list(plan.graph("place_remat").graph_module.graph.nodes)
     region = forward_region(nodes)
     first_backward = min(i for i, n in enumerate(nodes) if is_backward(n, region))
     copies = [i for i, n in enumerate(nodes) if g.RECOMPUTED in n.meta]
@@ -279,7 +279,7 @@ def test_min_cut_plans_go_from_cheap_to_expensive_and_never_recompute_random_ops
 def test_first_fitting_measures_no_sample_past_the_first_that_fits():
     """When the last plan does not fit, samples are measured in order only up to the first that fits (each
     measurement is a pass over a copy of the graph), then a binary search below it."""
-    from zerocc.passes.place_checkpoints import _first_fitting
+    from zerocc.passes.place_remat import _first_fitting
     measured = []
 
     def fits(index):
@@ -290,7 +290,7 @@ def test_first_fitting_measures_no_sample_past_the_first_that_fits():
     assert len(measured) == len(set(measured))
 
 
-# -- the budget place_checkpoints says fits is the one the final memory plan reports -------------------
+# -- the budget place_remat says fits is the one the final memory plan reports -------------------
 
 # of zerocc.plan's unbudgeted peak: a budget that must fit, one the planner may meet by recomputing (or
 # refuse: at stage 0 model states dominate), and one nothing reaches. Not 1.0: with memory pools the first
@@ -323,7 +323,7 @@ def _budget_sweep(rank, world_size, stages=(0, 1, 2, 3)):
                 except MemoryBudgetError as error:
                     results[stage, pools, fraction] = (budget, None, None, str(error))
                     continue
-                results[stage, pools, fraction] = (budget, step.checkpoint_plan.peak_bytes, step.report()[key], "")
+                results[stage, pools, fraction] = (budget, step.remat_plan.peak_bytes, step.report()[key], "")
     return results
 
 
@@ -338,7 +338,7 @@ def _check_sweep(results):
             continue
         assert not refused, f"{where}: {refused}"
         # the pass records the highest rank's peak (every rank decides alike); each rank's plan is its own
-        assert final <= chosen <= budget, f"{where}: place_checkpoints chose a peak of {chosen:,}, the plan has {final:,}"
+        assert final <= chosen <= budget, f"{where}: place_remat chose a peak of {chosen:,}, the plan has {final:,}"
 
 
 def _check_highest_rank(per_rank):

@@ -42,7 +42,7 @@ def test_memory_budget_with_bf16_recomputes_exactly_and_fits():
     budget = int(unbudgeted * 0.8)   # forces recomputation; the smallest peak the planner reaches is 0.56 of it
     step = _against_bf16_reference("gpt", 3, batch_size=32, memory_budget=budget)
     report = step.report()
-    assert step.checkpoint_plan.recomputed
+    assert step.remat_plan.recomputed
     assert report["live_peak_bytes"] <= budget < unbudgeted
     assert report["measured_peak_bytes"] <= budget
 

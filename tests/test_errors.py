@@ -116,7 +116,7 @@ def test_unknown_graph_name_lists_the_passes():
     model = MLP()
     step = zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), stage=3, loss_fn=F.mse_loss)
     step(*batches("mlp", 1, 4)[0])
-    with pytest.raises(zerocc.ConfigError, match="no pass named 'sharding'; the passes are: capture, shard, place_checkpoints, insert_collectives"):
+    with pytest.raises(zerocc.ConfigError, match="no pass named 'sharding'; the passes are: capture, shard, place_remat, insert_collectives"):
         step.graph("sharding")
 
 

@@ -14,6 +14,7 @@ import zerocc
 from zerocc import graph as g
 from tests import distributed
 from tests.models import MLP, batches, build
+from zerocc.pipeline import build_pipeline
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 from custom_pass import keep_last_bucket_gathered  # noqa: E402
@@ -41,7 +42,7 @@ def planned_gpt(world_size=4, **settings):
 
 def test_passes_are_listed_and_every_graph_is_readable_python():
     step = compiled_mlp()
-    assert step.passes == ["capture", "shard", "place_checkpoints", "insert_collectives", "schedule", "overlap_updates",
+    assert step.passes == ["capture", "shard", "place_remat", "insert_collectives", "schedule", "overlap_updates",
                            "scatter_by_all_to_all", "gather_by_send_recv",
                            "gradients_into_buckets", "release_slots", "plan_memory"]
     shard = str(step.graph("shard"))
@@ -66,7 +67,7 @@ def test_the_program_holds_only_the_constants_it_reads(stage):
 def test_disable_refuses_unknown_and_essential_passes_with_the_reason():
     model = MLP()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(zerocc.ConfigError, match=r"cannot disable 'scheduel': no such pass; the passes are: shard, place_checkpoints, insert_collectives, schedule, overlap_updates, scatter_by_all_to_all, gather_by_send_recv, gradients_into_buckets, release_slots, plan_memory"):
+    with pytest.raises(zerocc.ConfigError, match=r"cannot disable 'scheduel': no such pass; the passes are: shard, place_remat, insert_collectives, schedule, overlap_updates, scatter_by_all_to_all, gather_by_send_recv, gradients_into_buckets, release_slots, plan_memory"):
         zerocc.compile(model, optimizer, disable=["scheduel"])
     with pytest.raises(zerocc.ConfigError, match=r"(?s)'shard' cannot be disabled: the runtime lays out its tensors by "
                        r"the shard plan.*'shard' is required by 'insert_collectives'"):
@@ -83,12 +84,12 @@ def test_a_registered_pass_sees_the_plans_and_can_be_disabled():
 
     zerocc.register_pass(count_buckets, after="shard")
     step = compiled_mlp()
-    assert step.passes == ["capture", "shard", "count_buckets", "place_checkpoints", "insert_collectives", "schedule",
+    assert step.passes == ["capture", "shard", "count_buckets", "place_remat", "insert_collectives", "schedule",
                            "overlap_updates", "scatter_by_all_to_all", "gather_by_send_recv",
                            "gradients_into_buckets", "release_slots", "plan_memory"]
     assert seen == [1]
     assert "# 1 buckets seen" in str(step.graph("count_buckets"))
-    assert compiled_mlp(disable=["count_buckets"]).passes == ["capture", "shard", "place_checkpoints",
+    assert compiled_mlp(disable=["count_buckets"]).passes == ["capture", "shard", "place_remat",
                                                                "insert_collectives", "schedule", "overlap_updates",
                                                                "scatter_by_all_to_all", "gather_by_send_recv",
                                                                "gradients_into_buckets", "release_slots",
@@ -97,10 +98,26 @@ def test_a_registered_pass_sees_the_plans_and_can_be_disabled():
 
 
 def test_register_pass_names_the_valid_anchors():
-    with pytest.raises(zerocc.ConfigError, match=r"no pass named 'insert_collective'; the passes are: shard, place_checkpoints, insert_collectives, schedule, overlap_updates, scatter_by_all_to_all, gather_by_send_recv, gradients_into_buckets, release_slots, plan_memory"):
+    with pytest.raises(zerocc.ConfigError, match=r"no pass named 'insert_collective'; the passes are: shard, place_remat, insert_collectives, schedule, overlap_updates, scatter_by_all_to_all, gather_by_send_recv, gradients_into_buckets, release_slots, plan_memory"):
         zerocc.register_pass(lambda gm, ctx: gm, after="insert_collective")
     with pytest.raises(zerocc.ConfigError, match="exactly one of after=... or before=..."):
         zerocc.register_pass(lambda gm, ctx: gm)
+
+
+def test_the_old_name_of_place_remat_says_the_new_one():
+    # recomputation was "checkpoints" until "checkpoint" came to mean saved state only
+    with pytest.raises(zerocc.ConfigError, match=r"cannot disable 'place_checkpoints': the pass was renamed "
+                                                 r"'place_remat'; write disable=\('place_remat', 'schedule'\)"):
+        build_pipeline(3, ("place_checkpoints", "schedule"), user_passes=())
+    with pytest.raises(zerocc.ConfigError, match=r"register_pass\('mine'\): the pass 'place_checkpoints' was "
+                                                 r"renamed 'place_remat'; name it 'place_remat'"):
+        zerocc.register_pass(lambda gm, ctx: gm, after="place_checkpoints", name="mine")
+    with pytest.raises(zerocc.ConfigError, match=r"the pass 'place_checkpoints' was renamed 'place_remat'"):
+        zerocc.register_pass(lambda gm, ctx: gm, after="shard", requires=("place_checkpoints",))
+    model = MLP()
+    step = zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-2), loss_fn=F.mse_loss)
+    with pytest.raises(AttributeError, match=r"checkpoint_plan was renamed remat_plan .*read step.remat_plan"):
+        _ = step.checkpoint_plan
 
 
 def test_a_failing_pass_is_named_with_the_passes_before_it():
@@ -108,7 +125,7 @@ def test_a_failing_pass_is_named_with_the_passes_before_it():
         raise ValueError("nope")
 
     zerocc.register_pass(broken, before="insert_collectives")
-    with pytest.raises(zerocc.PassError, match=r"pass 'broken' failed \(passes run before it: capture, shard, place_checkpoints\): ValueError: nope"):
+    with pytest.raises(zerocc.PassError, match=r"pass 'broken' failed \(passes run before it: capture, shard, place_remat\): ValueError: nope"):
         compiled_mlp()
 
 
@@ -171,7 +188,7 @@ def test_verify_compares_collective_order_across_ranks():
 
 def test_dump_dir_setting_and_environment_variable(tmp_path, monkeypatch):
     compiled_mlp(dump_dir=str(tmp_path / "set"))
-    assert sorted(os.listdir(tmp_path / "set")) == ["000_capture.py", "001_shard.py", "002_place_checkpoints.py",
+    assert sorted(os.listdir(tmp_path / "set")) == ["000_capture.py", "001_shard.py", "002_place_remat.py",
                                                     "003_insert_collectives.py", "004_schedule.py",
                                                     "005_overlap_updates.py", "006_scatter_by_all_to_all.py",
                                                     "007_gather_by_send_recv.py", "008_gradients_into_buckets.py",
@@ -188,7 +205,7 @@ def test_explain_says_what_the_passes_decided():
     assert "buckets: " in text
     assert "collectives per step: " in text and "all_gather" in text
     assert "model states per rank: params" in text
-    assert "01 shard" in text and "02 place_checkpoints" in text and "03 insert_collectives" in text
+    assert "01 shard" in text and "02 place_remat" in text and "03 insert_collectives" in text
 
 
 def test_custom_pass_example_drops_one_gather():

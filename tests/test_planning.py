@@ -35,7 +35,7 @@ def resident_bytes() -> int:
 
 
 # The passes that may be disabled and leave the bytes of parameters, gradients and optimizer state as they are.
-MODEL_STATE_UNCHANGED = ("place_checkpoints", "schedule", "overlap_updates", "scatter_by_all_to_all",
+MODEL_STATE_UNCHANGED = ("place_remat", "schedule", "overlap_updates", "scatter_by_all_to_all",
                          "gather_by_send_recv", "gradients_into_buckets", "release_slots", "plan_memory")
 
 

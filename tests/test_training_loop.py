@@ -119,7 +119,7 @@ def test_clip_grad_norm_world_size_1_bit_for_bit(stage):
         assert torch.equal(step(*batch), expected)
         assert torch.equal(step.last_grad_norm, norm)
     assert_same_state(step, reference)
-    assert step.passes == ["capture", "shard", "clip_gradients", "place_checkpoints", "insert_collectives", "schedule",
+    assert step.passes == ["capture", "shard", "clip_gradients", "place_remat", "insert_collectives", "schedule",
                            "overlap_updates", "scatter_by_all_to_all", "gather_by_send_recv",
                            "gradients_into_buckets", "release_slots", "plan_memory"]
 

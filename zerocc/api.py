@@ -128,10 +128,10 @@ def compile(
 
     ``memory_budget`` (bytes per rank) bounds the step's peak of live tensor
     bytes (model states, activations, gathered parameters, gradient buckets):
-    the ``place_checkpoints`` pass recomputes in backward the forward values
+    the ``place_remat`` pass recomputes in backward the forward values
     that cost least to recompute per byte until the scheduled step fits, and
     raises ``MemoryBudgetError`` naming the smallest peak it can reach when
-    it cannot. ``step.checkpoint_plan`` says what it recomputes.
+    it cannot. ``step.remat_plan`` says what it recomputes.
 
     Mixed precision (``zerocc/precision.py``, FSDP2's ``MixedPrecisionPolicy``
     semantics): ``param_dtype`` is the dtype forward and backward compute in
@@ -619,9 +619,14 @@ class CompiledStep:
         return self._require_compiled()[1].memory_plan
 
     @property
-    def checkpoint_plan(self) -> plans.CheckpointPlan | None:
+    def remat_plan(self) -> plans.RematPlan | None:
         """What ``memory_budget`` made backward recompute (None without a budget): print it for the table."""
-        return self._require_compiled()[1].checkpoint_plan
+        return self._require_compiled()[1].remat_plan
+
+    @property
+    def checkpoint_plan(self):
+        """Renamed ``remat_plan``: reading it says so."""
+        raise AttributeError(plans.CHECKPOINT_PLAN_RENAMED)
 
     def _require_compiled(self):
         if self._last is None:
@@ -681,7 +686,7 @@ class CompiledStep:
             "arena_bytes": self._arenas.nbytes,
             "measured_peak_bytes": self._measured_peak_bytes.get(id(program)),
             "compile_seconds": round(self.compile_seconds, 3),
-            "checkpoint": ctx.checkpoint_plan.to_dict() if ctx.checkpoint_plan is not None else None,
+            "remat": ctx.remat_plan.to_dict() if ctx.remat_plan is not None else None,
         }
 
 

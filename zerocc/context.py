@@ -8,7 +8,7 @@ import torch
 
 from .capture import Captured
 from .memory_plan import MemoryPlan
-from .plans import CheckpointPlan, Schedule, ShardPlan, UpdateOrder
+from .plans import RematPlan, Schedule, ShardPlan, UpdateOrder
 from .precision import Precision
 
 
@@ -34,13 +34,13 @@ class CompileContext:
     gather_per_micro_batch: bool = True  # stage 3, grad_accumulation > 1: gather again for every micro-batch
     # decided by passes
     shard_plan: ShardPlan | None = None
-    checkpoint_plan: CheckpointPlan | None = None   # place_checkpoints: forward values recomputed in backward
+    remat_plan: RematPlan | None = None   # place_remat: forward values recomputed in backward
     schedule: Schedule | None = None
     update_order: UpdateOrder | None = None   # overlap_updates: bucket updates moved before the last reduction's wait
     memory_plan: MemoryPlan | None = None   # plan_memory: every buffer's pool, offset and live range
     notes: dict[str, Any] = dataclasses.field(default_factory=dict)   # one line of counts per pass
     # set by the runner (pipeline.run_pipeline) while a pass runs: the passes after it as one (gm, ctx) -> gm,
-    # for a pass that measures what the rest of the pipeline makes of a candidate (place_checkpoints)
+    # for a pass that measures what the rest of the pipeline makes of a candidate (place_remat)
     rest_of_pipeline: Callable[[Any, "CompileContext"], Any] | None = None
 
     def from_every_rank(self, value: Any) -> list:

@@ -45,7 +45,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from . import graph as g
 from .errors import _LIBRARY_DIRS
-from .recomputation import is_random
+from .analysis.remat import is_random
 
 _SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
 

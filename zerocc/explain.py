@@ -31,7 +31,7 @@ def explain(ctx, history, report: dict) -> str:
     moved = ", ".join(f"{counts.get(kind, 0)} {kind} ({human(nbytes)})" for kind, nbytes in comm.items() if nbytes)
     lines.append(f"collectives per step: {moved or 'none'}; {human(sum(comm.values()))} in all"
                  + (f" = {sum(comm.values()) / report['param_bytes']:.2f}x the parameter bytes" if report["param_bytes"] else ""))
-    for attribute, title in (("schedule", "schedule"), ("checkpoint_plan", "recomputed tensors"),
+    for attribute, title in (("schedule", "schedule"), ("remat_plan", "recomputed tensors"),
                              ("memory_plan", "memory plan")):
         decided = getattr(ctx, attribute, None)
         if decided is not None:

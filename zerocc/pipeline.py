@@ -4,7 +4,7 @@
     shard                passes/shard.py         flat buckets, 1/N per rank; optimizer re-traced on the shards
     mixed_precision      passes/mixed_precision.py   (only with param_dtype/reduce_dtype/loss_scale) casts, loss scaling
     clip_gradients       passes/clip_gradients.py   (only with clip_grad_norm=) global-norm clipping before the update
-    place_checkpoints    passes/place_checkpoints.py   under a memory budget: recompute activations in backward
+    place_remat          passes/place_remat.py   under a memory budget: recompute activations in backward
     insert_collectives   passes/insert_collectives.py   all_gather / reduce_scatter / all_reduce + waits
     schedule             passes/schedule.py      issue collectives early, wait late: prefetch and overlap
     overlap_updates      passes/overlap_updates.py   bucket updates in reduction order, before the last reduction's wait
@@ -48,7 +48,7 @@ from .passes.gradients_into_buckets import gradients_into_buckets
 from .passes.insert_collectives import insert_collectives
 from .passes.overlap_updates import overlap_updates
 from .passes.mixed_precision import mixed_precision as cast_for_precision
-from .passes.place_checkpoints import place_checkpoints
+from .passes.place_remat import place_remat
 from .passes.place_buffers import place_buffers
 from .passes.plan_memory import plan_memory
 from .passes.release_slots import release_slots
@@ -57,6 +57,10 @@ from .passes.schedule import schedule
 from .passes.shard import shard
 
 PassFn = Callable[[fx.GraphModule, CompileContext], fx.GraphModule]
+
+# Passes renamed since: an old name in disable= or register_pass(...) gets an error naming the new one.
+# "checkpoint" means saved state (state_dict); recomputing activations is "remat".
+RENAMED_PASSES = {"place_checkpoints": "place_remat"}
 
 # The environment variable that turns dumps on without touching the code.
 DUMP_DIR_VARIABLE = "ZEROCC_DUMP_DIR"
@@ -109,7 +113,7 @@ def default_pipeline(stage: int, *, prefetch_bytes: int = DEFAULT_PREFETCH_BYTES
         Pass("shard", shard, essential="the runtime lays out its tensors by the shard plan"),   # parameters, gradients, optimizer state -> flat per-rank buckets
         *precision,                                                                              # bf16 compute from fp32 master buckets, loss scaling
         *clipping,                                                                               # global-norm clipping between reduction and update
-        Pass("place_checkpoints", functools.partial(place_checkpoints, memory_budget=memory_budget,
+        Pass("place_remat", functools.partial(place_remat, memory_budget=memory_budget,
                                                     memory_pools=memory_pools),
              requires=("shard",)),                                                                # recompute activations to fit memory_budget
         Pass("insert_collectives", insert_collectives, requires=("shard",),
@@ -148,6 +152,11 @@ def build_pipeline(stage: int, disable: Sequence[str] = (), prefetch_bytes: int 
         passes.insert(position, Pass(user.name, user.run, tuple(user.requires)))
 
     names = [p.name for p in passes]
+    renamed = [name for name in disable if name in RENAMED_PASSES]
+    if renamed:
+        raise ConfigError("cannot disable " + "; ".join(f"{old!r}: the pass was renamed {RENAMED_PASSES[old]!r}"
+                                                        for old in renamed)
+                          + f"; write disable={tuple(RENAMED_PASSES.get(n, n) for n in disable)!r}")
     if "capture" in disable:   # step.passes lists it first: say why it stays rather than "no such pass"
         raise ConfigError("cannot disable 'capture': it traces the step into the graph every other pass rewrites")
     unknown = [name for name in disable if name not in names]
@@ -334,6 +343,10 @@ def register_pass(fn: PassFn, *, after: str | None = None, before: str | None = 
     name = name or getattr(fn, "__name__", "user_pass")
     valid = [p.name for p in default_pipeline(3, memory_pools=True)] + [p.name for p in registry.registered()]
     anchor = after if after is not None else before
+    for old in (anchor, *requires):
+        if old in RENAMED_PASSES:
+            raise ConfigError(f"register_pass({name!r}): the pass {old!r} was renamed {RENAMED_PASSES[old]!r}; "
+                              f"name it {RENAMED_PASSES[old]!r}")
     if anchor not in valid:
         raise ConfigError(f"register_pass({name!r}): no pass named {anchor!r}; the passes are: {', '.join(valid)}")
     if name in valid or name == "capture":

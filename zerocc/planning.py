@@ -73,7 +73,7 @@ def plan(model: nn.Module, optimizer: torch.optim.Optimizer, stage: int = 3, wor
     ``report()``, ``graph(name)``, ``passes``, ``explain()`` (and
     ``memory_plan`` when a pass made one) as a compiled step.
     ``memory_budget`` (bytes per rank) plans activation checkpointing as
-    ``zerocc.compile`` does; ``Plan.checkpoint_plan`` says what it recomputes.
+    ``zerocc.compile`` does; ``Plan.remat_plan`` says what it recomputes.
     ``example_inputs`` and ``example_keyword_inputs`` are one batch as the
     step would be called with: ``step(*example_inputs, **example_keyword_inputs)``.
     """
@@ -215,9 +215,14 @@ class Plan:
         return getattr(self.ctx, "memory_plan", None)
 
     @property
-    def checkpoint_plan(self) -> plans.CheckpointPlan | None:
+    def remat_plan(self) -> plans.RematPlan | None:
         """What ``memory_budget`` made backward recompute (None without a budget)."""
-        return self.ctx.checkpoint_plan
+        return self.ctx.remat_plan
+
+    @property
+    def checkpoint_plan(self):
+        """Renamed ``remat_plan``: reading it says so."""
+        raise AttributeError(plans.CHECKPOINT_PLAN_RENAMED)
 
     def report(self) -> dict:
         captured = self.ctx.captured
@@ -237,7 +242,7 @@ class Plan:
             "collectives_per_step": counts,
             "model_state_bytes_per_rank": model_state_bytes(self.gm, self.ctx, self.param_dtype),
             "plan_seconds": {k: round(v, 3) for k, v in self.seconds.items()},
-            "checkpoint": self.ctx.checkpoint_plan.to_dict() if self.ctx.checkpoint_plan is not None else None,
+            "remat": self.ctx.remat_plan.to_dict() if self.ctx.remat_plan is not None else None,
             "accounting": ("the ZeRO paper's mixed precision accounting (accounting_dtype): params and grads in "
                            "accounting_dtype, fp32 master params counted with optimizer state")
                           if self.param_dtype else "as compiled",

@@ -180,9 +180,14 @@ class RecomputedTensor:
     source: str          # the user's source line that computed it ("" when none was recorded)
 
 
+# ``checkpoint_plan`` (of a step, of a plan) was renamed ``remat_plan``: "checkpoint" means saved state.
+CHECKPOINT_PLAN_RENAMED = ("checkpoint_plan was renamed remat_plan (recomputing activations in backward is 'remat'; "
+                           "'checkpoint' means saved state): read step.remat_plan")
+
+
 @dataclasses.dataclass(frozen=True)
-class CheckpointPlan:
-    """What ``place_checkpoints`` decided: which forward values backward recomputes, and what it buys.
+class RematPlan:
+    """What ``place_remat`` decided: which forward values backward recomputes, and what it buys.
 
     Peaks are the most bytes alive at once in the scheduled step (model
     states, activations, gathered parameters, gradient buckets: the memory

@@ -5,4 +5,5 @@
     live_bytes.py   bytes alive at each position, and the step's live peaks with and without slot releases
     releases.py     which slots the step may drop early, and after which node (release_slots' marks)
     kernels.py      which ops have an ``out=`` overload with a kernel of the device's backend
+    remat.py        what place_remat may recompute, at what cost, and the min-cut plans that choose it
 """

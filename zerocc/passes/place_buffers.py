@@ -107,7 +107,7 @@ class ArenaLayout:
 def arena_layout(gm: fx.GraphModule, plan: MemoryPlan) -> ArenaLayout:
     """The arenas ``place_buffers`` would make for ``plan`` on ``gm``, decided without touching the graph.
 
-    ``place_checkpoints`` reads ``layout.plan.planned_peak_bytes`` to check a budget with memory pools on.
+    ``place_remat`` reads ``layout.plan.planned_peak_bytes`` to check a budget with memory pools on.
     """
     nodes = {node.name: node for node in gm.graph.nodes}
     last = len(plan.positions) - 1

@@ -25,9 +25,9 @@ Establishes: a ``Schedule`` on ``ctx``, and a node order in which
     their second gather could not be hidden behind compute (the loss is
     short), so it was the longest wait of the step.
 
-Under a memory budget, ``place_checkpoints`` may decide that the budget
+Under a memory budget, ``place_remat`` may decide that the budget
 bounds the step's peak instead of ``prefetch_bytes``
-(``ctx.checkpoint_plan.unbounded_schedule``): then every gather and
+(``ctx.remat_plan.unbounded_schedule``): then every gather and
 reduction is issued and kept without a byte bound, and backward gathers
 nothing.
 
@@ -67,11 +67,11 @@ def schedule(gm: fx.GraphModule, ctx: CompileContext, *, prefetch_bytes: int,
              unbounded: bool | None = None) -> fx.GraphModule:
     """Move waits to the first use of their result and prefetch parameter gathers within ``prefetch_bytes``.
 
-    ``unbounded`` (default: what ``ctx.checkpoint_plan`` decided, else False) lifts the ``prefetch_bytes``
+    ``unbounded`` (default: what ``ctx.remat_plan`` decided, else False) lifts the ``prefetch_bytes``
     bound: a memory budget bounds the peak instead.
     """
     if unbounded is None:
-        unbounded = ctx.checkpoint_plan is not None and ctx.checkpoint_plan.unbounded_schedule
+        unbounded = ctx.remat_plan is not None and ctx.remat_plan.unbounded_schedule
     if unbounded:
         prefetch_bytes = UNBOUNDED
     graph = gm.graph

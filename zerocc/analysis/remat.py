@@ -1,6 +1,6 @@
-"""What the checkpoint planner may recompute, at what cost, and the min-cuts that choose it.
+"""What the remat planner may recompute, at what cost, and the min-cuts that choose it.
 
-Used by ``passes/place_checkpoints.py`` (the pass: it rewrites the graph and
+Used by ``passes/place_remat.py`` (the pass: it rewrites the graph and
 measures each plan's true peak); this module only reads a graph.
 
 A plan is the set of forward nodes copied into backward. It comes from a
@@ -49,8 +49,8 @@ import torch
 import torch.fx as fx
 from torch.utils.flop_counter import flop_registry, sdpa_flop_count
 
-from . import graph as g
-from . import ops
+from .. import graph as g
+from .. import ops
 
 aten = torch.ops.aten
 

@@ -1,12 +1,12 @@
-"""place_checkpoints: under a memory budget, recompute forward values in backward instead of keeping them.
+"""place_remat: under a memory budget, recompute forward values in backward instead of keeping them.
 
 Requires: ``shard`` (parameters are views of buckets behind ``ops.unshard``
 markers, not yet lowered to gathers). Runs before ``insert_collectives``.
-Establishes: ``ctx.checkpoint_plan`` (a ``plans.CheckpointPlan``, which
+Establishes: ``ctx.remat_plan`` (a ``plans.RematPlan``, which
 ``schedule`` reads), and a graph whose step peaks at most ``memory_budget``
 bytes once the later passes have run. Without a budget it does nothing.
 
-The graph is the joint step, so checkpointing is a rewrite: a forward value
+The graph is the joint step, so remat (recomputation) is a rewrite: a forward value
 that backward reads is either kept (it lives from forward into backward) or
 recomputed: the forward nodes that produce it are copied into backward just
 before its first backward use, backward reads the copies, and the forward
@@ -16,7 +16,7 @@ bucket like any backward node, so ``insert_collectives`` re-derives it from
 the backward gather: the forward gather is not kept alive by a recomputation.
 
 What may be recomputed, and the candidate plans, come from
-``zerocc/recomputation.py``: split-node min-cuts by bytes over the
+``zerocc/analysis/remat.py``: split-node min-cuts by bytes over the
 forward->backward boundary, random ops, collectives, markers and mutating ops
 uncuttable-through, swept over the price of recomputing (cheap ops first,
 then matmuls and attention by FLOPs saved per byte). Plans are ordered from
@@ -29,7 +29,7 @@ least to most recomputation. How it chooses:
      (the bytes the cut counts are a proxy: copies are alive in backward
      too): the live peak, or with memory pools the pooled layout's;
   2. at stage 3 across ranks, the budget is first spent on communication:
-     the schedule's byte bounds are lifted (``CheckpointPlan.unbounded_schedule``:
+     the schedule's byte bounds are lifted (``RematPlan.unbounded_schedule``:
      the budget bounds the peak instead of ``prefetch_bytes``), so it keeps
      every bucket's forward gather alive for backward, which gathers nothing,
      if some plan recomputing only cheap ops (element-wise ops, norms: no
@@ -53,18 +53,18 @@ import time
 import torch.fx as fx
 
 from .. import graph as g
+from ..analysis.remat import Recomputation, forward_region, is_alias, is_backward
 from ..context import CompileContext
 from ..errors import MemoryBudgetError, user_line_of_node
 from ..memory_plan import POOL_OF_ROLE
-from ..plans import CheckpointPlan, RecomputedTensor
-from ..recomputation import Recomputation, forward_region, is_alias, is_backward
+from ..plans import RecomputedTensor, RematPlan
 
 
-def place_checkpoints(gm: fx.GraphModule, ctx: CompileContext, *, memory_budget: int | None,
-                      memory_pools: bool = False) -> fx.GraphModule:
+def place_remat(gm: fx.GraphModule, ctx: CompileContext, *, memory_budget: int | None,
+                memory_pools: bool = False) -> fx.GraphModule:
     """Recompute in backward the forward values that cost least per byte, until the step's peak fits the budget."""
     if memory_budget is None:
-        ctx.notes["place_checkpoints"] = "no memory budget: every forward value backward reads is kept"
+        ctx.notes["place_remat"] = "no memory budget: every forward value backward reads is kept"
         return gm
     started = time.perf_counter()
     analysis = Recomputation(gm)
@@ -105,17 +105,17 @@ def place_checkpoints(gm: fx.GraphModule, ctx: CompileContext, *, memory_budget:
                                         analysis.bytes_of(node) if node in analysis.read_by_backward
                                         and not is_alias(node) else 0,
                                         analysis.flops(node), user_line_of_node(node) or "") for node in cloned)
-    ctx.checkpoint_plan = CheckpointPlan(
+    ctx.remat_plan = RematPlan(
         budget_bytes=memory_budget, peak_before_bytes=before.bytes, peak_bytes=peak.bytes, recomputed=recomputed,
         saved_bytes=analysis.kept_bytes(frozenset()) - analysis.kept_bytes(recompute),
         extra_flops=sum(r.flops for r in recomputed), forward_flops=analysis.forward_flops,
         candidates=len(analysis.candidates), evaluations=len(peaks), unbounded_schedule=unbounded)
     kept = "; schedule unbounded, every forward gather kept for backward" if unbounded else ""
-    ctx.notes["place_checkpoints"] = (f"{sum(1 for r in recomputed if r.bytes)} of {len(analysis.candidates)} stored "
-                                      f"tensors recomputed ({len(recomputed)} nodes copied into backward){kept}: peak "
-                                      f"{megabytes(before.bytes)} -> {megabytes(peak.bytes)}, budget "
-                                      f"{megabytes(memory_budget)}; {len(peaks)} plans "
-                                      f"measured in {time.perf_counter() - started:.1f} s")
+    ctx.notes["place_remat"] = (f"{sum(1 for r in recomputed if r.bytes)} of {len(analysis.candidates)} stored "
+                                f"tensors recomputed ({len(recomputed)} nodes copied into backward){kept}: peak "
+                                f"{megabytes(before.bytes)} -> {megabytes(peak.bytes)}, budget "
+                                f"{megabytes(memory_budget)}; {len(peaks)} plans "
+                                f"measured in {time.perf_counter() - started:.1f} s")
     return gm
 
 
@@ -182,7 +182,7 @@ def _measure(gm: fx.GraphModule, ctx: CompileContext, recompute: set[fx.Node] | 
     arenas, allocated whole, plus what lives outside them), which fragmentation puts above the live peak.
     """
     if ctx.rest_of_pipeline is None:
-        raise RuntimeError("place_checkpoints measures a plan by running the passes after it: run it through "
+        raise RuntimeError("place_remat measures a plan by running the passes after it: run it through "
                            "pipeline.run_pipeline, which hands them over as ctx.rest_of_pipeline")
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
@@ -194,10 +194,10 @@ def _measure(gm: fx.GraphModule, ctx: CompileContext, recompute: set[fx.Node] | 
         _recompute(copy, {env[n] for n in recompute})
         g.eliminate_dead_code(copy)
     # the schedule reads unbounded_schedule off the plan this pass records; the rest of it is not decided yet
-    provisional = CheckpointPlan(budget_bytes=0, peak_before_bytes=0, peak_bytes=0, recomputed=(), saved_bytes=0,
+    provisional = RematPlan(budget_bytes=0, peak_before_bytes=0, peak_bytes=0, recomputed=(), saved_bytes=0,
                                  extra_flops=0, forward_flops=0, candidates=0, evaluations=0,
                                  unbounded_schedule=unbounded)
-    scratch = dataclasses.replace(ctx, notes={}, checkpoint_plan=provisional, schedule=None, update_order=None,
+    scratch = dataclasses.replace(ctx, notes={}, remat_plan=provisional, schedule=None, update_order=None,
                                   memory_plan=None)
     ctx.rest_of_pipeline(copy, scratch)
     plan = scratch.memory_plan
@@ -265,7 +265,7 @@ def _refuse(budget: int, before: _Peak, best: _Peak, candidates: int) -> None:
         why = ("activations dominate it even with every recomputable value recomputed: a smaller batch or "
                "sequence shrinks them")
     raise MemoryBudgetError(
-        f"memory_budget={budget:,} bytes ({megabytes(budget)}) cannot be met: the smallest peak the checkpoint "
+        f"memory_budget={budget:,} bytes ({megabytes(budget)}) cannot be met: the smallest peak the remat "
         f"planner reaches is {best.bytes:,} bytes ({megabytes(best.bytes)}; {megabytes(before.bytes)} with nothing "
         f"recomputed, {candidates} stored tensors considered).\n"
         f"  at that peak: model states {megabytes(states)}, activations {megabytes(activations)} ({parts})\n"
