@@ -7,7 +7,7 @@ First stage of the pipeline (see ``zerocc/pipeline.py``). The graph computes
 
 and every placeholder is tagged with its role (``graph.ROLE``), every node
 with its phase (``graph.PHASE``): forward, backward or optimizer. Gradient
-nodes carry ``GRAD_OF`` (the indices of their parameters). Python control flow
+nodes carry ``graph.GRAD_OF`` (the indices of their parameters). Python control flow
 is specialized on the example batch; what cannot be traced fails here with
 the user's source line. Branches on batch values are decided on the real
 batch and kept as guards (``zerocc/data_guards.py``); the user's dispatch
@@ -37,7 +37,6 @@ from . import precision as mixed
 from .tracing import fakeify, record_source_lines_of, trace_functional
 from .user_tooling import suspended_user_tooling
 
-GRAD_OF = "zerocc_grad_of"   # meta key on gradient nodes: indices of the parameters it is the gradient of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -298,7 +297,7 @@ def trace_step(
     unused = [i for i, grad in enumerate(grad_nodes) if grad is None]
     for i, grad in enumerate(grad_nodes):
         if grad is not None:   # one node can be the gradient of several (an LSTM's two biases)
-            grad.meta[GRAD_OF] = grad.meta.get(GRAD_OF, ()) + (i,)
+            grad.meta[g.GRAD_OF] = grad.meta.get(g.GRAD_OF, ()) + (i,)
     flat_states = [d[k] for d, keys in zip(new_state_dicts, new_state_keys) for k in keys]
     output = g.output_node(gm)
     output.args = ([loss_node, *new_param_nodes, *new_buffer_nodes, *flat_states],)
@@ -311,7 +310,7 @@ def trace_step(
     _tag_phases(gm, loss_node, [x for x in grad_nodes if x is not None], new_buffer_nodes)
     for i in unused:   # a parameter the loss does not reach: not trained in this step
         placeholder = g.placeholders(gm, g.ROLE_PARAM)[i]
-        placeholder.meta["zerocc_unused"] = True
+        placeholder.meta[g.UNUSED] = True
     if check_update_elementwise:
         check_elementwise([n for n in gm.graph.nodes if n.meta.get(g.PHASE) == g.OPTIMIZER], optimizer)
     gm.recompile()
@@ -340,7 +339,7 @@ def _splice_optimizer(gm, fake_mode, optimizer, grad_nodes, group_of):
     params = g.placeholders(gm, g.ROLE_PARAM)
     states: list[dict[str, fx.Node]] = [{} for _ in params]
     for node in g.placeholders(gm, g.ROLE_STATE):
-        states[node.meta[g.INDEX]][node.meta["zerocc_state_key"]] = node
+        states[node.meta[g.INDEX]][node.meta[g.STATE_KEY]] = node
     used = [i for i, grad in enumerate(grad_nodes) if grad is not None]
     stepped, stepped_states, _ = splice_update(
         gm, fake_mode, optimizer, [params[i] for i in used], [grad_nodes[i] for i in used],
@@ -356,9 +355,8 @@ def _splice_optimizer(gm, fake_mode, optimizer, grad_nodes, group_of):
 def _refuse_writes_to_parameters(gm, layout, param_infos, frozen_infos) -> None:
     """A parameter written in place inside the step (not by the optimizer) would be silently lost: refuse it."""
     from .errors import user_line_of_node
-    from .tracing import WRITTEN_INPUTS
     problems = []
-    for position, node in sorted(gm.meta.get(WRITTEN_INPUTS, {}).items()):
+    for position, node in sorted(gm.meta.get(g.WRITTEN_INPUTS, {}).items()):
         role, index, _ = layout[position]
         if role in (g.ROLE_PARAM, g.ROLE_FROZEN):
             name = (param_infos if role == g.ROLE_PARAM else frozen_infos)[index].name
@@ -406,8 +404,7 @@ def _restored(attributes: dict[int, tuple[str, torch.Tensor]]):
 def _refuse_writes_to_tensor_attributes(gm, attributes) -> None:
     """A tensor attribute that is not a buffer, written in place inside the step: its new value would be lost."""
     from .errors import user_line_of_node
-    from .tracing import WRITTEN_CONSTANTS
-    written = [(attributes[key][0], node) for key, node in gm.meta.get(WRITTEN_CONSTANTS, {}).items()
+    written = [(attributes[key][0], node) for key, node in gm.meta.get(g.WRITTEN_CONSTANTS, {}).items()
                if key in attributes]
     if written:
         problems = [f"  - {name!r} by {g.short_name(node.target)} at {user_line_of_node(node) or '(no user frame found)'}"
@@ -458,7 +455,7 @@ def _tag_placeholders(gm, layout, param_infos, frozen_infos, buffer_infos, state
             slot = {g.ROLE_PARAM: plans.param_slot, g.ROLE_FROZEN: plans.frozen_slot, g.ROLE_BUFFER: plans.buffer_slot}[role](name)
         elif role == g.ROLE_STATE:
             base = f"state_{readable(param_infos[index].name)}_{key}"
-            node.meta["zerocc_state_key"] = key
+            node.meta[g.STATE_KEY] = key
             slot = plans.state_slot(param_infos[index].name, key)
         elif role == g.ROLE_HYPER:
             base = f"lr_group{index}"

@@ -139,7 +139,7 @@ def _symbol_sources(graph: fx.Graph, symbols) -> dict[sympy.Symbol, tuple[fx.Nod
     """Per unbacked symbol, the node that read it from a tensor (``.item()``, ``bool(tensor)``)."""
     found: dict[sympy.Symbol, tuple[fx.Node, bool]] = {}
     for node in graph.nodes:
-        value = node.meta.get("val")
+        value = node.meta.get(g.VAL)
         if not isinstance(value, _SYMBOLIC):
             continue
         expr = value.node.expr

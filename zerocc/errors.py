@@ -9,6 +9,8 @@ import linecache
 import os
 import traceback
 
+from . import graph as g
+
 _LIBRARY_DIRS = (
     os.path.dirname(os.path.abspath(__file__)),
     os.path.dirname(os.path.abspath(__import__("torch").__file__)),
@@ -64,7 +66,7 @@ def raised_by_user_code(error: BaseException) -> bool:
 
 def user_line_of_node(node) -> str | None:
     """The user's source line recorded on an FX node's stack trace, if any."""
-    stack = node.meta.get("stack_trace")
+    stack = node.meta.get(g.STACK_TRACE)
     if not stack:
         return None
     lines = [line.strip() for line in stack.strip().splitlines()]

@@ -26,6 +26,12 @@ VAL = "val"                   # FakeTensor (or SymFloat) of the node's value, as
 RELEASED = "zerocc_released"  # placeholders: the runtime drops the old slot value during the step (release_slots)
 RELEASE_POINT = "zerocc_release_point"  # the node after which the runtime drops the RELEASED slots' old values
 PRECISION_CAST = "zerocc_precision_cast"  # casts mixed precision adds: "param" (master -> param_dtype), ...
+GRAD_OF = "zerocc_grad_of"    # gradient nodes (capture): indices of the parameters it is the gradient of
+UNUSED = "zerocc_unused"      # parameter placeholders (capture): the step does not read the parameter
+STATE_KEY = "zerocc_state_key"  # optimizer-state placeholders: the key in the optimizer's per-parameter state
+STACK_TRACE = "stack_trace"   # the user's frames where make_fx recorded the node (torch.fx's own key)
+WRITTEN_INPUTS = "zerocc_written_inputs"  # gm.meta (tracing): {placeholder position: the first node writing it in place}
+WRITTEN_CONSTANTS = "zerocc_written_constants"  # gm.meta (tracing): {id of a tensor constant: the first node writing it}
 
 # placeholder roles
 ROLE_PARAM = "param"                  # a trainable parameter (before shard) or a flat bucket (after)

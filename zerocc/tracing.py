@@ -25,6 +25,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from . import fake_kernels
+from . import graph as g
 from .data_guards import GuardedShapeEnv
 from .ops import batch_norm_with_stats
 
@@ -133,19 +134,13 @@ def trace_functional(fn: Callable[..., Any], args: tuple, fake_mode: FakeTensorM
     detached = [a.detach() if isinstance(a, torch.Tensor) else a for a in flat_args]
     with fake_mode:
         gm = make_fx(torch.func.functionalize(replay, remove="mutations"))(*detached)
-    gm.meta[WRITTEN_INPUTS] = written_inputs(first)
-    gm.meta[WRITTEN_CONSTANTS] = written_constants(first)
+    gm.meta[g.WRITTEN_INPUTS] = written_inputs(first)
+    gm.meta[g.WRITTEN_CONSTANTS] = written_constants(first)
     _remove_trailing_input_copies(gm)
     _remove_profiler_nodes(gm)
     gm.graph.eliminate_dead_code()
     gm.recompile()
     return gm, out_spec_box[0]
-
-
-# gm.meta key set by trace_functional: {placeholder position: the first node that writes it in place}
-WRITTEN_INPUTS = "zerocc_written_inputs"
-# gm.meta key set by trace_functional: {id of a tensor constant: the first node that writes it in place}
-WRITTEN_CONSTANTS = "zerocc_written_constants"
 
 
 def written_inputs(gm: fx.GraphModule) -> dict[int, fx.Node]:

@@ -1,6 +1,6 @@
 """shard: parameters, gradients and optimizer state become flat buckets, 1/N per rank.
 
-Requires: the captured graph (per-parameter placeholders, ``GRAD_OF`` on
+Requires: the captured graph (per-parameter placeholders, ``graph.GRAD_OF`` on
 gradient nodes, phases tagged).
 Establishes: a ``ShardPlan`` on ``ctx``; one ``ROLE_PARAM`` placeholder per
 bucket (the full flat bucket at stages 0-2, this rank's shard at stage 3);
@@ -28,7 +28,6 @@ import torch.fx as fx
 
 from .. import graph as g
 from .. import ops, plans
-from ..capture import GRAD_OF
 from ..context import CompileContext
 from ..optimizer_step import REPLICATE_IF_ELEMENTWISE, splice_update
 
@@ -39,14 +38,14 @@ def shard(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     """Lay out parameters, gradients and optimizer state in flat per-rank buckets."""
     graph = gm.graph
     old_params = g.placeholders(gm, g.ROLE_PARAM)
-    trained = [p for p in old_params if not p.meta.get("zerocc_unused")]
+    trained = [p for p in old_params if not p.meta.get(g.UNUSED)]
     plan = choose_buckets(gm, ctx, trained)
     ctx.shard_plan = plan
     param_node = {p.meta[g.INDEX]: p for p in old_params}
-    grad_node = {i: n for n in graph.nodes for i in n.meta.get(GRAD_OF, ())}
+    grad_node = {i: n for n in graph.nodes for i in n.meta.get(g.GRAD_OF, ())}
     old_state = {}
     for node in g.placeholders(gm, g.ROLE_STATE):
-        old_state.setdefault(node.meta[g.INDEX], {})[node.meta["zerocc_state_key"]] = node
+        old_state.setdefault(node.meta[g.INDEX], {})[node.meta[g.STATE_KEY]] = node
     lr_nodes = g.placeholders(gm, g.ROLE_HYPER)
     order = g.topological_index(gm)
     output = g.output_node(gm)
@@ -266,7 +265,7 @@ def _state_placeholder(gm, ctx, slot, key, shape, dtype, device) -> fx.Node:
         node = gm.graph.placeholder(slot.replace(":", "_").replace(".", "_"))
     with ctx.fake_mode:
         value = torch.empty(shape, dtype=dtype, device=device)
-    node.meta.update({g.ROLE: g.ROLE_STATE, g.SLOT: slot, "zerocc_state_key": key, g.VAL: value})
+    node.meta.update({g.ROLE: g.ROLE_STATE, g.SLOT: slot, g.STATE_KEY: key, g.VAL: value})
     return node
 
 
