@@ -16,7 +16,7 @@ import torch.nn as nn
 from . import checkpoint
 from . import graph as g
 from . import guards
-from . import plans
+from . import decisions
 from . import precision
 from . import user_views
 from . import precision as precision_module   # where a parameter named ``precision`` shadows it
@@ -275,7 +275,7 @@ class CompiledStep:
         self._programs: collections.OrderedDict[Any, tuple[Program, CompileContext, list[GraphSnapshot]]] = \
             collections.OrderedDict()
         self._slots: dict[str, torch.Tensor] | None = None
-        self._plan: plans.ShardPlan | None = None
+        self._plan: decisions.ShardPlan | None = None
         self._captured: Captured | None = None
         self._state_signature: list[dict[str, tuple[bool, torch.dtype]]] | None = None
         self._released_shapes: dict[str, tuple[int, ...]] = {}
@@ -306,7 +306,7 @@ class CompiledStep:
                 self._param_groups = guards.param_groups_of(self.optimizer)   # what the buckets are laid out for
                 self._first_batch = FirstBatch.of(batch, layout)   # what later batches are checked against
             for group_index, value in enumerate(live_hyperparameters(self.optimizer)):
-                self._slots[plans.lr_slot(group_index)] = value
+                self._slots[decisions.lr_slot(group_index)] = value
             if id(program) in self._measured_peak_bytes:
                 loss = program.run(self._slots, batch)
             else:   # the first run of a program also measures its peak of live tensor bytes
@@ -474,11 +474,11 @@ class CompiledStep:
         """
         buffers = {names[0]: t for names, t in named_tensors(self.model, "buffer")}
         for info in self._captured.buffers:
-            buffers[info.name].data = self._slots[plans.buffer_slot(info.name)]
+            buffers[info.name].data = self._slots[decisions.buffer_slot(info.name)]
         if self.stage == 3:
             return
         views = slot_store.parameter_views(self._plan, self._captured, {
-            b.index: self._slots[plans.bucket_slot(b.index)] for b in self._plan.buckets
+            b.index: self._slots[decisions.bucket_slot(b.index)] for b in self._plan.buckets
             if not self._plan.holds_shard(b)})
         tensors = {names[0]: t for names, t in named_tensors(self.model, "param")}
         for index, view in views.items():
@@ -560,15 +560,15 @@ class CompiledStep:
         views = slot_store.parameter_views(self._plan, self._captured, buckets)
         by_name: dict[str, torch.Tensor] = {}
         for index, info in enumerate(self._captured.params):
-            value = views[index] if index in views else self._slots[plans.param_slot(info.name)]
+            value = views[index] if index in views else self._slots[decisions.param_slot(info.name)]
             for name in info.names:
                 by_name[name] = value.clone()
         for info in self._captured.frozen:
             for name in info.names:
-                by_name[name] = self._slots[plans.frozen_slot(info.name)].clone()
+                by_name[name] = self._slots[decisions.frozen_slot(info.name)].clone()
         for info in self._captured.buffers:
             for name in info.names:
-                by_name[name] = self._slots[plans.buffer_slot(info.name)].clone()
+                by_name[name] = self._slots[decisions.buffer_slot(info.name)].clone()
         return {key: by_name[key] for key in keys if key in by_name}
 
     def full_model(self, writeback: bool = True):
@@ -610,7 +610,7 @@ class CompiledStep:
         raise ConfigError(f"no pass named {name!r}; the passes are: {', '.join(s.name for s in history)}")
 
     @property
-    def shard_plan(self) -> plans.ShardPlan:
+    def shard_plan(self) -> decisions.ShardPlan:
         return self._require_compiled()[1].shard_plan
 
     @property
@@ -619,7 +619,7 @@ class CompiledStep:
         return self._require_compiled()[1].memory_plan
 
     @property
-    def checkpoint_plan(self) -> plans.CheckpointPlan | None:
+    def checkpoint_plan(self) -> decisions.CheckpointPlan | None:
         """What ``memory_budget`` made backward recompute (None without a budget): print it for the table."""
         return self._require_compiled()[1].checkpoint_plan
 
@@ -703,7 +703,7 @@ def _state_signature_of(captured: Captured) -> list[dict[str, tuple[bool, torch.
     for info, keys in zip(captured.params, captured.new_state_keys):
         entry = {}
         for key in keys:
-            value = by_slot[plans.state_slot(info.name, key)].meta[g.VAL]
+            value = by_slot[decisions.state_slot(info.name, key)].meta[g.VAL]
             entry[key] = (value.dim() == 0, value.dtype)
         signature.append(entry)
     return signature

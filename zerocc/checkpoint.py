@@ -48,7 +48,7 @@ from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 
-from . import plans
+from . import decisions
 from .capture import named_tensors
 from .optimizer_step import initial_state_layout
 from .runtime import slots as slot_store
@@ -131,10 +131,10 @@ def _parts_of_slots(step) -> dict[str, _Part]:
     for index, info in enumerate(captured.params):
         key = model_key(info.name)
         if index not in bucketed:
-            parts[key] = _whole(key, slots[plans.param_slot(info.name)])
+            parts[key] = _whole(key, slots[decisions.param_slot(info.name)])
             continue
         bucket, segment = bucketed[index]
-        flat = slots[plans.bucket_slot(bucket.index)]
+        flat = slots[decisions.bucket_slot(bucket.index)]
         if plan.holds_shard(bucket) and bucket.shards > 1:   # stage 3, or fp32 masters under mixed precision
             local = [(p.param_offset, flat[p.shard_offset: p.shard_offset + p.numel])
                      for p in bucket.pieces(plan.rank) if p.param == index]
@@ -142,7 +142,7 @@ def _parts_of_slots(step) -> dict[str, _Part]:
         else:
             parts[key] = _Part(key, info.numel, False, [(0, flat[segment.offset: segment.offset + segment.numel])], None)
     # optimizer state: one slot per piece this rank owns (the whole parameter at stage 0)
-    pieces = {plans.piece_owner(b.index, number): (b, piece) for b, number, piece in plan.owned_pieces()}
+    pieces = {decisions.piece_owner(b.index, number): (b, piece) for b, number, piece in plan.owned_pieces()}
     for slot, value in slots.items():
         if not slot.startswith("state:"):
             continue
@@ -162,13 +162,13 @@ def _parts_of_slots(step) -> dict[str, _Part]:
             key = optim_key(owner, state)
             parts[key] = _whole(key, value)
     for info in captured.frozen:
-        parts[model_key(info.name)] = _whole(model_key(info.name), slots[plans.frozen_slot(info.name)])
+        parts[model_key(info.name)] = _whole(model_key(info.name), slots[decisions.frozen_slot(info.name)])
     for info in captured.buffers:
-        parts[model_key(info.name)] = _whole(model_key(info.name), slots[plans.buffer_slot(info.name)])
+        parts[model_key(info.name)] = _whole(model_key(info.name), slots[decisions.buffer_slot(info.name)])
     return parts
 
 
-def _owners(bucket: plans.Bucket, param: int) -> list[tuple[int, int, int]]:
+def _owners(bucket: decisions.Bucket, param: int) -> list[tuple[int, int, int]]:
     return [(rank, p.param_offset, p.numel) for rank in range(bucket.shards) for p in bucket.pieces(rank)
             if p.param == param]
 

@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from . import plans
+from . import decisions
 from .batch import BatchLayout, check_batch
 from .errors import CaptureError, ConfigError, RecompileWarning, ZeroccError, note_failing_node, user_frame
 from .runtime import failures
@@ -82,8 +82,8 @@ def _compile(step, batch: list, layout: BatchLayout) -> EvalProgram:
     plan, captured, model = step._plan, step._captured, step.model
     in_plan = {segment.param for bucket in plan.buckets for segment in bucket.segments}
     loose = [info for index, info in enumerate(captured.params) if index not in in_plan]   # trained, but unused
-    slots = ([plans.bucket_slot(b.index) for b in plan.buckets] + [plans.param_slot(i.name) for i in loose]
-             + [plans.frozen_slot(i.name) for i in captured.frozen] + [plans.buffer_slot(i.name) for i in captured.buffers])
+    slots = ([decisions.bucket_slot(b.index) for b in plan.buckets] + [decisions.param_slot(i.name) for i in loose]
+             + [decisions.frozen_slot(i.name) for i in captured.frozen] + [decisions.buffer_slot(i.name) for i in captured.buffers])
     gathered = [plan.holds_shard(b) and plan.world_size > 1 for b in plan.buckets]   # masters sharded
 
     def forward(buckets, tensors, batch):

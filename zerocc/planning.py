@@ -39,7 +39,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from . import graph as g
-from . import plans
+from . import decisions
 from .batch import BatchLayout
 from .capture import Captured, capture, named_tensors
 from .context import CompileContext
@@ -206,7 +206,7 @@ class Plan:
         raise ConfigError(f"no pass named {name!r}; the passes are: {', '.join(self.passes)}")
 
     @property
-    def shard_plan(self) -> plans.ShardPlan:
+    def shard_plan(self) -> decisions.ShardPlan:
         return self.ctx.shard_plan
 
     @property
@@ -215,7 +215,7 @@ class Plan:
         return getattr(self.ctx, "memory_plan", None)
 
     @property
-    def checkpoint_plan(self) -> plans.CheckpointPlan | None:
+    def checkpoint_plan(self) -> decisions.CheckpointPlan | None:
         """What ``memory_budget`` made backward recompute (None without a budget)."""
         return self.ctx.checkpoint_plan
 

@@ -36,7 +36,7 @@ import torch.utils._pytree as pytree
 from . import graph as g
 from .errors import ConfigError
 
-# The runtime's slots for loss scaling (``plans`` names the others). The
+# The runtime's slots for loss scaling (``decisions`` names the others). The
 # scale and the growth tracker persist from step to step and are
 # checkpointed; ``found_inf`` is written by every step (1.0 when it skipped).
 SCALE_SLOT = "loss_scale:scale"

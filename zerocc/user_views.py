@@ -23,7 +23,7 @@ import contextlib
 
 import torch
 
-from . import plans
+from . import decisions
 from .capture import named_tensors
 from .errors import ConfigError
 from .runtime import slots as slot_store
@@ -133,7 +133,7 @@ def _write_back(step, buckets: dict[int, torch.Tensor], params: dict[str, torch.
             for segment in bucket.segments:
                 value = params[captured.params[segment.param].name].detach().reshape(-1)
                 full[segment.offset: segment.offset + segment.numel].copy_(value)
-            slot = step._slots[plans.bucket_slot(bucket.index)]
+            slot = step._slots[decisions.bucket_slot(bucket.index)]
             if plan.holds_shard(bucket):
                 start = plan.rank * bucket.shard_numel
                 slot.copy_(full[start: start + bucket.shard_numel])

@@ -46,7 +46,7 @@ import torch.fx as fx
 
 from .. import graph as g
 from ..context import CompileContext
-from ..plans import UpdateOrder
+from ..decisions import UpdateOrder
 from .plan_memory import buffer_lifetimes
 from .release_slots import mark_releases
 from .schedule import wait_of

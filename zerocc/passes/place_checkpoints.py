@@ -2,7 +2,7 @@
 
 Requires: ``shard`` (parameters are views of buckets behind ``ops.unshard``
 markers, not yet lowered to gathers). Runs before ``insert_collectives``.
-Establishes: ``ctx.checkpoint_plan`` (a ``plans.CheckpointPlan``, which
+Establishes: ``ctx.checkpoint_plan`` (a ``decisions.CheckpointPlan``, which
 ``schedule`` reads), and a graph whose step peaks at most ``memory_budget``
 bytes once the later passes (collectives, schedule) have run. Without a
 budget it does nothing.
@@ -57,7 +57,7 @@ from .. import graph as g
 from ..context import CompileContext
 from ..errors import MemoryBudgetError, user_line_of_node
 from ..memory_plan import POOL_OF_ROLE, ROLES
-from ..plans import CheckpointPlan, RecomputedTensor
+from ..decisions import CheckpointPlan, RecomputedTensor
 from ..recomputation import Recomputation, forward_region, is_alias, is_backward
 from .insert_collectives import insert_collectives
 from .place_buffers import arena_layout
