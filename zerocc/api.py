@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import checkpoint
+from . import state_dict as state_dict_module   # its functions share the methods' names
 from . import graph as g
 from . import guards
 from . import decisions
@@ -533,18 +533,18 @@ class CompiledStep:
             states.append(state)
         return states
 
-    # -- checkpoints (zerocc/checkpoint.py) ------------------------------------------
+    # -- checkpoints (zerocc/state_dict.py) ------------------------------------------
     def state_dict(self) -> dict:
         """This rank's shards of parameters, buffers and optimizer state, and the optimizer's param_groups, by name.
 
         Ready for ``dcp.save``, and, before or after the first call, for
         ``dcp.load`` then ``load_state_dict`` (it names every entry to read).
         """
-        return checkpoint.state_dict(self)
+        return state_dict_module.state_dict(self)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a state dict from ``state_dict()`` that ``dcp.load`` filled (any world size or stage saved it)."""
-        checkpoint.load_state_dict(self, state_dict)
+        state_dict_module.load_state_dict(self, state_dict)
 
     # -- reading it back --------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:

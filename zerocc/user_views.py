@@ -1,6 +1,6 @@
 """The user's model and optimizer after compile: every view of them current, or a clear error.
 
-Sits beside the runtime, like ``zerocc/checkpoint.py``: once a step's first
+Sits beside the runtime, like ``zerocc/state_dict.py``: once a step's first
 call moves the parameters and optimizer state into its slots
 (``runtime/slots.py``), the user's objects would otherwise show stale or
 empty copies (stage 3 releases parameters to shape ``(0,)``; the optimizer's
@@ -82,7 +82,7 @@ def _current_optimizer_state(step, state: dict) -> dict:
             f"optimizer.state_dict() after compile at stage {step.stage} over {step.ranks.world_size} ranks: each "
             "rank holds a shard of the optimizer state. Save it with step.state_dict() and "
             "torch.distributed.checkpoint (or zerocc.save_checkpoint), which reshards it on load")
-    from .checkpoint import whole_optimizer_state
+    from .state_dict import whole_optimizer_state
     position = {id(p): i for i, p in enumerate(p for g in step.optimizer.param_groups for p in g["params"])}
     params = {names[0]: t for names, t in named_tensors(step.model, "param")}
     state["state"] = {position[id(params[fqn])]: entries for fqn, entries in whole_optimizer_state(step).items()}

@@ -467,7 +467,7 @@ def export_full_state_dict(checkpoint_dir: str, out_path: str) -> dict:
     """Write the checkpoint's model as one safetensors file, one tensor in memory at a time.
 
     No process group is needed. The file loads with ``safetensors.torch.load_file``
-    or ``zerocc.checkpoint.read_safetensors``, then ``model.load_state_dict``.
+    or ``zerocc.state_dict.read_safetensors``, then ``model.load_state_dict``.
     Returns what it wrote: ``tensors``, ``bytes`` and ``largest_tensor_bytes``
     (the most tensor memory it held at once).
     """
