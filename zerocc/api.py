@@ -324,7 +324,7 @@ class CompiledStep:
                 found = self._compile(batch, layout)
             self.compile_seconds += time.perf_counter() - started
             self.cache.entries[key] = found
-            if key.state == INITIAL_STATE and self.state.state_key() != INITIAL_STATE:
+            if key.state == INITIAL_STATE and self.state.state_key():   # () when the slots hold no state yet
                 # traced with existing state (a checkpoint loaded before the first call): it is the steady state
                 self.cache.entries[dataclasses.replace(key, state=self.state.state_key())] = found
             self.cache.evict_beyond_limit(key.signature)
