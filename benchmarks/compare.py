@@ -240,7 +240,7 @@ def main():
                 step = builders[name]()
                 for i in range(args.warmup):
                     step(*data[i])
-                tracker.track_external(*step.__self__._slots.values(), *step.__self__._arenas.tensors())
+                tracker.track_external(*step.__self__.state.slots.values(), *step.__self__.arenas.tensors())
             else:
                 with tracker:
                     step = builders[name]()

@@ -69,7 +69,7 @@ def main() -> None:
     say("\n" + (final if args.show_graph else "\n".join(final.splitlines()[2:40]) + "\n    ... (--show-graph for all)"))
     say("\nbuckets (this rank owns 1/%d of each):" % (world if args.stage else 1))
     for bucket in step.shard_plan.buckets:
-        names = [step._captured.params[i].name for i in bucket.params]
+        names = [step.state.captured.params[i].name for i in bucket.params]
         say(f"  bucket {bucket.index}: {bucket.numel:>9,} elements, {len(names):2} params: {', '.join(names[:4])}"
             + (" ..." if len(names) > 4 else ""))
     say("\nmemory plan (bytes per rank; print(step.memory_plan) for every buffer):")

@@ -15,7 +15,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 import zerocc
-from zerocc import checkpoint
+from zerocc import state_dict
 from tests import distributed
 from tests.models import batches, build, eager_step
 
@@ -69,7 +69,7 @@ def test_resume_is_exact_world_size_1(tmp_path, stage):
     assert resumed.steps == K
     got = [resumed(*batch) for batch in data[K:]]
     assert all(torch.equal(a, b) for a, b in zip(got, expected)), (got, expected)
-    assert len({id(p) for p in resumed._programs.values()}) == 1   # the steady-state program only
+    assert len(resumed.cache.programs()) == 1   # the steady-state program only
     full_a, full_b = original.full_state_dict(), resumed.full_state_dict()
     for key in full_a:
         assert torch.equal(full_a[key], full_b[key]), key
@@ -154,7 +154,7 @@ def eager_from_checkpoint(path):
     state = model.state_dict()
     model.load_state_dict({k: whole[f"model/{_first_name(model, k)}"].reshape(v.shape) for k, v in state.items()})
     optimizer = adamw(model)
-    for names, param in checkpoint.named_tensors(model, "param"):
+    for names, param in state_dict.named_tensors(model, "param"):
         optimizer.state[param] = {key.rsplit("/", 1)[1]: value.reshape(param.shape) if value.dim() else value.clone()
                                   for key, value in whole.items() if key.startswith(f"optim/{names[0]}/")}
     return model, optimizer, loss_fn
@@ -162,7 +162,7 @@ def eager_from_checkpoint(path):
 
 def _first_name(model, key):
     for kind in ("param", "buffer"):
-        for names, _ in checkpoint.named_tensors(model, kind):
+        for names, _ in state_dict.named_tensors(model, kind):
             if key in names:
                 return names[0]
     raise KeyError(key)
@@ -196,7 +196,7 @@ def test_reshard_2_to_4_to_1_across_stages(tmp_path):
 
     # the consolidated export equals what the 2-rank run held, and loads into a plain model
     info = zerocc.export_full_state_dict(first, str(tmp_path / "model.safetensors"))
-    exported = checkpoint.read_safetensors(str(tmp_path / "model.safetensors"))
+    exported = state_dict.read_safetensors(str(tmp_path / "model.safetensors"))
     assert exported.keys() == saved.keys()
     for key in saved:
         assert torch.equal(exported[key], saved[key]), key
@@ -234,7 +234,7 @@ def _killed_save(path, where):
             die()
         dcp.FileSystemWriter.write_data = write_then_die
     else:   # all data written and fsynced; dies before the rename that publishes it
-        checkpoint._publish = die
+        state_dict._publish = die
     zerocc.save_checkpoint(step, path)
 
 

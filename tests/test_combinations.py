@@ -53,7 +53,7 @@ def test_memory_pools_with_bf16_bit_for_bit(name, stage):
     report = step.report()
     assert report["memory_pools"] and report["arena_bytes"] > 0
     if stage == 2:   # the bf16 bucket is a slot of its own, the masters a shard (the whole at world size 1)
-        assert {k: v.dtype for k, v in step._slots.items() if k.startswith(("bucket:", "compute:"))} == {
+        assert {k: v.dtype for k, v in step.state.slots.items() if k.startswith(("bucket:", "compute:"))} == {
             **{f"bucket:{b.index}": torch.float32 for b in step.shard_plan.buckets},
             **{f"compute:{b.index}": torch.bfloat16 for b in step.shard_plan.buckets}}
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import zerocc
-from zerocc import checkpoint
+from zerocc import state_dict
 from tests.models import batches, build, eager_step
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -25,7 +25,7 @@ def test_export_round_trips_batch_norm_counters(tmp_path):
     step = trained_cnn(3)
     zerocc.save_checkpoint(step, tmp_path / "ckpt")
     zerocc.export_full_state_dict(str(tmp_path / "ckpt"), str(tmp_path / "model.safetensors"))
-    exported = checkpoint.read_safetensors(str(tmp_path / "model.safetensors"))
+    exported = state_dict.read_safetensors(str(tmp_path / "model.safetensors"))
     full = step.full_state_dict()
     assert exported.keys() == full.keys()
     for key, value in full.items():

@@ -137,7 +137,8 @@ def test_agreement_ignores_what_differs_per_rank():
         step = zerocc.compile(model, adamw(model), stage=2, loss_fn=loss_fn)
         # plan for rank ``rank`` of 2 on fake ranks: compile with a ctx that says so
         step.ranks = type(step.ranks)(2, rank, None, "fake")
-        program, ctx, _ = step._compile(batches("mlp", 1, 4)[0])
+        compiled = step._compile(batches("mlp", 1, 4)[0])
+        program, ctx = compiled.program, compiled.ctx
         lines.append(agreement_lines(program.gm, ctx.shard_plan))
     assert lines[0] == lines[1]
     assert any(line.startswith("collective") for line in lines[0])

@@ -38,14 +38,14 @@ def _frozen_against_ddp(rank, world_size):
         losses = [step(*batch) for batch in data[:-1]]
         with CountCollectives() as counter:
             losses.append(step(*data[-1]))
-        captured, plan = step._captured, step.shard_plan
-        gm = step._last[0].gm
+        captured, plan = step.state.captured, step.shard_plan
+        gm = step.cache.last.program.gm
         results[stage] = {
             "losses": losses, "state": step.full_state_dict(),
             "frozen": sorted(info.name for info in captured.frozen),
             "bucketed": sorted(captured.params[s.param].name for b in plan.buckets for s in b.segments),
             "state_owners": sorted({captured.params[piece.param].name for _, _, piece in plan.owned_pieces()}),
-            "written_slots": [s for s in step._last[0].output_slots if s.startswith("frozen:")],
+            "written_slots": [s for s in step.cache.last.program.output_slots if s.startswith("frozen:")],
             "frozen_readers": sorted(user.meta.get(g.PHASE) for node in g.placeholders(gm, g.ROLE_FROZEN)
                                      for user in node.users),
             "reduced_bytes": counter.bytes.get("reduce_scatter", 0),

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import zerocc
-from zerocc import checkpoint
+from zerocc import state_dict
 from tests import distributed
 from tests.models import batches, build, eager_step
 
@@ -115,7 +115,7 @@ def test_lifecycle(tmp_path):
     # export, load into a plain module, train on eagerly beside the reference (both with a fresh optimizer)
     zerocc.export_full_state_dict(os.path.join(folder, "final-1"), os.path.join(folder, "model.safetensors"))
     plain, _, loss_fn = build("gpt", seed=8)
-    plain.load_state_dict(checkpoint.read_safetensors(os.path.join(folder, "model.safetensors")))
+    plain.load_state_dict(state_dict.read_safetensors(os.path.join(folder, "model.safetensors")))
     torch.testing.assert_close(plain.state_dict(), reference.state_dict(), **PARAMETER_TOLERANCE)
     plain_optimizer, _ = make(plain)
     reference_optimizer, _ = make(reference)

@@ -76,7 +76,7 @@ def test_bf16_world_size_1_equals_the_hand_written_reference_bit_for_bit(name, s
 
 def _persistent(step):
     """The step's parameter buckets and optimizer state, copied."""
-    return {k: v.clone() for k, v in step._slots.items() if k.startswith(("bucket:", "state:"))}
+    return {k: v.clone() for k, v in step.state.slots.items() if k.startswith(("bucket:", "state:"))}
 
 
 def _fp16_against_grad_scaler(name, stage, scaling, steps):
@@ -88,17 +88,17 @@ def _fp16_against_grad_scaler(name, stage, scaling, steps):
     step = _compiled(name, stage, param_dtype=torch.float16, reduce_dtype=torch.float32, loss_scale=scaling)
     rows = []
     for batch in batches(name, steps, 8):
-        before = _persistent(step) if step._slots is not None else None
+        before = _persistent(step) if step.state.slots is not None else None
         expected = mixed_eager_step(reference, reference_optimizer, loss_fn, batch, torch.float16, scaler=scaler)
         loss = step(*batch)
-        skipped = bool(step._slots[zerocc.precision.FOUND_INF_SLOT] > 0)
+        skipped = bool(step.state.slots[zerocc.precision.FOUND_INF_SLOT] > 0)
         after = _persistent(step)
         unchanged = before is not None and before.keys() == after.keys() and all(
             torch.equal(before[k], after[k]) for k in before)
         full = step.full_state_dict()
         same = all(torch.equal(full[k], v) for k, v in reference.state_dict().items())
         rows.append((loss, expected, step.loss_scale, scaler.get_scale(), same, skipped, unchanged,
-                     sorted(k for k in step._slots if k.startswith("state:"))))
+                     sorted(k for k in step.state.slots if k.startswith("state:"))))
     return rows
 
 
@@ -147,7 +147,7 @@ def _train_world_size_n(rank, world_size, name, precision, scaling):
         losses, skipped = [], []
         for batch in local:
             losses.append(step(*batch))
-            skipped.append(scaling is not None and bool(step._slots[zerocc.precision.FOUND_INF_SLOT] > 0))
+            skipped.append(scaling is not None and bool(step.state.slots[zerocc.precision.FOUND_INF_SLOT] > 0))
         results[stage] = (losses, step.full_state_dict(), step.loss_scale, skipped)
     return results
 
@@ -330,7 +330,7 @@ def _bf16_stage_2_checkpoint(rank, world_size, folder):
         original(*batch)
     zerocc.save_checkpoint(original, f"{folder}/ckpt")
     saved = original.full_state_dict()
-    slots = {k: (tuple(v.shape), v.dtype) for k, v in original._slots.items() if k.startswith(("bucket", "compute"))}
+    slots = {k: (tuple(v.shape), v.dtype) for k, v in original.state.slots.items() if k.startswith(("bucket", "compute"))}
     expected = [original(*batch) for batch in data[2:]]
     ran = fresh(7)
     ran(*data[0])                                         # compiled, other weights: the load rebuilds compute:<i>

@@ -79,7 +79,7 @@ def test_learning_rate_schedule_is_read_every_step():
         assert torch.equal(step(*batch), eager_step(reference, reference_optimizer, loss_fn, batch))
         reference_schedule.step()
         schedule.step()
-    assert len(step._programs) == 2   # first step (state created) and steady state; no recompile per lr
+    assert len(step.cache.entries) == 2   # first step (state created) and steady state; no recompile per lr
     for key, value in reference.state_dict().items():
         assert torch.equal(step.full_state_dict()[key], value), key
 
@@ -97,7 +97,7 @@ HELD_SLOTS = {"bucket": "params", "compute": "params", "param": "params", "froze
 def held_bytes(step) -> dict[str, int]:
     """The bytes the step's slot tensors really take, by kind: what ``model_state_bytes_per_rank`` must report."""
     held = {"params": 0, "optimizer": 0}
-    for slot, tensor in step._slots.items():
+    for slot, tensor in step.state.slots.items():
         if slot.split(":")[0] in HELD_SLOTS:
             held[HELD_SLOTS[slot.split(":")[0]]] += tensor.numel() * tensor.element_size()
     return held

@@ -132,7 +132,7 @@ def _train(rank, world_size, stage):
         step = zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-2), stage=stage, loss_fn=loss_fn,
                               bucket_bytes=SMALL_BUCKETS, disable=disable)
         losses = [step(*batch) for batch in local]
-        moved = step._last[1].update_order.buckets if "overlap_updates" not in disable else ()
+        moved = step.cache.last.ctx.update_order.buckets if "overlap_updates" not in disable else ()
         results[disable] = (losses, step.full_state_dict(), moved)
     return results
 

@@ -58,7 +58,7 @@ def test_the_program_holds_only_the_constants_it_reads(stage):
     model = MLP()
     step = zerocc.compile(model, torch.optim.Adam(model.parameters(), lr=1e-2), stage=stage, loss_fn=F.mse_loss)
     step(*batches("mlp", 1, 4)[0])
-    for program, _, _ in step._programs.values():
+    for program in [entry.program for entry in step.cache.entries.values()]:
         read = {node.target for node in program.gm.graph.nodes if node.op == "get_attr"}
         held = {name for name, _ in program.gm.named_buffers()}
         assert read and held == read
@@ -157,7 +157,7 @@ def _compile_verified(rank, world_size):
     model = MLP()
     step = zerocc.compile(model, torch.optim.AdamW(model.parameters()), stage=3, loss_fn=F.mse_loss, verify=True)
     step(*batches("mlp", 1, 4)[0])
-    fingerprint = verify.collective_fingerprint(step._last[0].gm)
+    fingerprint = verify.collective_fingerprint(step.cache.last.program.gm)
     issued = step.report()["collectives_per_step"]
 
     def retag_on_rank_1(gm, ctx):

@@ -143,6 +143,22 @@ def test_plan_refuses_bad_settings():
         zerocc.plan(model, optimizer, bucket_size=1, example_inputs=batches("mlp", 1, 2)[0])
 
 
+@pytest.mark.parametrize("keyword, value, message", [
+    ("bucket_bytes", 0, r"bucket_bytes must be a positive int, got 0"),
+    ("gather_per_micro_batch", "yes", r"gather_per_micro_batch must be True or False, got 'yes'"),
+    ("max_programs", 0, r"max_programs must be a positive int \(compiled programs kept"),
+    ("timeout", -1, r"timeout must be a positive number of seconds, got -1"),
+])
+def test_plan_checks_compiles_keywords_as_compile_does(keyword, value, message):
+    """One validation (zerocc/options.py) for both: a keyword compile refuses, a plan refuses with the same words."""
+    model, _, _ = build("mlp")
+    with pytest.raises(zerocc.ConfigError, match=message):
+        zerocc.compile(model, torch.optim.AdamW(model.parameters()), **{keyword: value})
+    with pytest.raises(zerocc.ConfigError, match=message):
+        zerocc.plan(model, torch.optim.AdamW(model.parameters()), example_inputs=batches("mlp", 1, 2)[0],
+                    **{keyword: value})
+
+
 # compile's keywords, all at once: a plan of this configuration is what the compiled step runs
 CONFIGURATION = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, grad_accumulation=2,
                      clip_grad_norm=0.5, loss_scale="dynamic", memory_pools=True, bucket_bytes=4 * 1024,

@@ -36,7 +36,7 @@ def test_old_state_dies_at_its_last_use_as_planned_and_bits_do_not_change(stage)
     assert [l.item() for l in losses] == [l.item() for l in kept_losses]
     for name, value in released.full_state_dict().items():
         assert torch.equal(value, kept.full_state_dict()[name]), name
-    state_bytes = sum(g.nbytes(n) for n in g.placeholders(released._last[0].gm, g.ROLE_STATE))
+    state_bytes = sum(g.nbytes(n) for n in g.placeholders(released.cache.last.program.gm, g.ROLE_STATE))
     for step in (released, kept):
         report = step.report()
         # the plan's lifetimes are what a real step holds (the plan rounds buffers up to 64 bytes)
@@ -62,18 +62,18 @@ def test_a_failure_before_the_release_point_leaves_every_slot_as_it_was():
     step = zerocc.compile(model, adamw(model), stage=3, loss_fn=torch.nn.functional.mse_loss)
     for seed in (1, 2):
         step(*_tokens(seed))
-    program = step._last[0]
+    program = step.cache.last.program
     assert program.released_slots   # the steady state's program releases its state
-    before = {slot: (value, value.clone()) for slot, value in step._slots.items()}
+    before = {slot: (value, value.clone()) for slot, value in step.state.slots.items()}
     bad_tokens, targets = _tokens(3)
     bad_tokens[0, 0] = 99   # out of the embedding's range: forward fails, before the release point
     with pytest.raises(IndexError):
         step(bad_tokens, targets)
-    assert step._slots.keys() == before.keys()
+    assert step.state.slots.keys() == before.keys()
     for slot, (value, copy) in before.items():
-        assert torch.equal(step._slots[slot], copy), slot
+        assert torch.equal(step.state.slots[slot], copy), slot
     for slot in program.released_slots:   # (the learning rate's slot is set anew by every call)
-        assert step._slots[slot] is before[slot][0], slot
+        assert step.state.slots[slot] is before[slot][0], slot
     # and training goes on exactly as if the failed step had never been called
     reference = _token_model()
     reference_step = zerocc.compile(reference, adamw(reference), stage=3, loss_fn=torch.nn.functional.mse_loss)

@@ -255,7 +255,7 @@ def test_eval_forward_equals_eager_eval_and_changes_nothing(name, stage):
     output = step.eval_forward(*inputs)
     assert torch.equal(output, expected)
     assert not output.requires_grad and model.training
-    assert len(step._eval_programs) == 1 and len(step._programs) == 2   # cached apart from the training step
+    assert len(step.eval_programs) == 1 and len(step.cache.entries) == 2   # cached apart from the training step
     # evaluation wrote nothing: BatchNorm statistics and the training step carry on exactly
     assert torch.equal(step(*data[3]), eager_step(reference, reference_optimizer, loss_fn, data[3]))
     assert_same_state(step, reference)
@@ -288,7 +288,7 @@ def test_new_shapes_compile_new_programs_up_to_max_programs():
                       r"shapes \(4, 12\) float32, \(4, 5\) float32\); dropped the least recently used, compiled for "
                       r"shapes \(8, 12\) float32"):
         step(*batches("mlp", 1, 4)[0])
-    assert len({id(found[0]) for found in step._programs.values()}) == 3
+    assert len(step.cache.programs()) == 3
 
 
 def test_new_shapes_train_exactly():

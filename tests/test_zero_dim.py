@@ -127,7 +127,7 @@ def _train_all_stages(rank, world_size):
         model = build()
         step = zerocc.compile(model, adamw(model), stage=stage, loss_fn=loss_fn)
         losses = [step(*batch) for batch in local]
-        owners = {piece.param for _, _, piece in step._plan.owned_pieces()}
+        owners = {piece.param for _, _, piece in step.state.plan.owned_pieces()}
         results[stage] = (losses, step.full_state_dict(), owners)
     return results
 

@@ -9,7 +9,7 @@ See ``zerocc/pipeline.py`` for the passes, in order.
 from . import ops  # registers zerocc:: custom ops
 from .api import CompiledStep, compile
 from .precision import DynamicLossScale
-from .checkpoint import export_full_state_dict, load_checkpoint, save_checkpoint
+from .state_dict import export_full_state_dict, load_checkpoint, save_checkpoint
 from .pipeline import register_pass, unregister_pass
 from .planning import Plan, plan
 from .errors import (CaptureError, CheckpointError, ConfigError, MemoryBudgetError, PassError, RecompileWarning,

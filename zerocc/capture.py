@@ -28,7 +28,7 @@ from torch._subclasses.fake_tensor import DynamicOutputShapeException, DataDepen
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from . import graph as g
-from . import plans
+from . import decisions
 from .batch import BatchLayout
 from .data_guards import DataGuard, GuardRecorder, recording
 from .errors import CaptureError, ConfigError, ZeroccError, raised_by_user_code, user_frame
@@ -302,9 +302,9 @@ def trace_step(
     output = g.output_node(gm)
     output.args = ([loss_node, *new_param_nodes, *new_buffer_nodes, *flat_states],)
     gm.meta[g.OUTPUT_SLOTS] = (
-        [plans.param_slot(info.name) for info in param_infos]
-        + [plans.buffer_slot(info.name) for info in buffer_infos]
-        + [plans.state_slot(param_infos[i].name, key) for i, keys in enumerate(new_state_keys) for key in keys]
+        [decisions.param_slot(info.name) for info in param_infos]
+        + [decisions.buffer_slot(info.name) for info in buffer_infos]
+        + [decisions.state_slot(param_infos[i].name, key) for i, keys in enumerate(new_state_keys) for key in keys]
     )
     gm.graph.eliminate_dead_code()
     _tag_phases(gm, loss_node, [x for x in grad_nodes if x is not None], new_buffer_nodes)
@@ -452,14 +452,15 @@ def _tag_placeholders(gm, layout, param_infos, frozen_infos, buffer_infos, state
         if role in infos:
             name = infos[role][index].name
             base = readable(name)
-            slot = {g.ROLE_PARAM: plans.param_slot, g.ROLE_FROZEN: plans.frozen_slot, g.ROLE_BUFFER: plans.buffer_slot}[role](name)
+            slot = {g.ROLE_PARAM: decisions.param_slot, g.ROLE_FROZEN: decisions.frozen_slot,
+                    g.ROLE_BUFFER: decisions.buffer_slot}[role](name)
         elif role == g.ROLE_STATE:
             base = f"state_{readable(param_infos[index].name)}_{key}"
             node.meta[g.STATE_KEY] = key
-            slot = plans.state_slot(param_infos[index].name, key)
+            slot = decisions.state_slot(param_infos[index].name, key)
         elif role == g.ROLE_HYPER:
             base = f"lr_group{index}"
-            slot = plans.lr_slot(index)
+            slot = decisions.lr_slot(index)
         elif role == g.ROLE_LOSS_SCALE:
             base, slot = "loss_scale", mixed.SCALE_SLOT
         else:

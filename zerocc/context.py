@@ -1,4 +1,4 @@
-"""What every pass receives besides the graph: the inputs of compilation and the plans decided so far."""
+"""What every pass receives besides the graph: the inputs of compilation and the decisions made so far."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,7 +8,7 @@ import torch
 
 from .capture import Captured
 from .memory_plan import MemoryPlan
-from .plans import RematPlan, Schedule, ShardPlan, UpdateOrder
+from .decisions import RematPlan, Schedule, ShardPlan, UpdateOrder
 from .precision import Precision
 
 

@@ -22,8 +22,9 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from . import plans
+from . import decisions
 from .batch import BatchLayout, check_batch
+from .program_cache import input_signature
 from .errors import CaptureError, ConfigError, RecompileWarning, ZeroccError, note_failing_node, user_frame
 from .runtime import failures
 from .tracing import fakeify, make_fake_mode, trace_functional
@@ -55,35 +56,36 @@ def eval_forward(step, inputs: tuple, keyword_inputs: dict | None = None) -> Any
     keyword_inputs = keyword_inputs or {}
     layout = BatchLayout.of(inputs, keyword_inputs)
     batch = layout.flatten(inputs, keyword_inputs)
-    if step._slots is None:
+    if not step.state.started:
         raise ConfigError(
             "eval_forward needs the training step compiled first: the parameters live in the step's buckets, "
             "whose layout the first step(*batch) decides; call the step once (or, before training, evaluate "
             "the model itself: its parameters are intact until then)")
-    check_batch(batch, layout, step._first_batch, where="eval_forward")
-    signature = step._input_signature(batch, layout)
-    program = step._eval_programs.get(signature)
+    check_batch(batch, layout, step.state.first_batch, where="eval_forward")
+    signature = input_signature(batch, layout)
+    programs = step.eval_programs
+    program = programs.get(signature)
     if program is None:
         program = _compile(step, batch, layout)
-        step._eval_programs[signature] = program
-        if len(step._eval_programs) > step.max_programs:
-            dropped = next(iter(step._eval_programs))
-            del step._eval_programs[dropped]
+        programs[signature] = program
+        if len(programs) > step.max_programs:
+            dropped = next(iter(programs))
+            del programs[dropped]
             warnings.warn(f"zerocc: more than max_programs={step.max_programs} eval_forward programs; dropped "
                           "the least recently used. Pad evaluation batches to a few shapes", RecompileWarning,
                           stacklevel=3)
     else:
-        step._eval_programs[signature] = step._eval_programs.pop(signature)   # most recently used last
+        programs[signature] = programs.pop(signature)   # most recently used last
     with torch.no_grad(), failures.collective_failures(step.ranks, step.steps, step.timeout, call="eval_forward"):
-        return program.run(step._slots, batch)
+        return program.run(step.state.slots, batch)
 
 
 def _compile(step, batch: list, layout: BatchLayout) -> EvalProgram:
-    plan, captured, model = step._plan, step._captured, step.model
+    plan, captured, model = step.state.plan, step.state.captured, step.model
     in_plan = {segment.param for bucket in plan.buckets for segment in bucket.segments}
     loose = [info for index, info in enumerate(captured.params) if index not in in_plan]   # trained, but unused
-    slots = ([plans.bucket_slot(b.index) for b in plan.buckets] + [plans.param_slot(i.name) for i in loose]
-             + [plans.frozen_slot(i.name) for i in captured.frozen] + [plans.buffer_slot(i.name) for i in captured.buffers])
+    slots = ([decisions.bucket_slot(b.index) for b in plan.buckets] + [decisions.param_slot(i.name) for i in loose]
+             + [decisions.frozen_slot(i.name) for i in captured.frozen] + [decisions.buffer_slot(i.name) for i in captured.buffers])
     gathered = [plan.holds_shard(b) and plan.world_size > 1 for b in plan.buckets]   # masters sharded
 
     def forward(buckets, tensors, batch):
@@ -108,7 +110,7 @@ def _compile(step, batch: list, layout: BatchLayout) -> EvalProgram:
         return output
 
     fake_mode = make_fake_mode()
-    values = [step._slots[slot] for slot in slots]
+    values = [step.state.slots[slot] for slot in slots]
     arguments = fakeify(fake_mode, (values[:len(plan.buckets)], values[len(plan.buckets):], list(batch)))
     modes = {module: module.training for module in model.modules()}
     model.eval()

@@ -376,7 +376,7 @@ def initial_state_layout(optimizer: torch.optim.Optimizer,
 
     Traced on fake tensors with zero gradients: nothing real is read or
     written. A checkpoint loaded before the first step needs it to ask for
-    the saved optimizer state by name (``zerocc/checkpoint.py``).
+    the saved optimizer state by name (``zerocc/state_dict.py``).
     """
     group_of_id = {id(p): index for index, group in enumerate(optimizer.param_groups) for p in group["params"]}
     group_of = [group_of_id[id(p)] for p in params]

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import dataclasses
 import sys
 import time
 from typing import Any, Callable, Mapping, Sequence
@@ -39,21 +40,19 @@ import torch.fx as fx
 import torch.nn as nn
 
 from . import graph as g
-from . import plans
+from . import decisions
 from .batch import BatchLayout
 from .capture import Captured, capture, named_tensors
 from .context import CompileContext
+from .driver import run_passes
 from .errors import ConfigError
-from .guards import check_stage
+from .options import DEFAULT_BUCKET_BYTES, CompileOptions, check_model_and_optimizer, check_stage
 from . import precision as mixed
-from .pipeline import (DEFAULT_PREFETCH_BYTES, GraphSnapshot, build_pipeline, copy_graph, dump_dir_of,
-                       memory_pools_of, run_pipeline)
+from .pipeline import DEFAULT_PREFETCH_BYTES, GraphSnapshot, copy_graph
 from .tracing import make_fake_mode
 
 # The collectives of a plan name this group; the graph is never run.
 PLANNING_GROUP = "zerocc_plan"
-
-DEFAULT_BUCKET_BYTES = 4 * 1024 * 1024   # as zerocc.compile's default
 
 
 def plan(model: nn.Module, optimizer: torch.optim.Optimizer, stage: int = 3, world_size: int = 1, *,
@@ -84,7 +83,7 @@ def plan(model: nn.Module, optimizer: torch.optim.Optimizer, stage: int = 3, wor
                    cast_forward_inputs=cast_forward_inputs, grad_accumulation=grad_accumulation,
                    clip_grad_norm=clip_grad_norm, clip_norm_type=clip_norm_type, prefetch_bytes=prefetch_bytes,
                    bucket_bytes=bucket_bytes, progress=progress, accounting_dtype=accounting_dtype,
-                   gather_per_micro_batch=gather_per_micro_batch,
+                   gather_per_micro_batch=gather_per_micro_batch, **runtime_only,
                    ).plan(stage, world_size, rank=rank, disable=disable, verify=verify, dump_dir=dump_dir,
                           memory_pools=memory_pools, memory_budget=memory_budget)
 
@@ -110,12 +109,8 @@ class Planner:
                  num_targets=None, param_dtype=None, reduce_dtype=None, loss_scale=None, cast_forward_inputs=True,
                  grad_accumulation=1, clip_grad_norm=None, clip_norm_type=2.0, prefetch_bytes=DEFAULT_PREFETCH_BYTES,
                  bucket_bytes=DEFAULT_BUCKET_BYTES, progress=False, accounting_dtype=None,
-                 gather_per_micro_batch=True):
-        from .api import check_grad_accumulation, _check_clipping
-        if not isinstance(model, nn.Module):
-            raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise ConfigError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+                 gather_per_micro_batch=True, **runtime_only):
+        check_model_and_optimizer(model, optimizer)
         if accounting_dtype is not None and not (isinstance(accounting_dtype, torch.dtype)
                                                  and accounting_dtype.is_floating_point):
             raise ConfigError(f"accounting_dtype must be a floating torch.dtype (torch.bfloat16, ...), "
@@ -123,21 +118,18 @@ class Planner:
         if accounting_dtype is not None and param_dtype is not None:
             raise ConfigError("give param_dtype (plan the mixed precision compile runs) or accounting_dtype "
                               "(the ZeRO paper's accounting over a full-precision graph), not both")
-        if not isinstance(prefetch_bytes, int) or prefetch_bytes < 0:
-            raise ConfigError(f"prefetch_bytes must be a non-negative int, got {prefetch_bytes!r}")
-        check_grad_accumulation(grad_accumulation)
-        self.clip = _check_clipping(clip_grad_norm, clip_norm_type)
-        self.precision = mixed.resolve(param_dtype, reduce_dtype, loss_scale, cast_forward_inputs, model)
-        self.grad_accumulation = grad_accumulation
-        self.gather_per_micro_batch = bool(gather_per_micro_batch)
-        self.prefetch_bytes = prefetch_bytes
+        check_runtime_only(runtime_only)
+        # the stage and the pipeline's keywords come with each plan() (CompileOptions.for_pipeline)
+        self.options = CompileOptions.validate(
+            model, loss_fn=loss_fn, num_targets=num_targets, bucket_bytes=bucket_bytes,
+            prefetch_bytes=prefetch_bytes, grad_accumulation=grad_accumulation, clip_grad_norm=clip_grad_norm,
+            clip_norm_type=clip_norm_type, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+            loss_scale=loss_scale, cast_forward_inputs=cast_forward_inputs,
+            gather_per_micro_batch=gather_per_micro_batch, memory_pools=False, **runtime_only)
         self.model, self.optimizer = model, optimizer
         self.layout = BatchLayout.of(tuple(example_inputs), example_keyword_inputs or {})
         self.example_inputs = tuple(self.layout.flatten(tuple(example_inputs), example_keyword_inputs or {}))
-        self.loss_fn = loss_fn
-        self.num_targets = (1 if loss_fn is not None else 0) if num_targets is None else num_targets
         self.param_dtype = accounting_dtype   # the paper's accounting (None: count the graph as compiled)
-        self.bucket_bytes = bucket_bytes
         self.say = (lambda line: print(f"[zerocc plan] {line}", file=sys.stderr, flush=True)) if progress is True \
             else (progress or None)
         self._captures: dict[bool, tuple[Captured, Any, float]] = {}
@@ -149,10 +141,10 @@ class Planner:
             fake_mode = make_fake_mode()
             state = fake_optimizer_state(self.model, self.optimizer, fake_mode)
             captured = capture(self.model, self.optimizer, self.example_inputs, layout=self.layout,
-                               loss_fn=self.loss_fn,
-                               num_targets=self.num_targets, fake_mode=fake_mode, optimizer_state=state,
+                               loss_fn=self.options.loss_fn,
+                               num_targets=self.options.num_targets, fake_mode=fake_mode, optimizer_state=state,
                                check_update_elementwise=elementwise_check,
-                               grad_accumulation=self.grad_accumulation, precision=self.precision)
+                               grad_accumulation=self.options.grad_accumulation, precision=self.options.precision)
             seconds = time.perf_counter() - started
             if self.say:
                 self.say(f"capture: {len(captured.gm.graph.nodes)} nodes, {seconds:.1f} s")
@@ -164,24 +156,18 @@ class Planner:
         check_stage(stage)
         if not isinstance(world_size, int) or world_size < 1 or not 0 <= rank < world_size:
             raise ConfigError(f"world_size must be a positive int and 0 <= rank < world_size, got {world_size!r}, {rank!r}")
-        if memory_budget is not None and (not isinstance(memory_budget, int) or memory_budget <= 0):
-            raise ConfigError(f"memory_budget must be a positive int (bytes per rank) or None, got {memory_budget!r}")
-        passes = build_pipeline(stage, disable, self.prefetch_bytes, clip=self.clip, memory_budget=memory_budget,
-                                mixed_precision=self.precision is not None,
-                                memory_pools=memory_pools_of(memory_pools))   # as compile()
+        options = self.options.for_pipeline(stage=stage, disable=disable, verify=verify, dump_dir=dump_dir,
+                                            memory_pools=memory_pools, memory_budget=memory_budget)   # as compile()
         captured, fake_mode, capture_seconds = self._captured(stage != 0)
         started = time.perf_counter()
-        working = dataclasses_replace_gm(captured, copy_graph_module(captured.gm))
-        ctx = CompileContext(stage, world_size, rank, PLANNING_GROUP if world_size > 1 else None, self.optimizer,
-                             working, fake_mode, self.bucket_bytes, planning=True,
-                             traces=self._traces.setdefault(stage != 0, {}), precision=self.precision,
-                             gather_per_micro_batch=self.gather_per_micro_batch)
-        gm, history = run_pipeline(working.gm, ctx, passes, verify=verify, dump_dir=dump_dir_of(dump_dir),
-                                   progress=self.say)
+        working = dataclasses.replace(captured, gm=copy_graph_module(captured.gm))
+        compiled = run_passes(working, fake_mode, options, self.optimizer, world_size=world_size, rank=rank,
+                              group_name=PLANNING_GROUP if world_size > 1 else None, planning=True,
+                              traces=self._traces.setdefault(stage != 0, {}), progress=self.say)
         seconds = {"capture": capture_seconds, "passes": time.perf_counter() - started}
         if self.say:
             self.say(f"planned stage {stage} at world size {world_size}: {seconds['passes']:.1f} s")
-        return Plan(gm, ctx, history, self.param_dtype, seconds, self.precision)
+        return Plan(compiled.gm, compiled.ctx, compiled.history, self.param_dtype, seconds, options.precision)
 
 
 class Plan:
@@ -206,7 +192,7 @@ class Plan:
         raise ConfigError(f"no pass named {name!r}; the passes are: {', '.join(self.passes)}")
 
     @property
-    def shard_plan(self) -> plans.ShardPlan:
+    def shard_plan(self) -> decisions.ShardPlan:
         return self.ctx.shard_plan
 
     @property
@@ -215,14 +201,14 @@ class Plan:
         return getattr(self.ctx, "memory_plan", None)
 
     @property
-    def remat_plan(self) -> plans.RematPlan | None:
+    def remat_plan(self) -> decisions.RematPlan | None:
         """What ``memory_budget`` made backward recompute (None without a budget)."""
         return self.ctx.remat_plan
 
     @property
     def checkpoint_plan(self):
         """Renamed ``remat_plan``: reading it says so."""
-        raise AttributeError(plans.CHECKPOINT_PLAN_RENAMED)
+        raise AttributeError(decisions.CHECKPOINT_PLAN_RENAMED)
 
     def report(self) -> dict:
         captured = self.ctx.captured
@@ -353,8 +339,3 @@ def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     new = fx.GraphModule(gm, copy_graph(gm.graph))
     new.meta = {key: copy.copy(value) for key, value in gm.meta.items()}
     return new
-
-
-def dataclasses_replace_gm(captured: Captured, gm: fx.GraphModule) -> Captured:
-    import dataclasses
-    return dataclasses.replace(captured, gm=gm)

@@ -36,7 +36,7 @@ import torch.utils._pytree as pytree
 from . import graph as g
 from .errors import ConfigError
 
-# The runtime's slots for loss scaling (``plans`` names the others). The
+# The runtime's slots for loss scaling (``decisions`` names the others). The
 # scale and the growth tracker persist from step to step and are
 # checkpointed; ``found_inf`` is written by every step (1.0 when it skipped).
 SCALE_SLOT = "loss_scale:scale"
@@ -101,7 +101,10 @@ def _check_dtype(keyword: str, dtype) -> None:
 
 
 def resolve(param_dtype, reduce_dtype, loss_scale, cast_forward_inputs, model: torch.nn.Module) -> Precision | None:
-    """Check ``compile``'s precision keywords against the model; None when they ask for nothing."""
+    """Check ``compile``'s precision keywords against the model; None when they ask for nothing.
+
+    Called by ``CompileOptions.validate``: its warning names the frame that called ``zerocc.compile``.
+    """
     _check_dtype("param_dtype", param_dtype)
     _check_dtype("reduce_dtype", reduce_dtype)
     if loss_scale == "dynamic":
@@ -122,7 +125,7 @@ def resolve(param_dtype, reduce_dtype, loss_scale, cast_forward_inputs, model: t
                           "build the model in torch.float32 and pass param_dtype=torch.bfloat16")
     if param_dtype is torch.float16 and loss_scale is None:
         warnings.warn("param_dtype=torch.float16 without loss scaling: small gradients underflow to zero in "
-                      "float16; pass loss_scale='dynamic' (or use torch.bfloat16)", UserWarning, stacklevel=3)
+                      "float16; pass loss_scale='dynamic' (or use torch.bfloat16)", UserWarning, stacklevel=4)
     return Precision(param_dtype, reduce_dtype, loss_scale, cast_forward_inputs)
 
 

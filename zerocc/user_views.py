@@ -1,6 +1,6 @@
 """The user's model and optimizer after compile: every view of them current, or a clear error.
 
-Sits beside the runtime, like ``zerocc/checkpoint.py``: once a step's first
+Sits beside the runtime, like ``zerocc/state_dict.py``: once a step's first
 call moves the parameters and optimizer state into its slots
 (``runtime/slots.py``), the user's objects would otherwise show stale or
 empty copies (stage 3 releases parameters to shape ``(0,)``; the optimizer's
@@ -23,7 +23,7 @@ import contextlib
 
 import torch
 
-from . import plans
+from . import decisions
 from .capture import named_tensors
 from .errors import ConfigError
 from .runtime import slots as slot_store
@@ -42,9 +42,9 @@ def install(step) -> list:
 
 def _released(step) -> bool:
     """Parameters of the user's module are (0,)-shaped now (stage 3 outside ``full_model``)."""
-    if not step._released_shapes or step._full_model_depth:
+    if not step.state.released_shapes or step.state.full_model_depth:
         return False
-    name = next(iter(step._released_shapes))
+    name = next(iter(step.state.released_shapes))
     module = step.model
     *path, leaf = name.split(".")
     for part in path:
@@ -61,9 +61,10 @@ def _refuse_released_forward(step) -> None:
 
 
 def _current_model_state(step, state: dict, prefix: str) -> None:
-    if not _released(step) or step._reading_model_keys:
+    if not _released(step) or step.state.reading_model_keys:
         return
-    if any(step._plan.holds_shard(b) for b in step._plan.buckets) and step.ranks.world_size > 1:
+    plan = step.state.plan
+    if any(plan.holds_shard(b) for b in plan.buckets) and step.ranks.world_size > 1:
         raise ConfigError(
             "model.state_dict() after compile at stage 3 over several ranks: each rank holds a shard of the "
             "parameters. Call step.full_state_dict() on every rank (a collective), use `with step.full_model(): "
@@ -75,14 +76,14 @@ def _current_model_state(step, state: dict, prefix: str) -> None:
 
 
 def _current_optimizer_state(step, state: dict) -> dict:
-    if step._slots is None:
+    if not step.state.started:
         return state
     if step.ranks.world_size > 1 and step.stage > 0:
         raise ConfigError(
             f"optimizer.state_dict() after compile at stage {step.stage} over {step.ranks.world_size} ranks: each "
             "rank holds a shard of the optimizer state. Save it with step.state_dict() and "
             "torch.distributed.checkpoint (or zerocc.save_checkpoint), which reshards it on load")
-    from .checkpoint import whole_optimizer_state
+    from .state_dict import whole_optimizer_state
     position = {id(p): i for i, p in enumerate(p for g in step.optimizer.param_groups for p in g["params"])}
     params = {names[0]: t for names, t in named_tensors(step.model, "param")}
     state["state"] = {position[id(params[fqn])]: entries for fqn, entries in whole_optimizer_state(step).items()}
@@ -103,40 +104,73 @@ def full_model(step, writeback: bool = True):
     into the step's buckets (this rank's shard of them), so in-place edits
     (``model.fc.weight.mul_(0.5)``) reach training; without it they are dropped.
     """
-    if step._slots is None:   # before the first call the module is the model
+    if not step.state.started:   # before the first call the module is the model
         yield step.model
         return
-    plan, captured = step._plan, step._captured
-    buckets = slot_store.full_buckets(plan, step._slots, step.ranks.group)
+    plan, captured = step.state.plan, step.state.captured
+    buckets = slot_store.full_buckets(plan, step.state.slots, step.ranks.group)
     views = slot_store.parameter_views(plan, captured, buckets)
     params = {names[0]: t for names, t in named_tensors(step.model, "param")}
     kept = {name: tensor.data for name, tensor in params.items()}
     for index, view in views.items():
         params[captured.params[index].name].data = view.clone()
-    step._full_model_depth += 1
+    step.state.full_model_depth += 1
     try:
         yield step.model
         if writeback:
             _write_back(step, buckets, params)
     finally:
-        step._full_model_depth -= 1
+        step.state.full_model_depth -= 1
         for name, tensor in params.items():
             tensor.data = kept[name]
-        step._after_step(None)
+        point_module_at_slots(step)
 
 
 def _write_back(step, buckets: dict[int, torch.Tensor], params: dict[str, torch.Tensor]) -> None:
-    plan, captured = step._plan, step._captured
+    plan, captured, slots = step.state.plan, step.state.captured, step.state.slots
     with torch.no_grad():
         for bucket in plan.buckets:
             full = buckets[bucket.index].clone()
             for segment in bucket.segments:
                 value = params[captured.params[segment.param].name].detach().reshape(-1)
                 full[segment.offset: segment.offset + segment.numel].copy_(value)
-            slot = step._slots[plans.bucket_slot(bucket.index)]
+            slot = slots[decisions.bucket_slot(bucket.index)]
             if plan.holds_shard(bucket):
                 start = plan.rank * bucket.shard_numel
                 slot.copy_(full[start: start + bucket.shard_numel])
             else:
                 slot.copy_(full)
-        slot_store.refresh_compute_copies(plan, step._slots, step.ranks.group)
+        slot_store.refresh_compute_copies(plan, slots, step.ranks.group)
+
+
+def point_module_at_slots(step) -> None:
+    """Keep the user's module current: its buffers are the step's, its parameters view the new buckets.
+
+    Runs after every step. Parameters of buckets whose masters are sharded
+    (stage 3, and mixed precision at stages 1-2) stay released: no rank
+    holds them whole (``step.full_model()`` gathers them).
+    """
+    state = step.state
+    buffers = {names[0]: t for names, t in named_tensors(step.model, "buffer")}
+    for info in state.captured.buffers:
+        buffers[info.name].data = state.slots[decisions.buffer_slot(info.name)]
+    if step.stage == 3:
+        return
+    views = slot_store.parameter_views(state.plan, state.captured, {
+        b.index: state.slots[decisions.bucket_slot(b.index)] for b in state.plan.buckets
+        if not state.plan.holds_shard(b)})
+    tensors = {names[0]: t for names, t in named_tensors(step.model, "param")}
+    for index, view in views.items():
+        tensors[state.captured.params[index].name].data = view
+
+
+def release_model_parameters(step) -> None:
+    """At the first compile: the user's module gives up the parameters whose masters the step shards."""
+    state = step.state
+    tensors = {names[0]: t for names, t in named_tensors(step.model, "param")}
+    for index in state.param_indices(sharded_only=True):
+        info = state.captured.params[index]
+        param = tensors[info.name]
+        state.released_shapes[info.name] = info.shape
+        param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+    point_module_at_slots(step)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from .. import graph as g
-from .. import plans
+from .. import decisions
 from ..context import CompileContext
 
 
@@ -54,4 +54,4 @@ def _buckets_only_the_step_holds(ctx: CompileContext) -> set[str]:
     plan = ctx.shard_plan
     if plan is None:
         return set()
-    return {plans.bucket_slot(b.index) for b in plan.buckets if plan.holds_shard(b)}
+    return {decisions.bucket_slot(b.index) for b in plan.buckets if plan.holds_shard(b)}

@@ -44,7 +44,7 @@ import torch
 import torch.fx as fx
 
 from .. import graph as g
-from .. import ops, plans
+from .. import ops, decisions
 from .. import precision as mixed
 from ..context import CompileContext
 
@@ -75,7 +75,7 @@ def mixed_precision(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     return gm
 
 
-def _cast_parameters(gm: fx.GraphModule, ctx: CompileContext, bucket: plans.Bucket) -> int:
+def _cast_parameters(gm: fx.GraphModule, ctx: CompileContext, bucket: decisions.Bucket) -> int:
     """Read the bucket's parameters as views of one cast of the bucket (of its shard, before the gather)."""
     graph = gm.graph
     casts = [n for n in graph.nodes if n.meta.get(g.PRECISION_CAST) == "param"
@@ -122,7 +122,7 @@ def _cast_parameters(gm: fx.GraphModule, ctx: CompileContext, bucket: plans.Buck
     return 1
 
 
-def _shard_masters(gm: fx.GraphModule, ctx: CompileContext, bucket: plans.Bucket, full: fx.Node,
+def _shard_masters(gm: fx.GraphModule, ctx: CompileContext, bucket: decisions.Bucket, full: fx.Node,
                    dtype: torch.dtype) -> fx.Node:
     """Stages 1-2: keep the fp32 masters as this rank's shard and the full bucket in ``dtype``; returns the latter.
 
@@ -142,7 +142,7 @@ def _shard_masters(gm: fx.GraphModule, ctx: CompileContext, bucket: plans.Bucket
         compute_value = torch.empty(bucket.numel, dtype=dtype, device=device)
         full.meta[g.VAL] = torch.empty(bucket.shard_numel, dtype=bucket.dtype, device=device)
     compute.meta.update({g.ROLE: g.ROLE_PARAM, g.INDEX: bucket.index, g.BUCKET: bucket.index,
-                         g.SLOT: plans.compute_slot(bucket.index), g.VAL: compute_value})
+                         g.SLOT: decisions.compute_slot(bucket.index), g.VAL: compute_value})
     # the update's pieces were sliced from the full bucket at this rank's offset; the shard starts at 0
     base = plan.rank * bucket.shard_numel if bucket.shards > 1 else 0
     for user in list(full.users):
@@ -153,7 +153,7 @@ def _shard_masters(gm: fx.GraphModule, ctx: CompileContext, bucket: plans.Bucket
     output = g.output_node(gm)
     loss, *values = output.args[0]
     slots = list(gm.meta[g.OUTPUT_SLOTS])
-    position = slots.index(plans.bucket_slot(bucket.index))
+    position = slots.index(decisions.bucket_slot(bucket.index))
     gathered = values[position]
     assert gathered.target is ops.unshard, f"bucket {bucket.index}: the update is not gathered by an unshard"
     new_shard = gathered.args[0]
@@ -165,7 +165,7 @@ def _shard_masters(gm: fx.GraphModule, ctx: CompileContext, bucket: plans.Bucket
         gathered.meta[g.VAL] = torch.empty(bucket.numel, dtype=dtype, device=device)
     values[position] = new_shard
     output.args = ([loss, *values, gathered],)
-    gm.meta[g.OUTPUT_SLOTS] = [*slots, plans.compute_slot(bucket.index)]
+    gm.meta[g.OUTPUT_SLOTS] = [*slots, decisions.compute_slot(bucket.index)]
     return compute
 
 

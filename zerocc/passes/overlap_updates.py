@@ -46,7 +46,7 @@ import torch.fx as fx
 
 from .. import graph as g
 from ..context import CompileContext
-from ..plans import UpdateOrder
+from ..decisions import UpdateOrder
 from ..analysis.live_bytes import live_peaks
 from ..graph import wait_of
 

@@ -2,7 +2,7 @@
 
 Requires: ``shard`` (parameters are views of buckets behind ``ops.unshard``
 markers, not yet lowered to gathers). Runs before ``insert_collectives``.
-Establishes: ``ctx.remat_plan`` (a ``plans.RematPlan``, which
+Establishes: ``ctx.remat_plan`` (a ``decisions.RematPlan``, which
 ``schedule`` reads), and a graph whose step peaks at most ``memory_budget``
 bytes once the later passes have run. Without a budget it does nothing.
 
@@ -57,7 +57,7 @@ from ..analysis.remat import Recomputation, forward_region, is_alias, is_backwar
 from ..context import CompileContext
 from ..errors import MemoryBudgetError, user_line_of_node
 from ..memory_plan import POOL_OF_ROLE
-from ..plans import RecomputedTensor, RematPlan
+from ..decisions import RecomputedTensor, RematPlan
 
 
 def place_remat(gm: fx.GraphModule, ctx: CompileContext, *, memory_budget: int | None,

@@ -52,7 +52,7 @@ import torch.fx as fx
 from .. import graph as g
 from ..context import CompileContext
 from ..graph import wait_of
-from ..plans import Schedule, ScheduledCollective
+from ..decisions import Schedule, ScheduledCollective
 
 # The bound on bytes in flight (and kept from forward) when a memory budget bounds the peak instead.
 UNBOUNDED = 2**62

@@ -27,7 +27,7 @@ import torch
 import torch.fx as fx
 
 from .. import graph as g
-from .. import ops, plans
+from .. import ops, decisions
 from ..context import CompileContext
 from ..optimizer_step import REPLICATE_IF_ELEMENTWISE, splice_update
 
@@ -128,7 +128,7 @@ def shard(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
         for key, old in sorted(old_state.get(piece.param, {}).items()):
             value = old.meta[g.VAL]
             shape = [] if value.dim() == 0 else [piece.numel]
-            states[key] = _state_placeholder(gm, ctx, plans.state_slot(plans.piece_owner(bucket.index, number), key),
+            states[key] = _state_placeholder(gm, ctx, decisions.state_slot(decisions.piece_owner(bucket.index, number), key),
                                              key, shape, value.dtype, value.device)
         state_nodes.append(states)
     new_pieces, new_states = _inline_optimizer(gm, ctx, piece_inputs, state_nodes, lr_nodes)
@@ -159,10 +159,10 @@ def shard(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
                 new_value.meta[g.VAL] = _empty(ctx, bucket.numel, bucket.dtype, device)
                 new_value.meta[g.PHASE] = g.COMMUNICATION
                 new_value.meta[g.BUCKET] = bucket.index
-            new_outputs.append((plans.bucket_slot(bucket.index), new_value))
+            new_outputs.append((decisions.bucket_slot(bucket.index), new_value))
     for (bucket, number, piece, _, _), states in zip(piece_inputs, new_states):
         for key, node in sorted(states.items()):
-            new_outputs.append((plans.state_slot(plans.piece_owner(bucket.index, number), key), node))
+            new_outputs.append((decisions.state_slot(decisions.piece_owner(bucket.index, number), key), node))
 
     # keep outputs of slots the pass did not take over (buffers); drop the per-parameter ones
     trained_names = {ctx.captured.params[p.meta[g.INDEX]].name for p in trained}
@@ -190,11 +190,11 @@ def shard(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     return gm
 
 
-def choose_buckets(gm: fx.GraphModule, ctx: CompileContext, trained: list[fx.Node]) -> plans.ShardPlan:
+def choose_buckets(gm: fx.GraphModule, ctx: CompileContext, trained: list[fx.Node]) -> decisions.ShardPlan:
     """Group parameters into buckets in order of first use, up to ``ctx.bucket_bytes`` each.
 
     A bucket never mixes optimizer param groups or dtypes. Parameter offsets are
-    aligned (``plans.ALIGNMENT_BYTES``); the bucket is padded to a multiple of
+    aligned (``decisions.ALIGNMENT_BYTES``); the bucket is padded to a multiple of
     the number of shards.
     """
     if ctx.previous_plan is not None:
@@ -206,8 +206,8 @@ def choose_buckets(gm: fx.GraphModule, ctx: CompileContext, trained: list[fx.Nod
     # one open bucket per (param group, dtype): parameters of different groups interleave
     # in first-use order (weights decayed, biases not), and each group fills its own
     # buckets instead of closing one at every switch
-    closed: list[tuple[int, tuple, list[plans.Segment], int]] = []   # (first use, key, segments, numel)
-    open_buckets: dict[tuple, tuple[int, list[plans.Segment], int]] = {}
+    closed: list[tuple[int, tuple, list[decisions.Segment], int]] = []   # (first use, key, segments, numel)
+    open_buckets: dict[tuple, tuple[int, list[decisions.Segment], int]] = {}
 
     def close(key):
         first, segments, cursor = open_buckets.pop(key)
@@ -218,25 +218,25 @@ def choose_buckets(gm: fx.GraphModule, ctx: CompileContext, trained: list[fx.Nod
         key = (info.group, info.dtype)
         if key in open_buckets:
             first, segments, cursor = open_buckets[key]
-            start = plans.aligned(cursor, info.dtype)
+            start = decisions.aligned(cursor, info.dtype)
             if (start + info.numel) * info.dtype.itemsize > ctx.bucket_bytes:
                 close(key)
         if key not in open_buckets:
             open_buckets[key] = (first_use[node], [], 0)
             start = 0
         first, segments, _ = open_buckets[key]
-        segments.append(plans.Segment(node.meta[g.INDEX], start, info.numel))
+        segments.append(decisions.Segment(node.meta[g.INDEX], start, info.numel))
         open_buckets[key] = (first, segments, start + info.numel)
     for key in list(open_buckets):
         close(key)
     closed.sort(key=lambda bucket: bucket[0])     # buckets in order of their first use
-    buckets = [plans.Bucket(index, key[0], key[1], tuple(segments), numel, shards)
+    buckets = [decisions.Bucket(index, key[0], key[1], tuple(segments), numel, shards)
                for index, (_, key, segments, numel) in enumerate(closed)]
     param_dtype = ctx.precision.param_dtype if ctx.precision is not None else None
-    return plans.ShardPlan(ctx.stage, ctx.world_size, ctx.rank, tuple(buckets), ctx.bucket_bytes, param_dtype)
+    return decisions.ShardPlan(ctx.stage, ctx.world_size, ctx.rank, tuple(buckets), ctx.bucket_bytes, param_dtype)
 
 
-def _is_zero_dim(ctx: CompileContext, piece: plans.Piece) -> bool:
+def _is_zero_dim(ctx: CompileContext, piece: decisions.Piece) -> bool:
     """Whether ``piece`` is a whole 0-dim parameter (CLIP's ``logit_scale``)."""
     return len(ctx.captured.params[piece.param].shape) == 0
 
@@ -255,7 +255,7 @@ def _bucket_placeholder(gm, ctx, bucket, numel, device) -> fx.Node:
     with gm.graph.inserting_before(first):
         node = gm.graph.placeholder(f"bucket{bucket.index}")
     node.meta.update({g.ROLE: g.ROLE_PARAM, g.INDEX: bucket.index, g.BUCKET: bucket.index,
-                      g.SLOT: plans.bucket_slot(bucket.index), g.VAL: _empty(ctx, numel, bucket.dtype, device)})
+                      g.SLOT: decisions.bucket_slot(bucket.index), g.VAL: _empty(ctx, numel, bucket.dtype, device)})
     return node
 
 

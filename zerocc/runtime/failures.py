@@ -25,7 +25,7 @@ import torch.fx as fx
 
 from .. import graph as g
 from ..errors import ZeroccError
-from ..plans import ShardPlan
+from ..decisions import ShardPlan
 from .process_group import Ranks
 
 

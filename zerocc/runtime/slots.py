@@ -1,6 +1,6 @@
 """The runtime's persistent tensors ("slots"): built from the model and optimizer, read back out.
 
-A slot is named by ``plans.*_slot``; placeholders say which slot they read
+A slot is named by ``decisions.*_slot``; placeholders say which slot they read
 and the graph's outputs which slots they replace. This module turns the
 user's model and optimizer into slots for a ``ShardPlan`` and back.
 """
@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .. import plans
+from .. import decisions
 from ..capture import Captured, named_tensors
-from ..plans import ShardPlan
+from ..decisions import ShardPlan
 
 
 def initial_slots(plan: ShardPlan, captured: Captured, model: torch.nn.Module,
@@ -29,33 +29,33 @@ def initial_slots(plan: ShardPlan, captured: Captured, model: torch.nn.Module,
             full[segment.offset: segment.offset + segment.numel] = tensors[info.name].detach().reshape(-1)
             bucketed.add(segment.param)
         if plan.has_compute_copy(bucket):   # mixed precision at stages 1-2: the full bucket in param_dtype
-            slots[plans.compute_slot(bucket.index)] = full.to(plan.param_dtype)
+            slots[decisions.compute_slot(bucket.index)] = full.to(plan.param_dtype)
         if plan.holds_shard(bucket):
             start = plan.rank * bucket.shard_numel
-            slots[plans.bucket_slot(bucket.index)] = full[start: start + bucket.shard_numel].clone()
+            slots[decisions.bucket_slot(bucket.index)] = full[start: start + bucket.shard_numel].clone()
         else:
-            slots[plans.bucket_slot(bucket.index)] = full
+            slots[decisions.bucket_slot(bucket.index)] = full
     for bucket, number, piece in plan.owned_pieces():
         param = tensors[captured.params[piece.param].name]
         for key, value in optimizer.state.get(param, {}).items():
             if not isinstance(value, torch.Tensor):
                 continue
             if value.dim() == 0:
-                slots[plans.state_slot(plans.piece_owner(bucket.index, number), key)] = value.detach().clone()
+                slots[decisions.state_slot(decisions.piece_owner(bucket.index, number), key)] = value.detach().clone()
             else:
                 flat = value.detach().reshape(-1)[piece.param_offset: piece.param_offset + piece.numel]
-                slots[plans.state_slot(plans.piece_owner(bucket.index, number), key)] = flat.clone()
+                slots[decisions.state_slot(decisions.piece_owner(bucket.index, number), key)] = flat.clone()
     for index, info in enumerate(captured.params):
         if index not in bucketed:
             param = tensors[info.name]
-            slots[plans.param_slot(info.name)] = param.detach()
+            slots[decisions.param_slot(info.name)] = param.detach()
             for key, value in optimizer.state.get(param, {}).items():
                 if isinstance(value, torch.Tensor):
-                    slots[plans.state_slot(info.name, key)] = value.detach()
+                    slots[decisions.state_slot(info.name, key)] = value.detach()
     for info in captured.frozen:
-        slots[plans.frozen_slot(info.name)] = tensors[info.name].detach()
+        slots[decisions.frozen_slot(info.name)] = tensors[info.name].detach()
     for info in captured.buffers:
-        slots[plans.buffer_slot(info.name)] = tensors[info.name].detach()
+        slots[decisions.buffer_slot(info.name)] = tensors[info.name].detach()
     return slots
 
 
@@ -63,7 +63,7 @@ def full_buckets(plan: ShardPlan, slots: dict[str, torch.Tensor], group) -> dict
     """Each bucket's full flat tensor; gathered from every rank's shard where ranks hold shards (a collective)."""
     result = {}
     for bucket in plan.buckets:
-        local = slots[plans.bucket_slot(bucket.index)]
+        local = slots[decisions.bucket_slot(bucket.index)]
         if plan.holds_shard(bucket) and plan.world_size > 1:
             full = torch.empty(bucket.numel, dtype=local.dtype, device=local.device)
             dist.all_gather_single(full, local.contiguous(), group=group)
@@ -78,12 +78,12 @@ def refresh_compute_copies(plan: ShardPlan, slots: dict[str, torch.Tensor], grou
     for bucket in plan.buckets:
         if not plan.has_compute_copy(bucket):
             continue
-        low = slots[plans.bucket_slot(bucket.index)].to(plan.param_dtype)
+        low = slots[decisions.bucket_slot(bucket.index)].to(plan.param_dtype)
         if plan.world_size > 1:
             full = torch.empty(bucket.numel, dtype=low.dtype, device=low.device)
             dist.all_gather_single(full, low.contiguous(), group=group)
             low = full
-        slots[plans.compute_slot(bucket.index)].copy_(low)
+        slots[decisions.compute_slot(bucket.index)].copy_(low)
 
 
 def parameter_views(plan: ShardPlan, captured: Captured, buckets: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:

@@ -48,7 +48,7 @@ from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 
-from . import plans
+from . import decisions
 from .capture import named_tensors
 from .optimizer_step import initial_state_layout
 from .runtime import slots as slot_store
@@ -82,7 +82,7 @@ class _Part:
 
 # -- what this rank holds ---------------------------------------------------------
 def _parts(step) -> dict[str, _Part]:
-    parts = _parts_before_compile(step) if step._slots is None else _parts_of_slots(step)
+    parts = _parts_before_compile(step) if not step.state.started else _parts_of_slots(step)
     for slot, tensor in step.scaler_state().items():   # the dynamic loss scale (zerocc/precision.py)
         parts[SCALER_PREFIX + slot.split(":", 1)[1]] = _whole(SCALER_PREFIX + slot.split(":", 1)[1], tensor)
     return parts
@@ -122,7 +122,7 @@ def _whole(key: str, tensor: torch.Tensor) -> _Part:
 
 
 def _parts_of_slots(step) -> dict[str, _Part]:
-    plan, captured, slots = step._plan, step._captured, step._slots
+    plan, captured, slots = step.state.plan, step.state.captured, step.state.slots
     parts: dict[str, _Part] = {}
     bucketed = {}
     for bucket in plan.buckets:
@@ -131,10 +131,10 @@ def _parts_of_slots(step) -> dict[str, _Part]:
     for index, info in enumerate(captured.params):
         key = model_key(info.name)
         if index not in bucketed:
-            parts[key] = _whole(key, slots[plans.param_slot(info.name)])
+            parts[key] = _whole(key, slots[decisions.param_slot(info.name)])
             continue
         bucket, segment = bucketed[index]
-        flat = slots[plans.bucket_slot(bucket.index)]
+        flat = slots[decisions.bucket_slot(bucket.index)]
         if plan.holds_shard(bucket) and bucket.shards > 1:   # stage 3, or fp32 masters under mixed precision
             local = [(p.param_offset, flat[p.shard_offset: p.shard_offset + p.numel])
                      for p in bucket.pieces(plan.rank) if p.param == index]
@@ -142,7 +142,7 @@ def _parts_of_slots(step) -> dict[str, _Part]:
         else:
             parts[key] = _Part(key, info.numel, False, [(0, flat[segment.offset: segment.offset + segment.numel])], None)
     # optimizer state: one slot per piece this rank owns (the whole parameter at stage 0)
-    pieces = {plans.piece_owner(b.index, number): (b, piece) for b, number, piece in plan.owned_pieces()}
+    pieces = {decisions.piece_owner(b.index, number): (b, piece) for b, number, piece in plan.owned_pieces()}
     for slot, value in slots.items():
         if not slot.startswith("state:"):
             continue
@@ -162,13 +162,13 @@ def _parts_of_slots(step) -> dict[str, _Part]:
             key = optim_key(owner, state)
             parts[key] = _whole(key, value)
     for info in captured.frozen:
-        parts[model_key(info.name)] = _whole(model_key(info.name), slots[plans.frozen_slot(info.name)])
+        parts[model_key(info.name)] = _whole(model_key(info.name), slots[decisions.frozen_slot(info.name)])
     for info in captured.buffers:
-        parts[model_key(info.name)] = _whole(model_key(info.name), slots[plans.buffer_slot(info.name)])
+        parts[model_key(info.name)] = _whole(model_key(info.name), slots[decisions.buffer_slot(info.name)])
     return parts
 
 
-def _owners(bucket: plans.Bucket, param: int) -> list[tuple[int, int, int]]:
+def _owners(bucket: decisions.Bucket, param: int) -> list[tuple[int, int, int]]:
     return [(rank, p.param_offset, p.numel) for rank in range(bucket.shards) for p in bucket.pieces(rank)
             if p.param == param]
 
@@ -212,7 +212,7 @@ def _load_param_groups(step, saved: list[dict]) -> None:
 
 def whole_optimizer_state(step) -> dict[str, dict[str, torch.Tensor]]:
     """Per parameter fqn, its optimizer state whole and shaped like it (copies); this rank must hold all of it."""
-    shapes = {info.name: info.shape for info in step._captured.params}
+    shapes = {info.name: info.shape for info in step.state.captured.params}
     result: dict[str, dict[str, torch.Tensor]] = {}
     for key, part in _parts(step).items():
         if not key.startswith("optim/"):
@@ -258,9 +258,9 @@ def load_state_dict(step, state: dict[str, object]) -> None:
         _load_param_groups(step, list(state[PARAM_GROUPS_KEY]))
     parts = _parts(step)
     given = {k for k in state if k not in (STEPS_KEY, PARAM_GROUPS_KEY)}
-    missing = sorted(k for k in parts if k not in given and not (step._slots is None and k.startswith("optim/"))
+    missing = sorted(k for k in parts if k not in given and not (not step.state.started and k.startswith("optim/"))
                      and not k.startswith(SCALER_PREFIX))
-    unknown = sorted(k for k in given if k not in parts and not (step._slots is None and k.startswith("optim/"))
+    unknown = sorted(k for k in given if k not in parts and not (not step.state.started and k.startswith("optim/"))
                      and not k.startswith(SCALER_PREFIX))
     if missing or unknown:
         raise ConfigError(
@@ -269,14 +269,14 @@ def load_state_dict(step, state: dict[str, object]) -> None:
             + "".join(f"  - not in this model/optimizer: {k}\n" for k in unknown[:10])
             + "  load a checkpoint of the same model, with the same optimizer type")
     optimizer_entries = set()
-    if step._slots is None:
+    if not step.state.started:
         optimizer_entries = {k for k in given if k.startswith("optim/")}
         _install_optimizer_state(step, {k: state[k] for k in optimizer_entries})
     with torch.no_grad():
         for key in (given & parts.keys()) - optimizer_entries:
             _copy_into(parts[key], _sources(state[key]))
-        if step._slots is not None:   # the param_dtype copies of loaded masters (stages 1-2; a collective)
-            slot_store.refresh_compute_copies(step._plan, step._slots, step.ranks.group)
+        if step.state.started:   # the param_dtype copies of loaded masters (stages 1-2; a collective)
+            slot_store.refresh_compute_copies(step.state.plan, step.state.slots, step.ranks.group)
 
 
 def _copy_into(part: _Part, sources: list[tuple[int, torch.Tensor]]) -> None:
@@ -377,15 +377,12 @@ def _write_meta(step, folder: str) -> None:
     for kind in ("param", "buffer"):
         for names, tensor in named_tensors(step.model, kind):
             shape = tuple(tensor.shape)
-            if step._captured is not None:
-                shape = tuple(step._released_shapes.get(names[0], shape))
+            if step.state.started:
+                shape = tuple(step.state.released_shapes.get(names[0], shape))
             for name in names:
                 shapes[name] = (names[0], shape, str(tensor.dtype).removeprefix("torch."))
-    step._reading_model_keys = True   # zerocc/user_views.py: only the keys are read, no current values needed
-    try:
+    with step.state.reading_keys_only():   # zerocc/user_views.py: only the keys are read, no current values
         keys = step.model.state_dict().keys()
-    finally:
-        step._reading_model_keys = False
     meta = {"format": FORMAT_VERSION, "world_size": step.ranks.world_size, "stage": step.stage, "steps": step.steps,
             "model": [[key, model_key(shapes[key][0]), list(shapes[key][1]), shapes[key][2]]
                       for key in keys if key in shapes]}
@@ -438,9 +435,9 @@ def load_checkpoint(step, path: str) -> None:
     saved = reader.read_metadata().state_dict_metadata
     state = state_dict(step)
     for key, entry in saved.items():
-        if key not in state and step._slots is None and key.startswith("optim/"):
+        if key not in state and not step.state.started and key.startswith("optim/"):
             state[key] = torch.empty(entry.size, dtype=entry.properties.dtype)
-    if step._slots is None:   # before the first step, optimizer state the checkpoint lacks starts afresh
+    if not step.state.started:   # before the first step, optimizer state the checkpoint lacks starts afresh
         state = {k: v for k, v in state.items() if k in saved or not k.startswith("optim/")}
     groups_saved = PARAM_GROUPS_KEY in saved
     if not groups_saved:
@@ -467,7 +464,7 @@ def export_full_state_dict(checkpoint_dir: str, out_path: str) -> dict:
     """Write the checkpoint's model as one safetensors file, one tensor in memory at a time.
 
     No process group is needed. The file loads with ``safetensors.torch.load_file``
-    or ``zerocc.checkpoint.read_safetensors``, then ``model.load_state_dict``.
+    or ``zerocc.state_dict.read_safetensors``, then ``model.load_state_dict``.
     Returns what it wrote: ``tensors``, ``bytes`` and ``largest_tensor_bytes``
     (the most tensor memory it held at once).
     """

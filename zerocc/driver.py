@@ -1,0 +1,43 @@
+"""The compile driver: a captured step and its options in, the pipeline's graph and decisions out.
+
+One function for both entry points: ``zerocc.compile`` runs it for every
+new batch signature (``CompiledStep``, then builds a ``Program`` of the
+graph), ``zerocc.plan`` for every stage and world size it plans (on a copy
+of one capture, fake tensors only). Capture happens before it, in the
+caller: a step traces with its live optimizer state, a plan once with fake
+state.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+
+from .capture import Captured
+from .context import CompileContext
+from .decisions import ShardPlan
+from .options import CompileOptions
+from .pipeline import GraphSnapshot, dump_dir_of, run_pipeline
+
+
+@dataclasses.dataclass
+class Compiled:
+    """What the pipeline made of one capture: the final graph, the decisions on ``ctx``, every pass's snapshot."""
+    gm: fx.GraphModule
+    ctx: CompileContext
+    history: list[GraphSnapshot]
+
+
+def run_passes(captured: Captured, fake_mode: Any, options: CompileOptions, optimizer: torch.optim.Optimizer, *,
+               world_size: int, rank: int, group_name: str | None, previous_plan: ShardPlan | None = None,
+               planning: bool = False, traces: dict | None = None,
+               progress: Callable[[str], None] | None = None) -> Compiled:
+    """Set up the ``CompileContext`` of ``captured`` and run ``options``' pipeline over its graph."""
+    ctx = CompileContext(options.stage, world_size, rank, group_name, optimizer, captured, fake_mode,
+                         options.bucket_bytes, previous_plan=previous_plan, traces=traces, planning=planning,
+                         precision=options.precision, gather_per_micro_batch=options.gather_per_micro_batch)
+    gm, history = run_pipeline(captured.gm, ctx, options.passes(), verify=options.verify,
+                               dump_dir=dump_dir_of(options.dump_dir), progress=progress)
+    return Compiled(gm, ctx, history)

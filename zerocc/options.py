@@ -1,0 +1,183 @@
+"""The keywords of ``zerocc.compile`` and ``zerocc.plan``, checked once, here, into a frozen ``CompileOptions``.
+
+Both entry points validate through ``CompileOptions.validate`` and the
+``check_*`` functions below, so a keyword means the same and fails with the
+same message in both. Checks of the user's objects (a ``model`` that is a
+module and not on the meta device, an ``optimizer``) sit here too: they run
+before anything is traced. The compile driver (``zerocc/driver.py``) reads
+the options to build the pipeline.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, Sequence
+
+import torch
+import torch.nn as nn
+
+from . import precision as mixed
+from .errors import ConfigError
+from .pipeline import DEFAULT_PREFETCH_BYTES, Pass, build_pipeline, memory_pools_of
+
+STAGES = (0, 1, 2, 3)
+
+# Target bucket size. Small enough that a 5M-parameter model gets several
+# buckets to overlap, large enough that biases and norms ride along.
+DEFAULT_BUCKET_BYTES = 4 * 1024 * 1024
+
+# Programs a step keeps, by input shape (and optimizer-state structure) before dropping the least
+# recently used: the first step and the steady state take two, leaving room for a few batch shapes.
+DEFAULT_MAX_PROGRAMS = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileOptions:
+    """What a compilation is asked for, checked: ``compile``'s keywords less the process group.
+
+    ``clip`` is ``(max_norm, norm_type)`` or None, ``precision`` the resolved
+    mixed precision settings (None: the model's dtype), ``memory_pools`` the
+    setting with ``$ZEROCC_MEMORY_POOLS`` read. ``timeout``,
+    ``static_shapes`` and ``max_programs`` concern a running step only.
+    """
+    stage: int = 3
+    loss_fn: Callable | None = None
+    num_targets: int = 0
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    prefetch_bytes: int = DEFAULT_PREFETCH_BYTES
+    disable: tuple[str, ...] = ()
+    verify: bool = False
+    dump_dir: str | None = None
+    grad_accumulation: int = 1
+    clip: tuple[float, float] | None = None
+    memory_budget: int | None = None
+    precision: mixed.Precision | None = None
+    gather_per_micro_batch: bool = True
+    memory_pools: bool = False
+    timeout: float | None = None
+    static_shapes: bool = False
+    max_programs: int = DEFAULT_MAX_PROGRAMS
+
+    @classmethod
+    def validate(cls, model: nn.Module, *, stage: int = 3, loss_fn: Callable | None = None,
+                 num_targets: int | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 timeout: float | None = None, prefetch_bytes: int = DEFAULT_PREFETCH_BYTES,
+                 disable: Sequence[str] = (), verify: bool = False, dump_dir: str | None = None,
+                 grad_accumulation: int = 1, clip_grad_norm: float | None = None, clip_norm_type: float = 2.0,
+                 static_shapes: bool = False, max_programs: int = DEFAULT_MAX_PROGRAMS,
+                 memory_budget: int | None = None, param_dtype: torch.dtype | None = None,
+                 reduce_dtype: torch.dtype | None = None, loss_scale=None, cast_forward_inputs: bool = True,
+                 memory_pools: bool | None = None, gather_per_micro_batch: bool = True) -> "CompileOptions":
+        """Check every keyword (``ConfigError`` naming it and the fix); ``passes()`` checks ``disable``."""
+        check_stage(stage)
+        check_bucket_bytes(bucket_bytes)
+        check_timeout(timeout)
+        check_prefetch_bytes(prefetch_bytes)
+        check_memory_budget(memory_budget)
+        memory_pools = memory_pools_of(memory_pools)
+        check_gather_per_micro_batch(gather_per_micro_batch)
+        check_grad_accumulation(grad_accumulation)
+        clip = check_clipping(clip_grad_norm, clip_norm_type)
+        check_max_programs(max_programs)
+        return cls(stage=stage, loss_fn=loss_fn,
+                   num_targets=(1 if loss_fn is not None else 0) if num_targets is None else num_targets,
+                   bucket_bytes=bucket_bytes, prefetch_bytes=prefetch_bytes, disable=tuple(disable),
+                   verify=verify, dump_dir=dump_dir, grad_accumulation=grad_accumulation, clip=clip,
+                   memory_budget=memory_budget,
+                   precision=mixed.resolve(param_dtype, reduce_dtype, loss_scale, cast_forward_inputs, model),
+                   gather_per_micro_batch=gather_per_micro_batch, memory_pools=memory_pools, timeout=timeout,
+                   static_shapes=bool(static_shapes), max_programs=max_programs)
+
+    def for_pipeline(self, *, stage: int, disable: Sequence[str] = (), verify: bool = False,
+                     dump_dir: str | None = None, memory_pools: bool | None = None,
+                     memory_budget: int | None = None) -> "CompileOptions":
+        """These options with the pipeline's own keywords replaced and checked, ``disable`` included
+        (``Planner.plan``: one capture's options, planned for many stages)."""
+        check_stage(stage)
+        check_memory_budget(memory_budget)
+        options = dataclasses.replace(self, stage=stage, disable=tuple(disable), verify=verify, dump_dir=dump_dir,
+                                      memory_pools=memory_pools_of(memory_pools), memory_budget=memory_budget)
+        options.passes()
+        return options
+
+    def passes(self) -> list[Pass]:
+        """The passes a compilation with these options runs, in order (registered passes included)."""
+        return build_pipeline(self.stage, self.disable, self.prefetch_bytes, clip=self.clip,
+                              memory_budget=self.memory_budget, mixed_precision=self.precision is not None,
+                              memory_pools=self.memory_pools)
+
+
+def check_stage(stage) -> None:
+    """``stage`` is one of the ints 0-3: ``True`` and ``3.0`` compare equal to 1 and 3 but are not stages."""
+    if isinstance(stage, bool) or not isinstance(stage, int) or stage not in STAGES:
+        raise ConfigError(f"stage={stage!r} is not a ZeRO stage; use 0 (plain data parallel), 1, 2 or 3, "
+                          "as an int")
+
+
+def check_model_and_optimizer(model, optimizer) -> None:
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ConfigError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+
+
+def check_not_meta(model: nn.Module) -> None:
+    """A model on the meta device holds no data: a step on it would return a meta loss and train nothing."""
+    on_meta = [name for name, tensor in [*model.named_parameters(), *model.named_buffers()] if tensor.is_meta]
+    if on_meta:
+        raise ConfigError(
+            f"the model's tensors are on the meta device ({', '.join(on_meta[:3])}"
+            f"{', ...' if len(on_meta) > 3 else ''}): they hold no values, so a step would train nothing. "
+            "To plan memory without materializing the model, use zerocc.plan(model, optimizer, stage=..., "
+            "world_size=..., example_inputs=...); to train, materialize it first "
+            "(model.to_empty(device='cpu'), then initialize its weights)")
+
+
+def check_bucket_bytes(bucket_bytes) -> None:
+    if not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
+        raise ConfigError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
+
+
+def check_timeout(timeout) -> None:
+    if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
+        raise ConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
+
+
+def check_prefetch_bytes(prefetch_bytes) -> None:
+    if not isinstance(prefetch_bytes, int) or prefetch_bytes < 0:
+        raise ConfigError(f"prefetch_bytes must be a non-negative int, got {prefetch_bytes!r}")
+
+
+def check_memory_budget(memory_budget) -> None:
+    if memory_budget is not None and (not isinstance(memory_budget, int) or memory_budget <= 0):
+        raise ConfigError(f"memory_budget must be a positive int (bytes per rank) or None, got {memory_budget!r}")
+
+
+def check_gather_per_micro_batch(gather_per_micro_batch) -> None:
+    if not isinstance(gather_per_micro_batch, bool):
+        raise ConfigError(f"gather_per_micro_batch must be True or False, got {gather_per_micro_batch!r}")
+
+
+def check_grad_accumulation(grad_accumulation) -> None:
+    if isinstance(grad_accumulation, bool) or not isinstance(grad_accumulation, int) or grad_accumulation < 1:
+        raise ConfigError(f"grad_accumulation must be a positive int (the number of micro-batches a batch is split "
+                          f"into), got {grad_accumulation!r}")
+
+
+def check_clipping(max_norm, norm_type) -> tuple[float, float] | None:
+    """``(max_norm, norm_type)`` for the clip_gradients pass, or None when no clipping was asked for."""
+    if max_norm is None:
+        return None
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0 or math.isinf(max_norm):
+        raise ConfigError(f"clip_grad_norm must be a positive finite number (the largest global gradient norm "
+                          f"allowed), got {max_norm!r}; leave it None not to clip")
+    if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)) or not norm_type > 0:
+        raise ConfigError(f"clip_norm_type must be a positive number or float('inf'), got {norm_type!r} "
+                          "(2.0 is the Euclidean norm clip_grad_norm_ uses by default)")
+    return float(max_norm), float(norm_type)
+
+
+def check_max_programs(max_programs) -> None:
+    if isinstance(max_programs, bool) or not isinstance(max_programs, int) or max_programs < 1:
+        raise ConfigError(f"max_programs must be a positive int (compiled programs kept, by input shape), "
+                          f"got {max_programs!r}")

@@ -1,0 +1,125 @@
+"""The programs a ``CompiledStep`` keeps, by what they were compiled for, least recently used first.
+
+A program is compiled for a ``CacheKey``: the batch's signature (shapes,
+dtypes, devices, Python values), the optimizer state's structure (none yet,
+or the steady state's) and the hyper-parameters baked into the graph. Each
+``CacheEntry`` holds the program, the decisions the passes made (``ctx``),
+the graph after every pass, and the peak of live bytes its first run
+measured. At most ``max_programs`` distinct programs are kept (the least
+recently used is dropped with a warning); ``static_shapes`` makes a new
+batch signature an error instead.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import warnings
+
+import torch
+
+from .batch import BatchLayout
+from .context import CompileContext
+from .data_guards import all_hold
+from .errors import ConfigError, RecompileWarning
+from .pipeline import GraphSnapshot
+from .runtime.program import Program
+
+# The optimizer-state part of the key of a program traced before the step holds any state.
+INITIAL_STATE = ("initial",)
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheKey:
+    """What a program is compiled for."""
+    signature: tuple          # input_signature of the batch
+    state: tuple              # the optimizer-state slots the program reads (INITIAL_STATE before the first step)
+    hyperparameters: tuple    # optimizer_step.hyperparameter_signature: values baked into the graph
+
+
+@dataclasses.dataclass
+class CacheEntry:
+    """One compiled program and what its compilation decided."""
+    program: Program
+    ctx: CompileContext
+    history: list[GraphSnapshot]
+    measured_peak_bytes: int | None = None   # live tensor bytes at the peak of its first run
+
+
+def input_signature(batch, layout: BatchLayout) -> tuple:
+    """What a program is compiled for: each entry's shape and dtype (or Python value), keywords by name."""
+    signature = []
+    for index, value in enumerate(batch):
+        if isinstance(value, torch.Tensor):
+            entry = (tuple(value.shape), value.dtype, str(value.device), value.requires_grad)
+        else:
+            entry = ("python", type(value).__name__, repr(value))
+        if index >= layout.positional:
+            entry = ("keyword", layout.keywords[index - layout.positional], entry)
+        signature.append(entry)
+    return tuple(signature)
+
+
+def describe_signature(signature: tuple) -> str:
+    """A batch signature as a person reads it: 'shapes (8, 12) float32, (8, 5) float32'."""
+    def describe(entry):
+        if entry[0] == "keyword":
+            return f"{entry[1]}={describe(entry[2])}"
+        if entry[0] == "python":
+            return f"{entry[1]} {entry[2]}"
+        shape, dtype = entry[0], str(entry[1]).replace("torch.", "")
+        return f"{shape} {dtype}"
+    return "shapes " + ", ".join(describe(entry) for entry in signature)
+
+
+class ProgramCache:
+    """Entries by key, least recently used first; ``last`` is the entry the last call ran."""
+
+    def __init__(self, max_programs: int, static_shapes: bool):
+        self.max_programs = max_programs
+        self.static_shapes = static_shapes
+        self.entries: collections.OrderedDict[CacheKey, CacheEntry] = collections.OrderedDict()
+        self.last: CacheEntry | None = None
+
+    def lookup(self, key: CacheKey, batch) -> CacheEntry | None:
+        """The entry compiled for ``key`` whose data guards hold on ``batch`` (zerocc/data_guards.py), or None."""
+        found = self.entries.get(key)
+        if found is not None and not all_hold(found.program.guards, batch):
+            return None   # the batch takes another side of a branch decided on values: trace it again
+        return found
+
+    def use(self, key: CacheKey, entry: CacheEntry) -> None:
+        """``entry`` runs for ``key`` now: most recently used, and the last one run."""
+        self.entries[key] = entry
+        self.entries.move_to_end(key)
+        self.last = entry
+
+    def programs(self) -> list[CacheEntry]:
+        """Every distinct entry (one program may be kept under several keys)."""
+        return list({id(entry.program): entry for entry in self.entries.values()}.values())
+
+    def check_static_shapes(self, signature: tuple) -> None:
+        """static_shapes=True: a batch unlike the one compiled is an error, not a new program."""
+        compiled = {key.signature for key in self.entries}
+        if self.static_shapes and compiled and signature not in compiled:
+            raise ConfigError(
+                f"static_shapes=True, but this batch is {describe_signature(signature)} and the step was compiled "
+                f"for {' and '.join(describe_signature(s) for s in compiled)}; pad or cut the batch to the compiled "
+                "shape (the last batch of an epoch: drop_last=True), or compile with static_shapes=False to compile "
+                "a program per shape")
+
+    def evict_beyond_limit(self, signature: tuple) -> None:
+        """Keep at most ``max_programs`` programs, dropping the least recently used with a warning."""
+        while len(self.programs()) > self.max_programs:
+            old_key, old = next(iter(self.entries.items()))
+            for key in [k for k, entry in self.entries.items() if entry.program is old.program]:
+                del self.entries[key]
+            warnings.warn(
+                f"zerocc: more than max_programs={self.max_programs} compiled programs (a new batch of "
+                f"{describe_signature(signature)}); dropped the least recently used, compiled for "
+                f"{describe_signature(old_key.signature)}. Each new shape costs a compilation: pad batches to a few "
+                "shapes, raise max_programs, or set static_shapes=True to make a new shape an error", RecompileWarning,
+                stacklevel=4)
+
+    def clear(self) -> None:
+        self.entries.clear()
+        self.last = None

@@ -1,0 +1,101 @@
+"""What a ``CompiledStep`` owns between calls: the slots, the bucket layout they follow, and the step count.
+
+At the first compile the step moves the model's parameters and buffers and
+the optimizer's state into slots (``runtime/slots.py``) laid out by the
+first ``ShardPlan``; from then on ``StepState`` is where they live.
+``zerocc/state_dict.py`` (checkpoints), ``zerocc/eval.py`` and
+``zerocc/user_views.py`` read and write the step through it. Also the
+checks that the user's objects still fit that layout (the optimizer's param
+groups) and the batch checks' reference (the first batch).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+
+from . import precision
+from .batch import FirstBatch
+from .capture import Captured
+from .decisions import ShardPlan
+from .errors import ConfigError
+from .program_cache import INITIAL_STATE
+
+
+class StepState:
+    """The parameters, optimizer state, loss scale and step count a compiled step owns.
+
+    Before the first call (``started`` False) the user's model and optimizer
+    hold everything and only ``steps`` and the initial loss scale live here.
+    """
+
+    def __init__(self, scaler: dict[str, torch.Tensor]):
+        self.steps = 0                                   # steps run, saved in checkpoints
+        self.slots: dict[str, torch.Tensor] | None = None   # runtime/slots.py: every persistent tensor, by slot
+        self.plan: ShardPlan | None = None               # the buckets the slots are laid out by (the first compile's)
+        self.captured: Captured | None = None            # the first capture: parameter names, shapes, order
+        # per trained parameter: its optimizer state's keys as (is scalar, dtype), to trace later steps with
+        self.state_signature: list[dict[str, tuple[bool, torch.dtype]]] | None = None
+        self.released_shapes: dict[str, tuple[int, ...]] = {}   # parameters the user's module holds as (0,)
+        self.initial_scaler = scaler                     # the loss scale before the first compile (or a loaded one)
+        self.param_groups: tuple[tuple[int, ...], ...] | None = None   # param_groups_of at the first call
+        self.first_batch: FirstBatch | None = None       # zerocc/batch.py: later batches keep its dtypes and devices
+        self.full_model_depth = 0                        # inside step.full_model(): the module holds whole parameters
+        self.reading_model_keys = False                  # model.state_dict() called for its keys only
+
+    @property
+    def started(self) -> bool:
+        """The first compile moved the model's and optimizer's tensors into the slots."""
+        return self.slots is not None
+
+    def state_key(self) -> tuple:
+        """The optimizer-state slots a program traced now reads: part of its cache key."""
+        if self.slots is None:
+            return INITIAL_STATE
+        return tuple(sorted(s for s in self.slots if s.startswith("state:")))
+
+    def scaler_state(self) -> dict[str, torch.Tensor]:
+        """The loss scale and its growth tracker, by slot (empty without loss scaling)."""
+        if self.slots is None:
+            return dict(self.initial_scaler)
+        return {slot: self.slots[slot] for slot in precision.SCALER_SLOTS if slot in self.slots}
+
+    def param_indices(self, sharded_only: bool = False) -> list[int]:
+        """Indices (in capture's order) of the parameters in buckets; ``sharded_only``: whose masters are sharded."""
+        return [s.param for b in self.plan.buckets for s in b.segments
+                if not sharded_only or self.plan.holds_shard(b)]
+
+    @contextlib.contextmanager
+    def reading_keys_only(self) -> Iterator[None]:
+        """``model.state_dict()`` inside the block is read for its keys: ``user_views`` skips the current values."""
+        self.reading_model_keys = True
+        try:
+            yield
+        finally:
+            self.reading_model_keys = False
+
+    def reset(self) -> None:
+        """Back to before the first compile (a first call that failed): the user's objects hold everything."""
+        self.slots = self.plan = self.captured = self.state_signature = None
+        self.param_groups = self.first_batch = None
+        self.released_shapes = {}
+
+
+def param_groups_of(optimizer: torch.optim.Optimizer) -> tuple[tuple[int, ...], ...]:
+    """The optimizer's parameters by group, as ids: what the step's buckets were laid out for."""
+    return tuple(tuple(id(p) for p in group["params"]) for group in optimizer.param_groups)
+
+
+def check_param_groups_unchanged(compiled_for: tuple[tuple[int, ...], ...], optimizer: torch.optim.Optimizer) -> None:
+    """``optimizer.add_param_group`` (or editing a group's params) after the first step is refused."""
+    now = param_groups_of(optimizer)
+    if now == compiled_for:
+        return
+    raise ConfigError(
+        f"the optimizer's parameters changed after the step's first call (it had {len(compiled_for)} param "
+        f"group(s) of {', '.join(str(len(g)) for g in compiled_for)} tensors, it now has {len(now)} of "
+        f"{', '.join(str(len(g)) for g in now)}): the step laid out its buckets and sharded optimizer state for "
+        "the first ones. Add every param group before the first step; to train other parameters later (e.g. "
+        "unfreezing), save a checkpoint, build a new optimizer over all of them and compile a new step. To "
+        "keep a parameter frozen for a while, give it lr=0 in its own group from the start")
