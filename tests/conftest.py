@@ -18,7 +18,7 @@ SLOW_REPEATS = {
     "tests/test_hf_models.py::test_tiny_transformers_train_bit_for_bit[t5-2]": "the keyword-batch T5 test, stage 3",
     "tests/test_hf_models.py::test_tiny_transformers_train_bit_for_bit[t5-3]": "the keyword-batch T5 test, stage 3",
     "tests/test_resume.py::test_fresh_process_resume_resharded_to_one_rank_at_stage_2":
-        "test_checkpoint::test_reshard_2_to_4_to_1_across_stages",
+        "test_state_dict::test_reshard_2_to_4_to_1_across_stages",
     "tests/test_gather_by_send_recv.py::test_two_ranks_train_bit_for_bit_as_with_all_gather[1-options0]":
         "the same test at stage 3",
     "tests/test_scatter_by_all_to_all.py::test_two_ranks_train_bit_for_bit_as_with_reduce_scatter[1]":

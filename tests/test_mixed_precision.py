@@ -344,7 +344,7 @@ def _bf16_stage_2_checkpoint(rank, world_size, folder):
 
 @pytest.mark.multirank
 def test_stage_2_bf16_keeps_fp32_master_shards_checkpoints_them_and_resumes_exactly(tmp_path):
-    from tests.test_checkpoint import read_whole
+    from tests.test_state_dict import read_whole
     per_rank = distributed.run(_bf16_stage_2_checkpoint, 2, str(tmp_path))
     on_disk = read_whole(str(tmp_path / "ckpt"))
     for saved, slots, expected, after_running, before_running, shard_numel in per_rank:

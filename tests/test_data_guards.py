@@ -65,7 +65,7 @@ def test_validation_on_labels_trains_like_eager_and_a_bad_batch_raises_the_model
         if index == 1:   # labels out of range: the model's own error, and nothing changed
             with pytest.raises(ValueError, match=r"Label values must be < vocab_size: 7") as info:
                 step(batch[0], torch.tensor([0, 9, 1, 2]))
-            assert any("test_guards.py" in note and "labels.max() >= self.vocab" in note for note in info.value.__notes__)
+            assert any("test_data_guards.py" in note and "labels.max() >= self.vocab" in note for note in info.value.__notes__)
 
 
 def test_a_bad_first_batch_raises_the_models_error():
@@ -143,5 +143,5 @@ def test_a_branch_on_a_random_draw_is_refused_naming_its_line():
     """A guard would re-draw the number (taking the step's random numbers) and the branch changes the computation."""
     model = LayerDrop()
     step = zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), stage=0)
-    with pytest.raises(zerocc.CaptureError, match=r"(?s)the step cannot be traced at .*test_guards.py.*torch.rand"):
+    with pytest.raises(zerocc.CaptureError, match=r"(?s)the step cannot be traced at .*test_data_guards.py.*torch.rand"):
         step(torch.randn(3, 4), torch.tensor([0, 1, 2]))
