@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import pytest
 
+from tests import distributed
+
 # node id -> the default-suite test that covers the same path
 SLOW_REPEATS = {
     "tests/test_numerics.py::test_world_size_n_matches_ddp[gpt-4-None]": "the 4-rank MLP and CNN, the 2-rank GPT",
@@ -32,3 +34,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.nodeid in SLOW_REPEATS:
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    """A test that starts several ranks must say so (``@pytest.mark.multirank``): ``-m 'not multirank'`` is then
+    the suite that needs one core per test."""
+    runs = distributed.multirank_runs
+    result = yield
+    if distributed.multirank_runs > runs and item.get_closest_marker("multirank") is None:
+        raise AssertionError(f"{item.nodeid} started several ranks (tests/distributed.py) but is not marked "
+                             "multirank: add @pytest.mark.multirank")
+    return result

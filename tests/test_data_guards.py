@@ -9,6 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import zerocc
+from tests.reference import eager
 
 
 class CheckedLabels(nn.Module):
@@ -41,14 +42,6 @@ class ScaledWhenFlagged(nn.Module):
 
 def good_batch(generator):
     return torch.randn(4, 12, generator=generator), torch.randint(0, 7, (4,), generator=generator)
-
-
-def eager(model, optimizer, *batch):
-    optimizer.zero_grad(set_to_none=True)
-    loss = model(*batch)
-    loss.backward()
-    optimizer.step()
-    return loss.detach()
 
 
 @pytest.mark.parametrize("stage", [0, 3])
