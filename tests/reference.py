@@ -37,6 +37,16 @@ def eager(model, optimizer, *batch):
     return loss.detach()
 
 
+def train_eagerly(model, optimizer, batch: dict, seed: int) -> torch.Tensor:
+    """One eager step on a keyword batch: the model's own loss, dropout drawn after seeding with ``seed``."""
+    torch.manual_seed(seed)
+    optimizer.zero_grad(set_to_none=True)
+    loss = model(**batch).loss
+    loss.backward()
+    optimizer.step()
+    return loss.detach()
+
+
 def loss_of(model, loss_fn, batch):
     return model(*batch) if loss_fn is None else loss_fn(model(*batch[:-1]), batch[-1])
 
@@ -85,3 +95,15 @@ def mixed_eager_step(master, optimizer, loss_fn, batch, dtype, *, scaler=None, w
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return loss.detach().float()
+
+
+def assert_ranks_match_ddp(per_rank):
+    """Each rank's ``{name: (DDP's losses, the step's losses, DDP's state, the step's full state)}``: equal within
+    float tolerance (the ranks' sum of gradients runs in another order than one process's)."""
+    for rank, results in enumerate(per_rank):
+        for name, (expected, got, expected_state, state) in results.items():
+            torch.testing.assert_close(torch.stack(got), torch.stack(expected), rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"{name} rank {rank} losses: {m}")
+            for key, value in expected_state.items():
+                torch.testing.assert_close(state[key], value, rtol=1e-4, atol=1e-5,
+                                           msg=lambda m: f"{name} rank {rank} {key}: {m}")
