@@ -6,9 +6,11 @@ that stays. Measured with ``--durations`` on a fresh run of the whole suite (202
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 
-from tests import distributed
+from tests import distributed, durations
 
 # node id -> the default-suite test that covers the same path
 SLOW_REPEATS = {
@@ -34,6 +36,46 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.nodeid in SLOW_REPEATS:
             item.add_marker(pytest.mark.slow)
+
+
+class SlowestFirst:
+    """Orders what -m and -k left (pytest's own selection is a plain hook: trylast runs after it)."""
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, config, items):
+        items[:] = slowest_first(items, workers(config))
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(SlowestFirst(), "zerocc-slowest-first")
+
+
+def workers(config) -> int:
+    """How many pytest-xdist workers share the run (1 without -n). The workers collect, and each knows the count
+    from its environment; the controller's own order is not used."""
+    count = os.environ.get("PYTEST_XDIST_WORKER_COUNT") or getattr(config.option, "numprocesses", None)
+    return int(count) if str(count).isdigit() and int(count) > 0 else 1
+
+
+def slowest_first(items, workers: int):
+    """The items in the order that keeps a worksteal run's tail short (tests/durations.py says why).
+
+    worksteal hands worker k the k-th of ``workers`` equal contiguous blocks of the collection, and an idle worker
+    steals from the end of a busy one's block. So each block starts with its share of the slow tests, dealt
+    round-robin, slowest first; the fast ones fill the blocks in collection order (a module's tests stay together,
+    so its cached compiles are made once).
+    """
+    seconds = durations.load()
+    slow = sorted((item for item in items if item.nodeid in seconds), key=lambda item: -seconds[item.nodeid])
+    fast = [item for item in items if item.nodeid not in seconds]
+    ordered = []
+    for k in range(workers):
+        block = slow[k::workers]
+        size = len(items) // workers if k < workers - 1 else len(items) - len(ordered)   # as xdist splits them
+        take = max(0, size - len(block))
+        ordered += block + fast[:take]
+        fast = fast[take:]
+    return ordered + fast
 
 
 @pytest.hookimpl(wrapper=True)
