@@ -1,8 +1,9 @@
-"""Suite-wide settings: which tests the default run leaves to ``python -m pytest -m slow tests``.
+"""Suite-wide settings: what the default run leaves to ``-m slow``, the order it runs in, the multirank check.
 
-The default suite must stay under 15 minutes on a 2-core machine (``.ci/run``). These cases repeat, at a
-bigger size or another stage, what a faster test in the default run already checks; each names the test
-that stays. Measured with ``--durations`` on a fresh run of the whole suite (2026-11-23).
+The default suite must stay under 15 minutes on a 2-core machine (``.ci/run``). SLOW_REPEATS are cases that
+repeat, at a bigger size or another stage, what a faster test in the default run already checks; each names the
+test that stays. Measured with ``--durations`` on a fresh run of the whole suite (2026-11-23). The slowest tests
+run first (tests/durations.py says why), and a test that starts several ranks unmarked fails.
 """
 from __future__ import annotations
 
