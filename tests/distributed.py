@@ -38,6 +38,11 @@ STACK_DUMP_WAIT = 5.0     # seconds a stuck rank is given to write its stack bef
 FAILURE_GRACE = 10.0      # seconds the other ranks are given to finish (or fail too) after one rank fails
 
 
+# multi-rank runs started in this process (world size 2 or more): tests/conftest.py checks that a test which
+# starts one is marked multirank
+multirank_runs = 0
+
+
 class RanksFailed(AssertionError):
     """A rank raised, died, or missed the deadline: the message says which rank and where."""
 
@@ -136,12 +141,18 @@ def _stop(processes, folder):
     return stuck
 
 
+def _count(world_size):
+    global multirank_runs
+    multirank_runs += world_size > 1
+
+
 def run(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT):
     """``fn(rank, world_size, *args)`` on every rank; returns the list of results, by rank.
 
     Raises ``RanksFailed`` when a rank raises, exits without a result, or is
     still running ``timeout`` seconds after the start (its stack in the message).
     """
+    _count(world_size)
     context()
     with tempfile.TemporaryDirectory() as folder:
         processes = [process(_rank, rank, world_size, folder, fn, args) for rank in range(world_size)]
@@ -172,3 +183,34 @@ def run(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT):
         if problems:
             raise RanksFailed(f"{fn.__name__} on {world_size} ranks failed:\n" + "\n".join(problems))
         return [torch.load(_paths(folder, rank)["pt"], weights_only=False) for rank in range(world_size)]
+
+
+def _tolerant_entry(rank, world_size, folder, fn, args):
+    """A rank of ``run_tolerant``: its result saved, then out at once."""
+    torch.set_num_threads(1)
+    init_process_group(rank, world_size, folder)
+    result = fn(rank, world_size, *args)
+    torch.save(result, os.path.join(folder, f"rank{rank}.pt"))
+    os._exit(0)   # no destroy_process_group: its peers may be gone
+
+
+def run_tolerant(fn, world_size, *args, limit=180):
+    """Like ``run``, but a rank may exit early (no barrier, no teardown): returns (results or None, exit codes), by rank."""
+    _count(world_size)
+    with tempfile.TemporaryDirectory() as folder:
+        processes = [process(_tolerant_entry, r, world_size, folder, fn, args)
+                     for r in range(world_size)]
+        for p in processes:
+            p.start()
+        deadline = time.monotonic() + limit
+        for p in processes:
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in processes:
+            if p.is_alive():    # hung: the failure a tolerant run exists to rule out
+                p.kill()
+                p.join()
+        results = []
+        for rank in range(world_size):
+            file = os.path.join(folder, f"rank{rank}.pt")
+            results.append(torch.load(file, weights_only=False) if os.path.exists(file) else None)
+        return results, [p.exitcode for p in processes]

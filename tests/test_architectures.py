@@ -8,14 +8,7 @@ import zerocc
 from tests import distributed
 from tests.architectures import ARCHITECTURES, architecture_batches, build_architecture
 from tests.models import eager_step
-
-
-def two_groups(model):
-    """Several param groups: weights with decay, everything else (biases, norms) without, another lr."""
-    decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() >= 2]
-    rest = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() < 2]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
-                              {"params": rest, "weight_decay": 0.0, "lr": 3e-3}], lr=1e-2)
+from tests.reference import assert_ranks_match_ddp, two_groups
 
 
 # Known gap: the LSTM+GRU model's gradients differ from eager by about 1 ulp
@@ -76,13 +69,7 @@ def _against_ddp(rank, world_size, names):
 
 @pytest.mark.multirank
 def test_world_size_2_matches_ddp():
-    for rank, results in enumerate(distributed.run(_against_ddp, 2, sorted(ARCHITECTURES))):
-        for name, (expected, got, expected_state, state) in results.items():
-            torch.testing.assert_close(torch.stack(got), torch.stack(expected), rtol=1e-5, atol=1e-6,
-                                       msg=lambda m: f"{name} rank {rank} losses: {m}")
-            for key, value in expected_state.items():
-                torch.testing.assert_close(state[key], value, rtol=1e-4, atol=1e-5,
-                                           msg=lambda m: f"{name} rank {rank} {key}: {m}")
+    assert_ranks_match_ddp(distributed.run(_against_ddp, 2, sorted(ARCHITECTURES)))
 
 
 def test_a_custom_op_stays_one_opaque_node_in_every_graph():

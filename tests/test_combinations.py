@@ -16,8 +16,8 @@ import torch
 
 import zerocc
 from tests.models import batches, build
-from tests.test_mixed_precision import adamw, mixed_eager_step
-from tests.test_training_loop import eager_accumulated_step
+from tests.reference import adamw, mixed_eager_step
+from tests.reference import eager_accumulated_step
 
 BF16 = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
 

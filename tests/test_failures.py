@@ -2,51 +2,17 @@
 from __future__ import annotations
 
 import os
-import tempfile
 import time
 
 import pytest
-import torch
 import torch.distributed as dist
 
 import zerocc
 from tests import distributed
 from tests.models import batches, build
+from tests.reference import adamw
 
 TIMEOUT = 10   # seconds; gloo reports a closed peer at once, a silent one after this
-
-
-def adamw(model):
-    return torch.optim.AdamW(model.parameters(), lr=1e-2)
-
-
-def _tolerant_entry(rank, world_size, folder, fn, args):
-    torch.set_num_threads(1)
-    distributed.init_process_group(rank, world_size, folder)
-    result = fn(rank, world_size, *args)
-    torch.save(result, os.path.join(folder, f"rank{rank}.pt"))
-    os._exit(0)   # no destroy_process_group: its peers may be gone
-
-
-def run_tolerant(fn, world_size, *args, limit=180):
-    """Like ``distributed.run``, but a rank may exit early: returns (results or None, exit codes), by rank."""
-    with tempfile.TemporaryDirectory() as folder:
-        processes = [distributed.process(_tolerant_entry, r, world_size, folder, fn, args)
-                     for r in range(world_size)]
-        for process in processes:
-            process.start()
-        deadline = time.monotonic() + limit
-        for process in processes:
-            process.join(max(0.0, deadline - time.monotonic()))
-        for process in processes:
-            if process.is_alive():    # hung: the failure this file exists to rule out
-                process.kill()
-                process.join()
-        results = []
-        for rank in range(world_size):
-            file = os.path.join(folder, f"rank{rank}.pt")
-            results.append(torch.load(file, weights_only=False) if os.path.exists(file) else None)
-        return results, [p.exitcode for p in processes]
 
 
 def _one_rank_dies(rank, world_size, stage):
@@ -72,7 +38,7 @@ def _one_rank_dies(rank, world_size, stage):
 @pytest.mark.multirank
 @pytest.mark.parametrize("world_size,stage", [(2, 3), (4, 1)])
 def test_a_dead_rank_stops_the_others_with_a_clear_error(world_size, stage):
-    results, exit_codes = run_tolerant(_one_rank_dies, world_size, stage)
+    results, exit_codes = distributed.run_tolerant(_one_rank_dies, world_size, stage)
     assert exit_codes == [0] * (world_size - 1) + [3], exit_codes   # nobody hung
     for rank, result in enumerate(results[:-1]):
         kind, message, seconds = result

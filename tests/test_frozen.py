@@ -16,8 +16,8 @@ from zerocc import graph as g
 from tests import distributed
 from tests.architectures import architecture_batches, build_architecture
 from tests.models import eager_step
-from tests.test_architectures import two_groups
-from tests.test_communication import CountCollectives
+from tests.reference import two_groups
+from zerocc.runtime.comm_counter import CountCollectives
 
 FROZEN = ("frozen.weight", "frozen.bias")
 

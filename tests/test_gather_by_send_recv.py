@@ -7,8 +7,7 @@ import torch
 import zerocc
 from tests import distributed
 from tests.models import batches, build
-from tests.test_overlap_updates import compile_graph
-from tests.test_scatter_by_all_to_all import assert_two_ranks_train_the_same
+from tests.helpers import assert_two_ranks_train_the_same, compile_graph
 from zerocc import graph as g
 from zerocc import ops
 from zerocc.passes.gather_by_send_recv import TAG_BASE
@@ -53,6 +52,7 @@ def test_the_op_gathers_what_all_gather_gathers(world_size):
         assert torch.equal(first, reference) and torch.equal(second, -reference)
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("stage, options", [(1, {}), (3, {"param_dtype": torch.bfloat16})])
 def test_two_ranks_train_bit_for_bit_as_with_all_gather(stage, options):
     """Equal losses and state; the counter sees the sends and receives as the all-gather they stand for (same

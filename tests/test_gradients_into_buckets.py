@@ -4,8 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.test_overlap_updates import compile_graph
-from tests.test_scatter_by_all_to_all import assert_two_ranks_train_the_same
+from tests.helpers import assert_two_ranks_train_the_same, compile_graph
 from zerocc import graph as g
 from zerocc import ops
 from zerocc.analysis.live_bytes import live_peaks
@@ -81,6 +80,7 @@ def test_the_bucket_is_read_only_after_every_write():
             assert readers == {node}
 
 
+@pytest.mark.multirank
 def test_two_ranks_train_bit_for_bit_as_with_the_cat():
     """(One rank against eager, every stage: tests/test_numerics.py, which runs this pass.)"""
     assert_two_ranks_train_the_same(3, "gradients_into_buckets")

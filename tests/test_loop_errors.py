@@ -8,10 +8,8 @@ import torch.nn.functional as F
 
 import zerocc
 from tests.models import MLP, batches, build
-
-
-def adamw(model):
-    return torch.optim.AdamW(model.parameters(), lr=1e-2)
+from tests.reference import adamw
+from tests import distributed
 
 
 def compiled_mlp(stage=3, **options):
@@ -157,8 +155,7 @@ def _shape_changes_on_one_rank_at_call_3(rank, world_size):
 
 @pytest.mark.multirank
 def test_a_batch_shape_that_changes_on_one_rank_after_the_first_call_fails_on_every_rank():
-    from tests.test_failures import run_tolerant
-    results, exit_codes = run_tolerant(_shape_changes_on_one_rank_at_call_3, 2, limit=150)   # the deadline
+    results, exit_codes = distributed.run_tolerant(_shape_changes_on_one_rank_at_call_3, 2, limit=150)   # the deadline
     assert exit_codes == [0, 0], (exit_codes, results)   # nobody hung
     for call, message, _ in results:
         assert call == 3
@@ -183,8 +180,7 @@ def _eval_forward_on_rank_0_only(rank, world_size):
 
 @pytest.mark.multirank
 def test_eval_forward_on_one_rank_only_says_it_is_collective():
-    from tests.test_failures import run_tolerant
-    results, exit_codes = run_tolerant(_eval_forward_on_rank_0_only, 2, limit=150)
+    results, exit_codes = distributed.run_tolerant(_eval_forward_on_rank_0_only, 2, limit=150)
     assert exit_codes == [0, 0], (exit_codes, results)
     assert results[1] == "skipped eval_forward"
     assert "rank 0 of 2: a collective of eval_forward after step 1 did not complete within 5 s" in results[0]

@@ -13,12 +13,9 @@ from zerocc import graph as g
 from zerocc.memory_plan import ALIGNMENT_BYTES, overlapping_pairs
 from zerocc.analysis.kernels import out_variant
 from zerocc.runtime.arenas import arena_view
+from tests.reference import adamw
 
 aten = torch.ops.aten
-
-
-def adamw(model):
-    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
 
 
 def check_measured_is_planned(report, plan):

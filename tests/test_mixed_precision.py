@@ -10,47 +10,17 @@ step equals it bit for bit; at world size 2 too (see the test for why).
 """
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import zerocc
 from tests import distributed
 from tests.models import batches, build
+from tests.reference import adamw, mixed_eager_step
 
 STAGES = (0, 1, 2, 3)
 STEPS = 3
-
-
-def adamw(model):
-    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-
-
-def mixed_eager_step(master, optimizer, loss_fn, batch, dtype, *, scaler=None, world_size=1):
-    """One step of hand-written mixed precision: low-precision compute, fp32 masters, averaged fp32 gradients."""
-    low = copy.deepcopy(master)        # keeps tied weights tied
-    for param in low.parameters():
-        param.data = param.data.to(dtype)
-    inputs = [t.to(dtype) if t.is_floating_point() else t for t in batch[:-1]] if loss_fn else list(batch)
-    loss = low(*inputs) if loss_fn is None else loss_fn(low(*inputs), batch[-1])
-    if scaler is not None:
-        scaler.scale(loss.float()).backward()
-    else:
-        loss.backward()
-    for param, computed in zip(master.parameters(), low.parameters()):
-        param.grad = None if computed.grad is None else computed.grad.to(param.dtype)
-        if param.grad is not None and world_size > 1:
-            dist.all_reduce(param.grad)
-            param.grad.div_(world_size)
-    if scaler is not None:
-        scaler.step(optimizer)
-        scaler.update()
-    else:
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return loss.detach().float()
 
 
 def _compiled(name, stage, **precision):
@@ -224,7 +194,7 @@ def test_an_overflow_on_one_rank_skips_the_step_on_every_rank():
 
 def _volumes(rank, world_size):
     """Per configuration: the report and what one steady-state step really issues (tests/test_communication.py)."""
-    from tests.test_communication import CountCollectives
+    from zerocc.runtime.comm_counter import CountCollectives
     configurations = [(0, {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}),
                       (1, {"param_dtype": torch.bfloat16}),                                 # reduced in bf16 too
                       (2, {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}),
@@ -344,7 +314,7 @@ def _bf16_stage_2_checkpoint(rank, world_size, folder):
 
 @pytest.mark.multirank
 def test_stage_2_bf16_keeps_fp32_master_shards_checkpoints_them_and_resumes_exactly(tmp_path):
-    from tests.test_checkpoint import read_whole
+    from tests.helpers import read_whole
     per_rank = distributed.run(_bf16_stage_2_checkpoint, 2, str(tmp_path))
     on_disk = read_whole(str(tmp_path / "ckpt"))
     for saved, slots, expected, after_running, before_running, shard_numel in per_rank:

@@ -20,7 +20,7 @@ import zerocc
 from zerocc.planning import Planner
 from tests import distributed
 from tests.models import batches, build
-from tests.test_mixed_precision import STAGES, adamw, mixed_eager_step
+from tests.reference import adamw, mixed_eager_step
 
 N = 64
 
@@ -100,7 +100,7 @@ def test_a_running_step_holds_no_fp32_bucket_of_gradients():
                 assert sum(numel * 2 for op, _, numel in whole if op in BUCKET_MAKERS) == grad_bytes
 
 
-@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_bf16_reductions_world_size_1_bit_for_bit(stage):
     reference, _, loss_fn = build("mlp")
     reference_optimizer = adamw(reference)

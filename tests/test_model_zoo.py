@@ -14,9 +14,10 @@ import torch
 
 import zerocc
 from tests import distributed
+from tests.reference import assert_ranks_match_ddp, train_eagerly
 
 pytest.importorskip("transformers")
-from tests.zoo import ZOO, batches, train_eagerly  # noqa: E402  (needs transformers)
+from tests.zoo import ZOO, batches  # noqa: E402  (needs transformers)
 
 # Architectures that fail today, each with the error a user sees; strict, so a fix shows up as a failure here.
 KNOWN_FAILURES: dict[str, tuple[type, str]] = {}
@@ -96,10 +97,4 @@ def _against_ddp(rank, world_size, names):
 @pytest.mark.slow
 @pytest.mark.multirank
 def test_eight_architectures_across_two_ranks_match_ddp():
-    for rank, results in enumerate(distributed.run(_against_ddp, 2, ACROSS_RANKS)):
-        for name, (expected, got, expected_state, state) in results.items():
-            torch.testing.assert_close(torch.stack(got), torch.stack(expected), rtol=1e-5, atol=1e-6,
-                                       msg=lambda m: f"{name} rank {rank} losses: {m}")
-            for key, value in expected_state.items():
-                torch.testing.assert_close(state[key], value, rtol=1e-4, atol=1e-5,
-                                           msg=lambda m: f"{name} rank {rank} {key}: {m}")
+    assert_ranks_match_ddp(distributed.run(_against_ddp, 2, ACROSS_RANKS))

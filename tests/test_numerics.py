@@ -18,13 +18,10 @@ from torch.nn.parallel import DistributedDataParallel
 import zerocc
 from tests import distributed
 from tests.models import batches, build, eager_step
+from tests.reference import adamw
 
 STAGES = (0, 1, 2, 3)
 STEPS = 3
-
-
-def adamw(model):
-    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
 
 
 @pytest.mark.parametrize("memory_pools", [False, True], ids=["plain", "pools"])

@@ -8,7 +8,7 @@ from torch.nn.parallel import DistributedDataParallel
 import zerocc
 from tests import distributed
 from tests.models import batches, build, eager_step
-from tests.test_schedule import SMALL_BUCKETS, collective_order, compiled
+from tests.helpers import SMALL_BUCKETS, collective_order, compile_graph, compiled
 from zerocc.capture import capture
 from zerocc.context import CompileContext
 from zerocc.pipeline import build_pipeline, run_pipeline
@@ -16,21 +16,6 @@ from zerocc.tracing import make_fake_mode
 from zerocc import graph as g
 from zerocc.passes.overlap_updates import is_gradient_reduction
 from zerocc.graph import wait_of
-
-
-def compile_graph(stage, *, world_size=2, disable=(), clip=None):
-    """The tiny GPT's program for rank 0 of ``world_size``, without peers (the pipeline runs no collective),
-    with passes disabled or clipping on."""
-    torch.manual_seed(0)
-    model, _, loss_fn = build("gpt")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    fake_mode = make_fake_mode()
-    captured = capture(model, optimizer, batches("gpt", 1, 4)[0], loss_fn=loss_fn, num_targets=1 if loss_fn else 0,
-                       fake_mode=fake_mode, check_update_elementwise=stage != 0)
-    ctx = CompileContext(stage, world_size, 0, "unused", optimizer, captured, fake_mode, SMALL_BUCKETS)
-    passes = build_pipeline(stage, disable, prefetch_bytes=1 << 30, user_passes=(), clip=clip)
-    gm, history = run_pipeline(captured.gm, ctx, passes)
-    return gm, ctx, history
 
 
 def _reductions(gm):

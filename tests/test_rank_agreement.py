@@ -8,7 +8,7 @@ import zerocc
 
 from tests.architectures import architecture_batches, build_architecture
 from tests.models import batches, build
-from tests.test_architectures import two_groups
+from tests.reference import two_groups
 from zerocc import graph as g
 from zerocc.capture import capture
 from zerocc.context import CompileContext

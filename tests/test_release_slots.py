@@ -8,10 +8,7 @@ import torch.fx as fx
 import zerocc
 from zerocc import graph as g
 from tests.models import batches
-
-
-def adamw(model):
-    return torch.optim.AdamW(model.parameters(), lr=1e-2)
+from tests.reference import adamw
 
 
 def _wide_mlp():

@@ -7,11 +7,10 @@ import torch
 import zerocc
 from tests import distributed
 from tests.models import batches, build
-from tests.test_overlap_updates import compile_graph
+from tests.helpers import assert_two_ranks_train_the_same, compile_graph
 from zerocc import graph as g
 from zerocc.analysis.live_bytes import live_peaks
 from zerocc.graph import wait_of
-from zerocc.runtime.comm_counter import CountCollectives
 
 c10d = torch.ops._c10d_functional
 
@@ -83,34 +82,6 @@ def test_the_plan_counts_the_same_communication_with_and_without_the_pass():
         [n.meta.get(g.BUCKET) for n in without.graph.nodes if g.is_reduce_scatter(n)]
     assert sum(g.nbytes(n.args[0]) for n in with_pass.graph.nodes if g.is_reduce_scatter(n)) == \
         sum(g.nbytes(n.args[0]) for n in without.graph.nodes if g.is_reduce_scatter(n))
-
-
-def train_gpt(rank, world_size, stage, disable, options=None):
-    """Rank ``rank``'s 3 steps of the tiny GPT (16 KiB buckets): losses, full state, the last step's collectives."""
-    torch.manual_seed(0)
-    model, _, loss_fn = build("gpt")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    step = zerocc.compile(model, optimizer, stage=stage, loss_fn=loss_fn, bucket_bytes=16 * 1024, disable=disable,
-                          **(options or {}))
-    losses = []
-    for batch in batches("gpt", 3, 4 * world_size):
-        with CountCollectives() as counted:
-            losses.append(step(*(t[rank * 4:(rank + 1) * 4] for t in batch)))
-    return torch.stack(losses), step.full_state_dict(), dict(counted.calls), dict(counted.bytes)
-
-
-def assert_two_ranks_train_the_same(stage, without_pass, options=None):
-    """2 ranks of ``train_gpt`` with every pass and with ``without_pass`` disabled: equal losses and state, the
-    same collectives counted (calls and volume); returns the calls."""
-    new = distributed.run(train_gpt, 2, stage, (), options)
-    old = distributed.run(train_gpt, 2, stage, (without_pass,), options)
-    for (losses, state, calls, volume), (old_losses, old_state, old_calls, old_volume) in zip(new, old):
-        assert torch.equal(losses, old_losses)
-        assert state.keys() == old_state.keys()
-        for key, value in old_state.items():
-            assert torch.equal(state[key], value), key
-        assert calls == old_calls and volume == old_volume
-    return calls
 
 
 @pytest.mark.multirank

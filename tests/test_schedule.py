@@ -5,7 +5,6 @@ all it needs: each rank's program is compiled in this one process.
 """
 from __future__ import annotations
 
-import functools
 
 import pytest
 import torch
@@ -14,38 +13,9 @@ import zerocc
 from tests import distributed
 from tests.models import batches, build
 from zerocc import graph as g
-from zerocc.capture import capture
-from zerocc.context import CompileContext
 from zerocc.passes.schedule import held_bytes, is_parameter_gather, max_in_flight, wait_of
-from zerocc.pipeline import default_pipeline, run_pipeline
-from zerocc.tracing import make_fake_mode
-
-SMALL_BUCKETS = 16 * 1024     # the tiny test GPT gets several buckets
-
-
-@functools.lru_cache(maxsize=None)
-def compiled(stage, rank=0, *, world_size=2, prefetch_bytes=1 << 30, bucket_bytes=SMALL_BUCKETS, name="gpt"):
-    """Compiled once per configuration for the whole module (the tests only read it)."""
-    return compile_graph(stage, rank, world_size=world_size, prefetch_bytes=prefetch_bytes,
-                         bucket_bytes=bucket_bytes, name=name)
-
-
-def compile_graph(stage, rank=0, *, world_size=2, prefetch_bytes=1 << 30, bucket_bytes=SMALL_BUCKETS, name="gpt"):
-    torch.manual_seed(0)
-    model, _, loss_fn = build(name)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    fake_mode = make_fake_mode()
-    captured = capture(model, optimizer, batches(name, 1, 4)[0], loss_fn=loss_fn, num_targets=1 if loss_fn else 0,
-                       fake_mode=fake_mode, check_update_elementwise=stage != 0)
-    ctx = CompileContext(stage, world_size, rank, "unused", optimizer, captured, fake_mode, bucket_bytes)
-    passes = default_pipeline(stage, prefetch_bytes=prefetch_bytes)
-    gm, history = run_pipeline(captured.gm, ctx, passes)
-    return gm, ctx, history
-
-
-def collective_order(gm):
-    return [(g.short_name(n.target), n.meta.get(g.BUCKET), g.nbytes(n)) for n in gm.graph.nodes if g.is_collective(n)]
-
+from zerocc.pipeline import default_pipeline
+from tests.helpers import SMALL_BUCKETS, collective_order, compile_graph, compiled
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_every_wait_follows_its_collective_and_precedes_the_first_use(stage):

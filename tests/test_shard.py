@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import zerocc
 from tests.architectures import architecture_batches, build_architecture
-from tests.test_architectures import two_groups
+from tests.reference import two_groups
 
 
 def test_interleaved_param_groups_share_buckets_instead_of_one_collective_per_parameter():

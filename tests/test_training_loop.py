@@ -6,7 +6,6 @@ DDP (``no_sync`` for accumulation, ``clip_grad_norm_`` on the averaged gradients
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import warnings
 
@@ -17,41 +16,13 @@ from torch.nn.parallel import DistributedDataParallel
 import zerocc
 from tests import distributed
 from tests.models import batches, build, eager_step
-
-
-def adamw(model):
-    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+from tests.reference import adamw, eager_accumulated_step
 
 
 def sgd(model):
     # plain SGD moves by the gradient itself: a clipped and an unclipped gradient give different
     # parameters (Adam is nearly invariant to scaling the gradient, so it would hide a missing clip)
     return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-
-
-def loss_of(model, loss_fn, batch):
-    return model(*batch) if loss_fn is None else loss_fn(model(*batch[:-1]), batch[-1])
-
-
-def eager_accumulated_step(model, optimizer, loss_fn, batch, k, clip=None, norm_type=2.0):
-    """The reference: K micro-batches, ``(loss / K).backward()`` each (DDP: no_sync but the last), one update."""
-    optimizer.zero_grad(set_to_none=True)
-    total = None
-    micro_batches = list(zip(*[t.chunk(k) for t in batch]))
-    for index, micro in enumerate(micro_batches):
-        last = index == len(micro_batches) - 1
-        sync = model.no_sync() if isinstance(model, DistributedDataParallel) and not last else contextlib.nullcontext()
-        with sync:
-            loss = loss_of(model, loss_fn, micro)
-            if k > 1:
-                loss = loss / k
-            loss.backward()
-        total = loss.detach() if total is None else total + loss.detach()
-    norm = None
-    if clip is not None:
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip, norm_type=norm_type)
-    optimizer.step()
-    return total, norm
 
 
 def assert_same_state(step, reference):

@@ -6,12 +6,9 @@ import torch
 
 import zerocc
 from tests.models import batches, build, eager_step
+from tests.reference import adamw
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
-
-
-def adamw(model):
-    return torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
 @pytest.mark.parametrize("stage", [0, 3])

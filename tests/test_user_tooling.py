@@ -12,6 +12,7 @@ import torch.nn.functional as F
 import zerocc
 from zerocc.capture import capture, tensor_attributes
 from zerocc.tracing import make_fake_mode
+from tests.reference import eager
 
 
 class CountingAttribute(nn.Module):
@@ -63,14 +64,6 @@ def every_tensor(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str
     for index, state in enumerate(optimizer.state.values()):
         tensors |= {f"state {index} {key}": t for key, t in state.items() if isinstance(t, torch.Tensor)}
     return tensors
-
-
-def eager(model, optimizer, *batch):
-    optimizer.zero_grad(set_to_none=True)
-    loss = model(*batch)
-    loss.backward()
-    optimizer.step()
-    return loss.detach()
 
 
 # -- tensor attributes that forward changes in place ----------------------------------

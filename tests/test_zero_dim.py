@@ -17,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 import zerocc
 from tests import distributed
 from tests.models import eager_step
+from tests.reference import adamw
 
 STAGES = (0, 1, 2, 3)
 
@@ -36,10 +37,6 @@ class ScaledLinear(nn.Module):
 def build():
     torch.manual_seed(0)
     return ScaledLinear()
-
-
-def adamw(model):
-    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
 
 
 def loss_fn(output, target):

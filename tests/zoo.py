@@ -3,7 +3,7 @@
 Each entry builds a model from a small config (hidden size 32-64, one or two
 layers, vocabulary 128, short inputs) and makes keyword batches as users
 write them, the labels among them, so the loss is the model's own
-``output.loss``. ``train_eagerly`` is the reference a compiled step must
+``output.loss``. ``tests.reference.train_eagerly`` is the reference a compiled step must
 reproduce: the global generator is seeded the same way before each step on
 both sides, so dropout draws the same masks.
 """
@@ -218,13 +218,3 @@ ZOO = _zoo()
 def batches(name: str, steps: int, rows: int = TOKENS[0], seed: int = 1) -> list[dict]:
     generator = torch.Generator().manual_seed(seed)
     return [ZOO[name].batch(generator, rows) for _ in range(steps)]
-
-
-def train_eagerly(model, optimizer, batch: dict, seed: int) -> torch.Tensor:
-    """One eager step on a keyword batch: the model's own loss, dropout drawn after seeding with ``seed``."""
-    torch.manual_seed(seed)
-    optimizer.zero_grad(set_to_none=True)
-    loss = model(**batch).loss
-    loss.backward()
-    optimizer.step()
-    return loss.detach()

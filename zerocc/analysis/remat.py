@@ -35,7 +35,7 @@ Each cut is a maximum flow by networkx's default preflow-push.
 Boykov-Kolmogorov is 2.2x faster on the benchmark GPT's network (2.9 s
 against 6.5 s for one program's 46 cuts) with the same plans there, but the
 capacities are floats, and with it the stage-3 two-rank test of
-tests/test_checkpointing.py measured a peak 2.5 kB over its budget (the
+tests/test_remat.py measured a peak 2.5 kB over its budget (the
 planned peak under it); presumably rounding gave another cut there (not
 verified): kept out.
 """

@@ -9,6 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import zerocc
+from tests.reference import eager
 
 
 class CheckedLabels(nn.Module):
@@ -43,14 +44,6 @@ def good_batch(generator):
     return torch.randn(4, 12, generator=generator), torch.randint(0, 7, (4,), generator=generator)
 
 
-def eager(model, optimizer, *batch):
-    optimizer.zero_grad(set_to_none=True)
-    loss = model(*batch)
-    loss.backward()
-    optimizer.step()
-    return loss.detach()
-
-
 @pytest.mark.parametrize("stage", [0, 3])
 def test_validation_on_labels_trains_like_eager_and_a_bad_batch_raises_the_models_error(stage):
     torch.manual_seed(0)
@@ -65,7 +58,7 @@ def test_validation_on_labels_trains_like_eager_and_a_bad_batch_raises_the_model
         if index == 1:   # labels out of range: the model's own error, and nothing changed
             with pytest.raises(ValueError, match=r"Label values must be < vocab_size: 7") as info:
                 step(batch[0], torch.tensor([0, 9, 1, 2]))
-            assert any("test_guards.py" in note and "labels.max() >= self.vocab" in note for note in info.value.__notes__)
+            assert any("test_data_guards.py" in note and "labels.max() >= self.vocab" in note for note in info.value.__notes__)
 
 
 def test_a_bad_first_batch_raises_the_models_error():
@@ -143,5 +136,5 @@ def test_a_branch_on_a_random_draw_is_refused_naming_its_line():
     """A guard would re-draw the number (taking the step's random numbers) and the branch changes the computation."""
     model = LayerDrop()
     step = zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), stage=0)
-    with pytest.raises(zerocc.CaptureError, match=r"(?s)the step cannot be traced at .*test_guards.py.*torch.rand"):
+    with pytest.raises(zerocc.CaptureError, match=r"(?s)the step cannot be traced at .*test_data_guards.py.*torch.rand"):
         step(torch.randn(3, 4), torch.tensor([0, 1, 2]))

@@ -12,20 +12,17 @@ import os
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 import zerocc
 from zerocc import state_dict
 from tests import distributed
 from tests.models import batches, build, eager_step
+from tests.reference import adamw
+from tests.helpers import read_whole
 
 K = 2   # steps before and after a save
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
-
-
-def adamw(model):
-    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
 
 
 def compiled(name, stage, seed=0, **options):
@@ -36,15 +33,6 @@ def compiled(name, stage, seed=0, **options):
 def local_batches(name, rank, world_size, steps, seed=1):
     """This rank's slice of the same global batches at any world size (4 samples per rank)."""
     return [tuple(t[rank * 4:(rank + 1) * 4] for t in batch) for batch in batches(name, steps, 4 * world_size, seed)]
-
-
-def read_whole(path) -> dict[str, torch.Tensor]:
-    """Every entry of a checkpoint, whole, without a process group."""
-    entries = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    state = {key: torch.empty(entry.size, dtype=entry.properties.dtype) for key, entry in entries.items()
-             if isinstance(entry, TensorStorageMetadata)}   # the optimizer's param_groups are Python values
-    dcp.load(state, checkpoint_id=path, no_dist=True)
-    return state
 
 
 def assert_same_checkpoint(path_a, path_b):

@@ -1,0 +1,90 @@
+"""Helpers several test files share: programs compiled without peers, two-rank pass comparisons, checkpoints read whole.
+
+A pass's tests read the program the pipeline makes for one rank (``compile_graph``:
+the pipeline never runs a collective, so a world size and a group name are all it
+needs) and check that disabling the pass changes nothing a user sees
+(``assert_two_ranks_train_the_same``).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+import zerocc
+from tests import distributed
+from tests.models import batches, build
+from zerocc import graph as g
+from zerocc.capture import capture
+from zerocc.context import CompileContext
+from zerocc.pipeline import build_pipeline, run_pipeline
+from zerocc.runtime.comm_counter import CountCollectives
+from zerocc.tracing import make_fake_mode
+
+SMALL_BUCKETS = 16 * 1024     # the tiny test GPT gets several buckets
+
+
+def compile_graph(stage, rank=0, *, world_size=2, prefetch_bytes=1 << 30, bucket_bytes=SMALL_BUCKETS, name="gpt",
+                  disable=(), clip=None):
+    """``name``'s program for ``rank`` of ``world_size``, without peers, with passes disabled or clipping on:
+    (graph module, context, pass history)."""
+    torch.manual_seed(0)
+    model, _, loss_fn = build(name)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    fake_mode = make_fake_mode()
+    captured = capture(model, optimizer, batches(name, 1, 4)[0], loss_fn=loss_fn, num_targets=1 if loss_fn else 0,
+                       fake_mode=fake_mode, check_update_elementwise=stage != 0)
+    ctx = CompileContext(stage, world_size, rank, "unused", optimizer, captured, fake_mode, bucket_bytes)
+    passes = build_pipeline(stage, disable, prefetch_bytes=prefetch_bytes, user_passes=(), clip=clip)
+    gm, history = run_pipeline(captured.gm, ctx, passes)
+    return gm, ctx, history
+
+
+@functools.lru_cache(maxsize=None)
+def compiled(stage, rank=0, *, world_size=2, prefetch_bytes=1 << 30, bucket_bytes=SMALL_BUCKETS, name="gpt"):
+    """``compile_graph`` once per configuration for the whole run (for tests that only read it)."""
+    return compile_graph(stage, rank, world_size=world_size, prefetch_bytes=prefetch_bytes,
+                         bucket_bytes=bucket_bytes, name=name)
+
+
+def collective_order(gm):
+    return [(g.short_name(n.target), n.meta.get(g.BUCKET), g.nbytes(n)) for n in gm.graph.nodes if g.is_collective(n)]
+
+
+def train_gpt(rank, world_size, stage, disable, options=None):
+    """Rank ``rank``'s 3 steps of the tiny GPT (16 KiB buckets): losses, full state, the last step's collectives."""
+    torch.manual_seed(0)
+    model, _, loss_fn = build("gpt")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    step = zerocc.compile(model, optimizer, stage=stage, loss_fn=loss_fn, bucket_bytes=16 * 1024, disable=disable,
+                          **(options or {}))
+    losses = []
+    for batch in batches("gpt", 3, 4 * world_size):
+        with CountCollectives() as counted:
+            losses.append(step(*(t[rank * 4:(rank + 1) * 4] for t in batch)))
+    return torch.stack(losses), step.full_state_dict(), dict(counted.calls), dict(counted.bytes)
+
+
+def assert_two_ranks_train_the_same(stage, without_pass, options=None):
+    """2 ranks of ``train_gpt`` with every pass and with ``without_pass`` disabled: equal losses and state, the
+    same collectives counted (calls and volume); returns the calls."""
+    new = distributed.run(train_gpt, 2, stage, (), options)
+    old = distributed.run(train_gpt, 2, stage, (without_pass,), options)
+    for (losses, state, calls, volume), (old_losses, old_state, old_calls, old_volume) in zip(new, old):
+        assert torch.equal(losses, old_losses)
+        assert state.keys() == old_state.keys()
+        for key, value in old_state.items():
+            assert torch.equal(state[key], value), key
+        assert calls == old_calls and volume == old_volume
+    return calls
+
+
+def read_whole(path) -> dict[str, torch.Tensor]:
+    """Every entry of a checkpoint, whole, without a process group."""
+    entries = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    state = {key: torch.empty(entry.size, dtype=entry.properties.dtype) for key, entry in entries.items()
+             if isinstance(entry, TensorStorageMetadata)}   # the optimizer's param_groups are Python values
+    dcp.load(state, checkpoint_id=path, no_dist=True)
+    return state
