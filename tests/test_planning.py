@@ -103,6 +103,13 @@ def test_plan_at_world_size_one_matches_what_the_compiled_step_holds():
         compiled = step.report()
         assert planned["model_state_bytes_per_rank"] == compiled["model_state_bytes_per_rank"], stage
         assert planned["buckets"] == compiled["buckets"]
+        # where the compile time went, per phase (zerocc/compile_stats.py): both programs, every pass
+        phases = compiled["compile_seconds_by_phase"]
+        assert [record.program for record in step.compile_stats] == ["first step", "steady state"]
+        assert {"capture: trace", "capture: optimizer", "agree across ranks", "program", "slots"} <= set(phases)
+        assert {f"pass {name}" for name in step.passes[1:]} <= set(phases)   # [0] is capture
+        assert sum(phases.values()) <= compiled["compile_seconds"] + 0.01
+        assert {f"pass {name}" for name in step.passes[1:]} <= set(planned["compile_seconds_by_phase"])
 
 
 def test_plan_reports_the_papers_communication_volume_without_a_process_group():

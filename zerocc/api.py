@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from . import compile_stats
 from . import decisions
 from . import graph as g
 from . import precision as mixed   # the step has a ``precision`` property
@@ -19,6 +20,7 @@ from . import state_dict as state_dict_module   # its functions share the method
 from . import user_views
 from .batch import BatchLayout, FirstBatch, agreement_lines, check_batch
 from .capture import Captured, capture, named_tensors
+from .compile_stats import CompileStats
 from .driver import run_passes
 from .errors import ConfigError
 from .memory_plan import MemoryPlan
@@ -198,6 +200,7 @@ class CompiledStep:
         self.ranks: Ranks = failures.with_timeout(resolve(group, device), options.timeout)
         self.arenas = Arenas()   # the memory pools' arenas, shared by this step's programs
         self.compile_seconds = 0.0
+        self.compile_stats: list[CompileStats] = []   # per compiled program: seconds per phase (compile_stats.py)
         self._user_hooks: list = []          # zerocc/user_views.py, installed at the first compile
         if self.ranks.world_size > 1:
             self._sync_initial_state()
@@ -348,19 +351,23 @@ class CompiledStep:
         state_signature = _state_signature_of(captured)
         compiled = run_passes(captured, fake_mode, options, self.optimizer, world_size=self.ranks.world_size,
                               rank=self.ranks.rank, group_name=self.ranks.group_name, previous_plan=state.plan)
-        failures.check_ranks_agree(self.ranks, compiled.gm, compiled.ctx.shard_plan)   # before its collectives hang
-        program = Program.from_graph(compiled.gm, self.arenas)
+        with compiled.stats.timed(compile_stats.AGREE):
+            failures.check_ranks_agree(self.ranks, compiled.gm, compiled.ctx.shard_plan)   # before its collectives hang
+        with compiled.stats.timed(compile_stats.CODEGEN):
+            program = Program.from_graph(compiled.gm, self.arenas)
         program.guards = captured.guards
         if not state.started:
             state.captured = captured
             state.plan = compiled.ctx.shard_plan
-            state.slots = slot_store.initial_slots(compiled.ctx.shard_plan, captured, self.model, self.optimizer)
+            with compiled.stats.timed(compile_stats.SLOTS):
+                state.slots = slot_store.initial_slots(compiled.ctx.shard_plan, captured, self.model, self.optimizer)
             state.slots.update(state.initial_scaler)   # created (or loaded from a checkpoint) before the first step
             self.optimizer.state.clear()   # the step owns the (sharded) optimizer state from now on
             _OWNERS[self.model] = _OWNERS[self.optimizer] = weakref.ref(self)
             self._user_hooks = user_views.install(self)
             user_views.release_model_parameters(self)
         state.state_signature = state_signature
+        self.compile_stats.append(compiled.stats)
         return CacheEntry(program, compiled.ctx, compiled.history)
 
     def _sync_initial_state(self) -> None:
@@ -505,6 +512,7 @@ class CompiledStep:
             "arena_bytes": self.arenas.nbytes,
             "measured_peak_bytes": entry.measured_peak_bytes,
             "compile_seconds": round(self.compile_seconds, 3),
+            "compile_seconds_by_phase": compile_stats.by_phase(self.compile_stats),
             "remat": ctx.remat_plan.to_dict() if ctx.remat_plan is not None else None,
         }
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 from typing import Any, Callable, Sequence
 
 import torch
@@ -27,8 +28,10 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import DynamicOutputShapeException, DataDependentOutputException
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
+from . import compile_stats
 from . import graph as g
 from . import decisions
+from .compile_stats import CompileStats
 from .batch import BatchLayout
 from .data_guards import DataGuard, GuardRecorder, recording
 from .errors import CaptureError, ConfigError, ZeroccError, raised_by_user_code, user_frame
@@ -72,6 +75,7 @@ class Captured:
     # output layout: [loss, *new params, *new buffers, *new states (flattened in state_keys order)]
     new_state_keys: list[tuple[str, ...]] = dataclasses.field(default_factory=list)
     guards: tuple[DataGuard, ...] = ()  # branches decided on the batch's values, re-checked before every step
+    stats: CompileStats = dataclasses.field(default_factory=lambda: CompileStats("capture"))   # seconds per part
 
 
 def named_tensors(model: nn.Module, kind: str) -> list[tuple[tuple[str, ...], torch.Tensor]]:
@@ -245,6 +249,8 @@ def trace_step(
             total = loss.detach() if total is None else total + loss.detach()
         return total, grads, list(buffers)   # the optimizer's step is spliced in after tracing
 
+    started = time.perf_counter()
+    stats = CompileStats("capture")
     record_source_lines_of(loss_fn)
     real_args = (
         [t for _, t in trained], [t for _, t in frozen], [t for _, t in buffers_all],
@@ -264,7 +270,7 @@ def trace_step(
     attributes = tensor_attributes(model)
     try:
         with recording(fake_mode, recorder), _restored(attributes):
-            gm, out_spec = trace_functional(whole_step, fake_args, fake_mode)
+            gm, out_spec = trace_functional(whole_step, fake_args, fake_mode, stats)
     except (GuardOnDataDependentSymNode, DynamicOutputShapeException, DataDependentOutputException) as error:
         raise _data_dependent_error(user_frame(error.__traceback__), type(error).__name__) from error
     except ZeroccError:
@@ -292,7 +298,8 @@ def trace_step(
     if sparse:
         raise ConfigError(f"parameter(s) {', '.join(sparse)} get sparse gradients (nn.Embedding(sparse=True)?); "
                           "zerocc shards dense gradients only: use sparse=False")
-    new_param_nodes, new_state_dicts = _splice_optimizer(gm, fake_mode, optimizer, grad_nodes, group_of)
+    with stats.timed(compile_stats.OPTIMIZER_TRACE):
+        new_param_nodes, new_state_dicts = _splice_optimizer(gm, fake_mode, optimizer, grad_nodes, group_of)
     new_state_keys = [tuple(sorted(d)) for d in new_state_dicts]
     unused = [i for i, grad in enumerate(grad_nodes) if grad is None]
     for i, grad in enumerate(grad_nodes):
@@ -314,8 +321,9 @@ def trace_step(
     if check_update_elementwise:
         check_elementwise([n for n in gm.graph.nodes if n.meta.get(g.PHASE) == g.OPTIMIZER], optimizer)
     gm.recompile()
+    stats.add(compile_stats.CAPTURE_REST, time.perf_counter() - started - stats.total)
     return Captured(gm, param_infos, frozen_infos, buffer_infos, state_keys, len(optimizer.param_groups),
-                    len(inputs), new_state_keys, tuple(recorder.guards))
+                    len(inputs), new_state_keys, tuple(recorder.guards), stats)
 
 
 def _data_dependent_error(where: str | None, why: str) -> CaptureError:

@@ -16,6 +16,7 @@ import torch
 import torch.fx as fx
 
 from .capture import Captured
+from .compile_stats import CompileStats
 from .context import CompileContext
 from .decisions import ShardPlan
 from .options import CompileOptions
@@ -28,6 +29,7 @@ class Compiled:
     gm: fx.GraphModule
     ctx: CompileContext
     history: list[GraphSnapshot]
+    stats: CompileStats   # seconds per phase: capture's parts, then each pass (zerocc/compile_stats.py)
 
 
 def run_passes(captured: Captured, fake_mode: Any, options: CompileOptions, optimizer: torch.optim.Optimizer, *,
@@ -35,9 +37,11 @@ def run_passes(captured: Captured, fake_mode: Any, options: CompileOptions, opti
                planning: bool = False, traces: dict | None = None,
                progress: Callable[[str], None] | None = None) -> Compiled:
     """Set up the ``CompileContext`` of ``captured`` and run ``options``' pipeline over its graph."""
+    stats = CompileStats("plan" if planning else "first step" if previous_plan is None else "steady state",
+                         dict(captured.stats.seconds))
     ctx = CompileContext(options.stage, world_size, rank, group_name, optimizer, captured, fake_mode,
                          options.bucket_bytes, previous_plan=previous_plan, traces=traces, planning=planning,
                          precision=options.precision, gather_per_micro_batch=options.gather_per_micro_batch)
     gm, history = run_pipeline(captured.gm, ctx, options.passes(), verify=options.verify,
-                               dump_dir=dump_dir_of(options.dump_dir), progress=progress)
-    return Compiled(gm, ctx, history)
+                               dump_dir=dump_dir_of(options.dump_dir), progress=progress, stats=stats)
+    return Compiled(gm, ctx, history, stats)

@@ -37,8 +37,10 @@ from typing import Callable, Sequence
 import torch
 import torch.fx as fx
 
+from . import compile_stats
 from . import graph as g
 from . import registry
+from .compile_stats import CompileStats
 from .context import CompileContext
 from .errors import ConfigError, MemoryBudgetError, PassError
 from .runtime.failures import is_collective_failure
@@ -270,12 +272,17 @@ def memory_pools_of(setting: bool | None) -> bool:
 
 def run_pipeline(gm: fx.GraphModule, ctx: CompileContext, passes: list[Pass], *, verify: bool = False,
                  dump_dir: str | None = None, progress: Callable[[str], None] | None = None,
-                 ) -> tuple[fx.GraphModule, list[GraphSnapshot]]:
-    """Run ``passes`` over the captured ``gm``; returns the final graph and the program after every pass."""
+                 stats: CompileStats | None = None) -> tuple[fx.GraphModule, list[GraphSnapshot]]:
+    """Run ``passes`` over the captured ``gm``; returns the final graph and the program after every pass.
+
+    ``stats`` gets the seconds of each pass, of the snapshots and of the verifier.
+    """
     from .verify import verify_graph   # the verifier reads graphs only; imported late as it is optional
+    stats = stats if stats is not None else CompileStats("passes")
     phases = collections.Counter(n.meta.get(g.PHASE) for n in gm.graph.nodes if n.op == "call_function")
     note = f"{len(gm.graph.nodes)} nodes: " + ", ".join(f"{phases[p]} {p}" for p in (g.FORWARD, g.BACKWARD, g.OPTIMIZER))
-    history = [snapshot(0, "capture", gm, None, note)]
+    with stats.timed(compile_stats.SNAPSHOTS):
+        history = [snapshot(0, "capture", gm, None, note)]
     if dump_dir:
         os.makedirs(dump_dir, exist_ok=True)
         _dump(dump_dir, history[-1])
@@ -288,8 +295,10 @@ def run_pipeline(gm: fx.GraphModule, ctx: CompileContext, passes: list[Pass], *,
                 raise TypeError(f"the pass returned {type(result).__name__}, not the torch.fx.GraphModule; "
                                 "a pass returns the graph module it was given (or a new one)")
             gm = result
+            elapsed = time.perf_counter() - started
             if verify:
-                verify_graph(gm, ctx)
+                with stats.timed(compile_stats.VERIFY):
+                    verify_graph(gm, ctx)
         except MemoryBudgetError:
             raise   # the user's budget, not a failing pass: its message says what fits
         except (RuntimeError, torch.distributed.DistError) as error:
@@ -298,8 +307,9 @@ def run_pipeline(gm: fx.GraphModule, ctx: CompileContext, passes: list[Pass], *,
             _raise_pass_error(error, step.name, passes[: index - 1])
         except Exception as error:
             _raise_pass_error(error, step.name, passes[: index - 1])
-        elapsed = time.perf_counter() - started
-        history.append(snapshot(index, step.name, gm, history[-1].node_counts, ctx.notes.get(step.name, "")))
+        stats.add(compile_stats.pass_phase(step.name), elapsed)
+        with stats.timed(compile_stats.SNAPSHOTS):
+            history.append(snapshot(index, step.name, gm, history[-1].node_counts, ctx.notes.get(step.name, "")))
         history[-1].seconds = elapsed
         if progress is not None:
             progress(f"pass {step.name}: {elapsed:.1f} s")

@@ -39,10 +39,12 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from . import compile_stats
 from . import graph as g
 from . import decisions
 from .batch import BatchLayout
 from .capture import Captured, capture, named_tensors
+from .compile_stats import CompileStats
 from .context import CompileContext
 from .driver import run_passes
 from .errors import ConfigError
@@ -167,15 +169,18 @@ class Planner:
         seconds = {"capture": capture_seconds, "passes": time.perf_counter() - started}
         if self.say:
             self.say(f"planned stage {stage} at world size {world_size}: {seconds['passes']:.1f} s")
-        return Plan(compiled.gm, compiled.ctx, compiled.history, self.param_dtype, seconds, options.precision)
+        return Plan(compiled.gm, compiled.ctx, compiled.history, self.param_dtype, seconds, options.precision,
+                    compiled.stats)
 
 
 class Plan:
     """The outcome of ``zerocc.plan``: what one rank would hold and send per step, and the graphs that say so."""
 
     def __init__(self, gm: fx.GraphModule, ctx: CompileContext, history: list[GraphSnapshot],
-                 param_dtype: torch.dtype | None, seconds: dict[str, float], precision=None):
+                 param_dtype: torch.dtype | None, seconds: dict[str, float], precision=None,
+                 stats: CompileStats | None = None):
         self.gm, self.ctx, self.history = gm, ctx, history
+        self.compile_stats = stats   # seconds per phase; a Planner's later plans reuse its capture's
         self.stage, self.world_size, self.rank = ctx.stage, ctx.world_size, ctx.rank
         self.param_dtype = param_dtype   # accounting_dtype: the ZeRO paper's accounting
         self.precision = precision
@@ -228,6 +233,7 @@ class Plan:
             "collectives_per_step": counts,
             "model_state_bytes_per_rank": model_state_bytes(self.gm, self.ctx, self.param_dtype),
             "plan_seconds": {k: round(v, 3) for k, v in self.seconds.items()},
+            "compile_seconds_by_phase": compile_stats.by_phase([self.compile_stats] if self.compile_stats else []),
             "remat": self.ctx.remat_plan.to_dict() if self.ctx.remat_plan is not None else None,
             "accounting": ("the ZeRO paper's mixed precision accounting (accounting_dtype): params and grads in "
                            "accounting_dtype, fp32 master params counted with optimizer state")

@@ -24,8 +24,9 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from . import fake_kernels
+from . import compile_stats, fake_kernels
 from . import graph as g
+from .compile_stats import CompileStats
 from .data_guards import GuardedShapeEnv
 from .ops import batch_norm_with_stats
 
@@ -104,12 +105,15 @@ def fakeify(fake_mode: FakeTensorMode, tree: Any) -> Any:
     return pytree.tree_map(convert, tree)
 
 
-def trace_functional(fn: Callable[..., Any], args: tuple, fake_mode: FakeTensorMode) -> tuple[fx.GraphModule, pytree.TreeSpec]:
+def trace_functional(fn: Callable[..., Any], args: tuple, fake_mode: FakeTensorMode,
+                     stats: CompileStats | None = None) -> tuple[fx.GraphModule, pytree.TreeSpec]:
     """Trace ``fn(*args)`` into a flat functional graph; returns it and the output tree spec.
 
     The graph's placeholders are ``pytree.tree_leaves(args)`` in order; its
-    output is the flat list of ``fn``'s output leaves.
+    output is the flat list of ``fn``'s output leaves. ``stats`` gets the
+    seconds of the trace and of the functionalizing replay.
     """
+    stats = stats if stats is not None else CompileStats("trace")
     flat_args, in_spec = pytree.tree_flatten(args)
     out_spec_box: list[pytree.TreeSpec] = []
 
@@ -119,7 +123,7 @@ def trace_functional(fn: Callable[..., Any], args: tuple, fake_mode: FakeTensorM
         out_spec_box.append(spec)
         return flat_out
 
-    with fake_mode, eager_composites():
+    with stats.timed(compile_stats.TRACE), fake_mode, eager_composites():
         first = make_fx(flat_fn, record_stack_traces=True)(*flat_args)
     if _is_functional(first):   # nothing to remove: the replay would rebuild the same graph (half the cost)
         _remove_profiler_nodes(first)
@@ -132,7 +136,7 @@ def trace_functional(fn: Callable[..., Any], args: tuple, fake_mode: FakeTensorM
             return _VisibleMutations(first).run(*leaves)
 
     detached = [a.detach() if isinstance(a, torch.Tensor) else a for a in flat_args]
-    with fake_mode:
+    with stats.timed(compile_stats.FUNCTIONALIZE), fake_mode:
         gm = make_fx(torch.func.functionalize(replay, remove="mutations"))(*detached)
     gm.meta[g.WRITTEN_INPUTS] = written_inputs(first)
     gm.meta[g.WRITTEN_CONSTANTS] = written_constants(first)
