@@ -44,6 +44,7 @@ same graph overlaps on both, the runtime adds nothing.
 """
 from __future__ import annotations
 
+import itertools
 import operator
 
 import torch
@@ -168,20 +169,20 @@ def _prefetch_parameter_gathers(graph: fx.Graph, prefetch_bytes: int) -> set[fx.
             in_flight += held_bytes(gathers[issued])
             issued += 1
     prefetched = set()
+    # nodes compare by their place in the graph (fx keeps that order as nodes move): no positions to recount
     for gather, anchor in zip(gathers, anchors):
-        before = position[gather]
         # after the anchor and after any gather already placed there, so issue order is need order
         target = start if anchor is None else anchor.next
         while target is not wait_of(gather) and (is_parameter_gather(target) or _is_shard_cast(target)):
             target = target.next
         if target is not gather:
+            earlier = target < gather
             shard = gather.args[0]
-            if shard.op != "placeholder" and position[shard] > position[target]:
+            if shard.op != "placeholder" and shard > target:
                 target.prepend(shard)   # the cast of the shard to param_dtype moves with its gather
             target.prepend(gather)
-        position = {node: i for i, node in enumerate(graph.nodes)}
-        if position[gather] < before:
-            prefetched.add(gather)
+            if earlier:
+                prefetched.add(gather)
     return prefetched
 
 
@@ -194,43 +195,41 @@ def _keep_forward_gathers(graph: fx.Graph, prefetch_bytes: int) -> list[int]:
     over that gap. Buckets are taken in the order backward gathers them.
     """
     twice: dict[int, list[fx.Node]] = {}
+    gathers: dict[fx.Node, tuple[fx.Node, int]] = {}   # every parameter gather: its wait and bytes
     for node in graph.nodes:
-        if is_parameter_gather(node) and node.meta.get(g.BUCKET) is not None:
-            twice.setdefault(node.meta[g.BUCKET], []).append(node)
+        if is_parameter_gather(node):
+            gathers[node] = (wait_of(node), held_bytes(node))
+            if node.meta.get(g.BUCKET) is not None:
+                twice.setdefault(node.meta[g.BUCKET], []).append(node)
     pairs = [nodes for nodes in twice.values() if len(nodes) == 2]   # graph order: (forward, backward)
-    position = _positions(graph)
-    pairs.sort(key=lambda nodes: position[nodes[1]])
+    pairs.sort(key=lambda nodes: nodes[1])   # nodes compare by their place in the graph
     kept, extensions = [], []   # extensions: (forward's last use, backward's uses, bytes) held beyond forward
     for forward, backward in pairs:
-        position = _positions(graph)
         forward_wait, backward_wait = wait_of(forward), wait_of(backward)
-        last_forward_use = _last_use(forward_wait, position)
-        if position[backward] > last_forward_use:
-            held = _gathered_bytes_over(graph, position, last_forward_use, position[backward], extensions)
+        last_forward_use = _last_use(forward_wait)
+        if backward > last_forward_use:
+            held = _gathered_bytes_over(gathers, last_forward_use, backward, extensions)
             if held + held_bytes(forward) > prefetch_bytes:
                 continue
-            nodes = list(graph.nodes)
-            extensions.append((nodes[last_forward_use], list(backward_wait.users), held_bytes(forward)))
+            extensions.append((last_forward_use, list(backward_wait.users), held_bytes(forward)))
         shard = backward.args[0]
         backward_wait.replace_all_uses_with(forward_wait)
         graph.erase_node(backward_wait)
         graph.erase_node(backward)
+        del gathers[backward]
         if shard.op != "placeholder" and not shard.users:
             graph.erase_node(shard)   # the shard's cast to param_dtype went with the gather
         kept.append(forward.meta[g.BUCKET])
     return kept
 
 
-def _positions(graph: fx.Graph) -> dict[fx.Node, int]:
-    return {node: i for i, node in enumerate(graph.nodes)}
-
-
-def _last_use(value: fx.Node, position: dict[fx.Node, int]) -> int:
-    """The last position that reads ``value`` or a view of it (through ops whose schema returns an alias)."""
-    last, seen, stack = position[value], {value}, [value]
+def _last_use(value: fx.Node) -> fx.Node:
+    """The last node that reads ``value`` or a view of it (through ops whose schema returns an alias)."""
+    last, seen, stack = value, {value}, [value]
     while stack:
         for user in stack.pop().users:
-            last = max(last, position[user])
+            if user > last:
+                last = user
             if user not in seen and _is_alias(user):
                 seen.add(user)
                 stack.append(user)
@@ -244,23 +243,32 @@ def _is_alias(node: fx.Node) -> bool:
     return bool(returns) and returns[0].alias_info is not None and not returns[0].alias_info.is_write
 
 
-def _gathered_bytes_over(graph: fx.Graph, position: dict[fx.Node, int], start: int, stop: int,
+def _gathered_bytes_over(gathers: dict[fx.Node, tuple[fx.Node, int]], start: fx.Node, stop: fx.Node,
                          extensions: list) -> int:
-    """The most bytes in flight (parameter gathers issued, not waited) or kept from forward, over (start, stop)."""
-    in_flight, peak, waits = 0, 0, {}
-    kept_spans = [(position[last], min(position[u] for u in users), size) for last, users, size in extensions]
-    for node in graph.nodes:
-        index = position[node]
-        if index >= stop:
-            break
-        if is_parameter_gather(node):
-            in_flight += held_bytes(node)
-            waits[wait_of(node)] = held_bytes(node)
-        elif node in waits:
-            in_flight -= waits.pop(node)
-        if index > start:
-            kept = sum(size for begin, end, size in kept_spans if begin < index < end)
-            peak = max(peak, in_flight + kept)
+    """The most bytes in flight (parameter gathers issued, not waited) or kept from forward, strictly
+    between ``start`` and ``stop``.
+
+    The bytes change only where a gather is issued or waited and where a kept
+    span begins or ends: a sweep over those changes (nodes compare by their
+    place in the graph) instead of a walk over the graph for every bucket,
+    which grew with the square of the depth.
+    """
+    changes = []   # (node, bytes): from this node on, the bytes held change by this much
+    for gather, (wait, nbytes) in gathers.items():
+        changes += [(gather, nbytes), (wait, -nbytes)]   # in flight from its issue until its wait
+    for last, users, nbytes in extensions:   # kept after forward's last use, until backward's first use
+        begin, end = last.next, min(users)
+        if begin < end:
+            changes += [(begin, nbytes), (end, -nbytes)]
+    first = start.next
+    if not first < stop:
+        return 0
+    held = sum(nbytes for node, nbytes in changes if not node > first)
+    peak = max(0, held)
+    inside = sorted((change for change in changes if first < change[0] < stop), key=operator.itemgetter(0))
+    for _, group in itertools.groupby(inside, key=operator.itemgetter(0)):
+        held += sum(nbytes for _, nbytes in group)
+        peak = max(peak, held)
     return peak
 
 
@@ -270,10 +278,9 @@ def _bound_reductions_in_flight(graph: fx.Graph, prefetch_bytes: int) -> int:
     moved = 0
     for index, reduction in enumerate(reductions):
         wait = wait_of(reduction)
-        position = {node: i for i, node in enumerate(graph.nodes)}
         held = held_bytes(reduction)
         for later in reductions[index + 1:]:
-            if position[later] > position[wait]:
+            if later > wait:   # nodes compare by their place in the graph
                 break
             held += held_bytes(later)
             if held > prefetch_bytes:
