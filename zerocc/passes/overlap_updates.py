@@ -66,11 +66,16 @@ def overlap_updates(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
         anchor = anchor.next    # collectives issued together stay together
     reads = _reductions_read(nodes, [wait_of(r) for r in reductions])
     tail = nodes[position[anchor] + 1:]
+    inside = set(tail)
+    roots: dict[int, list[fx.Node]] = {}   # by reduction: the tail nodes that read it and no other
+    for node in tail:
+        if len(reads[node]) == 1:
+            roots.setdefault(next(iter(reads[node])), []).append(node)
 
     moved, buckets = [], []
     taken: set[fx.Node] = set()
     for index, reduction in enumerate(reductions[:-1]):
-        group = _update_of(index, wait_of(reduction), tail, reads, taken)
+        group = _update_of(index, wait_of(reduction), roots.get(index, []), inside, reads, position, taken)
         if not any(n.meta.get(g.PHASE) == g.OPTIMIZER for n in group):
             continue
         group.sort(key=position.get)
@@ -127,23 +132,32 @@ def _may_move(node: fx.Node) -> bool:
     return torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ())
 
 
-def _update_of(index: int, wait: fx.Node, tail: list[fx.Node], reads: dict[fx.Node, frozenset[int]],
+def _update_of(index: int, wait: fx.Node, roots: list[fx.Node], inside: set[fx.Node],
+               reads: dict[fx.Node, frozenset[int]], position: dict[fx.Node, int],
                taken: set[fx.Node]) -> list[fx.Node]:
-    """The nodes of ``tail`` that read reduction ``index`` and no other, with the tail nodes they need.
+    """The tail nodes (``inside``) that read reduction ``index`` and no other, with the tail nodes they need.
 
     A tail node may move with the update when it reads no other reduction, may
     move (or is the reduction's own wait), and every tail node it reads may
-    move too or has moved already (``taken``).
+    move too or has moved already (``taken``). ``roots`` are the tail nodes
+    that read reduction ``index`` alone: only they and what they read are
+    looked at, not the whole tail for every bucket (which grew with the
+    square of the depth).
     """
-    inside = set(tail)
-    movable: set[fx.Node] = set()
-    for node in tail:
-        if node in taken or not reads[node] <= {index}:
+    candidates, stack = set(), [n for n in roots if n not in taken]
+    while stack:   # what the roots read in the tail, reading no other reduction: the only nodes that may move
+        node = stack.pop()
+        if node in candidates:
             continue
+        candidates.add(node)
+        stack.extend(a for a in node.all_input_nodes
+                     if a in inside and a not in taken and a not in candidates and reads[a] <= {index})
+    movable: set[fx.Node] = set()
+    for node in sorted(candidates, key=position.__getitem__):   # graph order: a node's inputs are decided first
         if (node is wait or _may_move(node)) and all(a not in inside or a in taken or a in movable
                                                    for a in node.all_input_nodes):
             movable.add(node)
-    group, stack = set(), [n for n in movable if reads[n] == {index}]
+    group, stack = set(), [n for n in roots if n in movable]
     while stack:
         node = stack.pop()
         if node in group:
