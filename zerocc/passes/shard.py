@@ -260,7 +260,9 @@ def _bucket_placeholder(gm, ctx, bucket, numel, device) -> fx.Node:
 
 
 def _state_placeholder(gm, ctx, slot, key, shape, dtype, device) -> fx.Node:
-    last = g.placeholders(gm)[-1]
+    last = next(iter(gm.graph.nodes))
+    while last.next.op == "placeholder":   # the placeholders lead the graph: no walk over all of it per state
+        last = last.next
     with gm.graph.inserting_after(last):
         node = gm.graph.placeholder(slot.replace(":", "_").replace(".", "_"))
     with ctx.fake_mode:
