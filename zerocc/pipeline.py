@@ -36,6 +36,7 @@ from typing import Callable, Sequence
 
 import torch
 import torch.fx as fx
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from . import compile_stats
 from . import graph as g
@@ -283,6 +284,7 @@ def run_pipeline(gm: fx.GraphModule, ctx: CompileContext, passes: list[Pass], *,
     note = f"{len(gm.graph.nodes)} nodes: " + ", ".join(f"{phases[p]} {p}" for p in (g.FORWARD, g.BACKWARD, g.OPTIMIZER))
     with stats.timed(compile_stats.SNAPSHOTS):
         history = [snapshot(0, "capture", gm, None, note)]
+    gm = deferring_codegen(gm)
     if dump_dir:
         os.makedirs(dump_dir, exist_ok=True)
         _dump(dump_dir, history[-1])
@@ -322,6 +324,22 @@ def run_pipeline(gm: fx.GraphModule, ctx: CompileContext, passes: list[Pass], *,
             with open(os.path.join(dump_dir, "memory_plan.json"), "w") as file:
                 json.dump(memory_plan.to_dict(), file, indent=1, default=str)
     return gm, history
+
+
+def deferring_codegen(gm: fx.GraphModule) -> fx.GraphModule:
+    """The same graph in a module whose ``recompile()`` only marks its Python stale (torch's ``_LazyGraphModule``).
+
+    Every pass calls ``gm.recompile()`` after its rewrite; generating and
+    compiling a deep step's Python after each of them was a fifth of the
+    7.66B plan's time (benchmarks/compile_time.py), and nothing between
+    the passes runs or reads it. The code is made once, when the program
+    first runs or someone reads ``gm.code``.
+    """
+    if isinstance(gm, _LazyGraphModule):
+        return gm
+    lazy = _LazyGraphModule(gm, gm.graph)
+    lazy.meta = gm.meta
+    return lazy
 
 
 def _run_passes(passes: Sequence[Pass], gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
