@@ -37,6 +37,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.fx as fx
+from torch.fx._lazy_graph_module import _LazyGraphModule
 import torch.nn as nn
 
 from . import compile_stats
@@ -342,6 +343,6 @@ def probe_state(optimizer: torch.optim.Optimizer, group: int, dtype: torch.dtype
 
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     """A new graph module with the same nodes and meta, so a pipeline can rewrite it and keep ``gm`` intact."""
-    new = fx.GraphModule(gm, copy_graph(gm.graph))
+    new = _LazyGraphModule(gm, copy_graph(gm.graph))   # its Python is made only if read (pipeline.deferring_codegen)
     new.meta = {key: copy.copy(value) for key, value in gm.meta.items()}
     return new

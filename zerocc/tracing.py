@@ -22,6 +22,7 @@ import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from . import compile_stats, fake_kernels
@@ -123,7 +124,9 @@ def trace_functional(fn: Callable[..., Any], args: tuple, fake_mode: FakeTensorM
         out_spec_box.append(spec)
         return flat_out
 
-    with stats.timed(compile_stats.TRACE), fake_mode, eager_composites():
+    # lazy graph modules (zerocc/pipeline.py's deferring_codegen): capture and every pass call recompile(),
+    # and the step's Python is made once, when it first runs
+    with stats.timed(compile_stats.TRACE), fake_mode, eager_composites(), _use_lazy_graph_module(True):
         first = make_fx(flat_fn, record_stack_traces=True)(*flat_args)
     if _is_functional(first):   # nothing to remove: the replay would rebuild the same graph (half the cost)
         _remove_profiler_nodes(first)
@@ -136,7 +139,7 @@ def trace_functional(fn: Callable[..., Any], args: tuple, fake_mode: FakeTensorM
             return _VisibleMutations(first).run(*leaves)
 
     detached = [a.detach() if isinstance(a, torch.Tensor) else a for a in flat_args]
-    with stats.timed(compile_stats.FUNCTIONALIZE), fake_mode:
+    with stats.timed(compile_stats.FUNCTIONALIZE), fake_mode, _use_lazy_graph_module(True):
         gm = make_fx(torch.func.functionalize(replay, remove="mutations"))(*detached)
     gm.meta[g.WRITTEN_INPUTS] = written_inputs(first)
     gm.meta[g.WRITTEN_CONSTANTS] = written_constants(first)
