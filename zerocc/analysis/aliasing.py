@@ -8,6 +8,8 @@ storage; ``reshape``-like ops only when the value's layout allows a view.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.fx as fx
 
@@ -88,8 +90,28 @@ def is_view(node: fx.Node) -> bool:
         value = node.meta.get(g.VAL)
         if not isinstance(source, torch.Tensor) or not isinstance(value, torch.Tensor):
             return False
-        try:
-            source.view(value.shape)
-        except (RuntimeError, ValueError):   # fake tensors raise ValueError
-            return False   # the layout allows no view: the op copies
+        return _viewable(source, value.shape)   # else the layout allows no view: the op copies
+    return True
+
+
+def _viewable(source: torch.Tensor, shape) -> bool:
+    """Can ``source`` be viewed as ``shape`` (without a copy)?"""
+    sizes, strides, wanted = tuple(source.shape), tuple(source.stride()), tuple(shape)
+    if all(type(n) is int for n in sizes + strides + wanted):
+        return _viewable_layout(sizes, strides, wanted)
+    try:   # symbolic sizes: ask the fake tensor itself
+        source.view(shape)
+    except (RuntimeError, ValueError):   # fake tensors raise ValueError
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=4096)
+def _viewable_layout(sizes: tuple[int, ...], strides: tuple[int, ...], wanted: tuple[int, ...]) -> bool:
+    """Whether a tensor of this layout views as ``wanted``: it depends on sizes and strides only, and a deep
+    model asks for the same few layouts in every block, where a fake tensor's view costs half a millisecond."""
+    try:
+        torch.empty_strided(sizes, strides, device="meta").view(wanted)
+    except (RuntimeError, ValueError):
+        return False
     return True
