@@ -27,6 +27,7 @@ naming the pass.
 from __future__ import annotations
 
 import collections
+import copy
 import dataclasses
 import functools
 import json
@@ -236,7 +237,14 @@ def copy_graph(graph: fx.Graph) -> fx.Graph:
     new.set_codegen(graph._codegen)   # the calling convention (runtime/release.py) goes with the nodes
     env: dict[fx.Node, fx.Node] = {}
     for node in graph.nodes:
-        env[node] = new.node_copy(node, lambda n: env[n])
+        # Graph.node_copy, less create_node's scan of the arguments for raw SymInts (a graph's own arguments
+        # passed it when they were made): that scan was half of a copy, and a copy is made after every pass
+        copied = new.create_node(node.op, node.target, name=node.name, type_expr=node.type)
+        copied.args = fx.map_arg(node.args, env.__getitem__)
+        if node.kwargs:
+            copied.kwargs = fx.map_arg(node.kwargs, env.__getitem__)
+        copied.meta = copy.copy(node.meta)
+        env[node] = copied
     return new
 
 
