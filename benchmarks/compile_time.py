@@ -1,0 +1,109 @@
+"""Where compile time goes: seconds per phase of a compiled step and of a plan (issue 21).
+
+    python benchmarks/compile_time.py step --model 5m|98m [--world-size 2] [--stage 3]
+    python benchmarks/compile_time.py plan [--layers 36] [--world-size 1024]
+
+``step``: the example GPT (``examples/gpt.py``; 5m: its defaults, 6 layers
+of d_model 256, 5.03M parameters; 98m: 12 layers of d_model 768, vocabulary
+8192, 98M parameters), sequence 128, 2 sequences per rank, AdamW, trained on
+``--world-size`` gloo processes on this machine. Rank 0 prints the first,
+second and third step's seconds (the first two compile the first-step and
+the steady-state programs) and a table per compiled program of seconds per
+phase (``step.compile_stats``, ``zerocc/compile_stats.py``).
+
+``plan``: one fresh ``zerocc.plan`` (capture included) of the ZeRO paper's
+GPT shape (d_model 4096, sequence 1024; 36 layers: 7.66B parameters with
+``plan_scaling.py``'s vocabulary) at stage 3 on the meta device, and its
+seconds per phase. The depth sweep is ``benchmarks/plan_scaling.py``.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import zerocc  # noqa: E402
+from gpt import GPT  # noqa: E402
+
+MODELS = {
+    "5m": dict(),   # examples/gpt.py's defaults: the benchmark GPT
+    "98m": dict(vocab=8192, d_model=768, layers=12, heads=12, seq=128),
+}
+SEQUENCES_PER_RANK = 2
+
+
+def phase_table(records) -> str:
+    """One markdown table: a row per phase, a column of seconds per compiled program."""
+    phases: list[str] = []
+    for record in records:
+        phases += [phase for phase in record.seconds if phase not in phases]
+    lines = ["| phase | " + " | ".join(f"{r.program} s" for r in records) + " |",
+             "|---|" + "---:|" * len(records)]
+    for phase in phases:
+        lines.append(f"| {phase} | " + " | ".join(f"{r.seconds.get(phase, 0.0):.2f}" for r in records) + " |")
+    lines.append("| **total** | " + " | ".join(f"**{r.total:.2f}**" for r in records) + " |")
+    return "\n".join(lines)
+
+
+def train(rank: int, world_size: int, model_name: str, stage: int, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    torch.manual_seed(0)
+    model = GPT(**MODELS[model_name])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    step = zerocc.compile(model, optimizer, stage=stage)
+    generator = torch.Generator().manual_seed(rank)
+    seq, vocab = model.wpe.num_embeddings, model.wte.num_embeddings
+    seconds = []
+    for _ in range(3):
+        tokens = torch.randint(0, vocab, (SEQUENCES_PER_RANK, seq + 1), generator=generator)
+        dist.barrier()
+        started = time.perf_counter()
+        step(tokens[:, :-1], tokens[:, 1:])
+        seconds.append(time.perf_counter() - started)
+    if rank == 0:
+        params = sum(p.numel() for p in model.parameters()) if stage == 0 else step.report()["param_count"]
+        print(f"GPT {model_name} ({params / 1e6:.1f}M parameters), stage {stage}, {world_size} gloo ranks, "
+              f"{SEQUENCES_PER_RANK} x {seq} tokens per rank")
+        print(f"first step {seconds[0]:.2f} s, second {seconds[1]:.2f} s, third (steady) {seconds[2]:.2f} s; "
+              f"compile_seconds {step.compile_seconds:.2f}\n")
+        if hasattr(step, "compile_stats"):   # absent before zerocc/compile_stats.py: totals only
+            print(phase_table(step.compile_stats), flush=True)
+    dist.destroy_process_group()
+
+
+def plan(layers: int, world_size: int) -> None:
+    from plan_scaling import plan_once
+    planned, seconds = plan_once(layers, world_size)
+    print(f"zerocc.plan: {layers} layers, {planned.report()['param_count'] / 1e9:.2f}B parameters, stage 3, "
+          f"{world_size} ranks: {seconds:.1f} s\n")
+    if getattr(planned, "compile_stats", None) is not None:
+        print(phase_table([planned.compile_stats]), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("part", choices=("step", "plan"))
+    parser.add_argument("--model", choices=sorted(MODELS), default="5m")
+    parser.add_argument("--world-size", type=int)
+    parser.add_argument("--stage", type=int, default=3)
+    parser.add_argument("--layers", type=int, default=36)
+    parser.add_argument("--port", type=int, default=29517)
+    args = parser.parse_args()
+    if args.part == "step":
+        world_size = args.world_size or 2
+        mp.spawn(train, args=(world_size, args.model, args.stage, args.port), nprocs=world_size)
+    else:
+        plan(args.layers, args.world_size or 1024)
+
+
+if __name__ == "__main__":
+    main()
