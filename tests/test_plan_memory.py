@@ -16,6 +16,7 @@ from tests.models import ZOO, batches, build
 from zerocc.memory_plan import (ALIGNMENT_BYTES, ORDERS, Buffer, Lifetime, align, best_fit, lower_bound,
                                 overlapping_pairs, place)
 from zerocc.analysis import aliasing
+from zerocc.graph import VAL
 from zerocc.passes.plan_memory import memory_plan_of
 
 # the target: every pool within 5% of the most bytes its buffers hold at once
@@ -223,3 +224,24 @@ def test_plot_draws_a_png_or_says_what_is_missing(tmp_path):
     with open(path, "rb") as file:
         assert file.read(8) == b"\x89PNG\r\n\x1a\n"
     assert os.path.getsize(path) > 10_000
+
+
+
+def test_a_reshape_is_a_view_only_where_the_layout_allows_one():
+    # is_view answers from a cache of layouts (aliasing._viewable_layout): a contiguous value's reshape is a
+    # view, a transposed one's a copy, as the fake values themselves say
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    aten = torch.ops.aten
+    graph = torch.fx.Graph()
+    with FakeTensorMode():
+        value = torch.empty(4, 3)
+        x = graph.placeholder("x")
+        x.meta[VAL] = value
+        t = graph.call_function(aten.t.default, (x,))
+        t.meta[VAL] = value.t()
+        reshapes = []
+        for source in (x, t, x, t):   # twice: the second time from the cache
+            node = graph.call_function(aten.reshape.default, (source, [12]))
+            node.meta[VAL] = source.meta[VAL].reshape(12)
+            reshapes.append(node)
+    assert [aliasing.is_view(node) for node in reshapes] == [True, False, True, False]
