@@ -314,13 +314,15 @@ def _best_fit_in_sequence(sequence: Sequence[Lifetime]) -> dict[str, int]:
     time occupies. Where no gap fits, the buffer goes on top of the highest
     such buffer.
     """
-    placed: list[tuple[Lifetime, int]] = []
+    placed: list[tuple[int, int, int, int]] = []   # (start, end, offset, offset + bytes): Lifetime.overlaps inlined
     offsets: dict[str, int] = {}
     for life in sequence:
         if life.bytes == 0:
             offsets[life.name] = 0
             continue
-        busy = sorted((offset, offset + other.bytes) for other, offset in placed if other.overlaps(life))
+        start, end = life.start, life.end
+        busy = sorted((low, high) for other_start, other_end, low, high in placed
+                      if other_start <= end and start <= other_end)
         best, best_gap, cursor = None, None, 0
         for low, high in busy:
             gap = low - cursor
@@ -329,7 +331,7 @@ def _best_fit_in_sequence(sequence: Sequence[Lifetime]) -> dict[str, int]:
             cursor = max(cursor, high)
         offset = cursor if best is None else best
         offsets[life.name] = offset
-        placed.append((life, offset))
+        placed.append((start, end, offset, offset + life.bytes))
     return offsets
 
 

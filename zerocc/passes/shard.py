@@ -123,13 +123,15 @@ def shard(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
 
     # one trace of the real optimizer over every piece this rank owns
     state_nodes = []
+    last = _last_placeholder(gm)   # each state placeholder goes after the one before
     for bucket, number, piece, _, _ in piece_inputs:
         states = {}
         for key, old in sorted(old_state.get(piece.param, {}).items()):
             value = old.meta[g.VAL]
             shape = [] if value.dim() == 0 else [piece.numel]
-            states[key] = _state_placeholder(gm, ctx, decisions.state_slot(decisions.piece_owner(bucket.index, number), key),
-                                             key, shape, value.dtype, value.device)
+            states[key] = last = _state_placeholder(
+                gm, ctx, last, decisions.state_slot(decisions.piece_owner(bucket.index, number), key),
+                key, shape, value.dtype, value.device)
         state_nodes.append(states)
     new_pieces, new_states = _inline_optimizer(gm, ctx, piece_inputs, state_nodes, lr_nodes)
 
@@ -259,10 +261,14 @@ def _bucket_placeholder(gm, ctx, bucket, numel, device) -> fx.Node:
     return node
 
 
-def _state_placeholder(gm, ctx, slot, key, shape, dtype, device) -> fx.Node:
+def _last_placeholder(gm: fx.GraphModule) -> fx.Node:
     last = next(iter(gm.graph.nodes))
-    while last.next.op == "placeholder":   # the placeholders lead the graph: no walk over all of it per state
+    while last.next.op == "placeholder":   # the placeholders lead the graph: no walk over all of it
         last = last.next
+    return last
+
+
+def _state_placeholder(gm, ctx, last, slot, key, shape, dtype, device) -> fx.Node:
     with gm.graph.inserting_after(last):
         node = gm.graph.placeholder(slot.replace(":", "_").replace(".", "_"))
     with ctx.fake_mode:
