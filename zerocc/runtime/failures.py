@@ -133,15 +133,17 @@ def check_ranks_agree(ranks: Ranks, gm: fx.GraphModule, plan: ShardPlan | None) 
         return
     lines = agreement_lines(gm, plan)
     digest = hashlib.sha256("\n".join(lines).encode()).hexdigest()
-    gathered = [None] * ranks.world_size
-    dist.all_gather_object(gathered, (digest, lines), group=ranks.group)
-    reference_digest, reference_lines = gathered[0]
-    differing = [r for r, (d, _) in enumerate(gathered) if d != reference_digest]
+    digests = [None] * ranks.world_size
+    dist.all_gather_object(digests, digest, group=ranks.group)   # the lines travel only when a digest differs
+    differing = [r for r, d in enumerate(digests) if d != digests[0]]
     if not differing:
         return
+    gathered = [None] * ranks.world_size
+    dist.all_gather_object(gathered, lines, group=ranks.group)   # every rank saw the digests: all gather again
+    reference_lines = gathered[0]
     details = []
     for rank in differing[:3]:
-        other = gathered[rank][1]
+        other = gathered[rank]
         for position in range(max(len(other), len(reference_lines))):
             mine = other[position] if position < len(other) else "(nothing)"
             theirs = reference_lines[position] if position < len(reference_lines) else "(nothing)"
