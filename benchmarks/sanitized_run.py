@@ -13,7 +13,8 @@ Arguments after ``--`` go to ``long_run.py``. Each rank is started here (``RANK`
   quarantine keeps freed blocks from being reused for a while, so such a write cannot land in a live block.
 - ``valgrind``: memcheck emulates every instruction, so it reports invalid reads and writes anywhere,
   uninstrumented code included. Use ``--tiny`` and a few steps: a step is about a hundred times slower.
-  Uninitialised-value checks are off (noise from Python and BLAS).
+  Uninitialised-value checks are off (noise from Python and BLAS); ``valgrind.supp`` hides the dynamic
+  loader's known false positive.
 
 ``PYTHONMALLOC=malloc`` puts Python's own objects through the checked allocator too. A rank's report goes to
 ``<--logs>/<tool>.rank<N>.log``; the exit status is the first failing rank's (99: valgrind found errors).
@@ -33,7 +34,7 @@ LIBASAN = "/usr/lib/x86_64-linux-gnu/libasan.so.8:/usr/lib/x86_64-linux-gnu/libs
 # allocations; verify_asan_link_order: libasan is preloaded into an uninstrumented python.
 ASAN_OPTIONS = "detect_leaks=0:halt_on_error=1:allocator_may_return_null=1:verify_asan_link_order=0"
 VALGRIND = ["valgrind", "--tool=memcheck", "--error-exitcode=99", "--undef-value-errors=no",
-            "--suppressions=/usr/lib/valgrind/python3.supp", "--num-callers=30"]
+            "--suppressions=/usr/lib/valgrind/python3.supp", f"--suppressions={HERE}/valgrind.supp", "--num-callers=30"]
 
 
 def _free_port() -> int:
