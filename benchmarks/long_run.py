@@ -40,6 +40,7 @@ def main():
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--batches", type=int, default=8, help="distinct batches, cycled")
     parser.add_argument("--measure", action="store_true", help="every step under runtime/memory.py LiveBytesTracker")
+    parser.add_argument("--tiny", action="store_true", help="a 2-layer, 32-wide GPT on 16 tokens (for valgrind)")
     args = parser.parse_args()
     match = re.fullmatch(r"zerocc-([0-3])(\+pools)?", args.system)
     if match is None:
@@ -48,11 +49,13 @@ def main():
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
-    model = GPT()
+    # Under valgrind every instruction is emulated: the tiny model keeps a step to seconds.
+    shape = dict(vocab=64, seq=16) if args.tiny else {}
+    model = GPT(d_model=32, layers=2, heads=2, **shape) if args.tiny else GPT()
     step = zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-3), stage=int(match[1]),
                           memory_pools=match[2] is not None)
     generator = torch.Generator().manual_seed(1000 + rank)
-    data = [random_batch(generator, 4) for _ in range(args.batches)]
+    data = [random_batch(generator, 4, **shape) for _ in range(args.batches)]
     digest = hashlib.sha256()
     started = time.perf_counter()
     for i in range(args.steps):
