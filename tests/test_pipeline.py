@@ -120,6 +120,52 @@ def test_the_old_name_of_place_remat_says_the_new_one():
         _ = step.checkpoint_plan
 
 
+def test_a_snapshot_keeps_the_program_as_its_pass_left_it():
+    """Snapshots record nodes and build their graph only when read: a later pass's in-place rewrite (new
+    arguments, meta written, a node erased, a node renamed) must not reach an earlier snapshot."""
+    seen = {}
+
+    def vandal(gm, ctx):
+        adds = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.aten.add.Tensor]
+        seen["node"] = adds[0].name
+        adds[0].meta["vandal"] = True
+        adds[0].args = (adds[0].args[0], adds[0].args[0])
+        adds[0]._rename("renamed_by_vandal")
+        for node in reversed(gm.graph.nodes):   # the last dead call
+            if node.op == "call_function" and not node.users and node.target is torch.ops.aten.detach.default:
+                gm.graph.erase_node(node)
+                break
+        gm.recompile()
+        return gm
+
+    zerocc.register_pass(vandal, after="shard")
+    step = compiled_mlp()
+    before, after = step.graph("shard"), step.graph("vandal")
+    node = {n.name: n for n in before.graph.nodes}[seen["node"]]
+    assert "vandal" not in node.meta and node.args[0] is not node.args[1]
+    assert "renamed_by_vandal" not in before.code and "renamed_by_vandal" in after.code
+    assert before.code == step.graph("shard").code   # read twice: the same
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_compiling_leaves_the_collectors_thresholds_as_they_were(fails):
+    """The cycle collector runs rarely while compiling (zerocc/driver.py fewer_collections); the user's
+    thresholds come back after the compile, and after a compile that fails."""
+    import gc
+    saved = gc.get_threshold()
+    gc.set_threshold(1234, 5, 6)
+    try:
+        if fails:
+            zerocc.register_pass(lambda gm, ctx: None, after="shard", name="forgetful")
+            with pytest.raises(zerocc.PassError):
+                compiled_mlp()
+        else:
+            compiled_mlp()
+        assert gc.get_threshold() == (1234, 5, 6)
+    finally:
+        gc.set_threshold(*saved)
+
+
 def test_a_failing_pass_is_named_with_the_passes_before_it():
     def broken(gm, ctx):
         raise ValueError("nope")

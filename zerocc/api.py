@@ -21,7 +21,7 @@ from . import user_views
 from .batch import BatchLayout, FirstBatch, agreement_lines, check_batch
 from .capture import Captured, capture, named_tensors
 from .compile_stats import CompileStats
-from .driver import run_passes
+from .driver import fewer_collections, run_passes
 from .errors import ConfigError
 from .memory_plan import MemoryPlan
 from .optimizer_step import hyperparameter_signature, live_hyperparameters
@@ -323,7 +323,8 @@ class CompiledStep:
         if found is None:
             self.cache.check_static_shapes(key.signature)
             started = time.perf_counter()
-            with suspended_user_tooling():   # the user's MemTracker, profilers, global hooks (zerocc/user_tooling.py)
+            # the user's MemTracker, profilers, global hooks (zerocc/user_tooling.py)
+            with suspended_user_tooling(), fewer_collections():
                 found = self._compile(batch, layout)
             self.compile_seconds += time.perf_counter() - started
             self.cache.entries[key] = found

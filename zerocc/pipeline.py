@@ -192,19 +192,29 @@ def build_pipeline(stage: int, disable: Sequence[str] = (), prefetch_bytes: int 
 class GraphSnapshot:
     """The program after one pass, printable as Python, with what the pass changed.
 
-    It keeps a copy of the graph and writes the Python only when asked:
-    printing a 10k-node graph costs seconds, copying it a fraction of that.
+    It records the nodes as they are after the pass and builds a graph of
+    them, or writes the Python, only when asked: printing a 10k-node graph
+    costs seconds, building one a fraction of that, and a compile keeps a
+    snapshot after every pass that almost nobody reads.
     """
     index: int
     name: str
     constants: dict[str, torch.Tensor]   # the tensors its get_attr nodes read (shared, not copied)
     meta: dict                           # the graph module's meta after the pass (a shallow copy)
-    graph: fx.Graph                      # a copy, untouched by later passes
+    record: NodeRecord                   # the nodes as the pass left them
     node_counts: collections.Counter
     changes: dict[str, int]
     note: str = ""
     seconds: float = 0.0
     _code: str | None = dataclasses.field(default=None, repr=False)
+    _graph: fx.Graph | None = dataclasses.field(default=None, repr=False)
+
+    @property
+    def graph(self) -> fx.Graph:
+        """The program as a graph of its own, untouched by later passes (built at the first read)."""
+        if self._graph is None:
+            self._graph = self.record.build()
+        return self._graph
 
     @property
     def graph_module(self) -> fx.GraphModule:
@@ -231,21 +241,42 @@ class GraphSnapshot:
         return header + "\n" + self.code
 
 
+class NodeRecord:
+    """A graph's nodes as they are now, cheap to take, rebuilt into a graph of their own on demand.
+
+    Each node's fields are kept as they are: a pass that rewrites a node
+    gives it new ``args``/``kwargs`` tuples (fx never changes them in
+    place) and a node's ``meta`` dict is copied, so what later passes do
+    does not reach the record. Arguments still name the live nodes; ``build``
+    maps them, by identity, to the new graph's copies (a later rename does
+    not matter). Taking a record is a tuple per node; building a graph was
+    most of the old per-pass copy, and is paid only for a snapshot someone reads.
+    """
+
+    def __init__(self, graph: fx.Graph):
+        self.codegen = graph._codegen   # the calling convention (runtime/release.py) goes with the nodes
+        self.nodes = [(node, node.op, node.target, node.name, node.type, node.args, node.kwargs, copy.copy(node.meta))
+                      for node in graph.nodes]
+
+    def build(self) -> fx.Graph:
+        new = fx.Graph()
+        new.set_codegen(self.codegen)
+        env: dict[fx.Node, fx.Node] = {}
+        for node, op, target, name, type_expr, args, kwargs, meta in self.nodes:
+            # Graph.node_copy, less create_node's scan of the arguments for raw SymInts (a graph's own
+            # arguments passed it when they were made)
+            copied = new.create_node(op, target, name=name, type_expr=type_expr)
+            copied.args = fx.map_arg(args, env.__getitem__)
+            if kwargs:
+                copied.kwargs = fx.map_arg(kwargs, env.__getitem__)
+            copied.meta = copy.copy(meta)
+            env[node] = copied
+        return new
+
+
 def copy_graph(graph: fx.Graph) -> fx.Graph:
     """The same nodes and meta (shallow-copied), in a new graph later rewrites do not touch."""
-    new = fx.Graph()
-    new.set_codegen(graph._codegen)   # the calling convention (runtime/release.py) goes with the nodes
-    env: dict[fx.Node, fx.Node] = {}
-    for node in graph.nodes:
-        # Graph.node_copy, less create_node's scan of the arguments for raw SymInts (a graph's own arguments
-        # passed it when they were made): that scan was half of a copy, and a copy is made after every pass
-        copied = new.create_node(node.op, node.target, name=node.name, type_expr=node.type)
-        copied.args = fx.map_arg(node.args, env.__getitem__)
-        if node.kwargs:
-            copied.kwargs = fx.map_arg(node.kwargs, env.__getitem__)
-        copied.meta = copy.copy(node.meta)
-        env[node] = copied
-    return new
+    return NodeRecord(graph).build()
 
 
 def snapshot(index: int, name: str, gm: fx.GraphModule, before: collections.Counter | None, note: str = "") -> GraphSnapshot:
@@ -257,7 +288,7 @@ def snapshot(index: int, name: str, gm: fx.GraphModule, before: collections.Coun
             if delta:
                 changes[key] = delta
     constants = {node.target: getattr(gm, node.target) for node in gm.graph.nodes if node.op == "get_attr"}
-    return GraphSnapshot(index, name, constants, dict(gm.meta), copy_graph(gm.graph), counts, changes, note)
+    return GraphSnapshot(index, name, constants, dict(gm.meta), NodeRecord(gm.graph), counts, changes, note)
 
 
 def dump_dir_of(setting: str | os.PathLike | None) -> str | None:

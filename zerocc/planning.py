@@ -47,7 +47,7 @@ from .batch import BatchLayout
 from .capture import Captured, capture, named_tensors
 from .compile_stats import CompileStats
 from .context import CompileContext
-from .driver import run_passes
+from .driver import fewer_collections, run_passes
 from .errors import ConfigError
 from .options import DEFAULT_BUCKET_BYTES, CompileOptions, check_model_and_optimizer, check_stage
 from . import precision as mixed
@@ -161,12 +161,13 @@ class Planner:
             raise ConfigError(f"world_size must be a positive int and 0 <= rank < world_size, got {world_size!r}, {rank!r}")
         options = self.options.for_pipeline(stage=stage, disable=disable, verify=verify, dump_dir=dump_dir,
                                             memory_pools=memory_pools, memory_budget=memory_budget)   # as compile()
-        captured, fake_mode, capture_seconds = self._captured(stage != 0)
-        started = time.perf_counter()
-        working = dataclasses.replace(captured, gm=copy_graph_module(captured.gm))
-        compiled = run_passes(working, fake_mode, options, self.optimizer, world_size=world_size, rank=rank,
-                              group_name=PLANNING_GROUP if world_size > 1 else None, planning=True,
-                              traces=self._traces.setdefault(stage != 0, {}), progress=self.say)
+        with fewer_collections():
+            captured, fake_mode, capture_seconds = self._captured(stage != 0)
+            started = time.perf_counter()
+            working = dataclasses.replace(captured, gm=copy_graph_module(captured.gm))
+            compiled = run_passes(working, fake_mode, options, self.optimizer, world_size=world_size, rank=rank,
+                                  group_name=PLANNING_GROUP if world_size > 1 else None, planning=True,
+                                  traces=self._traces.setdefault(stage != 0, {}), progress=self.say)
         seconds = {"capture": capture_seconds, "passes": time.perf_counter() - started}
         if self.say:
             self.say(f"planned stage {stage} at world size {world_size}: {seconds['passes']:.1f} s")
