@@ -2,8 +2,14 @@
 
     python benchmarks/sanitized_run.py --tool asan -- --system zerocc-3+pools --steps 100
     python benchmarks/sanitized_run.py --tool valgrind -- --system zerocc-3 --steps 3 --tiny
+    python benchmarks/sanitized_run.py --tool asan --pytest -- tests/test_inflight_work.py -p no:xdist
 
-Arguments after ``--`` go to ``long_run.py``. Each rank is started here (``RANK``, ``WORLD_SIZE``,
+Arguments after ``--`` go to ``long_run.py``, or with ``--pytest`` to one ``python -m pytest`` run under the
+checker (ASan only): the test ranks are forked from it (``tests/distributed.py``), so they carry the preloaded
+allocator and its options too; each process writes ``asan.pytest.log.<pid>`` into ``--logs`` if it finds an
+error.
+
+Without ``--pytest`` each rank is started here (``RANK``, ``WORLD_SIZE``,
 ``MASTER_ADDR``/``MASTER_PORT`` set as torchrun sets them) so that the checker wraps the rank's Python itself:
 
 - ``asan``: AddressSanitizer's allocator preloaded (``LD_PRELOAD`` of libasan). Python and torch are not
@@ -48,9 +54,18 @@ def main():
     parser.add_argument("--tool", choices=("asan", "valgrind", "none"), required=True)
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--logs", default=".", help="folder for each rank's checker report")
+    parser.add_argument("--pytest", action="store_true", help="run pytest with the arguments after -- (asan only)")
     args, rest = parser.parse_known_args()
     rest = [a for a in rest if a != "--"]
     os.makedirs(args.logs, exist_ok=True)
+    if args.pytest:
+        if args.tool != "asan":
+            raise SystemExit("--pytest: only with --tool asan (valgrind would run the whole suite emulated)")
+        log = os.path.join(os.path.abspath(args.logs), "asan.pytest.log")
+        env = dict(os.environ, PYTHONMALLOC="malloc", LD_PRELOAD=LIBASAN, ASAN_OPTIONS=f"{ASAN_OPTIONS}:log_path={log}")
+        code = subprocess.run([sys.executable, "-m", "pytest", *rest], env=env).returncode
+        print(f"asan: pytest exit code {code}, reports (if any) in {log}.<pid>", flush=True)
+        sys.exit(code)
     port = _free_port()
     ranks = []
     for rank in range(args.nproc):
