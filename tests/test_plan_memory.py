@@ -13,7 +13,8 @@ import zerocc
 from tests import distributed
 from tests.architectures import ARCHITECTURES, architecture_batches, build_architecture
 from tests.models import ZOO, batches, build
-from zerocc.memory_plan import (ALIGNMENT_BYTES, ORDERS, Buffer, Lifetime, align, best_fit, lower_bound,
+from zerocc.memory_plan import (ALIGNMENT_BYTES, ORDERS, Buffer, Lifetime, _best_fit_in_sequence,
+                                _best_fit_testing_each, _neighbours, align, best_fit, lower_bound,
                                 overlapping_pairs, place)
 from zerocc.analysis import aliasing
 from zerocc.graph import VAL
@@ -58,6 +59,19 @@ def test_planned_size_is_at_least_the_lower_bound_and_the_smaller_order(lifetime
     for other in ORDERS:
         other_offsets = best_fit(lifetimes, other)
         assert size <= max((other_offsets[life.name] + life.bytes for life in lifetimes), default=0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(lifetime_sets, st.randoms(use_true_random=False))
+def test_listed_neighbours_place_exactly_as_testing_each_buffer(lifetimes, random):
+    # place() lists who is alive beside whom once for all its rounds; without the list (too many pairs) each
+    # buffer's neighbours are found as it is placed. Both must give the same offsets in any order
+    sequence = list(lifetimes)
+    random.shuffle(sequence)
+    neighbours = _neighbours(lifetimes)
+    assert neighbours is not None or not lifetimes
+    assert _best_fit_in_sequence(sequence, neighbours) == _best_fit_testing_each(sequence)
+    assert _best_fit_in_sequence(sequence, None) == _best_fit_testing_each(sequence)
 
 
 @settings(max_examples=100, deadline=None)

@@ -306,19 +306,77 @@ PROMOTION_PATIENCE = 6
 
 def best_fit(lifetimes: Sequence[Lifetime], order: str) -> dict[str, int]:
     """Offsets for ``lifetimes`` placed one by one in ``order``, each into the smallest gap that fits it."""
-    return _best_fit_in_sequence(sorted(lifetimes, key=ORDERS[order]))
+    return _best_fit_in_sequence(sorted(lifetimes, key=ORDERS[order]), _neighbours(lifetimes))
 
 
-def _best_fit_in_sequence(sequence: Sequence[Lifetime]) -> dict[str, int]:
+# At most this many (buffer, buffer alive beside it) pairs are listed by ``_neighbours`` (a few MB of lists);
+# above it ``_best_fit_in_sequence`` finds each buffer's neighbours as it places it (one vectorized test each)
+NEIGHBOUR_PAIRS = 2_000_000
+
+
+def _neighbours(lifetimes: Sequence[Lifetime]) -> dict[int, tuple[int, list[int]]] | None:
+    """For each buffer with bytes, by ``id``: its position in ``lifetimes`` and the positions of the other
+    buffers with bytes alive at the same time. None where that is over ``NEIGHBOUR_PAIRS`` pairs or a buffer is
+    given twice. Lifetimes do not change between ``place``'s rounds: found once, not per buffer per round."""
+    if len({id(life) for life in lifetimes}) != len(lifetimes):
+        return None
+    sized = numpy.array([life.bytes != 0 for life in lifetimes], dtype=bool)
+    positions = numpy.flatnonzero(sized)
+    starts = numpy.array([life.start for life in lifetimes], dtype=numpy.int64)[sized]
+    ends = numpy.array([life.end for life in lifetimes], dtype=numpy.int64)[sized]
+    # how many are alive beside each: those started by its end less those ended before its start
+    pairs = (numpy.searchsorted(numpy.sort(starts), ends, side="right")
+             - numpy.searchsorted(numpy.sort(ends), starts, side="left"))
+    if int(pairs.sum()) > NEIGHBOUR_PAIRS:
+        return None
+    found = {}
+    for k, i in enumerate(positions.tolist()):
+        alive = positions[(starts <= ends[k]) & (ends >= starts[k])].tolist()   # Lifetime.overlaps
+        alive.remove(i)
+        found[id(lifetimes[i])] = (i, alive)
+    return found
+
+
+def _best_fit_in_sequence(sequence: Sequence[Lifetime],
+                          neighbours: dict[int, tuple[int, list[int]]] | None) -> dict[str, int]:
     """Offsets for ``sequence`` placed one by one as given, each into the smallest gap that fits it.
 
     A gap is a range of bytes that no already-placed buffer alive at the same
     time occupies. Where no gap fits, the buffer goes on top of the highest
-    such buffer.
+    such buffer. ``neighbours``: ``_neighbours`` of the same lifetimes in any
+    order, or None.
     """
-    # the placed buffers as columns (start, end, offset, offset + bytes): which of them overlap the next one in
-    # time is one vectorized test, not a Python loop over all of them per buffer (quadratic: most of a 96-layer
-    # plan's plan_memory)
+    if neighbours is None:
+        return _best_fit_testing_each(sequence)
+    # (offset, offset + bytes) of each placed buffer by its position in neighbours' list, None while unplaced
+    placed: list[tuple[int, int] | None] = [None] * (max((i for i, _ in neighbours.values()), default=-1) + 1)
+    offsets: dict[str, int] = {}
+    for life in sequence:
+        if life.bytes == 0:
+            offsets[life.name] = 0
+            continue
+        position, alive = neighbours[id(life)]
+        busy = sorted([placed[j] for j in alive if placed[j] is not None])
+        offset = offsets[life.name] = _smallest_gap(busy, life.bytes)
+        placed[position] = (offset, offset + life.bytes)
+    return offsets
+
+
+def _smallest_gap(busy: list[tuple[int, int]], size: int) -> int:
+    """The lowest offset of the smallest gap of at least ``size`` bytes below or between the ``busy`` ranges
+    (sorted), else the top of the highest."""
+    best, best_gap, cursor = -1, -1, 0
+    for low, high in busy:
+        if low - cursor >= size and (best < 0 or low - cursor < best_gap):
+            best, best_gap = cursor, low - cursor
+        if high > cursor:
+            cursor = high
+    return cursor if best < 0 else best
+
+
+def _best_fit_testing_each(sequence: Sequence[Lifetime]) -> dict[str, int]:
+    """``_best_fit_in_sequence`` without a list of neighbours: the placed buffers as columns (start, end,
+    offset, offset + bytes), which of them overlap the next one in time is one vectorized test per buffer."""
     placed = numpy.zeros((4, len(sequence)), dtype=numpy.int64)
     count = 0
     offsets: dict[str, int] = {}
@@ -329,15 +387,8 @@ def _best_fit_in_sequence(sequence: Sequence[Lifetime]) -> dict[str, int]:
         start, end = life.start, life.end
         starts, ends, lows, highs = placed[:, :count]
         alive = (starts <= end) & (ends >= start)   # Lifetime.overlaps
-        busy = sorted(zip(lows[alive].tolist(), highs[alive].tolist()))
-        best, best_gap, cursor = None, None, 0
-        for low, high in busy:
-            gap = low - cursor
-            if gap >= life.bytes and (best_gap is None or gap < best_gap):
-                best, best_gap = cursor, gap
-            cursor = max(cursor, high)
-        offset = cursor if best is None else best
-        offsets[life.name] = offset
+        offset = offsets[life.name] = _smallest_gap(sorted(zip(lows[alive].tolist(), highs[alive].tolist())),
+                                                    life.bytes)
         placed[:, count] = (start, end, offset, offset + life.bytes)
         count += 1
     return offsets
@@ -353,12 +404,13 @@ def place(lifetimes: Sequence[Lifetime]) -> tuple[dict[str, int], int, str]:
     bring no smaller pool, or the pool is at its lower bound.
     """
     bound = lower_bound(lifetimes)
+    neighbours = _neighbours(lifetimes)
     best = None
     for order in ORDERS:
         sequence = sorted(lifetimes, key=ORDERS[order])
         smallest, stale = None, 0
         for promotions in range(PROMOTION_ROUNDS):
-            offsets = _best_fit_in_sequence(sequence)
+            offsets = _best_fit_in_sequence(sequence, neighbours)
             size = max((offsets[life.name] + life.bytes for life in lifetimes), default=0)
             if best is None or size < best[1]:
                 best = (offsets, size, f"{order}, promoted {promotions}x" if promotions else order)
