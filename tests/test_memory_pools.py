@@ -152,7 +152,11 @@ def test_pools_off_is_plain_allocation_with_the_same_numbers(monkeypatch):
     assert report["planned_peak_bytes"] == step.memory_plan.planned_bytes
     assert all(torch.equal(a, b) for a, b in zip(losses[True], losses[False]))
     model, _, _ = build("gpt")   # the trained model belongs to its step: compiling it again is refused
-    assert "place_buffers" not in zerocc.compile(model, adamw(model)).passes   # off unless asked for
+    step = zerocc.compile(model, adamw(model))
+    assert "place_buffers" in step.passes and step.memory_pools   # on unless turned off
+    for dropped in ("plan_memory", "place_buffers"):   # disabling either turns the default off, not an error
+        step = zerocc.compile(model, adamw(model), disable=[dropped])
+        assert "place_buffers" not in step.passes and not step.memory_pools
     with pytest.raises(zerocc.ConfigError, match=r"memory_pools must be True or False, got 'yes'"):
         zerocc.compile(model, adamw(model), memory_pools="yes")
     with pytest.raises(zerocc.ConfigError, match=r"'place_buffers' cannot be disabled: compile\(memory_pools=True\)"):
@@ -169,6 +173,8 @@ def test_the_environment_sets_the_default_and_an_argument_overrides_it(monkeypat
     monkeypatch.setenv("ZEROCC_MEMORY_POOLS", "0")
     assert "place_buffers" not in zerocc.compile(model, adamw(model)).passes
     assert "place_buffers" in zerocc.compile(model, adamw(model), memory_pools=True).passes
+    monkeypatch.delenv("ZEROCC_MEMORY_POOLS")
+    assert "place_buffers" in zerocc.compile(model, adamw(model)).passes   # unset: on
     monkeypatch.setenv("ZEROCC_MEMORY_POOLS", "on")
     with pytest.raises(zerocc.ConfigError, match=r"\$ZEROCC_MEMORY_POOLS must be 1 \(memory pools on\) or 0 \(off\), got 'on'"):
         zerocc.compile(model, adamw(model))
