@@ -1,6 +1,8 @@
 """Memory pools as arenas (passes/place_buffers.py, runtime/arenas.py): placed, exact, and measured as planned."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn as nn
@@ -282,3 +284,39 @@ def test_a_budget_equal_to_the_planned_peak_is_accepted_and_fits(stage):
         report = step.report()
         assert report["planned_peak_bytes"] <= budget
         assert report["measured_peak_bytes"] <= report["planned_peak_bytes"]
+
+
+def _planned_and_measured(name, stage, rank=0):
+    """(planned, measured) peak bytes of the first step and of the steady state, with default options."""
+    model, _, loss_fn = build(name)
+    step = zerocc.compile(model, adamw(model), stage=stage, loss_fn=loss_fn)   # memory_pools not given: on
+    peaks = []
+    for batch in batches(name, 2, 8, seed=1 + rank):
+        step(*batch)
+        report = step.report()
+        assert report["memory_pools"]
+        peaks.append((report["planned_peak_bytes"], report["measured_peak_bytes"]))
+    return peaks
+
+
+def _within_3_percent(peaks):
+    for planned, measured in peaks:
+        assert abs(planned - measured) <= 0.03 * measured, (planned, measured)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("name", ["gpt", "mlp"])
+def test_by_default_the_planned_peak_is_the_measured_peak_within_3_percent(monkeypatch, name, stage):
+    monkeypatch.delenv("ZEROCC_MEMORY_POOLS", raising=False)
+    _within_3_percent(_planned_and_measured(name, stage))
+
+
+def _two_ranks_default(rank, world_size):
+    os.environ.pop("ZEROCC_MEMORY_POOLS", None)
+    return _planned_and_measured("gpt", 3, rank)
+
+
+@pytest.mark.multirank
+def test_by_default_the_planned_peak_is_the_measured_peak_within_3_percent_at_world_size_2():
+    for peaks in distributed.run(_two_ranks_default, 2):
+        _within_3_percent(peaks)
