@@ -197,7 +197,7 @@ def test_dump_dir_setting_and_environment_variable(tmp_path, monkeypatch):
     assert (tmp_path / "set" / "001_shard.py").read_text().startswith("# after pass 01 'shard'")
     monkeypatch.setenv("ZEROCC_DUMP_DIR", str(tmp_path / "env"))
     planned_gpt()
-    assert len(os.listdir(tmp_path / "env")) == 12   # capture, ten passes and the memory plan
+    assert len(os.listdir(tmp_path / "env")) == 13   # capture, eleven passes (place_buffers: pools are on by default) and the memory plan
 
 
 def test_explain_says_what_the_passes_decided():

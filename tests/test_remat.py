@@ -21,7 +21,7 @@ from tests.architectures import architecture_batches, build_architecture
 from tests.models import batches, build
 from zerocc import graph as g
 from zerocc.errors import MemoryBudgetError
-from zerocc.analysis.remat import Recomputation, forward_region, is_random
+from zerocc.analysis.remat import Recomputation, forward_region, is_backward, is_random
 
 STEPS = 2   # the first step's program (optimizer state created) and the steady state's
 
@@ -252,7 +252,8 @@ def test_plan_with_memory_budget_fits_on_fake_tensors_and_copies_come_after_forw
     # nll_loss_backward reads, and the copy of nll_loss_forward precedes ones_like(loss), backward's first op.)
     nodes = list(plan.graph("place_remat").graph_module.graph.nodes)
     region = forward_region(nodes)
-    last_forward = max(i for i, n in enumerate(nodes) if n in region and n.meta.get(g.PHASE) == g.FORWARD)
+    first_backward = min(i for i, n in enumerate(nodes) if is_backward(n, region))
+    last_forward = max(i for i, n in enumerate(nodes[:first_backward]) if n in region)
     copies = [i for i, n in enumerate(nodes) if g.RECOMPUTED in n.meta]
     assert copies and min(copies) > last_forward
     assert all(nodes[i].meta[g.PHASE] == g.BACKWARD for i in copies)
