@@ -44,7 +44,7 @@ def test_passes_are_listed_and_every_graph_is_readable_python():
     step = compiled_mlp()
     assert step.passes == ["capture", "shard", "place_remat", "insert_collectives", "schedule", "overlap_updates",
                            "scatter_by_all_to_all", "gather_by_send_recv",
-                           "gradients_into_buckets", "release_slots", "plan_memory"]
+                           "gradients_into_buckets", "release_slots", "plan_memory", "place_buffers"]   # pools: default
     shard = str(step.graph("shard"))
     assert shard.startswith("# after pass 01 'shard': ")
     assert "reduce_gradient" in shard.splitlines()[0]
@@ -86,14 +86,14 @@ def test_a_registered_pass_sees_the_plans_and_can_be_disabled():
     step = compiled_mlp()
     assert step.passes == ["capture", "shard", "count_buckets", "place_remat", "insert_collectives", "schedule",
                            "overlap_updates", "scatter_by_all_to_all", "gather_by_send_recv",
-                           "gradients_into_buckets", "release_slots", "plan_memory"]
+                           "gradients_into_buckets", "release_slots", "plan_memory", "place_buffers"]
     assert seen == [1]
     assert "# 1 buckets seen" in str(step.graph("count_buckets"))
     assert compiled_mlp(disable=["count_buckets"]).passes == ["capture", "shard", "place_remat",
                                                                "insert_collectives", "schedule", "overlap_updates",
                                                                "scatter_by_all_to_all", "gather_by_send_recv",
                                                                "gradients_into_buckets", "release_slots",
-                                                               "plan_memory"]
+                                                               "plan_memory", "place_buffers"]
     assert seen == [1]
 
 
@@ -238,11 +238,12 @@ def test_dump_dir_setting_and_environment_variable(tmp_path, monkeypatch):
                                                     "003_insert_collectives.py", "004_schedule.py",
                                                     "005_overlap_updates.py", "006_scatter_by_all_to_all.py",
                                                     "007_gather_by_send_recv.py", "008_gradients_into_buckets.py",
-                                                    "009_release_slots.py", "010_plan_memory.py", "memory_plan.json"]
+                                                    "009_release_slots.py", "010_plan_memory.py", "011_place_buffers.py",
+                                                    "memory_plan.json"]
     assert (tmp_path / "set" / "001_shard.py").read_text().startswith("# after pass 01 'shard'")
     monkeypatch.setenv("ZEROCC_DUMP_DIR", str(tmp_path / "env"))
     planned_gpt()
-    assert len(os.listdir(tmp_path / "env")) == 12   # capture, ten passes and the memory plan
+    assert len(os.listdir(tmp_path / "env")) == 13   # capture, eleven passes (place_buffers: pools are on by default) and the memory plan
 
 
 def test_explain_says_what_the_passes_decided():

@@ -65,7 +65,8 @@ def test_grad_accumulation_keeps_one_micro_batch_of_activations():
     planned = {}
     for k, rows in [(1, 64), (4, 256), (1, 256)]:
         model, _, loss_fn = build("mlp")
-        step = zerocc.compile(model, adamw(model), stage=3, loss_fn=loss_fn, grad_accumulation=k)
+        # pools off: the activations pool of the plan by role (with pools one arena holds every role)
+        step = zerocc.compile(model, adamw(model), stage=3, loss_fn=loss_fn, grad_accumulation=k, memory_pools=False)
         step(*batches("mlp", 1, rows)[0])
         planned[(k, rows)] = activation_bytes(step)
         gradient_bytes = step.report()["param_bytes"]
@@ -92,7 +93,7 @@ def test_clip_grad_norm_world_size_1_bit_for_bit(stage):
     assert_same_state(step, reference)
     assert step.passes == ["capture", "shard", "clip_gradients", "place_remat", "insert_collectives", "schedule",
                            "overlap_updates", "scatter_by_all_to_all", "gather_by_send_recv",
-                           "gradients_into_buckets", "release_slots", "plan_memory"]
+                           "gradients_into_buckets", "release_slots", "plan_memory", "place_buffers"]
 
 
 @pytest.mark.parametrize("norm_type", [1.0, math.inf])
@@ -299,7 +300,8 @@ def test_stage_3_accumulation_gathers_per_micro_batch_unless_told_not_to():
         plan = zerocc.plan(model, optimizer, stage=3, world_size=8, loss_fn=loss_fn, bucket_bytes=16 * 1024,
                            prefetch_bytes=32 * 1024,   # below the model: every gather cannot be issued at once
                            example_inputs=batches("gpt", 1, 4 * k)[0], grad_accumulation=k,
-                           gather_per_micro_batch=per_micro_batch, disable=["schedule"])
+                           gather_per_micro_batch=per_micro_batch, disable=["schedule"],
+                           memory_pools=False)   # the gathered parameters' own pool: pools off
         gathered = next(p.lower_bound_bytes for p in plan.memory_plan.pools if p.name == "gathered parameters")
         results[k, per_micro_batch] = (plan.report(), gathered)
     (one, one_peak), (each, each_peak), (kept, kept_peak) = results[1, True], results[2, True], results[2, False]

@@ -137,8 +137,9 @@ def compile(
     variant) place its output at its planned offset, and writes the
     optimizer's updates into the slots they replace (the ``place_buffers``
     pass); ``False`` leaves every tensor to PyTorch's allocator. ``None``
-    (the default) reads ``$ZEROCC_MEMORY_POOLS`` (``1`` on; unset or ``0``
-    off, README "Memory pools" says why).
+    (the default) reads ``$ZEROCC_MEMORY_POOLS`` (``0`` off, ``1`` on) and
+    is on when it is unset: the plan's peak is then the peak of what runs.
+    ``report()["memory_pools"]`` says which layout the last program ran.
     """
     check_stage(stage)
     check_model_and_optimizer(model, optimizer)

@@ -53,7 +53,7 @@ class CompileOptions:
     memory_budget: int | None = None
     precision: mixed.Precision | None = None
     gather_per_micro_batch: bool = True
-    memory_pools: bool = False
+    memory_pools: bool = True
     timeout: float | None = None
     static_shapes: bool = False
     max_programs: int = DEFAULT_MAX_PROGRAMS
@@ -74,7 +74,7 @@ class CompileOptions:
         check_timeout(timeout)
         check_prefetch_bytes(prefetch_bytes)
         check_memory_budget(memory_budget)
-        memory_pools = memory_pools_of(memory_pools)
+        memory_pools = memory_pools_of(memory_pools, disable)
         check_gather_per_micro_batch(gather_per_micro_batch)
         check_grad_accumulation(grad_accumulation)
         clip = check_clipping(clip_grad_norm, clip_norm_type)
@@ -96,7 +96,7 @@ class CompileOptions:
         check_stage(stage)
         check_memory_budget(memory_budget)
         options = dataclasses.replace(self, stage=stage, disable=tuple(disable), verify=verify, dump_dir=dump_dir,
-                                      memory_pools=memory_pools_of(memory_pools), memory_budget=memory_budget)
+                                      memory_pools=memory_pools_of(memory_pools, disable), memory_budget=memory_budget)
         options.passes()
         return options
 

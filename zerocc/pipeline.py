@@ -13,7 +13,7 @@
     gradients_into_buckets  passes/gradients_into_buckets.py  each gradient's op writes into its bucket (out=): no cat
     release_slots        passes/release_slots.py  old parameters and optimizer state die at their last use, not at the end
     plan_memory          passes/plan_memory.py   lifetimes on the final order -> offsets in pools (graph unchanged)
-    place_buffers        passes/place_buffers.py  (only with memory_pools=) pools become arenas; ops write at their offsets through out=
+    place_buffers        passes/place_buffers.py  (memory_pools, on by default) pools become arenas; ops write at their offsets through out=
 
 Every pass is ``(gm, ctx) -> gm`` and writes its decisions onto ``ctx``.
 ``build_pipeline`` takes ``default_pipeline``, drops the passes the user
@@ -69,7 +69,8 @@ RENAMED_PASSES = {"place_checkpoints": "place_remat"}
 # The environment variable that turns dumps on without touching the code.
 DUMP_DIR_VARIABLE = "ZEROCC_DUMP_DIR"
 
-# The environment variable that sets memory_pools where compile() and plan() are not given it: "1" on, "0" off.
+# The environment variable that sets memory_pools where compile() and plan() are not given it: "1" on, "0" off
+# (unset: on).
 MEMORY_POOLS_VARIABLE = "ZEROCC_MEMORY_POOLS"
 
 
@@ -103,7 +104,7 @@ def default_pipeline(stage: int, *, prefetch_bytes: int = DEFAULT_PREFETCH_BYTES
 
     ``clip`` is ``(max_norm, norm_type)`` when ``compile(clip_grad_norm=...)`` asked for clipping;
     ``mixed_precision`` (compile's ``param_dtype``/``reduce_dtype``/``loss_scale``) adds its pass after shard;
-    ``memory_pools`` (compile's ``memory_pools=True``) adds ``place_buffers`` last.
+    ``memory_pools`` (compile's ``memory_pools``, on by default) adds ``place_buffers`` last.
     """
     clipping = [] if clip is None else [
         Pass("clip_gradients", functools.partial(clip_gradients, max_norm=clip[0], norm_type=clip[1]),
@@ -112,7 +113,7 @@ def default_pipeline(stage: int, *, prefetch_bytes: int = DEFAULT_PREFETCH_BYTES
                       essential="the captured step computes in param_dtype; the buckets must be cast to it")
                  ] if mixed_precision else []
     pools = [Pass("place_buffers", place_buffers, requires=("plan_memory",),
-                  essential="compile(memory_pools=True) asked for arenas")] if memory_pools else []
+                  essential="compile(memory_pools=True) asked for arenas (memory_pools=False: none)")] if memory_pools else []
     return [
         Pass("shard", shard, essential="the runtime lays out its tensors by the shard plan"),   # parameters, gradients, optimizer state -> flat per-rank buckets
         *precision,                                                                              # bf16 compute from fp32 master buckets, loss scaling
@@ -163,12 +164,13 @@ def build_pipeline(stage: int, disable: Sequence[str] = (), prefetch_bytes: int 
                           + f"; write disable={tuple(RENAMED_PASSES.get(n, n) for n in disable)!r}")
     if "capture" in disable:   # step.passes lists it first: say why it stays rather than "no such pass"
         raise ConfigError("cannot disable 'capture': it traces the step into the graph every other pass rewrites")
-    unknown = [name for name in disable if name not in names]
+    # place_buffers is absent with pools off (disabling it is how the default turns them off: memory_pools_of)
+    unknown = [name for name in disable if name not in names and not (name == "place_buffers" and not memory_pools)]
     if unknown:
         raise ConfigError(f"cannot disable {', '.join(map(repr, unknown))}: no such pass; "
                           f"the passes are: {', '.join(names)}")
     problems = []
-    for name in disable:
+    for name in (n for n in disable if n in names):
         dropped = passes[names.index(name)]
         if dropped.essential:
             problems.append(f"  - {name!r} cannot be disabled: {dropped.essential}")
@@ -298,13 +300,21 @@ def dump_dir_of(setting: str | os.PathLike | None) -> str | None:
     return os.environ.get(DUMP_DIR_VARIABLE) or None
 
 
-def memory_pools_of(setting: bool | None) -> bool:
-    """Whether to place buffers in arenas: the ``memory_pools`` setting, else ``$ZEROCC_MEMORY_POOLS``, else off."""
+def memory_pools_of(setting: bool | None, disable: Sequence[str] = ()) -> bool:
+    """Whether to place buffers in arenas: the ``memory_pools`` setting, else ``$ZEROCC_MEMORY_POOLS``, else on.
+
+    On by default: the planned peak is then the peak of what runs (one arena plus what lives outside it),
+    not a sum of role-segregated pools; ``$ZEROCC_MEMORY_POOLS=0`` turns pools off where not given. By
+    default only: ``disable=["plan_memory"]`` or ``["place_buffers"]`` turns them off too (asked for
+    explicitly, pools need both passes).
+    """
     if setting is None:
         value = os.environ.get(MEMORY_POOLS_VARIABLE, "").strip()
         if value not in ("", "0", "1"):
             raise ConfigError(f"${MEMORY_POOLS_VARIABLE} must be 1 (memory pools on) or 0 (off), got {value!r}")
-        return value == "1"
+        if value:
+            return value == "1"
+        return not any(name in disable for name in ("plan_memory", "place_buffers"))
     if not isinstance(setting, bool):
         raise ConfigError(f"memory_pools must be True or False, got {setting!r}")
     return setting

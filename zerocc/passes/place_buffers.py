@@ -137,6 +137,13 @@ def arena_layout(gm: fx.GraphModule, plan: MemoryPlan) -> ArenaLayout:
             del placed[name]
 
     in_place = _updates_in_place(gm, plan, nodes)   # root node name -> the placeholder of the slot it replaces
+    # the first step creates its optimizer state (zeros, a step counter) in the step, outside the arenas: the
+    # update writes into that tensor, which then holds the new state to the end, as a slot written in place does
+    created = _created_state_in_place(gm, plan, nodes, unplanned, set(in_place))
+    in_place.update(created)
+    if created:
+        kept = {old.name for old in created.values()}
+        unplanned = [dataclasses.replace(u, end=last) if u.name in kept else u for u in unplanned]
     pools, offsets = [], {}
     for pool in plan.pools:
         if pool.name == PERSISTENT_POOL:
@@ -200,6 +207,51 @@ def _updates_in_place(gm: fx.GraphModule, plan: MemoryPlan, nodes: dict[str, fx.
         elementwise = torch.Tag.pointwise in getattr(node.target, "tags", ())
         if last_read < here or (last_read == here and elementwise):
             chosen[root.name] = old
+    return chosen
+
+
+def _created_state_in_place(gm: fx.GraphModule, plan: MemoryPlan, nodes: dict[str, fx.Node],
+                            unplanned: list[Unplanned], taken: set[str]) -> dict[str, fx.Node]:
+    """On a first step: new optimizer state written into the tensor the step created as its initial value.
+
+    A step with no state yet makes it (``zeros_like`` for Adam's moments, a
+    copied constant for its step counter) and computes the new state from it
+    into a fresh tensor: both alive at the end of the update. When the op
+    making the new state has a backend ``out=`` kernel and reads, as its last
+    reader, a tensor created in the step outside the arenas (unplanned, no
+    view read after it, same size, stride, dtype and device), it writes into that tensor,
+    as the steady state writes into the old slot.
+    """
+    position = {name: i for i, name in enumerate(plan.positions)}
+    # an unplanned storage ends at the last read of any view of it (analysis/lifetimes.py)
+    outside = {u.name: u.end for u in unplanned if u.bytes is not None and "[" not in u.name}
+    persistent = plan.pool(PERSISTENT_POOL).buffers if any(p.name == PERSISTENT_POOL for p in plan.pools) else ()
+    chosen: dict[str, fx.Node] = {}
+    used: set[str] = set()
+    for root in persistent:
+        if root.role != "updated state" or "[" in root.name or root.name in taken or root.name not in nodes:
+            continue
+        node = nodes[root.name]
+        new_value = node.meta.get(g.VAL)
+        if node.op != "call_function" or not isinstance(new_value, torch.Tensor):
+            continue
+        if not isinstance(_placeable_outputs(node, [root], len(plan.positions)), list):
+            continue
+        here = position[root.name]
+        elementwise = torch.Tag.pointwise in getattr(node.target, "tags", ())
+        for arg in node.all_input_nodes:
+            old_value = arg.meta.get(g.VAL)
+            if arg.name not in outside or arg.name in used or arg.op != "call_function":
+                continue
+            if not (isinstance(old_value, torch.Tensor) and old_value.shape == new_value.shape
+                    and old_value.stride() == new_value.stride() and old_value.dtype == new_value.dtype
+                    and old_value.device == new_value.device):
+                continue
+            last_read = outside[arg.name]
+            if last_read < here or (last_read == here and elementwise):
+                chosen[root.name] = arg
+                used.add(arg.name)
+                break
     return chosen
 
 
