@@ -12,6 +12,8 @@ to fp32 and back is the same bf16 value).
 """
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -65,12 +67,13 @@ class Created(TorchDispatchMode):
 
 
 def _created_in_a_steady_step(rank, world_size):
-    """Per stage 1 and 2: what a steady step creates, the buckets' sizes, the reported gradient bytes."""
+    """Per stage 1 and 2, with and without memory pools (buckets made by a cat into the arena, or gradients
+    computed into their bucket): what a steady step creates, the buckets' sizes, the reported gradient bytes."""
     results = {}
-    for stage in (1, 2):
+    for stage, memory_pools in itertools.product((1, 2), (True, False)):
         model, _, loss_fn = build("mlp")
         step = zerocc.compile(model, adamw(model), stage=stage, loss_fn=loss_fn, bucket_bytes=4096,
-                              param_dtype=torch.bfloat16)   # reduced in bf16 too
+                              param_dtype=torch.bfloat16, memory_pools=memory_pools)   # reduced in bf16 too
         data = batches("mlp", 3, 4, seed=rank)
         step(*data[0])
         step(*data[1])
@@ -78,12 +81,12 @@ def _created_in_a_steady_step(rank, world_size):
             step(*data[2])
         buckets = {bucket.numel for bucket in step.shard_plan.buckets}
         assert len(buckets) > 1
-        results[stage] = (created.tensors, buckets, step.report()["model_state_bytes_per_rank"]["grads"])
+        results[stage, memory_pools] = (created.tensors, buckets, step.report()["model_state_bytes_per_rank"]["grads"])
     return results
 
 
 # the ops that make a whole gradient bucket (``bucket_written``: gradients computed into it), cast it or reduce it
-BUCKET_MAKERS = ("aten.cat.default", "zerocc.bucket_written.default")
+BUCKET_MAKERS = ("aten.cat.default", "aten.cat.out", "zerocc.bucket_written.default")
 BUCKET_READERS = ("aten._to_copy.default", "_c10d_functional.all_to_all_single.default",
                   "_c10d_functional.reduce_scatter_tensor.default")
 
@@ -92,10 +95,10 @@ BUCKET_READERS = ("aten._to_copy.default", "_c10d_functional.all_to_all_single.d
 def test_a_running_step_holds_no_fp32_bucket_of_gradients():
     """At stages 1-2 on 2 ranks every whole gradient bucket is made, cast and reduced in bf16, none in fp32."""
     for per_stage in distributed.run(_created_in_a_steady_step, 2):
-        for stage, (tensors, buckets, grad_bytes) in per_stage.items():
+        for (stage, memory_pools), (tensors, buckets, grad_bytes) in per_stage.items():
             whole = [(op, dtype, numel) for op, dtype, numel in tensors
                      if numel in buckets and op in BUCKET_MAKERS + BUCKET_READERS]
-            assert whole and all(dtype == torch.bfloat16 for _, dtype, _ in whole), (stage, whole)
+            assert whole and all(dtype == torch.bfloat16 for _, dtype, _ in whole), (stage, memory_pools, whole)
             if stage == 1:   # the report counts every whole bucket made, 2 bytes an element
                 assert sum(numel * 2 for op, _, numel in whole if op in BUCKET_MAKERS) == grad_bytes
 
