@@ -1,7 +1,7 @@
 """The model zoo: Hugging Face architectures across families train under zerocc exactly as in eager PyTorch.
 
 Every architecture in tests/zoo.py trains two steps at stage 3, world size 1
-(the first step's program and the steady state's), and must equal eager
+(AdamW: both run the steady state's program, zerocc/optimizer_init.py), and must equal eager
 PyTorch bit for bit: every loss and every parameter. Eight of them train
 across two ranks against DDP in one multi-rank run. docs/models.md carries
 the coverage table. The default suite runs a slice (``DEFAULT_SLICE``); the

@@ -170,7 +170,7 @@ def test_zoo_stage_3_plan_is_within_5_percent_of_the_lower_bound(name):
     # the plan against plain allocation (tests/test_memory_pools.py checks it with the arenas)
     step = zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-2), stage=3, loss_fn=loss_fn,
                           memory_pools=False)
-    step(*batches(name, 1, 8)[0])   # the first step's program: it also creates the optimizer state
+    step(*batches(name, 1, 8)[0])
     plan = _check_plan(step)
     assert {p.name for p in plan.pools} >= {"persistent", "activations", "gradient buckets"}
     # the pass reads the graph and changes nothing in it

@@ -96,7 +96,8 @@ def _fail_before_the_output(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     return gm
 
 
-def test_a_failure_after_the_release_point_says_what_was_lost():
+def test_a_failure_after_the_release_point_says_what_was_lost(monkeypatch):
+    monkeypatch.setenv("ZEROCC_TRACE_FIRST_STEP", "1")   # a first step's program, then the steady state's
     model = _token_model()
     step = zerocc.compile(model, adamw(model), stage=3, loss_fn=torch.nn.functional.mse_loss)
     step(*_tokens(1))

@@ -15,11 +15,12 @@ import torch.nn as nn
 from . import compile_stats
 from . import decisions
 from . import graph as g
+from . import optimizer_init
 from . import precision as mixed   # the step has a ``precision`` property
 from . import state_dict as state_dict_module   # its functions share the methods' names
 from . import user_views
 from .batch import BatchLayout, FirstBatch, agreement_lines, check_batch
-from .capture import Captured, capture, named_tensors
+from .capture import Captured, capture, named_tensors, trained_parameters
 from .compile_stats import CompileStats
 from .driver import fewer_collections, run_passes
 from .errors import ConfigError
@@ -329,8 +330,9 @@ class CompiledStep:
                 found = self._compile(batch, layout)
             self.compile_seconds += time.perf_counter() - started
             self.cache.entries[key] = found
-            if key.state == INITIAL_STATE and self.state.state_key():   # () when the slots hold no state yet
-                # traced with existing state (a checkpoint loaded before the first call): it is the steady state
+            if key.state == INITIAL_STATE and (self.state.state_key() or found.reads_initial_state):
+                # traced with existing state (a checkpoint loaded before the first call, or the optimizer's initial
+                # state the step made): it is the steady state's program
                 self.cache.entries[dataclasses.replace(key, state=self.state.state_key())] = found
             self.cache.evict_beyond_limit(key.signature)
         self.cache.use(key, found)
@@ -340,16 +342,31 @@ class CompiledStep:
         """Capture the step on this batch, run the pipeline (``zerocc/driver.py``), build the program."""
         layout = layout or BatchLayout(len(batch))   # all positional
         state, options = self.state, self.options
-        fake_mode = make_fake_mode()
-        optimizer_state = None
+
+        def trace(optimizer_state):
+            fake_mode = make_fake_mode()
+            if callable(optimizer_state):
+                optimizer_state = optimizer_state(fake_mode)
+            return fake_mode, capture(
+                self.model, self.optimizer, batch, layout=layout, loss_fn=options.loss_fn,
+                num_targets=options.num_targets, fake_mode=fake_mode, optimizer_state=optimizer_state,
+                check_update_elementwise=options.stage != 0, parameter_shapes=state.released_shapes,
+                grad_accumulation=options.grad_accumulation, precision=options.precision)
+
+        # before the first step the step makes the optimizer's initial state itself, when it can learn it
+        # (zerocc/optimizer_init.py): the first step then runs the steady state's program, one compile for both
+        fresh = None
         if state.state_signature is not None:
-            optimizer_state = self._fake_state(fake_mode)
-        captured = capture(self.model, self.optimizer, batch, layout=layout, loss_fn=options.loss_fn,
-                           num_targets=options.num_targets,
-                           fake_mode=fake_mode, optimizer_state=optimizer_state,
-                           check_update_elementwise=options.stage != 0,
-                           parameter_shapes=state.released_shapes, grad_accumulation=options.grad_accumulation,
-                           precision=options.precision)
+            fake_mode, captured = trace(self._fake_state)
+        elif not state.started and (fresh := self._initial_optimizer_state()) is not None:
+            fake_mode, captured = trace(lambda mode: self._fake_initial_state(mode, fresh))
+            unused = [info.name for info, node in zip(captured.params, g.placeholders(captured.gm, g.ROLE_PARAM))
+                      if node.meta.get(g.UNUSED) and fresh[info.name]]
+            if unused:   # eager makes no state for a parameter the loss does not reach: trace the first step as is
+                fresh = None
+                fake_mode, captured = trace(None)
+        else:
+            fake_mode, captured = trace(None)
         state_signature = _state_signature_of(captured)
         compiled = run_passes(captured, fake_mode, options, self.optimizer, world_size=self.ranks.world_size,
                               rank=self.ranks.rank, group_name=self.ranks.group_name, previous_plan=state.plan)
@@ -362,7 +379,8 @@ class CompiledStep:
             state.captured = captured
             state.plan = compiled.ctx.shard_plan
             with compiled.stats.timed(compile_stats.SLOTS):
-                state.slots = slot_store.initial_slots(compiled.ctx.shard_plan, captured, self.model, self.optimizer)
+                state.slots = slot_store.initial_slots(compiled.ctx.shard_plan, captured, self.model, self.optimizer,
+                                                       fresh_state=fresh)
             state.slots.update(state.initial_scaler)   # created (or loaded from a checkpoint) before the first step
             self.optimizer.state.clear()   # the step owns the (sharded) optimizer state from now on
             _OWNERS[self.model] = _OWNERS[self.optimizer] = weakref.ref(self)
@@ -370,7 +388,26 @@ class CompiledStep:
             user_views.release_model_parameters(self)
         state.state_signature = state_signature
         self.compile_stats.append(compiled.stats)
-        return CacheEntry(program, compiled.ctx, compiled.history)
+        return CacheEntry(program, compiled.ctx, compiled.history, reads_initial_state=fresh is not None)
+
+    def _initial_optimizer_state(self):
+        """The optimizer's initial state per trained parameter, if learned (``zerocc/optimizer_init.py``).
+
+        Not under loss scaling: a first step that overflows leaves eager's optimizer without state, which only
+        the first step's own program can do (``_drop_state_of_skipped_first_step``).
+        """
+        if self.options.precision is not None and self.options.precision.loss_scale is not None:
+            return None
+        return optimizer_init.initial_state(self.optimizer, trained_parameters(self.model, self.optimizer))
+
+    def _fake_initial_state(self, fake_mode, fresh) -> list[dict[str, torch.Tensor]]:
+        states = []
+        with fake_mode:
+            for name, tensor, _ in trained_parameters(self.model, self.optimizer):
+                shape = self.state.released_shapes.get(name, tuple(tensor.shape))
+                states.append({key: torch.empty(shape if value.fills else (), dtype=value.value.dtype,
+                                                device=tensor.device) for key, value in fresh[name].items()})
+        return states
 
     def _sync_initial_state(self) -> None:
         """Every rank starts from rank 0's parameters and buffers, as DDP does."""

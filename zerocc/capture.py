@@ -134,6 +134,29 @@ def capture(model: nn.Module, optimizer: torch.optim.Optimizer, inputs: Sequence
         return trace_step(model, optimizer, inputs, **options)
 
 
+def _group_of_id(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[int, int]:
+    """Each optimized tensor's param group, by ``id``; refuses tensors that are not the model's parameters."""
+    group_of_id = {}
+    for index, group in enumerate(optimizer.param_groups):
+        for p in group["params"]:
+            group_of_id[id(p)] = index
+    model_ids = {id(t) for _, t in named_tensors(model, "param")}
+    strays = [i for i, group in enumerate(optimizer.param_groups) for p in group["params"] if id(p) not in model_ids]
+    if strays:
+        raise ConfigError(
+            f"the optimizer holds {len(strays)} tensor(s) that are not parameters of the model "
+            f"(in param group(s) {sorted(set(strays))}); build the optimizer from model.parameters()"
+        )
+    return group_of_id
+
+
+def trained_parameters(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor, int]]:
+    """(name, tensor, param group) of every parameter the step trains, in the order capture labels them."""
+    group_of_id = _group_of_id(model, optimizer)
+    return [(names[0], t, group_of_id[id(t)]) for names, t in named_tensors(model, "param")
+            if t.requires_grad and id(t) in group_of_id]
+
+
 def trace_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -170,18 +193,7 @@ def trace_step(
     """
     params_all = named_tensors(model, "param")
     buffers_all = named_tensors(model, "buffer")
-    group_of_id = {}
-    for index, group in enumerate(optimizer.param_groups):
-        for p in group["params"]:
-            group_of_id[id(p)] = index
-    model_ids = {id(t) for _, t in params_all}
-    strays = [i for i, group in enumerate(optimizer.param_groups) for p in group["params"] if id(p) not in model_ids]
-    if strays:
-        raise ConfigError(
-            f"the optimizer holds {len(strays)} tensor(s) that are not parameters of the model "
-            f"(in param group(s) {sorted(set(strays))}); build the optimizer from model.parameters()"
-        )
-
+    group_of_id = _group_of_id(model, optimizer)
     trained = [(names, t) for names, t in params_all if t.requires_grad and id(t) in group_of_id]
     frozen = [(names, t) for names, t in params_all if not (t.requires_grad and id(t) in group_of_id)]
     if not trained:

@@ -63,7 +63,8 @@ def run_passes(captured: Captured, fake_mode: Any, options: CompileOptions, opti
                planning: bool = False, traces: dict | None = None,
                progress: Callable[[str], None] | None = None) -> Compiled:
     """Set up the ``CompileContext`` of ``captured`` and run ``options``' pipeline over its graph."""
-    stats = CompileStats("plan" if planning else "first step" if previous_plan is None else "steady state",
+    creates_state = any(set(new) - set(old) for old, new in zip(captured.state_keys, captured.new_state_keys))
+    stats = CompileStats("plan" if planning else "first step" if creates_state else "steady state",
                          dict(captured.stats.seconds))
     ctx = CompileContext(options.stage, world_size, rank, group_name, optimizer, captured, fake_mode,
                          options.bucket_bytes, previous_plan=previous_plan, traces=traces, planning=planning,

@@ -43,6 +43,7 @@ class CacheEntry:
     ctx: CompileContext
     history: list[GraphSnapshot]
     measured_peak_bytes: int | None = None   # live tensor bytes at the peak of its first run
+    reads_initial_state: bool = False   # compiled before the first step over the optimizer state the step made
 
 
 def input_signature(batch, layout: BatchLayout) -> tuple:

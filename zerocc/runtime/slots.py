@@ -15,8 +15,14 @@ from ..decisions import ShardPlan
 
 
 def initial_slots(plan: ShardPlan, captured: Captured, model: torch.nn.Module,
-                  optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """Every persistent tensor this rank holds, laid out as ``plan`` says."""
+                  optimizer: torch.optim.Optimizer, fresh_state=None) -> dict[str, torch.Tensor]:
+    """Every persistent tensor this rank holds, laid out as ``plan`` says.
+
+    The optimizer state comes from ``optimizer.state`` or, per parameter name,
+    from ``fresh_state``: the optimizer's initial state as ``zerocc/optimizer_init.py``
+    learned it, made here at the size of this rank's pieces.
+    """
+    fresh_state = fresh_state or {}
     tensors = {names[0]: t for names, t in named_tensors(model, "param")}
     tensors.update({names[0]: t for names, t in named_tensors(model, "buffer")})
     slots: dict[str, torch.Tensor] = {}
@@ -36,7 +42,11 @@ def initial_slots(plan: ShardPlan, captured: Captured, model: torch.nn.Module,
         else:
             slots[decisions.bucket_slot(bucket.index)] = full
     for bucket, number, piece in plan.owned_pieces():
-        param = tensors[captured.params[piece.param].name]
+        name = captured.params[piece.param].name
+        param = tensors[name]
+        for key, initial in fresh_state.get(name, {}).items():
+            slots[decisions.state_slot(decisions.piece_owner(bucket.index, number), key)] = \
+                initial.make((piece.numel,), param.device)
         for key, value in optimizer.state.get(param, {}).items():
             if not isinstance(value, torch.Tensor):
                 continue
@@ -49,6 +59,8 @@ def initial_slots(plan: ShardPlan, captured: Captured, model: torch.nn.Module,
         if index not in bucketed:
             param = tensors[info.name]
             slots[decisions.param_slot(info.name)] = param.detach()
+            for key, initial in fresh_state.get(info.name, {}).items():
+                slots[decisions.state_slot(info.name, key)] = initial.make(info.shape, param.device)
             for key, value in optimizer.state.get(param, {}).items():
                 if isinstance(value, torch.Tensor):
                     slots[decisions.state_slot(info.name, key)] = value.detach()

@@ -1,0 +1,157 @@
+"""The optimizer's initial state, made before the first step: one program for every step.
+
+A ``torch.optim`` optimizer creates its state lazily, inside its first
+``step()``: Adam's ``step = tensor(0.)``, ``exp_avg = zeros_like(p)``. Traced as
+is, the first step is a different program from every later one (it creates the
+state, they read it), and a compile pays for both. This module finds what the
+optimizer's first ``step()`` creates, so the step can make that state itself
+and run the steady-state program from the first call: a resume without a
+checkpoint.
+
+It learns the initial state from the optimizer itself, on small stand-in
+parameters of each group, dtype and number of dimensions: every tensor the
+step creates and keeps as state is recorded as it was when created. Only two
+kinds are accepted: a 0-dim tensor (a step count, NAdam's ``mu_product``) and
+a tensor shaped like its parameter with one value everywhere (``zeros_like``,
+``full_like(grad, lr)``). The guess is then checked: two steps from a fresh
+optimizer and two from one given the guessed state must agree bit for bit, on
+other values. State made from the gradient (SGD's momentum buffer is the first
+gradient), shaped otherwise (factored second moments), or anything the check
+rejects means ``None``: the step traces the optimizer's own first step as
+before. So does ``$ZEROCC_TRACE_FIRST_STEP=1`` (tests of the first step's own
+program use it).
+"""
+from __future__ import annotations
+
+import collections
+import copy
+import dataclasses
+import os
+from typing import Sequence
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+@dataclasses.dataclass(frozen=True)
+class InitialValue:
+    """One state tensor as the optimizer creates it: a 0-dim ``value``, or ``value`` filled to a shape."""
+    value: torch.Tensor   # 0-dim
+    fills: bool           # True: shaped like the parameter, every element ``value``
+
+    def make(self, shape: Sequence[int], device: torch.device | str) -> torch.Tensor:
+        """The state for a parameter (or a flat piece of one) of ``shape``."""
+        if not self.fills:
+            return self.value.clone().to(device)
+        return torch.full(tuple(shape), self.value.item(), dtype=self.value.dtype, device=device)
+
+    def signature(self) -> tuple[bool, torch.dtype]:
+        """As ``CompiledStep``'s state signatures: (0-dim, dtype)."""
+        return (not self.fills, self.value.dtype)
+
+
+class _Creations(TorchDispatchMode):
+    """Every tensor an op returns that is none of its inputs, as it was when returned."""
+
+    def __init__(self):
+        super().__init__()
+        self.first_value: dict[int, torch.Tensor] = {}
+        self.keep: list[torch.Tensor] = []   # holds every output, so no id is reused during the step
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {id(a) for a in (*args, *(kwargs or {}).values()) if isinstance(a, torch.Tensor)}
+        if func is torch.ops.aten.lift_fresh.default:   # torch.tensor(0.0): made outside dispatch, lifted here
+            inputs = set()
+        for tensor in (out if isinstance(out, (tuple, list)) else (out,)):
+            if isinstance(tensor, torch.Tensor) and id(tensor) not in inputs and id(tensor) not in self.first_value:
+                self.first_value[id(tensor)] = tensor.detach().clone()
+                self.keep.append(tensor)
+        return out
+
+
+def _shadow(optimizer: torch.optim.Optimizer, group: int, param: torch.Tensor) -> torch.optim.Optimizer:
+    """A copy of ``optimizer`` holding only ``param`` in a copy of group ``group``, with no state."""
+    shadow = copy.copy(optimizer)
+    shadow.state = collections.defaultdict(dict)
+    settings = {key: value for key, value in optimizer.param_groups[group].items() if key != "params"}
+    settings["params"] = [param]
+    shadow.param_groups = [settings]
+    return shadow
+
+
+def _stand_in(shape, dtype, device, seed: int) -> list[torch.Tensor]:
+    """A parameter and two gradients with values drawn from ``seed``."""
+    generator = torch.Generator().manual_seed(seed)
+    draw = [torch.randn(shape, generator=generator, dtype=torch.float64).to(dtype=dtype, device=device)
+            for _ in range(3)]
+    return [torch.nn.Parameter(draw[0]), draw[1], draw[2]]
+
+
+def _two_steps(optimizer, group, shape, dtype, device, seed, state=None):
+    param, *grads = _stand_in(shape, dtype, device, seed)
+    shadow = _shadow(optimizer, group, param)
+    if state is not None:
+        shadow.state[param].update({key: value.make(shape, device) for key, value in state.items()})
+    with torch.no_grad():
+        for grad in grads:
+            param.grad = grad
+            shadow.step()
+    return [param.detach(), *(v for _, v in sorted(shadow.state[param].items()) if isinstance(v, torch.Tensor))]
+
+
+def _learned(optimizer, group, shape, dtype, device) -> dict[str, InitialValue] | None:
+    """The state one step of group ``group`` creates for a parameter like ``shape``, ``dtype``; None if unsure."""
+    param, grad, _ = _stand_in(shape, dtype, device, seed=0)
+    shadow = _shadow(optimizer, group, param)
+    param.grad = grad
+    creations = _Creations()
+    try:
+        with torch.no_grad(), creations:
+            shadow.step()
+    except Exception:   # the trace of the first step will say what is wrong
+        return None
+    learned = {}
+    for key, tensor in shadow.state[param].items():
+        if not isinstance(tensor, torch.Tensor):
+            continue
+        first = creations.first_value.get(id(tensor))
+        if first is None or first.is_complex():
+            return None
+        if first.dim() == 0:
+            learned[key] = InitialValue(first, fills=False)
+        elif tuple(first.shape) == tuple(shape) and bool((first == first.reshape(-1)[0]).all()):
+            learned[key] = InitialValue(first.reshape(-1)[0].clone(), fills=True)
+        else:
+            return None
+    for seed in (1, 2):   # the guess gives the optimizer's own first steps, on other values
+        fresh = _two_steps(optimizer, group, shape, dtype, device, seed)
+        given = _two_steps(optimizer, group, shape, dtype, device, seed, state=learned)
+        if len(fresh) != len(given) or not all(a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+                                               for a, b in zip(fresh, given)):
+            return None
+    return learned
+
+
+def initial_state(optimizer: torch.optim.Optimizer,
+                  params: Sequence[tuple[str, torch.Tensor, int]]) -> dict[str, dict[str, InitialValue]] | None:
+    """Per trained parameter (name, tensor, group), the state the optimizer's first step would create.
+
+    None when any parameter's cannot be learned (see the module docstring), or
+    when the optimizer already holds state (a loaded checkpoint: that is the state).
+    """
+    if optimizer.state or os.environ.get("ZEROCC_TRACE_FIRST_STEP") == "1":
+        return None
+    learned: dict[tuple, dict[str, InitialValue] | None] = {}
+    result = {}
+    for name, tensor, group in params:
+        if tensor.is_complex():
+            return None
+        kind = (group, tensor.dtype, tensor.dim(), tensor.device)
+        if kind not in learned:
+            shape = tuple(range(2, 2 + tensor.dim()))   # small, every dimension different
+            learned[kind] = _learned(optimizer, group, shape, tensor.dtype, tensor.device)
+        if learned[kind] is None:
+            return None
+        result[name] = learned[kind]
+    return result
