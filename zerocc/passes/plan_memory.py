@@ -65,9 +65,9 @@ def memory_plan_of(gm: fx.GraphModule, *, placed: bool = True) -> MemoryPlan:
             offsets, size, order = place(lifetimes)
         else:
             offsets, size, order = collections.defaultdict(int), lower_bound(lifetimes), "not placed"
-        placed = tuple(Buffer(name, role, pool_name, nbytes, offsets[name], s, e, names)
-                       for name, role, nbytes, s, e, names in members)
-        pools.append(Pool(pool_name, size, lower_bound(lifetimes), order, placed))
+        laid_out = tuple(Buffer(name, role, pool_name, nbytes, offsets[name], s, e, names)
+                         for name, role, nbytes, s, e, names in members)
+        pools.append(Pool(pool_name, size, lower_bound(lifetimes), order, laid_out))
     phases = tuple(str(node.meta.get(g.PHASE, "")) for node in nodes)
     return MemoryPlan(tuple(pools), tuple(node.name for node in nodes), phases, ALIGNMENT_BYTES, tuple(unplanned))
 
