@@ -132,7 +132,8 @@ def default_pipeline(stage: int, *, prefetch_bytes: int = DEFAULT_PREFETCH_BYTES
         Pass("gradients_into_buckets", functools.partial(gradients_into_buckets, memory_pools=memory_pools),
              requires=("shard",)),                                                                # no copy into the gradient buckets
         Pass("release_slots", release_slots, requires=("shard",)),                               # old state dies at its last use after the last wait
-        Pass("plan_memory", plan_memory, requires=("shard",)),                                   # lifetimes -> offsets in pools; nothing moves nodes after it
+        Pass("plan_memory", functools.partial(plan_memory, placed=not memory_pools),
+             requires=("shard",)),                                                                # lifetimes -> offsets in pools; nothing moves nodes after it
         *pools,                                                                                  # outputs into an arena at their offsets
     ]
 
