@@ -54,13 +54,18 @@ def lifetimes_and_unplanned(gm: fx.GraphModule):
     start: dict[object, int] = {}
     end: dict[object, int] = {}
     aliases: dict[object, list[str]] = {}
+    done = {node: _released_at(node, position) for node in nodes}   # where a reader is done reading its inputs
     for node in nodes:
-        for key in roots.get(node, ()):
-            start.setdefault(key, 0 if node.op == "placeholder" else position[node])
+        keys = roots.get(node, ())
+        if not keys:
+            continue
+        here = position[node]
+        reach = max([done[user] for user in node.users], default=here)
+        for key in keys:
+            start.setdefault(key, 0 if node.op == "placeholder" else here)
             if node.op == "placeholder":
                 end[key] = release if release is not None and node.meta.get(g.RELEASED) else last
-            reach = max((_released_at(user, position) for user in node.users), default=position[node])
-            end[key] = max(end.get(key, position[node]), reach)
+            end[key] = max(end.get(key, here), reach)
             if key[0] is not node:
                 aliases.setdefault(key, []).append(node.name)
     outputs = pytree.tree_leaves(g.output_node(gm).args[0])   # [loss, *values that replace slots]
