@@ -2,6 +2,7 @@
 
     python benchmarks/compile_time.py step --model 5m|98m [--world-size 2] [--stage 3]
     python benchmarks/compile_time.py plan [--layers 36] [--world-size 1024]
+    python benchmarks/compile_time.py budget --model 5m|98m [--fraction 0.85] [--world-size 2]
 
 ``step``: the example GPT (``examples/gpt.py``; 5m: its defaults, 6 layers
 of d_model 256, 5.03M parameters; 98m: 12 layers of d_model 768, vocabulary
@@ -15,6 +16,13 @@ phase (``step.compile_stats``, ``zerocc/compile_stats.py``).
 GPT shape (d_model 4096, sequence 1024; 36 layers: 7.66B parameters with
 ``plan_scaling.py``'s vocabulary) at stage 3 on the meta device, and its
 seconds per phase. The depth sweep is ``benchmarks/plan_scaling.py``.
+
+``budget``: what a ``memory_budget`` costs a compile (issue 19's target: at
+most 1.5x an unbudgeted one). ``zerocc.plan`` of the step's GPT at
+``--world-size`` ranks, stage 3, default options, once without a budget
+(after one warm-up plan) and once with ``--fraction`` of that plan's
+planned peak as the budget; prints both times, their ratio, how many
+candidate plans ``place_remat`` measured and the seconds per phase of each.
 """
 from __future__ import annotations
 
@@ -89,18 +97,45 @@ def plan(layers: int, world_size: int) -> None:
         print(phase_table([planned.compile_stats]), flush=True)
 
 
+def budget(model_name: str, fraction: float, world_size: int) -> None:
+    torch.manual_seed(0)
+    model = GPT(**MODELS[model_name])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    tokens = torch.zeros(SEQUENCES_PER_RANK, model.wpe.num_embeddings, dtype=torch.long)
+
+    def timed(memory_budget):
+        started = time.perf_counter()
+        planned = zerocc.plan(model, optimizer, stage=3, world_size=world_size, example_inputs=(tokens, tokens),
+                              memory_budget=memory_budget)
+        return planned, time.perf_counter() - started
+    timed(None)   # warm-up: first-call costs (imports, dispatch caches) land on neither side
+    free, free_seconds = timed(None)
+    peak = free.memory_plan.planned_peak_bytes
+    budgeted, budgeted_seconds = timed(int(peak * fraction))
+    remat = budgeted.remat_plan
+    print(f"zerocc.plan, GPT {model_name}, stage 3, {world_size} ranks: no budget {free_seconds:.2f} s "
+          f"(planned peak {peak / 1e6:.1f} MB); budget {fraction} of it {budgeted_seconds:.2f} s "
+          f"({budgeted_seconds / free_seconds:.2f}x; peak {budgeted.memory_plan.planned_peak_bytes / 1e6:.1f} MB, "
+          f"{remat.evaluations} plans measured of {remat.candidates} candidates)\n")
+    if getattr(budgeted, "compile_stats", None) is not None:
+        print(phase_table([free.compile_stats, budgeted.compile_stats]), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("part", choices=("step", "plan"))
+    parser.add_argument("part", choices=("step", "plan", "budget"))
     parser.add_argument("--model", choices=sorted(MODELS), default="5m")
     parser.add_argument("--world-size", type=int)
     parser.add_argument("--stage", type=int, default=3)
     parser.add_argument("--layers", type=int, default=36)
     parser.add_argument("--port", type=int, default=29517)
+    parser.add_argument("--fraction", type=float, default=0.85)
     args = parser.parse_args()
     if args.part == "step":
         world_size = args.world_size or 2
         mp.spawn(train, args=(world_size, args.model, args.stage, args.port), nprocs=world_size)
+    elif args.part == "budget":
+        budget(args.model, args.fraction, args.world_size or 2)
     else:
         plan(args.layers, args.world_size or 1024)
 
