@@ -24,14 +24,17 @@ def live_peaks(gm: fx.GraphModule, ctx: CompileContext) -> tuple[int, int]:
     phase can become the peak (under a ``memory_budget``). The move is kept
     only if neither peak grows, so it is safe with the pass and without it.
     """
-    kept = live_peak(gm)
-    mark_releases(gm, ctx)
+    released, _ = mark_releases(gm, ctx)
     try:
-        return kept, live_peak(gm)
+        lifetimes = buffer_lifetimes(gm)
     finally:
         for node in gm.graph.nodes:
             node.meta.pop(g.RELEASED, None)
             node.meta.pop(g.RELEASE_POINT, None)
+    # one analysis for both: without the marks, a released slot lives to the end like every other slot
+    names, last = {node.name for node in released}, len(gm.graph.nodes) - 1
+    kept = [(size, start, last if name in names else end) for name, _, size, start, end, _ in lifetimes]
+    return _peak(kept), _peak((size, start, end) for _, _, size, start, end, _ in lifetimes)
 
 
 def live_bytes(gm: fx.GraphModule) -> list[int]:
@@ -53,10 +56,10 @@ def live_bytes(gm: fx.GraphModule) -> list[int]:
     return live
 
 
-def live_peak(gm: fx.GraphModule) -> int:
-    """The most bytes of planned buffers alive at one position of ``gm``'s current order."""
+def _peak(lifetimes) -> int:
+    """The most bytes alive at one position, of (bytes, start, end) lifetimes."""
     change: dict[int, int] = {}
-    for _, _, size, start, end, _ in buffer_lifetimes(gm):
+    for size, start, end in lifetimes:
         change[start] = change.get(start, 0) + size
         change[end + 1] = change.get(end + 1, 0) - size
     live, peak = 0, 0
