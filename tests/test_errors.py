@@ -158,6 +158,14 @@ def test_optimizer_that_branches_on_tensor_values():
         step(*batches("mlp", 1, 4)[0])
 
 
+def test_a_fused_optimizer_says_to_unfuse_it():
+    model = MLP()
+    step = zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=0.1, fused=True), loss_fn=F.mse_loss)
+    with pytest.raises(zerocc.UnsupportedOptimizerError,
+                       match=r"(?s)AdamW\(fused=True\).step\(\) could not be traced.*fix: build the optimizer with fused=False"):
+        step(*batches("mlp", 1, 4)[0])
+
+
 def test_sparse_gradients():
     model = nn.Sequential(nn.Embedding(10, 5, sparse=True))
     step = zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=lambda out, target: out.sum())

@@ -81,6 +81,25 @@ def test_learning_rate_schedule_is_read_every_step():
         assert torch.equal(step.full_state_dict()[key], value), key
 
 
+def test_a_tensor_learning_rate_under_a_schedule():
+    """A tensor lr: the scheduler records it as the group's initial_lr, a tensor setting in the program's key."""
+    def make(model):
+        optimizer = torch.optim.Adam(model.parameters(), lr=torch.tensor(1e-2))
+        return optimizer, torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    reference, _, loss_fn = build("mlp")
+    reference_optimizer, reference_schedule = make(reference)
+    model, _, _ = build("mlp")
+    optimizer, schedule = make(model)
+    step = zerocc.compile(model, optimizer, stage=3, loss_fn=loss_fn)
+    for batch in batches("mlp", 3, 8):
+        assert torch.equal(step(*batch), eager_step(reference, reference_optimizer, loss_fn, batch))
+        reference_schedule.step()
+        schedule.step()
+    assert len(step.cache.programs()) == 1
+    for key, value in reference.state_dict().items():
+        assert torch.equal(step.full_state_dict()[key], value), key
+
+
 def sgd(model):
     """Plain SGD, lr 1: the first update is minus the averaged gradient, so a gradient off by a factor shows
     (Adam's first update is the gradient's sign, blind to a rank summing instead of averaging)."""

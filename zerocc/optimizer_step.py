@@ -34,10 +34,14 @@ def hyperparameter_signature(optimizer: torch.optim.Optimizer) -> tuple:
     for group in optimizer.param_groups:
         items = []
         for key, value in sorted(group.items()):
-            if key == "params" or key in LIVE_HYPERPARAMETERS:
+            if key == "params":
                 continue
-            if isinstance(value, torch.Tensor):
-                value = ("tensor", tuple(value.shape), value.flatten().tolist())
+            if key in LIVE_HYPERPARAMETERS:   # read every step; only whether it is a tensor, and of what dtype, is traced
+                if isinstance(value, torch.Tensor):
+                    items.append((key, ("a tensor", str(value.dtype))))
+                continue
+            if isinstance(value, torch.Tensor):   # a tensor setting (a scheduler's initial_lr of a tensor lr)
+                value = ("tensor", tuple(value.shape), tuple(value.flatten().tolist()))
             items.append((key, value))
         signature.append(tuple(items))
     return tuple(signature)
@@ -48,8 +52,9 @@ def live_hyperparameters(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]
     values = []
     for index, group in enumerate(optimizer.param_groups):
         lr = group["lr"]
-        if isinstance(lr, torch.Tensor):
-            lr = lr.item()
+        if isinstance(lr, torch.Tensor):   # eager's update computes with the tensor, in its dtype: so does the step's
+            values.append(lr.detach().to("cpu", copy=True).reshape(()))
+            continue
         if not isinstance(lr, numbers.Real):
             raise ConfigError(f"param group {index} has lr={lr!r}; zerocc needs a number")
         values.append(torch.tensor(float(lr), dtype=torch.float64))
@@ -76,7 +81,8 @@ def optimizer_update(
     for index, group in enumerate(optimizer.param_groups):
         settings = {key: value for key, value in group.items() if key != "params"}
         settings["params"] = [p for p, owner in zip(params, group_of) if owner == index]
-        settings["lr"] = learning_rates[index].item()
+        tensor_lr = isinstance(group["lr"], torch.Tensor)
+        settings["lr"] = learning_rates[index] if tensor_lr else learning_rates[index].item()
         shadow.param_groups.append(settings)
     for param, grad, state in zip(params, grads, states):
         param.grad = grad
@@ -95,6 +101,15 @@ def optimizer_update(
     except Exception as error:
         if isinstance(error, UnsupportedOptimizerError):
             raise
+        if any(group.get("fused") for group in optimizer.param_groups):
+            raise UnsupportedOptimizerError(
+                f"{name}(fused=True).step() could not be traced: {type(error).__name__}: "
+                f"{str(error).splitlines()[0] if str(error) else ''}\n"
+                "  why: the fused kernel takes the learning rate as a Python float, which zerocc reads from the step's "
+                "learning-rate tensor each step (a scheduler may change it), and the kernel has no fake implementation "
+                "for a tensor learning rate.\n"
+                f"  fix: build the optimizer with fused=False (the default); foreach=True also traces."
+            ) from error
         raise UnsupportedOptimizerError(
             f"{name}.step() could not be traced: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}\n"
             "  why: zerocc needs the update as one fixed sequence of tensor ops; an update that branches on "
