@@ -100,6 +100,23 @@ def test_a_tensor_learning_rate_under_a_schedule():
         assert torch.equal(step.full_state_dict()[key], value), key
 
 
+def test_a_schedule_that_changes_betas_says_it_compiles_every_step():
+    """OneCycleLR cycles Adam's betas: traced into the program, they compile one per step, and the user is told."""
+    reference, _, loss_fn = build("mlp")
+    model, _, _ = build("mlp")
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (reference, model)]
+    schedules = [torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.05, total_steps=10) for o in optimizers]
+    step = zerocc.compile(model, optimizers[1], stage=3, loss_fn=loss_fn)
+    with pytest.warns(UserWarning, match=r"(?s)optimizer settings changed \(param group 0's betas: "
+                                         r"\(0\.95, 0\.999\) -> \(0\.8999.*, 0\.999\)\).*cycle_momentum=False") as caught:
+        for batch in batches("mlp", 3, 8):
+            assert torch.equal(step(*batch), eager_step(reference, optimizers[0], loss_fn, batch))
+            for schedule in schedules:
+                schedule.step()
+    assert sum("optimizer settings changed" in str(w.message) for w in caught) == 1   # once, not every step
+    assert len(step.compile_stats) == 3
+
+
 def sgd(model):
     """Plain SGD, lr 1: the first update is minus the averaged gradient, so a gradient off by a factor shows
     (Adam's first update is the gradient's sign, blind to a rank summing instead of averaging)."""

@@ -5,6 +5,7 @@ import collections
 import contextlib
 import dataclasses
 import time
+import warnings
 import weakref
 from typing import Any, Callable, Sequence
 
@@ -202,6 +203,7 @@ class CompiledStep:
         self.ranks: Ranks = failures.with_timeout(resolve(group, device), options.timeout)
         self.arenas = Arenas()   # the memory pools' arenas, shared by this step's programs
         self.compile_seconds = 0.0
+        self._warned_settings = False   # _say_which_settings_changed: once per step
         self.compile_stats: list[CompileStats] = []   # per compiled program: seconds per phase (compile_stats.py)
         self._user_hooks: list = []          # zerocc/user_views.py, installed at the first compile
         if self.ranks.world_size > 1:
@@ -324,6 +326,7 @@ class CompiledStep:
         found = self.cache.lookup(key, batch)
         if found is None:
             self.cache.check_static_shapes(key.signature)
+            self._say_which_settings_changed(key)
             started = time.perf_counter()
             # the user's MemTracker, profilers, global hooks (zerocc/user_tooling.py)
             with suspended_user_tooling(), fewer_collections():
@@ -337,6 +340,28 @@ class CompiledStep:
             self.cache.evict_beyond_limit(key.signature)
         self.cache.use(key, found)
         return found
+
+    def _say_which_settings_changed(self, key: CacheKey) -> None:
+        """Warn, once per step, when a program is compiled only because optimizer settings changed.
+
+        The learning rate is read every step; every other group setting is traced into the program, so a
+        scheduler that changes one each step (OneCycleLR and CyclicLR cycle Adam's betas or SGD's momentum
+        unless ``cycle_momentum=False``) compiles a program every step.
+        """
+        if self._warned_settings:
+            return
+        for known in list(self.cache.entries):
+            if known.signature == key.signature and known.hyperparameters != key.hyperparameters:
+                changed = [f"param group {index}'s {name}: {dict(old).get(name)!r} -> {value!r}"
+                           for index, (old, new) in enumerate(zip(known.hyperparameters, key.hyperparameters))
+                           for name, value in new if dict(old).get(name) != value]
+                warnings.warn(
+                    "zerocc compiles a new program because optimizer settings changed (" + "; ".join(changed[:4]) +
+                    "). Only the learning rate is read every step; any other setting is traced into the program, "
+                    "so a schedule that changes one every step compiles every step (OneCycleLR or CyclicLR: pass "
+                    "cycle_momentum=False). Said once per zerocc.compile.", stacklevel=4)
+                self._warned_settings = True
+                return
 
     def _compile(self, batch, layout: BatchLayout | None = None) -> CacheEntry:
         """Capture the step on this batch, run the pipeline (``zerocc/driver.py``), build the program."""
