@@ -11,6 +11,8 @@ for bit.
 """
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -100,15 +102,35 @@ def test_a_tensor_learning_rate_under_a_schedule():
         assert torch.equal(step.full_state_dict()[key], value), key
 
 
-def test_a_schedule_that_changes_betas_says_it_compiles_every_step():
-    """OneCycleLR cycles Adam's betas: traced into the program, they compile one per step, and the user is told."""
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_schedule_that_cycles_betas_compiles_once(stage):
+    """OneCycleLR cycles Adam's betas with the learning rate: both are read every step, one program trains."""
     reference, _, loss_fn = build("mlp")
     model, _, _ = build("mlp")
     optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (reference, model)]
     schedules = [torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.05, total_steps=10) for o in optimizers]
+    step = zerocc.compile(model, optimizers[1], stage=stage, loss_fn=loss_fn)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # no "compiles a new program" warning either
+        for batch in batches("mlp", 4, 8):
+            assert torch.equal(step(*batch), eager_step(reference, optimizers[0], loss_fn, batch))
+            for schedule in schedules:
+                schedule.step()
+    assert optimizers[1].param_groups[0]["betas"][0] != 0.95   # the schedule did change them
+    assert len(step.compile_stats) == 1
+    for key, value in reference.state_dict().items():
+        assert torch.equal(step.full_state_dict()[key], value), key
+
+
+def test_a_schedule_that_changes_momentum_says_it_compiles_every_step():
+    """OneCycleLR cycles SGD's momentum: traced into the program, it compiles one per step, and the user is told."""
+    reference, _, loss_fn = build("mlp")
+    model, _, _ = build("mlp")
+    optimizers = [torch.optim.SGD(m.parameters(), lr=1e-2, momentum=0.9) for m in (reference, model)]
+    schedules = [torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.05, total_steps=10) for o in optimizers]
     step = zerocc.compile(model, optimizers[1], stage=3, loss_fn=loss_fn)
-    with pytest.warns(UserWarning, match=r"(?s)optimizer settings changed \(param group 0's betas: "
-                                         r"\(0\.95, 0\.999\) -> \(0\.8999.*, 0\.999\)\).*cycle_momentum=False") as caught:
+    with pytest.warns(UserWarning, match=r"(?s)optimizer settings changed \(param group 0's momentum: "
+                                         r"0\.95 -> 0\.8999.*\).*cycle_momentum=False") as caught:
         for batch in batches("mlp", 3, 8):
             assert torch.equal(step(*batch), eager_step(reference, optimizers[0], loss_fn, batch))
             for schedule in schedules:

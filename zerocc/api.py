@@ -26,7 +26,7 @@ from .compile_stats import CompileStats
 from .driver import fewer_collections, run_passes
 from .errors import ConfigError
 from .memory_plan import MemoryPlan
-from .optimizer_step import hyperparameter_signature, live_hyperparameters
+from .optimizer_step import hyperparameter_signature, live_layout, live_settings
 from .options import (DEFAULT_BUCKET_BYTES, DEFAULT_MAX_PROGRAMS, CompileOptions, check_model_and_optimizer,
                       check_not_meta, check_stage)
 from .passes.clip_gradients import GRAD_NORM_SLOT
@@ -186,8 +186,8 @@ class CompiledStep:
 
     Compilation happens at the first call (it needs an example batch) and again
     when the batch's shapes, the optimizer state's structure (the first step
-    creates it) or a baked-in hyper-parameter change. The learning rate is read
-    at every call. ``options`` are the checked keywords of ``compile``
+    creates it) or a baked-in hyper-parameter change. The learning rate and Adam's
+    betas are read at every call. ``options`` are the checked keywords of ``compile``
     (``zerocc/options.py``), ``state`` what the step owns (``zerocc/step_state.py``),
     ``cache`` its programs (``zerocc/program_cache.py``).
     """
@@ -242,8 +242,8 @@ class CompiledStep:
             if state.param_groups is None:
                 state.param_groups = param_groups_of(self.optimizer)   # what the buckets are laid out for
                 state.first_batch = FirstBatch.of(batch, layout)   # what later batches are checked against
-            for group_index, value in enumerate(live_hyperparameters(self.optimizer)):
-                state.slots[decisions.lr_slot(group_index)] = value
+            for (group_index, name), value in zip(live_layout(self.optimizer), live_settings(self.optimizer)):
+                state.slots[decisions.setting_slot(group_index, name)] = value
             if entry.measured_peak_bytes is not None:
                 loss = entry.program.run(state.slots, batch)
             else:   # the first run of a program also measures its peak of live tensor bytes
@@ -344,9 +344,9 @@ class CompiledStep:
     def _say_which_settings_changed(self, key: CacheKey) -> None:
         """Warn, once per step, when a program is compiled only because optimizer settings changed.
 
-        The learning rate is read every step; every other group setting is traced into the program, so a
-        scheduler that changes one each step (OneCycleLR and CyclicLR cycle Adam's betas or SGD's momentum
-        unless ``cycle_momentum=False``) compiles a program every step.
+        The learning rate and Adam's betas are read every step (``optimizer_step.LIVE_SETTINGS``); every other
+        group setting is traced into the program, so a scheduler that changes one each step (OneCycleLR and
+        CyclicLR cycle SGD's or RMSprop's momentum unless ``cycle_momentum=False``) compiles a program every step.
         """
         if self._warned_settings:
             return
@@ -357,7 +357,7 @@ class CompiledStep:
                            for name, value in new if dict(old).get(name) != value]
                 warnings.warn(
                     "zerocc compiles a new program because optimizer settings changed (" + "; ".join(changed[:4]) +
-                    "). Only the learning rate is read every step; any other setting is traced into the program, "
+                    "). Only the learning rate and betas are read every step; any other setting is traced into the program, "
                     "so a schedule that changes one every step compiles every step (OneCycleLR or CyclicLR: pass "
                     "cycle_momentum=False). Said once per zerocc.compile.", stacklevel=4)
                 self._warned_settings = True

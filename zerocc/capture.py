@@ -215,8 +215,9 @@ def trace_step(
     # states are traced in sorted key order, the order their placeholders are labelled in
     optimizer_state = [dict(sorted(s.items())) for s in optimizer_state]
     state_keys = [tuple(s) for s in optimizer_state]
-    from .optimizer_step import live_hyperparameters
-    learning_rates = live_hyperparameters(optimizer)
+    from .optimizer_step import live_layout, live_settings
+    learning_rates = live_settings(optimizer)   # the lr of each group, and its betas (live_layout)
+    settings_layout = live_layout(optimizer)
     layout = layout or BatchLayout(len(inputs))
     num_model_inputs = layout.positional - num_targets
     if num_model_inputs < 0:
@@ -275,7 +276,7 @@ def trace_step(
             if names[0] in parameter_shapes:
                 fake_args[0][position] = torch.empty(parameter_shapes[names[0]], dtype=tensor.dtype,
                                                      device=tensor.device).requires_grad_(True)
-    leaves = _placeholder_layout(fake_args)
+    leaves = _placeholder_layout(fake_args, settings_layout)
     # branches on batch values are decided on the real batch and kept as guards (zerocc/data_guards.py)
     recorder = GuardRecorder(inputs, {position: index for position, (role, index, _) in enumerate(leaves)
                                       if role == g.ROLE_INPUT})
@@ -440,7 +441,7 @@ def _refuse_writes_to_tensor_attributes(gm, attributes) -> None:
             "torch.zeros(())) (persistent=False keeps it out of state_dict); the step then carries it.")
 
 
-def _placeholder_layout(fake_args) -> list[tuple[str, int, str]]:
+def _placeholder_layout(fake_args, settings_layout) -> list[tuple[str, int, str]]:
     """(role, index within role, readable name) for each flattened leaf, in placeholder order."""
     params, frozen, buffers, states, lrs, batch, loss_scale = fake_args
     layout = []
@@ -449,7 +450,8 @@ def _placeholder_layout(fake_args) -> list[tuple[str, int, str]]:
     layout += [(g.ROLE_BUFFER, i, "") for i in range(len(buffers))]
     for i, state in enumerate(states):
         layout += [(g.ROLE_STATE, i, key) for key in sorted(state)]
-    layout += [(g.ROLE_HYPER, i, "lr") for i in range(len(lrs))]
+    assert len(lrs) == len(settings_layout)
+    layout += [(g.ROLE_HYPER, group, name) for group, name in settings_layout]
     import torch.utils._pytree as pytree
     for i, leaf in enumerate(pytree.tree_leaves(batch)):
         layout.append((g.ROLE_INPUT, i, ""))
@@ -479,8 +481,8 @@ def _tag_placeholders(gm, layout, param_infos, frozen_infos, buffer_infos, state
             node.meta[g.STATE_KEY] = key
             slot = decisions.state_slot(param_infos[index].name, key)
         elif role == g.ROLE_HYPER:
-            base = f"lr_group{index}"
-            slot = decisions.lr_slot(index)
+            base = f"{key}_group{index}"
+            slot = decisions.setting_slot(index, key)
         elif role == g.ROLE_LOSS_SCALE:
             base, slot = "loss_scale", mixed.SCALE_SLOT
         else:

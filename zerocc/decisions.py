@@ -140,8 +140,9 @@ def piece_owner(bucket: int, number: int) -> str:
     return f"bucket{bucket}.piece{number}"
 
 
-def lr_slot(group: int) -> str:
-    return f"lr:{group}"
+def setting_slot(group: int, name: str) -> str:
+    """The slot of a setting a param group's update reads each step (``optimizer_step.live_layout``)."""
+    return f"{name}:{group}"
 
 
 @dataclasses.dataclass(frozen=True)

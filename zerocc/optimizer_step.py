@@ -23,22 +23,43 @@ from .errors import ConfigError, UnsupportedOptimizerError, user_line_of_node
 
 aten = torch.ops.aten
 
-# Hyper-parameters read from the param groups at every step (as graph inputs),
-# so a scheduler changing them needs no recompilation.
-LIVE_HYPERPARAMETERS = ("lr",)
+# Settings read from the param groups at every step (graph inputs: ``live_settings``), so a scheduler
+# changing them needs no recompilation: the learning rate, and Adam's betas, which OneCycleLR and CyclicLR
+# cycle with it. Every other setting is traced into the program (``hyperparameter_signature``); a momentum
+# (SGD, RMSprop) cannot be read each step: the optimizer branches on it in Python (``if momentum != 0``).
+LIVE_SETTINGS = ("lr", "betas")
+
+
+def live_keys(group: dict) -> tuple[str, ...]:
+    """The settings of ``group`` its program reads each step: ``lr``, and with a number lr numeric betas."""
+    if isinstance(group["lr"], torch.Tensor):
+        return ("lr",)   # a tensor lr is passed as itself (its dtype is eager's); the rest is traced
+    betas = group.get("betas")
+    if isinstance(betas, (tuple, list)) and len(betas) == 2 and all(
+            isinstance(b, numbers.Real) and not isinstance(b, bool) for b in betas):
+        return ("lr", "betas")
+    return ("lr",)
+
+
+def live_layout(optimizer: torch.optim.Optimizer) -> list[tuple[int, str]]:
+    """(param group, name) of each tensor ``live_settings`` returns, in order: ``lr``, ``betas0``, ``betas1``."""
+    layout = []
+    for index, group in enumerate(optimizer.param_groups):
+        for key in live_keys(group):
+            layout += [(index, "betas0"), (index, "betas1")] if key == "betas" else [(index, key)]
+    return layout
 
 
 def hyperparameter_signature(optimizer: torch.optim.Optimizer) -> tuple:
     """The group settings baked into a traced update; a change means re-capture."""
     signature = []
     for group in optimizer.param_groups:
-        items = []
+        live = live_keys(group)
+        items = [("read every step", live)]
+        if isinstance(group["lr"], torch.Tensor):
+            items.append(("lr", ("a tensor", str(group["lr"].dtype))))
         for key, value in sorted(group.items()):
-            if key == "params":
-                continue
-            if key in LIVE_HYPERPARAMETERS:   # read every step; only whether it is a tensor, and of what dtype, is traced
-                if isinstance(value, torch.Tensor):
-                    items.append((key, ("a tensor", str(value.dtype))))
+            if key == "params" or key in live:
                 continue
             if isinstance(value, torch.Tensor):   # a tensor setting (a scheduler's initial_lr of a tensor lr)
                 value = ("tensor", tuple(value.shape), tuple(value.flatten().tolist()))
@@ -47,8 +68,9 @@ def hyperparameter_signature(optimizer: torch.optim.Optimizer) -> tuple:
     return tuple(signature)
 
 
-def live_hyperparameters(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """This step's learning rates, one float64 scalar tensor per group (exact as Python floats)."""
+def live_settings(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """This step's live settings in ``live_layout`` order: each a float64 scalar (exact as a Python float), but a
+    tensor lr, passed as a copy of itself."""
     values = []
     for index, group in enumerate(optimizer.param_groups):
         lr = group["lr"]
@@ -58,7 +80,20 @@ def live_hyperparameters(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]
         if not isinstance(lr, numbers.Real):
             raise ConfigError(f"param group {index} has lr={lr!r}; zerocc needs a number")
         values.append(torch.tensor(float(lr), dtype=torch.float64))
+        if "betas" in live_keys(group):
+            values += [torch.tensor(float(beta), dtype=torch.float64) for beta in group["betas"]]
     return values
+
+
+def _read_settings(optimizer: torch.optim.Optimizer, values: Sequence[torch.Tensor]) -> list[dict]:
+    """Per param group, its live settings as its optimizer reads them, from ``live_settings``' tensors."""
+    read: list[dict] = [{} for _ in optimizer.param_groups]
+    for (index, name), value in zip(live_layout(optimizer), values, strict=True):
+        if name == "lr":
+            read[index]["lr"] = value if isinstance(optimizer.param_groups[index]["lr"], torch.Tensor) else value.item()
+        else:   # betas0, betas1
+            read[index]["betas"] = (*read[index].get("betas", ()), value.item())
+    return read
 
 
 def optimizer_update(
@@ -78,11 +113,11 @@ def optimizer_update(
     shadow = copy.copy(optimizer)
     shadow.state = collections.defaultdict(dict)
     shadow.param_groups = []
+    read = _read_settings(optimizer, learning_rates)
     for index, group in enumerate(optimizer.param_groups):
         settings = {key: value for key, value in group.items() if key != "params"}
         settings["params"] = [p for p, owner in zip(params, group_of) if owner == index]
-        tensor_lr = isinstance(group["lr"], torch.Tensor)
-        settings["lr"] = learning_rates[index] if tensor_lr else learning_rates[index].item()
+        settings.update(read[index])
         shadow.param_groups.append(settings)
     for param, grad, state in zip(params, grads, states):
         param.grad = grad
@@ -400,7 +435,7 @@ def initial_state_layout(optimizer: torch.optim.Optimizer,
 
     def first_step(fake_params, fake_grads):
         _, states = optimizer_update(optimizer, fake_params, fake_grads, [{} for _ in params], group_of,
-                                     live_hyperparameters(optimizer))
+                                     live_settings(optimizer))
         return states
 
     gm, spec = trace_functional(first_step, fakes, fake_mode)
