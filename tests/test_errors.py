@@ -158,6 +158,17 @@ def test_optimizer_that_branches_on_tensor_values():
         step(*batches("mlp", 1, 4)[0])
 
 
+@pytest.mark.parametrize("optimizer_class, line", [(torch.optim.RAdam, r"radam.py:\d+: if rho_t > 5"),
+                                                   (torch.optim.ASGD, r"asgd.py:\d+: .*mu.item\(\) != 1")])
+def test_an_optimizer_that_branches_on_its_step_count_names_the_branch(optimizer_class, line):
+    """RAdam and ASGD are elementwise, but branch in Python on values computed from their step count."""
+    model = MLP()
+    step = zerocc.compile(model, optimizer_class(model.parameters()), stage=0, loss_fn=F.mse_loss)
+    with pytest.raises(zerocc.UnsupportedOptimizerError,
+                       match=rf"(?s)\.step\(\) branches in Python on a value .* at .*{line}.*fix: use an optimizer"):
+        step(*batches("mlp", 1, 4)[0])
+
+
 def test_a_fused_optimizer_says_to_unfuse_it():
     model = MLP()
     step = zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=0.1, fused=True), loss_fn=F.mse_loss)

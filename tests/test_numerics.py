@@ -50,6 +50,7 @@ OPTIMIZERS = {
     "adagrad": lambda p: torch.optim.Adagrad(p, lr=0.05),
     "rmsprop": lambda p: torch.optim.RMSprop(p, lr=1e-3, momentum=0.5, centered=True),
     "adamw_foreach": lambda p: torch.optim.AdamW(p, lr=1e-2, foreach=True),
+    "rprop": lambda p: torch.optim.Rprop(p, lr=1e-2),   # x[mask] = scalar: elementwise (optimizer_step._is_masked_fill)
 }
 
 
@@ -217,6 +218,35 @@ def test_world_size_n_matches_ddp(name, world_size, memory_pools):
                                            msg=lambda m: f"stage {stage} rank {rank} {key}: {m}")
             for key in expected_gradients:   # the ranks hold one model: parameters equal bit for bit
                 assert torch.equal(state[key], per_rank[0][stage][1][key]), f"stage {stage} rank {rank} {key}"
+
+
+def _train_with_rprop(rank, world_size):
+    """Per rank: DDP's losses and final state with Rprop; then each sharding stage's."""
+    data = batches("mlp", STEPS, 4 * world_size)
+    local = [tuple(t[rank * 4:(rank + 1) * 4] for t in batch) for batch in data]
+    reference, _, loss_fn = build("mlp")
+    ddp = DistributedDataParallel(reference)
+    optimizer = torch.optim.Rprop(reference.parameters(), lr=1e-2)
+    results = {"ddp": ([eager_step(ddp, optimizer, loss_fn, batch) for batch in local], reference.state_dict())}
+    for stage in (1, 2, 3):
+        model, _, _ = build("mlp", seed=rank)
+        step = zerocc.compile(model, torch.optim.Rprop(model.parameters(), lr=1e-2), stage=stage, loss_fn=loss_fn)
+        results[stage] = ([step(*batch) for batch in local], step.full_state_dict())
+    return results
+
+
+@pytest.mark.multirank
+def test_rprop_sharded_across_ranks_matches_ddp():
+    """Rprop writes x[mask] = scalar: elementwise, so each rank updates its own slice (stages 1-3)."""
+    for rank, results in enumerate(distributed.run(_train_with_rprop, 2)):
+        expected_losses, expected_state = results["ddp"]
+        for stage in (1, 2, 3):
+            losses, state = results[stage]
+            torch.testing.assert_close(torch.stack(losses), torch.stack(expected_losses), rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"stage {stage} rank {rank} losses: {m}")
+            for key, value in expected_state.items():
+                torch.testing.assert_close(state[key], value, rtol=1e-4, atol=1e-5,
+                                           msg=lambda m: f"stage {stage} rank {rank} {key}: {m}")
 
 
 def test_compile_after_eager_steps_continues_exactly():

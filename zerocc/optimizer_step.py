@@ -10,7 +10,10 @@ from __future__ import annotations
 import collections
 import copy
 import numbers
+import inspect
 import operator
+import os
+import traceback
 from typing import Sequence
 
 import torch
@@ -145,6 +148,16 @@ def optimizer_update(
                 "for a tensor learning rate.\n"
                 f"  fix: build the optimizer with fused=False (the default); foreach=True also traces."
             ) from error
+        branch = _optimizer_branch(error, type(optimizer))
+        if branch is not None:
+            raise UnsupportedOptimizerError(
+                f"{name}.step() branches in Python on a value it computes from its state or settings, at {branch}\n"
+                "  why: zerocc traces the update once, on tensors whose values it does not know, and runs it every "
+                "step; a branch on the step count (RAdam's rho_t, ASGD's mu) takes different sides at different "
+                "steps. (Its update is elementwise; it is this branch that cannot be traced.)\n"
+                "  fix: use an optimizer whose step() does not branch on values (SGD, Adam, AdamW, NAdam, Adamax, "
+                "Adagrad, Adadelta, RMSprop, Rprop)."
+            ) from error
         raise UnsupportedOptimizerError(
             f"{name}.step() could not be traced: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}\n"
             "  why: zerocc needs the update as one fixed sequence of tensor ops; an update that branches on "
@@ -159,6 +172,20 @@ def optimizer_update(
     return list(params), new_states
 
 
+def _optimizer_branch(error: BaseException, optimizer_class: type) -> str | None:
+    """'file:line: code' of the optimizer's own branch on a traced value that ``error`` stopped at, if it is one."""
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+    if not isinstance(error, GuardOnDataDependentSymNode):
+        return None
+    files = {os.path.abspath(inspect.getsourcefile(cls) or "") for cls in optimizer_class.__mro__
+             if cls not in (torch.optim.Optimizer, object)}   # not the base class's step() wrappers
+    found = None
+    for frame in traceback.extract_tb(error.__traceback__):   # the innermost frame in the optimizer's own files
+        if os.path.abspath(frame.filename) in files:
+            found = f"{frame.filename}:{frame.lineno}: {(frame.line or '').strip()}"
+    return found
+
+
 # Ops an elementwise update may use besides those tagged pointwise.
 _ELEMENTWISE_EXTRAS = {
     aten._local_scalar_dense.default, aten.clone.default, aten.copy.default,
@@ -167,6 +194,18 @@ _ELEMENTWISE_EXTRAS = {
     aten.zeros.default, aten.full.default, aten.detach.default, aten.alias.default,
     aten.view_as_real.default, aten.view_as_complex.default,
 }
+
+
+def _is_masked_fill(node: fx.Node) -> bool:
+    """``x[mask] = scalar`` with a mask shaped like ``x`` (Rprop's sign updates): each element on its own."""
+    if node.target not in (aten.index_put.default, aten.index_put_.default):
+        return False
+    target, indices, values = (g.tensor_meta(a) if isinstance(a, fx.Node) else a for a in node.args[:3])
+    if not (isinstance(indices, (list, tuple)) and len(indices) == 1 and isinstance(indices[0], fx.Node)):
+        return False
+    mask = g.tensor_meta(indices[0])
+    return (target is not None and mask is not None and values is not None and mask.dtype == torch.bool
+            and tuple(mask.shape) == tuple(target.shape) and values.dim() == 0)
 
 
 def elementwise_offenders(nodes: Sequence[fx.Node]) -> list[fx.Node]:
@@ -180,6 +219,8 @@ def elementwise_offenders(nodes: Sequence[fx.Node]) -> list[fx.Node]:
             if torch.Tag.pointwise in target.tags or target in _ELEMENTWISE_EXTRAS:
                 continue
             if target._opname.startswith("_foreach_") or target._opname.startswith("_fused_"):
+                continue
+            if _is_masked_fill(node):
                 continue
             value = g.tensor_meta(node)
             if value is not None and value.dim() == 0 and all(
