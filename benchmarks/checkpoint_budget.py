@@ -2,11 +2,11 @@
 
 The baseline is the usual one: eager PyTorch with the first ``n`` blocks of
 the GPT (``examples/gpt.py``) wrapped in ``checkpoint(block, x,
-use_reentrant=False)``, n = 0 .. layers. (zerocc cannot run that model
-itself: ``torch.utils.checkpoint`` recomputes when backward unpacks, after
-``functional_call`` has put the real parameters back, so a trace would read
-them as constants.) Each side is compared with its own run without
-recomputation, at the same number of bytes saved:
+use_reentrant=False)``, n = 0 .. layers. (zerocc also trains that model as
+written, ``zerocc/model_recomputation.py``; here it gets the unwrapped one
+and a budget, to compare its planner's choice with the hand placement.) Each
+side is compared with its own run without recomputation, at the same number
+of bytes saved:
 
   - eager, n blocks checkpointed: peak P_n (measured: every live storage,
     parameters, gradients and optimizer state included), step time T_n;

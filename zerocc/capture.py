@@ -24,6 +24,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
+from torch.nn.utils.stateless import _reparametrize_module
 import torch.nn as nn
 from torch._subclasses.fake_tensor import DynamicOutputShapeException, DataDependentOutputException
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
@@ -37,6 +38,7 @@ from .data_guards import DataGuard, GuardRecorder, recording
 from .errors import CaptureError, ConfigError, ZeroccError, raised_by_user_code, user_frame
 from .optimizer_step import REPLICATE_IF_ELEMENTWISE, check_elementwise, splice_update
 from . import precision as mixed
+from .model_recomputation import traced_recomputation
 from .tracing import fakeify, record_source_lines_of, trace_functional
 from .user_tooling import suspended_user_tooling
 
@@ -237,6 +239,10 @@ def trace_step(
             tensors[info.name] = value
         for info, value in zip(buffer_infos, buffers):
             tensors[info.name] = value
+        with traced_recomputation():   # the model's checkpointing replays its dropout masks (model_recomputation.py)
+            return accumulated(tensors, computed, params, batch, loss_scale, buffers)
+
+    def accumulated(tensors, computed, params, batch, loss_scale, buffers):
         total, grads = None, None
         for micro in micro_batches(batch, grad_accumulation):
             positional, keyword = layout.split(micro)
@@ -244,9 +250,11 @@ def trace_step(
             if precision is not None:   # the model's floating inputs in param_dtype too
                 cast = mixed.compute_values(precision, (), (), (*micro_inputs, *keyword.values()))[2]
                 micro_inputs, keyword = tuple(cast[:num_model_inputs]), dict(zip(keyword, cast[num_model_inputs:]))
-            with torch.enable_grad():
-                output = torch.func.functional_call(model, tensors, micro_inputs, keyword, tie_weights=True,
-                                                    strict=False)
+            # the traced tensors stay the module's through backward: a recomputation there (torch.utils.checkpoint,
+            # Hugging Face's gradient_checkpointing_enable) calls the module again and must read them, not the
+            # user's real parameters (they would be baked into the program as constants)
+            with torch.enable_grad(), _reparametrize_module(model, tensors, tie_weights=True, strict=False):
+                output = model(*micro_inputs, **keyword)
                 loss = extract_loss(output, positional[num_model_inputs:], loss_fn)
                 if precision is not None:
                     loss = loss.float()

@@ -47,8 +47,17 @@ class PassError(ZeroccError):
 
 def user_frame(tb) -> str | None:
     """The innermost frame of a traceback that is the user's code, as 'file:line: code'."""
+    return _innermost_user_frame(traceback.extract_tb(tb))
+
+
+def user_frame_here() -> str | None:
+    """The innermost frame of the running stack that is the user's code, as 'file:line: code'."""
+    return _innermost_user_frame(traceback.extract_stack())
+
+
+def _innermost_user_frame(frames) -> str | None:
     found = None
-    for frame in traceback.extract_tb(tb):
+    for frame in frames:
         path = os.path.abspath(frame.filename)
         if path.startswith(_LIBRARY_DIRS) or frame.filename.startswith("<"):
             continue

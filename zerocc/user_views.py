@@ -49,7 +49,7 @@ def _released(step) -> bool:
     *path, leaf = name.split(".")
     for part in path:
         module = getattr(module, part)
-    return getattr(module, leaf).numel() == 0   # inside capture's functional_call it is the traced tensor
+    return getattr(module, leaf).numel() == 0   # while capture traces, the module holds the traced tensor
 
 
 def _refuse_released_forward(step) -> None:

@@ -1,0 +1,142 @@
+"""A model's own activation checkpointing (``torch.utils.checkpoint``, Hugging Face's ``gradient_checkpointing_enable``).
+
+Backward calls the checkpointed modules again, so the traced program must read
+the traced parameters there, not the module's real ones; and the recomputation
+rewinds the random generator to draw the forward's dropout masks again, which
+the program replays (``zerocc/model_recomputation.py``). Both runs seed the
+global generator the same way before each step; the compiled step equals eager
+bit for bit, dropout on. Reentrant checkpointing is refused at its call.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+import zerocc
+from tests.reference import adamw, eager, eager_accumulated_step, mixed_eager_step
+
+
+class Checkpointed(nn.Module):
+    """Two blocks with dropout, each recomputed in backward."""
+
+    def __init__(self, use_reentrant: bool = False):
+        super().__init__()
+        self.use_reentrant = use_reentrant
+        self.embed = nn.Linear(8, 16)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Dropout(0.2), nn.Linear(32, 16), nn.Dropout(0.1))
+            for _ in range(2))
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x, y=None):
+        h = self.embed(x)
+        for block in self.blocks:
+            h = h + checkpoint(block, h, use_reentrant=self.use_reentrant)
+        prediction = self.head(F.dropout(h, 0.1, self.training))
+        return prediction if y is None else F.mse_loss(prediction, y)
+
+
+def batches(steps=3):
+    generator = torch.Generator().manual_seed(1)
+    return [(torch.randn(6, 8, generator=generator), torch.randn(6, 1, generator=generator)) for _ in range(steps)]
+
+
+def assert_trains_like_eager(build, stage, batches, call=lambda step, batch: step(*batch),
+                             eager_call=lambda model, optimizer, batch: eager(model, optimizer, *batch), **options):
+    torch.manual_seed(0)
+    reference = build()
+    torch.manual_seed(0)
+    model = build()
+    reference_optimizer = adamw(reference)
+    step = zerocc.compile(model, adamw(model), stage=stage, **options)
+    for number, batch in enumerate(batches):
+        torch.manual_seed(100 + number)
+        expected = eager_call(reference, reference_optimizer, batch)
+        torch.manual_seed(100 + number)
+        assert torch.equal(call(step, batch), expected), number
+    full = step.full_state_dict()
+    for key, value in reference.state_dict().items():
+        assert torch.equal(full[key], value), key
+    return step
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_checkpointed_blocks_with_dropout_train_bit_for_bit(stage):
+    assert_trains_like_eager(Checkpointed, stage, batches())
+
+
+def test_checkpointed_blocks_with_dropout_accumulate_micro_batches_bit_for_bit():
+    """Each micro-batch's recomputation replays its own forward's masks."""
+    assert_trains_like_eager(Checkpointed, 2, batches(), grad_accumulation=2,
+                             eager_call=lambda model, optimizer, batch: eager_accumulated_step(model, optimizer, None,
+                                                                                               batch, 2)[0])
+
+
+def test_checkpointed_blocks_with_dropout_in_bfloat16_train_like_hand_written_mixed_precision():
+    """Recomputed in bfloat16 from the parameters' bfloat16 copies, as the forward computed."""
+    assert_trains_like_eager(Checkpointed, 3, batches(), param_dtype=torch.bfloat16, loss_fn=F.mse_loss,
+                             eager_call=lambda model, optimizer, batch: mixed_eager_step(model, optimizer, F.mse_loss,
+                                                                                         batch, torch.bfloat16))
+
+
+def test_reentrant_checkpointing_is_refused_at_its_call_with_the_fix_and_the_module_keeps_working():
+    model = Checkpointed(use_reentrant=True)
+    step = zerocc.compile(model, adamw(model), stage=3)
+    with pytest.raises(zerocc.CaptureError, match=r"use_reentrant=True at .*test_model_recomputation\.py:\d+: "
+                                                  r"h = h \+ checkpoint\(block.*Pass use_reentrant=False"):
+        step(*batches(1)[0])
+    assert "apply" not in torch.utils.checkpoint.CheckpointFunction.__dict__   # PyTorch's own, restored
+    model(*batches(1)[0]).backward()   # eager still checkpoints reentrantly
+
+
+class DrawsSomethingElse(nn.Module):
+    """Its checkpointed function draws a dropout mask in forward and uniform noise when recomputed."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner, self.linear = nn.Linear(8, 8), nn.Linear(8, 1)
+        self.calls = 0
+
+    def noisy(self, x):
+        self.calls += 1
+        h = self.inner(x)
+        return F.dropout(h, 0.5) if self.calls % 2 else h * torch.rand_like(h)
+
+    def forward(self, x, y):
+        return F.mse_loss(self.linear(checkpoint(self.noisy, x, use_reentrant=False)), y)
+
+
+def test_a_recomputation_that_draws_other_random_numbers_is_refused_naming_both_lines():
+    model = DrawsSomethingElse()
+    step = zerocc.compile(model, adamw(model), stage=0)
+    with pytest.raises(zerocc.CaptureError, match=r"(?s)rewound the random generator.*drew with aten\.rand_like.*"
+                                                  r"test_model_recomputation\.py:\d+.*forward drew with "
+                                                  r"aten\.bernoulli.*preserve_rng_state=False"):
+        step(*batches(1)[0])
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_hugging_face_gradient_checkpointing_trains_bit_for_bit(stage):
+    transformers = pytest.importorskip("transformers")
+
+    def gpt2():   # dropout 0.1 in embeddings, attention and residuals (GPT2Config's defaults)
+        config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32)
+        model = transformers.GPT2LMHeadModel(config)
+        model.gradient_checkpointing_enable()   # non-reentrant, Hugging Face's default
+        return model.train()
+
+    generator = torch.Generator().manual_seed(1)
+    ids = [torch.randint(0, 64, (2, 16), generator=generator) for _ in range(3)]
+
+    def eager_call(model, optimizer, batch):
+        optimizer.zero_grad(set_to_none=True)
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        optimizer.step()
+        return loss.detach()
+
+    assert_trains_like_eager(gpt2, stage, ids, call=lambda step, batch: step(input_ids=batch, labels=batch),
+                             eager_call=eager_call)
