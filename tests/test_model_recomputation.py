@@ -16,7 +16,10 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import zerocc
-from tests.reference import adamw, eager, eager_accumulated_step, mixed_eager_step
+from torch.nn.parallel import DistributedDataParallel
+
+from tests import distributed
+from tests.reference import adamw, assert_ranks_match_ddp, eager, eager_accumulated_step, mixed_eager_step
 
 
 class Checkpointed(nn.Module):
@@ -80,6 +83,33 @@ def test_checkpointed_blocks_with_dropout_in_bfloat16_train_like_hand_written_mi
     assert_trains_like_eager(Checkpointed, 3, batches(), param_dtype=torch.bfloat16, loss_fn=F.mse_loss,
                              eager_call=lambda model, optimizer, batch: mixed_eager_step(model, optimizer, F.mse_loss,
                                                                                          batch, torch.bfloat16))
+
+
+def _checkpointed_per_rank(rank, world_size):
+    """Per rank, for stages 2 and 3: DDP's and the step's losses and final states, each step seeded alike."""
+    local = [tuple(t[rank * 3:(rank + 1) * 3] for t in batch) for batch in batches()]
+    results = {}
+    for stage in (2, 3):
+        torch.manual_seed(0)
+        reference = Checkpointed()
+        ddp, reference_optimizer = DistributedDataParallel(reference), adamw(reference)
+        torch.manual_seed(0)
+        model = Checkpointed()
+        step = zerocc.compile(model, adamw(model), stage=stage)
+        expected, got = [], []
+        for number, batch in enumerate(local):
+            torch.manual_seed(100 + number)
+            expected.append(eager(ddp, reference_optimizer, *batch))
+            torch.manual_seed(100 + number)
+            got.append(step(*batch))
+        results[f"stage {stage}"] = (expected, got, reference.state_dict(), step.full_state_dict())
+    return results
+
+
+@pytest.mark.multirank
+def test_checkpointed_blocks_with_dropout_sharded_across_ranks_match_ddp():
+    """At stage 3 the recomputation reads parameters gathered again in backward."""
+    assert_ranks_match_ddp(distributed.run(_checkpointed_per_rank, 2))
 
 
 def test_reentrant_checkpointing_is_refused_at_its_call_with_the_fix_and_the_module_keeps_working():
