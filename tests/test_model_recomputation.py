@@ -148,14 +148,27 @@ def test_a_recomputation_that_draws_other_random_numbers_is_refused_naming_both_
         step(*batches(1)[0])
 
 
-@pytest.mark.parametrize("stage", [0, 3])
-def test_hugging_face_gradient_checkpointing_trains_bit_for_bit(stage):
+def gpt2(transformers):   # dropout 0.1 in embeddings, attention and residuals (GPT2Config's defaults)
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64,
+                                                                n_positions=32))
+
+
+def llama(transformers):   # the dropout inside the attention kernel (scaled_dot_product_attention's dropout_p)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=64, max_position_embeddings=64, attention_dropout=0.1))
+
+
+@pytest.mark.parametrize("stage,architecture", [(0, gpt2), (3, gpt2), (3, llama)],
+                         ids=["gpt2-stage0", "gpt2-stage3", "llama-stage3"])
+def test_hugging_face_activation_checkpointing_trains_bit_for_bit(stage, architecture):
     transformers = pytest.importorskip("transformers")
 
-    def gpt2():   # dropout 0.1 in embeddings, attention and residuals (GPT2Config's defaults)
-        config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32)
-        model = transformers.GPT2LMHeadModel(config)
-        model.gradient_checkpointing_enable()   # non-reentrant, Hugging Face's default
+    def build():
+        model = architecture(transformers)
+        # transformers 5's name for it (gradient_checkpointing_enable before); non-reentrant by default
+        enable = getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)
+        enable()
         return model.train()
 
     generator = torch.Generator().manual_seed(1)
@@ -168,5 +181,5 @@ def test_hugging_face_gradient_checkpointing_trains_bit_for_bit(stage):
         optimizer.step()
         return loss.detach()
 
-    assert_trains_like_eager(gpt2, stage, ids, call=lambda step, batch: step(input_ids=batch, labels=batch),
+    assert_trains_like_eager(build, stage, ids, call=lambda step, batch: step(input_ids=batch, labels=batch),
                              eager_call=eager_call)

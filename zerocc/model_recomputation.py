@@ -1,6 +1,6 @@
 """A model's own activation checkpointing, traced as eager runs it.
 
-``torch.utils.checkpoint`` (and Hugging Face's ``gradient_checkpointing_enable``,
+``torch.utils.checkpoint`` (and Hugging Face's ``activation_checkpointing_enable``,
 built on it) saves the generator's state before a checkpointed forward and,
 when backward recomputes that forward, sets the state back, draws the same
 dropout masks again, and restores it. Those ``get_rng_state`` /
@@ -107,7 +107,7 @@ def _refuse_reentrant(*args, **kwargs):
         f"torch.utils.checkpoint with use_reentrant=True at {_where()}: reentrant checkpointing computes the "
         f"gradients of the parameters it recomputes by a backward of its own, which zerocc's differentiation of the "
         f"step (torch.autograd.grad) cannot collect. Pass use_reentrant=False (PyTorch's recommendation; Hugging "
-        f"Face: gradient_checkpointing_enable(gradient_checkpointing_kwargs={{'use_reentrant': False}}), its "
+        f"Face: activation_checkpointing_enable(activation_checkpointing_kwargs={{'use_reentrant': False}}), its "
         f"default)")
 
 
