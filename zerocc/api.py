@@ -33,6 +33,7 @@ from .passes.clip_gradients import GRAD_NORM_SLOT
 from .pipeline import DEFAULT_PREFETCH_BYTES, GraphSnapshot
 from .planning import communication, model_state_bytes
 from .precision import DynamicLossScale
+from .autocast import autocast_state, outside_autocast
 from .program_cache import INITIAL_STATE, CacheEntry, CacheKey, ProgramCache, input_signature
 from .runtime import failures
 from .runtime import slots as slot_store
@@ -319,7 +320,7 @@ class CompiledStep:
 
     def _cache_key(self, batch, layout: BatchLayout) -> CacheKey:
         return CacheKey(input_signature(batch, layout), self.state.state_key(),
-                        hyperparameter_signature(self.optimizer))
+                        hyperparameter_signature(self.optimizer), autocast_state())
 
     def _program_for(self, batch, layout) -> CacheEntry:
         key = self._cache_key(batch, layout)
@@ -329,8 +330,8 @@ class CompiledStep:
             self._say_which_settings_changed(key)
             started = time.perf_counter()
             # the user's MemTracker, profilers, global hooks (zerocc/user_tooling.py)
-            with suspended_user_tooling(), fewer_collections():
-                found = self._compile(batch, layout)
+            with suspended_user_tooling(), fewer_collections(), outside_autocast():
+                found = self._compile(batch, layout, autocast=key.autocast)
             self.compile_seconds += time.perf_counter() - started
             self.cache.entries[key] = found
             if key.state == INITIAL_STATE and (self.state.state_key() or found.reads_initial_state):
@@ -363,7 +364,7 @@ class CompiledStep:
                 self._warned_settings = True
                 return
 
-    def _compile(self, batch, layout: BatchLayout | None = None) -> CacheEntry:
+    def _compile(self, batch, layout: BatchLayout | None = None, autocast: tuple = ()) -> CacheEntry:
         """Capture the step on this batch, run the pipeline (``zerocc/driver.py``), build the program."""
         layout = layout or BatchLayout(len(batch))   # all positional
         state, options = self.state, self.options
@@ -376,7 +377,7 @@ class CompiledStep:
                 self.model, self.optimizer, batch, layout=layout, loss_fn=options.loss_fn,
                 num_targets=options.num_targets, fake_mode=fake_mode, optimizer_state=optimizer_state,
                 check_update_elementwise=options.stage != 0, parameter_shapes=state.released_shapes,
-                grad_accumulation=options.grad_accumulation, precision=options.precision)
+                grad_accumulation=options.grad_accumulation, precision=options.precision, autocast=autocast)
 
         # before the first step the step makes the optimizer's initial state itself, when it can learn it
         # (zerocc/optimizer_init.py): the first step then runs the steady state's program, one compile for both

@@ -33,6 +33,7 @@ from . import compile_stats
 from . import graph as g
 from . import decisions
 from .compile_stats import CompileStats
+from .autocast import autocast_as, autocast_state, outside_autocast
 from .batch import BatchLayout
 from .data_guards import DataGuard, GuardRecorder, recording
 from .errors import CaptureError, ConfigError, ZeroccError, raised_by_user_code, user_frame
@@ -131,9 +132,15 @@ def micro_batches(batch: Sequence[Any], count: int) -> list[list[Any]]:
 
 
 def capture(model: nn.Module, optimizer: torch.optim.Optimizer, inputs: Sequence[Any], **options) -> Captured:
-    """``trace_step`` without the user's dispatch modes and global hooks (``zerocc/user_tooling.py``)."""
-    with suspended_user_tooling():
-        return trace_step(model, optimizer, inputs, **options)
+    """``trace_step`` without the user's dispatch modes and global hooks (``zerocc/user_tooling.py``).
+
+    ``autocast`` is the caller's ``torch.autocast`` state (``zerocc/autocast.py``; the current one when not
+    given): the model and the loss are traced under it, everything else outside it.
+    """
+    autocast = options.pop("autocast", None)
+    autocast = autocast_state() if autocast is None else autocast
+    with suspended_user_tooling(), outside_autocast():
+        return trace_step(model, optimizer, inputs, autocast=autocast, **options)
 
 
 def _group_of_id(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[int, int]:
@@ -172,6 +179,7 @@ def trace_step(
     parameter_shapes: dict[str, tuple[int, ...]] | None = None,
     grad_accumulation: int = 1,
     precision: mixed.Precision | None = None,
+    autocast: tuple = (),
     layout: BatchLayout | None = None,
 ) -> Captured:
     """Trace one training step of ``model`` and ``optimizer`` on ``inputs``.
@@ -254,8 +262,9 @@ def trace_step(
             # Hugging Face's gradient_checkpointing_enable) calls the module again and must read them, not the
             # user's real parameters (they would be baked into the program as constants)
             with torch.enable_grad(), _reparametrize_module(model, tensors, tie_weights=True, strict=False):
-                output = model(*micro_inputs, **keyword)
-                loss = extract_loss(output, positional[num_model_inputs:], loss_fn)
+                with autocast_as(autocast):   # the caller's torch.autocast, as eager casts forward and loss
+                    output = model(*micro_inputs, **keyword)
+                    loss = extract_loss(output, positional[num_model_inputs:], loss_fn)
                 if precision is not None:
                     loss = loss.float()
                 if grad_accumulation > 1:

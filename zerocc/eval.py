@@ -23,6 +23,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from . import decisions
+from .autocast import autocast_as, autocast_state, outside_autocast
 from .batch import BatchLayout, check_batch
 from .program_cache import input_signature
 from .errors import CaptureError, ConfigError, RecompileWarning, ZeroccError, note_failing_node, user_frame
@@ -44,7 +45,8 @@ class EvalProgram:
         leaves = iter(pytree.tree_leaves(list(batch)))
         arguments = [slots[slot] if slot is not None else next(leaves) for slot in self.slots]
         try:
-            outputs = self.gm.forward(*arguments)   # not gm(): user module hooks stay out (user_tooling.py)
+            with outside_autocast():   # a caller's autocast is traced into the program (zerocc/autocast.py)
+                outputs = self.gm.forward(*arguments)   # not gm(): user module hooks stay out (user_tooling.py)
         except Exception as error:
             note_failing_node(error, self.gm, "eval_forward", batch)   # the user's line, not <eval_with_key>
             raise
@@ -62,11 +64,12 @@ def eval_forward(step, inputs: tuple, keyword_inputs: dict | None = None) -> Any
             "whose layout the first step(*batch) decides; call the step once (or, before training, evaluate "
             "the model itself: its parameters are intact until then)")
     check_batch(batch, layout, step.state.first_batch, where="eval_forward")
-    signature = input_signature(batch, layout)
+    autocast = autocast_state()   # the casts are traced into the program: its own program per state
+    signature = (input_signature(batch, layout), autocast)
     programs = step.eval_programs
     program = programs.get(signature)
     if program is None:
-        program = _compile(step, batch, layout)
+        program = _compile(step, batch, layout, autocast)
         programs[signature] = program
         if len(programs) > step.max_programs:
             dropped = next(iter(programs))
@@ -80,7 +83,7 @@ def eval_forward(step, inputs: tuple, keyword_inputs: dict | None = None) -> Any
         return program.run(step.state.slots, batch)
 
 
-def _compile(step, batch: list, layout: BatchLayout) -> EvalProgram:
+def _compile(step, batch: list, layout: BatchLayout, autocast: tuple = ()) -> EvalProgram:
     plan, captured, model = step.state.plan, step.state.captured, step.model
     in_plan = {segment.param for bucket in plan.buckets for segment in bucket.segments}
     loose = [info for index, info in enumerate(captured.params) if index not in in_plan]   # trained, but unused
@@ -97,7 +100,7 @@ def _compile(step, batch: list, layout: BatchLayout) -> EvalProgram:
             for segment in bucket.segments:
                 info = captured.params[segment.param]
                 by_name[info.name] = full[segment.offset:segment.offset + segment.numel].view(info.shape)
-        with torch.no_grad():
+        with torch.no_grad(), autocast_as(autocast):
             args, kwargs = layout.split(batch)
             output = torch.func.functional_call(model, by_name, tuple(args), kwargs, tie_weights=True, strict=False)
         opaque = {type(leaf).__name__ for leaf in pytree.tree_leaves(output)
@@ -115,7 +118,7 @@ def _compile(step, batch: list, layout: BatchLayout) -> EvalProgram:
     modes = {module: module.training for module in model.modules()}
     model.eval()
     try:
-        with suspended_user_tooling():   # zerocc/user_tooling.py
+        with suspended_user_tooling(), outside_autocast():   # zerocc/user_tooling.py, zerocc/autocast.py
             gm, spec = trace_functional(forward, arguments, fake_mode)
     except ZeroccError:
         raise

@@ -2,7 +2,8 @@
 
 A program is compiled for a ``CacheKey``: the batch's signature (shapes,
 dtypes, devices, Python values), the optimizer state's structure (none yet,
-or the steady state's) and the hyper-parameters baked into the graph. Each
+or the steady state's), the hyper-parameters baked into the graph and the
+caller's ``torch.autocast`` state (``zerocc/autocast.py``). Each
 ``CacheEntry`` holds the program, the decisions the passes made (``ctx``),
 the graph after every pass, and the peak of live bytes its first run
 measured. At most ``max_programs`` distinct programs are kept (the least
@@ -34,6 +35,7 @@ class CacheKey:
     signature: tuple          # input_signature of the batch
     state: tuple              # the optimizer-state slots the program reads (INITIAL_STATE before the first step)
     hyperparameters: tuple    # optimizer_step.hyperparameter_signature: values baked into the graph
+    autocast: tuple = ()      # autocast.autocast_state() at the call: the casts traced into forward and loss
 
 
 @dataclasses.dataclass

@@ -15,6 +15,7 @@ import torch
 import torch.fx as fx
 
 from .. import graph as g
+from ..autocast import outside_autocast
 from ..errors import note_failing_node
 from .arenas import Arenas, is_arena_slot
 from .release import releases_slots
@@ -54,7 +55,8 @@ class Program:
 
     def run(self, slots: dict[str, torch.Tensor], batch: list) -> torch.Tensor:
         try:
-            return self._run(slots, batch)
+            with outside_autocast():   # the casts a caller's autocast asked for are ops of the program (autocast.py)
+                return self._run(slots, batch)
         except Exception as error:
             note_failing_node(error, self.gm, "step", batch)   # the user's line, not <eval_with_key>
             raise

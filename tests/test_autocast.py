@@ -1,0 +1,90 @@
+"""A step called under ``torch.autocast``, as automatic-mixed-precision code calls its model.
+
+The eager reference is PyTorch's recommended pattern: forward and loss under
+autocast, backward and the optimizer's step outside it. The compiled step
+equals it bit for bit, and a call outside autocast (or under another dtype)
+compiles its own program, as eager would compute otherwise (``zerocc/autocast.py``).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import zerocc
+from tests.reference import adamw
+
+
+class Float32Router(nn.Module):
+    """A matmul kept in fp32 under the caller's autocast, as MoE routers and rotary embeddings keep theirs."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(32, 32) / 8)
+
+    def forward(self, x):
+        with torch.autocast("cpu", enabled=False):
+            return x + torch.softmax(x.float() @ self.weight, dim=-1).to(x.dtype)
+
+
+def build():
+    """bf16 matmuls under autocast, an fp32 layer norm (CPU autocast's fp32 list) and an fp32 matmul between."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.LayerNorm(32), Float32Router(), nn.Linear(32, 32),
+                         nn.GELU(), nn.Linear(32, 4))
+
+
+def batches(steps):
+    generator = torch.Generator().manual_seed(1)
+    return [(torch.randn(8, 16, generator=generator), torch.randint(0, 4, (8,), generator=generator))
+            for _ in range(steps)]
+
+
+def eager(model, optimizer, batch, dtype):
+    optimizer.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
+        loss = F.cross_entropy(model(batch[0]), batch[1])
+    loss.backward()
+    optimizer.step()
+    return loss.detach()
+
+
+@pytest.mark.parametrize("stage,memory_pools", [(0, None), (1, None), (3, None), (3, False)],
+                         ids=["stage0", "stage1", "stage3", "stage3-no-pools"])
+def test_a_step_under_autocast_trains_like_eager_and_outside_it_compiles_its_own_program(stage, memory_pools):
+    """Without pools the program calls functional aten ops, which autocast would cast again: it runs outside it."""
+    reference, model = build(), build()
+    reference_optimizer = adamw(reference)
+    step = zerocc.compile(model, adamw(model), stage=stage, loss_fn=F.cross_entropy, memory_pools=memory_pools)
+    # bf16, bf16, fp32 (no autocast), fp16, bf16: each state its own program, each step as eager's
+    for number, (batch, dtype) in enumerate(zip(batches(5), [torch.bfloat16, torch.bfloat16, None, torch.float16,
+                                                             torch.bfloat16])):
+        expected = eager(reference, reference_optimizer, batch, dtype)
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
+            got = step(*batch)
+        assert torch.equal(got, expected), (number, dtype)
+    full = step.full_state_dict()
+    for key, value in reference.state_dict().items():
+        assert torch.equal(full[key], value), key
+    assert len(step.cache.programs()) == 3
+
+
+def test_eval_forward_under_autocast_casts_as_eager_and_has_its_own_program():
+    reference, model = build(), build()
+    step = zerocc.compile(model, adamw(model), stage=3, loss_fn=F.cross_entropy)
+    step(*batches(1)[0])
+    eager(reference, adamw(reference), batches(1)[0], None)
+    x = batches(2)[1][0]
+    reference.eval()
+    with torch.no_grad():
+        plain = reference(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            cast = reference(x)
+    assert cast.dtype == torch.bfloat16
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(step.eval_forward(x), cast)
+    assert torch.equal(step.eval_forward(x), plain)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(step.eval_forward(x), cast)
+    assert len(step.eval_programs) == 2
