@@ -333,3 +333,29 @@ def test_stage_3_gather_modes_train_the_same_at_world_size_2():
         assert all(torch.equal(a, b) for a, b in zip(losses, kept_losses))
         assert all(torch.equal(state[k], kept_state[k]) for k in state)
         assert gathers == 2 * kept_gathers
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_switching_train_and_eval_between_steps_trains_as_eager_in_each_mode(stage):
+    """Dropout and batch norm's statistics are traced per mode: model.eval() between steps gets its own program."""
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    def model_with_modes():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Dropout(0.5), nn.Linear(16, 1))
+
+    reference, model = model_with_modes(), model_with_modes()
+    reference_optimizer = adamw(reference)
+    step = zerocc.compile(model, adamw(model), stage=stage, loss_fn=F.mse_loss)
+    generator = torch.Generator().manual_seed(1)
+    for number, mode in enumerate(["train", "eval", "eval", "train"]):
+        x, y = torch.randn(4, 8, generator=generator), torch.randn(4, 1, generator=generator)
+        getattr(model, mode)()
+        getattr(reference, mode)()
+        torch.manual_seed(number)
+        expected = eager_step(reference, reference_optimizer, F.mse_loss, (x, y))
+        torch.manual_seed(number)
+        assert torch.equal(step(x, y), expected), (number, mode)
+    assert_same_state(step, reference)
+    assert len(step.cache.programs()) == 2

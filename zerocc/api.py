@@ -34,7 +34,7 @@ from .pipeline import DEFAULT_PREFETCH_BYTES, GraphSnapshot
 from .planning import communication, model_state_bytes
 from .precision import DynamicLossScale
 from .autocast import autocast_state, outside_autocast
-from .program_cache import INITIAL_STATE, CacheEntry, CacheKey, ProgramCache, input_signature
+from .program_cache import INITIAL_STATE, CacheEntry, CacheKey, ProgramCache, input_signature, training_modes
 from .runtime import failures
 from .runtime import slots as slot_store
 from .runtime.arenas import Arenas
@@ -320,7 +320,7 @@ class CompiledStep:
 
     def _cache_key(self, batch, layout: BatchLayout) -> CacheKey:
         return CacheKey(input_signature(batch, layout), self.state.state_key(),
-                        hyperparameter_signature(self.optimizer), autocast_state())
+                        hyperparameter_signature(self.optimizer), autocast_state(), training_modes(self.model))
 
     def _program_for(self, batch, layout) -> CacheEntry:
         key = self._cache_key(batch, layout)

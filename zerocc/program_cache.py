@@ -3,7 +3,8 @@
 A program is compiled for a ``CacheKey``: the batch's signature (shapes,
 dtypes, devices, Python values), the optimizer state's structure (none yet,
 or the steady state's), the hyper-parameters baked into the graph and the
-caller's ``torch.autocast`` state (``zerocc/autocast.py``). Each
+caller's ``torch.autocast`` state (``zerocc/autocast.py``) and which modules
+are in training mode (``model.train()``/``model.eval()``: dropout, batch norm). Each
 ``CacheEntry`` holds the program, the decisions the passes made (``ctx``),
 the graph after every pass, and the peak of live bytes its first run
 measured. At most ``max_programs`` distinct programs are kept (the least
@@ -36,6 +37,7 @@ class CacheKey:
     state: tuple              # the optimizer-state slots the program reads (INITIAL_STATE before the first step)
     hyperparameters: tuple    # optimizer_step.hyperparameter_signature: values baked into the graph
     autocast: tuple = ()      # autocast.autocast_state() at the call: the casts traced into forward and loss
+    training: tuple = ()      # training_modes(model) at the call: dropout and batch norm are traced per mode
 
 
 @dataclasses.dataclass
@@ -46,6 +48,11 @@ class CacheEntry:
     history: list[GraphSnapshot]
     measured_peak_bytes: int | None = None   # live tensor bytes at the peak of its first run
     reads_initial_state: bool = False   # compiled before the first step over the optimizer state the step made
+
+
+def training_modes(model: torch.nn.Module) -> tuple[bool, ...]:
+    """Each module's ``training`` flag, in ``modules()`` order: a mode switch between calls gets its own program."""
+    return tuple(module.training for module in model.modules())
 
 
 def input_signature(batch, layout: BatchLayout) -> tuple:
