@@ -56,6 +56,30 @@ def test_add_param_group_after_the_first_step_is_refused_with_the_way_out():
         step(*data[1])
 
 
+@pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.parametrize("change", ["freeze", "unfreeze"])
+def test_freezing_or_unfreezing_after_the_first_step_is_refused_naming_the_parameter(stage, change):
+    """The step would go on training (or not training) it as compiled; eager would skip a frozen one."""
+    model, _, loss_fn = build("mlp")
+    first = next(model.parameters())
+    first.requires_grad_(change == "freeze")   # as compiled
+    step = zerocc.compile(model, adamw(model), stage=stage, loss_fn=loss_fn)
+    data = batches("mlp", 3, 4)
+    step(*data[0])
+    before = step.full_state_dict()
+    first.requires_grad_(change == "unfreeze")
+    name = next(name for name, _ in model.named_parameters())
+    then, now = ("trained", False) if change == "freeze" else ("frozen", True)
+    with pytest.raises(zerocc.ConfigError, match=rf"requires_grad changed after the step's first call for 1 "
+                                                 rf"parameter\(s\): '{name}' \({then} then, requires_grad={now} now\)"
+                                                 r".*own param group from the start and set that group's lr to 0"):
+        step(*data[1])
+    after = step.full_state_dict()
+    assert all(torch.equal(after[key], value) for key, value in before.items())   # the refused call changed nothing
+    first.requires_grad_(change == "freeze")   # as compiled again: the step trains on
+    step(*data[2])
+
+
 @pytest.mark.parametrize("method", ["report", "explain"])
 def test_report_and_explain_without_a_memory_plan(method):
     step, _, _ = compiled_mlp(stage=0, disable=["plan_memory"])

@@ -41,7 +41,8 @@ from .runtime.arenas import Arenas
 from .runtime.memory import LiveBytesTracker
 from .runtime.process_group import Ranks, resolve
 from .runtime.program import Program
-from .step_state import StepState, check_param_groups_unchanged, param_groups_of
+from .step_state import (StepState, check_param_groups_unchanged, check_requires_grad_unchanged, param_groups_of,
+                         requires_grad_of)
 from .tracing import make_fake_mode
 from .user_tooling import suspended_user_tooling
 
@@ -235,6 +236,7 @@ class CompiledStep:
         check_batch(batch, layout, state.first_batch)   # dtypes, devices, requires_grad: before any program runs
         if state.param_groups is not None:
             check_param_groups_unchanged(state.param_groups, self.optimizer)
+            check_requires_grad_unchanged(state.requires_grad, self.model)
         with self._undone_if_first_call_fails(), \
                 failures.collective_failures(self.ranks, state.steps + 1, self.options.timeout):
             # every call: a rank whose batch changed shape would compile while the others run a cached program
@@ -242,6 +244,7 @@ class CompiledStep:
             entry = self._program_for(batch, layout)   # compiling compares the program across ranks
             if state.param_groups is None:
                 state.param_groups = param_groups_of(self.optimizer)   # what the buckets are laid out for
+                state.requires_grad = requires_grad_of(self.model)   # what is trained, what is kept frozen
                 state.first_batch = FirstBatch.of(batch, layout)   # what later batches are checked against
             for (group_index, name), value in zip(live_layout(self.optimizer), live_settings(self.optimizer)):
                 state.slots[decisions.setting_slot(group_index, name)] = value

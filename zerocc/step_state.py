@@ -40,6 +40,7 @@ class StepState:
         self.released_shapes: dict[str, tuple[int, ...]] = {}   # parameters the user's module holds as (0,)
         self.initial_scaler = scaler                     # the loss scale before the first compile (or a loaded one)
         self.param_groups: tuple[tuple[int, ...], ...] | None = None   # param_groups_of at the first call
+        self.requires_grad: tuple[tuple[str, bool], ...] | None = None   # requires_grad_of at the first call
         self.first_batch: FirstBatch | None = None       # zerocc/batch.py: later batches keep its dtypes and devices
         self.full_model_depth = 0                        # inside step.full_model(): the module holds whole parameters
         self.reading_model_keys = False                  # model.state_dict() called for its keys only
@@ -78,7 +79,7 @@ class StepState:
     def reset(self) -> None:
         """Back to before the first compile (a first call that failed): the user's objects hold everything."""
         self.slots = self.plan = self.captured = self.state_signature = None
-        self.param_groups = self.first_batch = None
+        self.param_groups = self.first_batch = self.requires_grad = None
         self.released_shapes = {}
 
 
@@ -99,3 +100,23 @@ def check_param_groups_unchanged(compiled_for: tuple[tuple[int, ...], ...], opti
         "the first ones. Add every param group before the first step; to train other parameters later (e.g. "
         "unfreezing), save a checkpoint, build a new optimizer over all of them and compile a new step. To "
         "keep a parameter frozen for a while, give it lr=0 in its own group from the start")
+
+
+def requires_grad_of(model: torch.nn.Module) -> tuple[tuple[str, bool], ...]:
+    """Each parameter's name and ``requires_grad``: which ones the step trains and which it keeps frozen."""
+    return tuple((name, p.requires_grad) for name, p in model.named_parameters())
+
+
+def check_requires_grad_unchanged(compiled_for: tuple[tuple[str, bool], ...], model: torch.nn.Module) -> None:
+    """Freezing or unfreezing a parameter after the first step is refused: the step would go on as it was compiled."""
+    now = requires_grad_of(model)
+    if now == compiled_for:
+        return
+    changed = [f"'{name}' ({'trained' if before else 'frozen'} then, requires_grad={after} now)"
+               for (name, before), (_, after) in zip(compiled_for, now) if before != after]
+    raise ConfigError(
+        f"requires_grad changed after the step's first call for {len(changed)} parameter(s): "
+        f"{', '.join(changed[:4])}{', ...' if len(changed) > 4 else ''}. The step trains the parameters that "
+        "required grad at its first call and would go on training them (eager would skip a frozen one). To "
+        "freeze a parameter for a while, put it in its own param group from the start and set that group's lr "
+        "to 0; to change which parameters train, save a checkpoint, build a new optimizer and compile a new step")
