@@ -197,3 +197,30 @@ def test_a_module_hook_that_only_observes_leaves_the_step_as_eager():
     model[0].register_forward_hook(lambda module, inputs, output: shapes.append(tuple(output.shape)))
     train_both(model, stage=0)
     assert (4, 16) in shapes
+
+
+@pytest.mark.parametrize("wrapped", ["model", "block"])
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_model_or_block_wrapped_in_torch_compile_is_traced_through_its_own_code(stage, wrapped):
+    """torch.compile(model), or per block as torchtitan does: dynamo inlines it in the trace, bit for bit with eager."""
+    model, reference = mlp(), mlp()   # the reference runs eagerly: torch.compile's kernels round otherwise
+    if wrapped == "model":
+        model = torch.compile(model)
+    else:
+        model[0] = torch.compile(model[0])
+    step = zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=0.1), stage=stage, loss_fn=F.mse_loss)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.1)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x, y = torch.randn(4, 12, generator=generator), torch.randn(4, 5, generator=generator)
+        reference_optimizer.zero_grad(set_to_none=True)
+        expected = F.mse_loss(reference(x), y)
+        expected.backward()
+        reference_optimizer.step()
+        assert torch.equal(step(x, y), expected.detach())
+    full = {key.replace("_orig_mod.", ""): value for key, value in step.full_state_dict().items()}
+    assert full.keys() == reference.state_dict().keys()
+    assert all(torch.equal(full[key], value) for key, value in reference.state_dict().items())
+    reference.eval()
+    with torch.no_grad():
+        assert torch.equal(step.eval_forward(x), reference(x))

@@ -126,7 +126,9 @@ def trace_functional(fn: Callable[..., Any], args: tuple, fake_mode: FakeTensorM
 
     # lazy graph modules (zerocc/pipeline.py's deferring_codegen): capture and every pass call recompile(),
     # and the step's Python is made once, when it first runs
-    with stats.timed(compile_stats.TRACE), fake_mode, eager_composites(), _use_lazy_graph_module(True):
+    # a module the user wrapped in torch.compile runs its own code inside the trace (dynamo inlines it)
+    with stats.timed(compile_stats.TRACE), fake_mode, eager_composites(), _use_lazy_graph_module(True), \
+            torch._dynamo.config.patch(error_on_nested_fx_trace=False):
         first = make_fx(flat_fn, record_stack_traces=True)(*flat_args)
     if _is_functional(first):   # nothing to remove: the replay would rebuild the same graph (half the cost)
         _remove_profiler_nodes(first)
