@@ -264,3 +264,51 @@ def test_compile_after_eager_steps_continues_exactly():
         assert torch.equal(step(*batch), eager_step(reference, reference_optimizer, loss_fn, batch))
     for key, value in reference.state_dict().items():
         assert torch.equal(step.full_state_dict()[key], value), key
+
+
+class TransposedDropout(torch.nn.Module):
+    """Dropout on a transposed tensor: eager draws its mask in place, in the tensor's memory order."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear, self.head = torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)
+
+    def forward(self, x):   # x: (length, batch, 8) -> dropout on the (batch, length, 8) view
+        return self.head(torch.nn.functional.dropout(self.linear(x).transpose(0, 1), 0.3)).mean(1)
+
+
+class EncoderLayers(torch.nn.Module):
+    """nn.TransformerEncoder with batch_first: its dropouts act on MultiheadAttention's transposed output."""
+
+    def __init__(self):
+        super().__init__()
+        layer = torch.nn.TransformerEncoderLayer(8, 2, 16, dropout=0.1, batch_first=True, norm_first=True)
+        self.encoder = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = torch.nn.Linear(8, 1)
+
+    def forward(self, x):
+        padding = torch.zeros(x.shape[:2], dtype=torch.bool)
+        padding[:, -2:] = True
+        return self.head(self.encoder(x, src_key_padding_mask=padding).mean(1))
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.parametrize("architecture", [TransposedDropout, EncoderLayers], ids=["transposed", "encoder"])
+def test_dropout_on_a_transposed_tensor_draws_eagers_mask(architecture, stage):
+    """Functionalized, eager's in-place draw became a contiguous one: the same numbers on other elements."""
+    def built():
+        torch.manual_seed(0)
+        return architecture()
+    reference, model = built(), built()
+    reference_optimizer = adamw(reference)
+    step = zerocc.compile(model, adamw(model), stage=stage, loss_fn=torch.nn.functional.mse_loss)
+    generator = torch.Generator().manual_seed(1)
+    for number in range(3):
+        batch = (torch.randn(6, 4, 8, generator=generator), torch.randn(6 if architecture is EncoderLayers else 4, 1,
+                                                                        generator=generator))
+        torch.manual_seed(100 + number)
+        expected = eager_step(reference, reference_optimizer, torch.nn.functional.mse_loss, batch)
+        torch.manual_seed(100 + number)
+        assert torch.equal(step(*batch), expected), number
+    for key, value in reference.state_dict().items():
+        assert torch.equal(step.full_state_dict()[key], value), key

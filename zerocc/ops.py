@@ -5,6 +5,8 @@ running-statistics update made visible: eager PyTorch updates the running
 mean and variance inside the kernel without saying so in the op's schema, so
 functionalization would not see it. This op returns the new statistics
 instead, and runs the very same kernel, so numerics are unchanged.
+``zerocc::bernoulli_in_layout`` draws a dropout mask in its input's memory
+order, as eager's in-place draw does (below).
 """
 from __future__ import annotations
 
@@ -38,6 +40,28 @@ def _batch_norm_with_stats_fake(input, weight, bias, running_mean, running_var, 
 
 
 batch_norm_with_stats = torch.ops.zerocc.batch_norm_with_stats.default
+
+
+# ``zerocc::bernoulli_in_layout`` is ``aten.bernoulli.p`` whose result keeps its input's strides. Eager's dropout
+# on CPU draws its mask in place, ``empty_like(x).bernoulli_(1 - p)``, in the memory order of ``x``;
+# functionalization turns that into ``bernoulli.p(empty_like(x))``, whose result is contiguous: on a transposed
+# ``x`` (nn.MultiheadAttention's batch_first output) the same random numbers land on other elements.
+_lib.define("bernoulli_in_layout(Tensor self, float p) -> Tensor", tags=(torch.Tag.nondeterministic_seeded,))
+
+
+def _bernoulli_in_layout(self, p):
+    return torch.empty_like(self).bernoulli_(p)
+
+
+_lib.impl("bernoulli_in_layout", _bernoulli_in_layout, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("zerocc::bernoulli_in_layout")
+def _bernoulli_in_layout_fake(self, p):
+    return torch.empty_like(self)
+
+
+bernoulli_in_layout = torch.ops.zerocc.bernoulli_in_layout.default
 
 
 # Communication markers -------------------------------------------------------

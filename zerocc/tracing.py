@@ -29,7 +29,7 @@ from . import compile_stats, fake_kernels
 from . import graph as g
 from .compile_stats import CompileStats
 from .data_guards import GuardedShapeEnv
-from .ops import batch_norm_with_stats
+from .ops import batch_norm_with_stats, bernoulli_in_layout
 
 aten = torch.ops.aten
 
@@ -145,6 +145,7 @@ def trace_functional(fn: Callable[..., Any], args: tuple, fake_mode: FakeTensorM
         gm = make_fx(torch.func.functionalize(replay, remove="mutations"))(*detached)
     gm.meta[g.WRITTEN_INPUTS] = written_inputs(first)
     gm.meta[g.WRITTEN_CONSTANTS] = written_constants(first)
+    _draw_masks_in_layout(gm, fake_mode)
     _remove_trailing_input_copies(gm)
     _remove_profiler_nodes(gm)
     gm.graph.eliminate_dead_code()
@@ -193,6 +194,22 @@ def _is_functional(gm: fx.GraphModule) -> bool:
         if any(r.alias_info is not None and r.alias_info.is_write for r in node.target._schema.returns):
             return False
     return True
+
+
+def _draw_masks_in_layout(gm: fx.GraphModule, fake_mode: FakeTensorMode) -> None:
+    """``bernoulli.p`` of a strided tensor -> ``zerocc::bernoulli_in_layout``: the mask drawn in eager's memory order.
+
+    Functionalization replays eager's in-place ``empty_like(x).bernoulli_(q)`` as ``bernoulli.p``, whose
+    result is contiguous; where ``x`` is not, eager's numbers fill another order (``zerocc/ops.py``).
+    """
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target is not aten.bernoulli.p:
+            continue
+        like = node.args[0].meta.get(g.VAL) if isinstance(node.args[0], fx.Node) else None
+        if isinstance(like, torch.Tensor) and not like.is_contiguous():
+            node.target = bernoulli_in_layout
+            with fake_mode:
+                node.meta[g.VAL] = torch.empty_like(like)
 
 
 def _remove_trailing_input_copies(gm: fx.GraphModule) -> None:
