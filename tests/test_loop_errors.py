@@ -80,6 +80,17 @@ def test_freezing_or_unfreezing_after_the_first_step_is_refused_naming_the_param
     step(*data[2])
 
 
+def test_a_training_step_under_inference_mode_is_refused_and_eval_forward_runs_there():
+    step, _, _ = compiled_mlp(stage=3)
+    data = batches("mlp", 2, 4)
+    with torch.inference_mode(), pytest.raises(zerocc.ConfigError, match=r"called under torch.inference_mode\(\).*"
+                                                                         r"use step.eval_forward"):
+        step(*data[0])
+    step(*data[0])   # the refused first call left nothing half done
+    with torch.inference_mode():
+        assert step.eval_forward(data[1][0]).shape == data[1][1].shape
+
+
 @pytest.mark.parametrize("method", ["report", "explain"])
 def test_report_and_explain_without_a_memory_plan(method):
     step, _, _ = compiled_mlp(stage=0, disable=["plan_memory"])

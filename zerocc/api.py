@@ -230,6 +230,10 @@ class CompiledStep:
 
     # -- the step ----------------------------------------------------------------
     def __call__(self, *inputs, **keyword_inputs):
+        if torch.is_inference_mode_enabled():
+            raise ConfigError("the training step was called under torch.inference_mode(), where no gradient can be "
+                              "computed (eager's loss.backward() fails there too): call it outside inference_mode; "
+                              "to evaluate, use step.eval_forward(...)")
         layout = BatchLayout.of(inputs, keyword_inputs)
         batch = layout.flatten(inputs, keyword_inputs)   # zerocc/batch.py: the program reads one flat list
         state = self.state
