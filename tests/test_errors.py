@@ -105,6 +105,33 @@ def test_model_without_a_loss_asks_for_loss_fn():
         step(batches("mlp", 1, 4)[0][0])
 
 
+def test_a_model_returning_its_loss_in_a_tuple_is_told_which_item_and_how():
+    """Hugging Face models with return_dict=False return (loss, logits, ...); the hint it gives trains."""
+    class LossAndOutput(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(8, 1)
+
+        def forward(self, x, y):
+            out = self.linear(x)
+            return F.mse_loss(out, y), out
+
+    model = LossAndOutput()
+    step = zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), stage=0)
+    x, y = torch.randn(4, 8), torch.randn(4, 1)
+    with pytest.raises(zerocc.CaptureError, match=r"the model returned tuple.*its item 0 is a scalar.*"
+                                                  r"loss_fn=lambda output: output\[0\], num_targets=0"):
+        step(x, y)
+    torch.manual_seed(0)
+    hinted, reference = LossAndOutput(), LossAndOutput()
+    reference.load_state_dict(hinted.state_dict())
+    step = zerocc.compile(hinted, torch.optim.SGD(hinted.parameters(), lr=0.1), stage=0,
+                          loss_fn=lambda output: output[0], num_targets=0)
+    expected, _ = reference(x, y)
+    expected.backward()
+    assert torch.equal(step(x, y), expected.detach())
+
+
 def test_nothing_to_train():
     model = MLP().requires_grad_(False)
     step = zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), stage=3, loss_fn=F.mse_loss)

@@ -105,8 +105,12 @@ def extract_loss(output: Any, targets: Sequence[Any], loss_fn: Callable | None) 
     if isinstance(output, torch.Tensor) and output.dim() == 0:
         return output
     got = f"a tensor of shape {tuple(output.shape)}" if isinstance(output, torch.Tensor) else type(output).__name__
+    scalars = [i for i, item in enumerate(output) if isinstance(item, torch.Tensor) and item.dim() == 0] \
+        if isinstance(output, (tuple, list)) else []
+    hint = (f" (its item {scalars[0]} is a scalar: if that is the loss, as in a Hugging Face model's "
+            f"return_dict=False output, pass loss_fn=lambda output: output[{scalars[0]}], num_targets=0)") if scalars else ""
     raise CaptureError(
-        f"the model returned {got}, not a scalar loss or an object with a scalar 'loss' entry; "
+        f"the model returned {got}, not a scalar loss or an object with a scalar 'loss' entry{hint}; "
         "pass loss_fn=... to zerocc.compile (it is called as loss_fn(output, *targets), the targets being the "
         "last num_targets arguments of the step)"
     )
