@@ -320,3 +320,91 @@ def _two_ranks_default(rank, world_size):
 def test_by_default_the_planned_peak_is_the_measured_peak_within_3_percent_at_world_size_2():
     for peaks in distributed.run(_two_ranks_default, 2):
         _within_3_percent(peaks)
+
+
+# -- out= kernels that use their output as scratch (analysis/kernels.py's SCRATCH_OUT) ----------------------
+
+def _resizes_its_output(packet, args, capfd) -> bool:
+    """Whether ``packet.out`` given an output of the right shape resizes it (PyTorch warns on stderr)."""
+    results = packet.default(*args)
+    results = results if isinstance(results, tuple) else (results,)
+    out = packet.out if "out" in packet.overloads() else getattr(packet, packet.overloads()[-1])
+    names = [argument.name for argument in out._schema.arguments if argument.is_out]
+    capfd.readouterr()
+    out(*args, **{name: torch.empty_like(result) for name, result in zip(names, results)})
+    return "was resized" in capfd.readouterr().err
+
+
+def _kernels_tried():
+    aten = torch.ops.aten
+    a, b, labels = torch.rand(64, 3), torch.rand(64, 3), torch.zeros(64, dtype=torch.long)
+    scratch = {aten.mse_loss: (a, b), aten.smooth_l1_loss: (a, b), aten.huber_loss: (a, b),
+               aten.soft_margin_loss: (a, b), aten.binary_cross_entropy: (a.clamp(0.01, 0.99), b)}
+    clean = {aten.multi_margin_loss: (a, labels), aten.multilabel_margin_loss: (a, torch.zeros(64, 3, dtype=torch.long)),
+             aten.sum: (a,), aten.logsumexp: (a, [1]), aten.linalg_vector_norm: (a,), aten.dist: (a, b),
+             aten.prod: (a,), aten.amax: (a, [1]), aten.nll_loss_forward: (a.log_softmax(1), labels, None, 1, -100),
+             aten.mm: (a, b.t())}
+    return scratch, clean
+
+
+def test_the_kernels_that_resize_their_output_get_no_out_variant_and_the_others_keep_theirs(capfd):
+    from zerocc.analysis.kernels import SCRATCH_OUT
+    scratch, clean = _kernels_tried()
+    assert {packet.default for packet in scratch} == SCRATCH_OUT
+    for packet, args in scratch.items():
+        assert _resizes_its_output(packet, args, capfd), packet   # still true of this PyTorch: else drop it
+        assert out_variant(packet.default) is None
+    for packet, args in clean.items():
+        assert not _resizes_its_output(packet, args, capfd), packet
+    assert out_variant(torch.ops.aten.nll_loss_forward.default) is not None
+
+
+def test_an_op_that_moves_an_arena_is_caught_after_the_run():
+    """The resize of a view at an arena's end reallocates the whole arena: the step raises instead of going on."""
+    from zerocc.runtime.arenas import Arenas
+    arenas = Arenas()
+    arenas.fit("arena:activations", 256, torch.device("cpu"))
+    before = arenas.addresses()
+    last = arena_view(arenas["arena:activations"], 192, (), (), torch.float32)
+    torch.ops.aten.mse_loss.out(torch.rand(64, 3), torch.rand(64, 3), out=last)
+    with pytest.raises(RuntimeError, match=r"reallocated the memory arena\(s\) arena:activations.*SCRATCH_OUT"):
+        arenas.check_unmoved(before)
+
+
+def test_a_recomputed_mse_loss_under_a_budget_is_not_placed_in_an_arena(capfd):
+    """Remat copies the loss into backward (dropout masks cannot be recomputed, the loss can), where pools place
+    it: it used to go through mse_loss.out."""
+    class Blocks(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Dropout(0.1),
+                                                      nn.Linear(256, 64)) for _ in range(4))
+            self.head = nn.Linear(64, 1)
+
+        def forward(self, x, y):
+            for block in self.blocks:
+                x = x + block(x)
+            return F.mse_loss(self.head(x), y)
+
+    def built():
+        torch.manual_seed(0)
+        return Blocks()
+    generator = torch.Generator().manual_seed(1)
+    data = [(torch.randn(2048, 64, generator=generator), torch.randn(2048, 1, generator=generator)) for _ in range(2)]
+    model = built()
+    unbudgeted = zerocc.compile(model, adamw(model), stage=3)
+    unbudgeted(*data[0])
+    planned = unbudgeted.report()["planned_peak_bytes"]
+    reference, model = built(), built()
+    reference_optimizer = adamw(reference)
+    step = zerocc.compile(model, adamw(model), stage=3, memory_budget=int(planned * 0.95))
+    capfd.readouterr()
+    for number, batch in enumerate(data):
+        torch.manual_seed(100 + number)
+        expected = eager_step(reference, reference_optimizer, None, batch)
+        torch.manual_seed(100 + number)
+        assert torch.equal(step(*batch), expected)
+    assert "was resized" not in capfd.readouterr().err
+    assert step.remat_plan.recomputed
+    targets = {node.target for node in step.graph("place_buffers").graph_module.graph.nodes}
+    assert torch.ops.aten.mse_loss.default in targets and torch.ops.aten.mse_loss.out not in targets

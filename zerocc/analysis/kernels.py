@@ -20,6 +20,18 @@ COLLECTIVE_OUT = {
 
 _BACKEND_KEY = {"cpu": "CPU", "cuda": "CUDA"}
 
+aten = torch.ops.aten
+
+# Ops whose out= kernel resizes its ``out`` to the inputs' shape as scratch before reducing into it (PyTorch's
+# "An output with one or more elements was resized" warning). Given a view of an arena, that resize grows the
+# arena's storage when the view sits near its end: the whole arena moves, and memory that collectives in flight
+# still write is freed. Their results go to PyTorch's allocator instead. tests/test_memory_pools.py checks the
+# list against the kernels: each still resizes, and the other loss and reduction kernels tried do not.
+SCRATCH_OUT = frozenset({
+    aten.mse_loss.default, aten.smooth_l1_loss.default, aten.huber_loss.default, aten.soft_margin_loss.default,
+    aten.binary_cross_entropy.default,
+})
+
 
 @functools.cache
 def has_backend_kernel(op: torch._ops.OpOverload, device: torch.device) -> bool:
@@ -33,10 +45,13 @@ def out_variant(op: torch._ops.OpOverload) -> tuple[torch._ops.OpOverload, tuple
     """The overload of ``op`` that writes its results into given tensors, and the names of those arguments.
 
     It must take the same arguments as ``op`` (names and types) plus one
-    ``out`` argument per result, as ``aten.mm.out`` does for ``aten.mm``.
+    ``out`` argument per result, as ``aten.mm.out`` does for ``aten.mm``;
+    ops in ``SCRATCH_OUT`` have none to use.
     """
     if op in COLLECTIVE_OUT:
         return COLLECTIVE_OUT[op], ("out",)
+    if op in SCRATCH_OUT:
+        return None
     schema = op._schema
     if not schema.returns or any(r.alias_info is not None or str(r.type) != "Tensor" for r in schema.returns):
         return None

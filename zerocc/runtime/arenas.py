@@ -50,6 +50,19 @@ class Arenas:
     def __getitem__(self, slot: str) -> torch.Tensor:
         return self._tensors[slot]
 
+    def addresses(self) -> dict[str, int]:
+        """Where each arena's memory is: an op that resized a view of it past its end would have moved it."""
+        return {slot: t.untyped_storage().data_ptr() for slot, t in self._tensors.items()}
+
+    def check_unmoved(self, addresses: dict[str, int]) -> None:
+        """Raise if a program's op reallocated an arena (freeing memory collectives in flight may still write)."""
+        moved = [slot for slot, address in self.addresses().items() if addresses.get(slot, address) != address]
+        if moved:
+            raise RuntimeError(
+                f"zerocc: an op reallocated the memory arena(s) {', '.join(moved)} while the step ran: an out= kernel "
+                "resized its output (a view of the arena) past the arena's end. This is a zerocc bug: the op belongs "
+                "in analysis/kernels.py's SCRATCH_OUT. Run with memory_pools=False meanwhile")
+
     def tensors(self) -> list[torch.Tensor]:
         return list(self._tensors.values())
 

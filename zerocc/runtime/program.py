@@ -64,6 +64,7 @@ class Program:
     def _run(self, slots: dict[str, torch.Tensor], batch: list) -> torch.Tensor:
         for slot, nbytes, device in self.arena_sizes:   # another program may have run since
             self.arenas.fit(slot, nbytes, device)
+        addresses = self.arenas.addresses()
         arguments = []
         for slot, position in zip(self.argument_slots, self.input_positions):
             if slot is None:
@@ -93,6 +94,7 @@ class Program:
                                    f"{', ...' if len(dropped) > 3 else ''}) are gone and the step cannot go on; "
                                    "load a checkpoint")
                 raise
+        self.arenas.check_unmoved(addresses)
         for slot, value in zip(self.output_slots, results):
             slots[slot] = value
         return loss
