@@ -108,6 +108,40 @@ def test_capture_leaves_every_tensor_reachable_from_the_model_and_optimizer_unto
     assert not changed
 
 
+class LazyCache(nn.Module):
+    """Builds a tensor attribute on its first call (and again for a new batch size), as position caches do."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 1)
+        self.cache = None
+
+    def forward(self, x):
+        if self.cache is None or self.cache.shape[0] != x.shape[0]:
+            self.cache = torch.linspace(0, 1, x.shape[0]).unsqueeze(1)
+        return self.linear(x) + self.cache
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_an_attribute_forward_sets_is_traced_and_not_left_fake_on_the_module(stage):
+    torch.manual_seed(0)
+    model, reference = LazyCache(), LazyCache()
+    reference.load_state_dict(model.state_dict())
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.1)
+    step = zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=0.1), stage=stage, loss_fn=F.mse_loss)
+    generator = torch.Generator().manual_seed(1)
+    for rows in (4, 6, 4):
+        x, y = torch.randn(rows, 8, generator=generator), torch.randn(rows, 1, generator=generator)
+        reference_optimizer.zero_grad(set_to_none=True)
+        expected = F.mse_loss(reference(x), y)
+        expected.backward()
+        reference_optimizer.step()
+        assert torch.equal(step(x, y), expected.detach())
+    assert model.cache is None   # as before compiling: the programs hold what the traces computed
+    assert torch.equal(step.eval_forward(x), reference.eval()(x).detach())
+    assert model.cache is None
+
+
 # -- the user's tools and hooks ----------------------------------------------------------
 
 def mlp():

@@ -95,6 +95,28 @@ def make_fake_mode() -> FakeTensorMode:
     return fake_mode
 
 
+@contextlib.contextmanager
+def no_traced_values_left(model: torch.nn.Module):
+    """Attributes a traced forward set to traced values (a cache built on first call) are put back after the trace.
+
+    ``self.cache = torch.arange(n)`` in forward runs on fake tensors while tracing and would leave a fake tensor
+    on the user's module, which a later eager call would compute with. Each such attribute gets back the value
+    it had before the trace, or is removed if the trace created it; the program holds what the trace computed.
+    """
+    before = {id(module): dict(vars(module)) for module in model.modules()}
+    try:
+        yield
+    finally:
+        for module in model.modules():
+            old = before.get(id(module), {})
+            for name, value in list(vars(module).items()):
+                if any(isinstance(leaf, FakeTensor) for leaf in pytree.tree_leaves(value)):
+                    if name in old:
+                        setattr(module, name, old[name])
+                    else:
+                        delattr(module, name)
+
+
 def fakeify(fake_mode: FakeTensorMode, tree: Any) -> Any:
     """Fake copies of every tensor in a pytree (requires_grad kept, shapes static)."""
     def convert(value):
