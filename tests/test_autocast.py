@@ -11,9 +11,11 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
 
 import zerocc
-from tests.reference import adamw
+from tests import distributed
+from tests.reference import adamw, assert_ranks_match_ddp
 
 
 class Float32Router(nn.Module):
@@ -88,3 +90,24 @@ def test_eval_forward_under_autocast_casts_as_eager_and_has_its_own_program():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert torch.equal(step.eval_forward(x), cast)
     assert len(step.eval_programs) == 2
+
+
+def _under_autocast_per_rank(rank, world_size):
+    """Per rank: DDP's and the step's losses and final states, both stepping under bf16 autocast."""
+    local = [(x[rank * 4:(rank + 1) * 4], y[rank * 4:(rank + 1) * 4]) for x, y in
+             [(torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g))
+              for g in [torch.Generator().manual_seed(seed) for seed in range(3)]]]
+    reference, model = build(), build()
+    ddp, reference_optimizer = DistributedDataParallel(reference), adamw(reference)
+    step = zerocc.compile(model, adamw(model), stage=3, loss_fn=F.cross_entropy)
+    expected, got = [], []
+    for batch in local:
+        expected.append(eager(ddp, reference_optimizer, batch, torch.bfloat16))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got.append(step(*batch))
+    return {"stage 3 under autocast": (expected, got, reference.state_dict(), step.full_state_dict())}
+
+
+@pytest.mark.multirank
+def test_a_step_under_autocast_sharded_across_ranks_matches_ddp():
+    assert_ranks_match_ddp(distributed.run(_under_autocast_per_rank, 2))
