@@ -251,36 +251,33 @@ def trace_step(
             tensors[info.name] = value
         for info, value in zip(buffer_infos, buffers):
             tensors[info.name] = value
-        with traced_recomputation():   # the model's checkpointing replays its dropout masks (model_recomputation.py)
-            return accumulated(tensors, computed, params, batch, loss_scale, buffers)
-
-    def accumulated(tensors, computed, params, batch, loss_scale, buffers):
         total, grads = None, None
-        for micro in micro_batches(batch, grad_accumulation):
-            positional, keyword = layout.split(micro)
-            micro_inputs = tuple(positional[:num_model_inputs])
-            if precision is not None:   # the model's floating inputs in param_dtype too
-                cast = mixed.compute_values(precision, (), (), (*micro_inputs, *keyword.values()))[2]
-                micro_inputs, keyword = tuple(cast[:num_model_inputs]), dict(zip(keyword, cast[num_model_inputs:]))
-            # the traced tensors stay the module's through backward: a recomputation there (torch.utils.checkpoint,
-            # Hugging Face's gradient_checkpointing_enable) calls the module again and must read them, not the
-            # user's real parameters (they would be baked into the program as constants)
-            with torch.enable_grad(), _reparametrize_module(model, tensors, tie_weights=True, strict=False):
-                with autocast_as(autocast):   # the caller's torch.autocast, as eager casts forward and loss
-                    output = model(*micro_inputs, **keyword)
-                    loss = extract_loss(output, positional[num_model_inputs:], loss_fn)
+        with traced_recomputation():   # the model's checkpointing replays its dropout masks (model_recomputation.py)
+            for micro in micro_batches(batch, grad_accumulation):
+                positional, keyword = layout.split(micro)
+                micro_inputs = tuple(positional[:num_model_inputs])
+                if precision is not None:   # the model's floating inputs in param_dtype too
+                    cast = mixed.compute_values(precision, (), (), (*micro_inputs, *keyword.values()))[2]
+                    micro_inputs, keyword = tuple(cast[:num_model_inputs]), dict(zip(keyword, cast[num_model_inputs:]))
+                # the traced tensors stay the module's through backward: a recomputation there (torch.utils.checkpoint,
+                # Hugging Face's activation_checkpointing_enable) calls the module again and must read them, not the
+                # user's real parameters (they would be baked into the program as constants)
+                with torch.enable_grad(), _reparametrize_module(model, tensors, tie_weights=True, strict=False):
+                    with autocast_as(autocast):   # the caller's torch.autocast, as eager casts forward and loss
+                        output = model(*micro_inputs, **keyword)
+                        loss = extract_loss(output, positional[num_model_inputs:], loss_fn)
+                    if precision is not None:
+                        loss = loss.float()
+                    if grad_accumulation > 1:
+                        loss = loss / grad_accumulation
+                    differentiated = loss * loss_scale[0] if loss_scale else loss
+                    micro_grads = torch.autograd.grad(differentiated, computed, allow_unused=True)
                 if precision is not None:
-                    loss = loss.float()
-                if grad_accumulation > 1:
-                    loss = loss / grad_accumulation
-                differentiated = loss * loss_scale[0] if loss_scale else loss
-                micro_grads = torch.autograd.grad(differentiated, computed, allow_unused=True)
-            if precision is not None:
-                micro_grads = mixed.master_grads(micro_grads, params)
-            # as AccumulateGrad does into .grad: the running sum, then this micro-batch's gradient
-            grads = micro_grads if grads is None else tuple(
-                new if old is None else old if new is None else old + new for old, new in zip(grads, micro_grads))
-            total = loss.detach() if total is None else total + loss.detach()
+                    micro_grads = mixed.master_grads(micro_grads, params)
+                # as AccumulateGrad does into .grad: the running sum, then this micro-batch's gradient
+                grads = micro_grads if grads is None else tuple(
+                    new if old is None else old if new is None else old + new for old, new in zip(grads, micro_grads))
+                total = loss.detach() if total is None else total + loss.detach()
         return total, grads, list(buffers)   # the optimizer's step is spliced in after tracing
 
     started = time.perf_counter()

@@ -47,19 +47,23 @@ class PassError(ZeroccError):
 
 def user_frame(tb) -> str | None:
     """The innermost frame of a traceback that is the user's code, as 'file:line: code'."""
-    return _innermost_user_frame(traceback.extract_tb(tb))
+    return innermost_frame(traceback.extract_tb(tb), _is_users)
 
 
 def user_frame_here() -> str | None:
     """The innermost frame of the running stack that is the user's code, as 'file:line: code'."""
-    return _innermost_user_frame(traceback.extract_stack())
+    return innermost_frame(traceback.extract_stack(), _is_users)
 
 
-def _innermost_user_frame(frames) -> str | None:
+def _is_users(path: str) -> bool:
+    return not (path.startswith(_LIBRARY_DIRS) or path.startswith("<"))
+
+
+def innermost_frame(frames, wanted) -> str | None:
+    """The innermost of ``frames`` whose absolute file path ``wanted`` accepts, as 'file:line: code'."""
     found = None
     for frame in frames:
-        path = os.path.abspath(frame.filename)
-        if path.startswith(_LIBRARY_DIRS) or frame.filename.startswith("<"):
+        if frame.filename.startswith("<") or not wanted(os.path.abspath(frame.filename)):
             continue
         code = (frame.line or linecache.getline(frame.filename, frame.lineno)).strip()
         found = f"{frame.filename}:{frame.lineno}: {code}"

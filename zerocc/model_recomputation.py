@@ -35,19 +35,10 @@ import torch.utils._pytree as pytree
 import torch.utils.checkpoint as checkpointing
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .analysis.remat import draws_random_numbers
 from .errors import CaptureError, user_frame_here
 
 aten = torch.ops.aten
-
-
-def draws_random_numbers(func, args, kwargs) -> bool:
-    """An op that takes numbers from a generator (attention kernels only when their dropout is on)."""
-    if not isinstance(func, torch._ops.OpOverload) or torch.Tag.nondeterministic_seeded not in func.tags:
-        return False
-    for argument, value in zip(func._schema.arguments, args):
-        if argument.name == "dropout_p":
-            return value != 0
-    return kwargs.get("dropout_p", 1) != 0
 
 
 @dataclass

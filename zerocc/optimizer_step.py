@@ -22,7 +22,7 @@ import torch.utils._pytree as pytree
 
 from . import graph as g
 from .tracing import fakeify, make_fake_mode, record_source_lines_of, trace_functional
-from .errors import ConfigError, UnsupportedOptimizerError, user_line_of_node
+from .errors import ConfigError, UnsupportedOptimizerError, innermost_frame, user_line_of_node
 
 aten = torch.ops.aten
 
@@ -179,11 +179,7 @@ def _optimizer_branch(error: BaseException, optimizer_class: type) -> str | None
         return None
     files = {os.path.abspath(inspect.getsourcefile(cls) or "") for cls in optimizer_class.__mro__
              if cls not in (torch.optim.Optimizer, object)}   # not the base class's step() wrappers
-    found = None
-    for frame in traceback.extract_tb(error.__traceback__):   # the innermost frame in the optimizer's own files
-        if os.path.abspath(frame.filename) in files:
-            found = f"{frame.filename}:{frame.lineno}: {(frame.line or '').strip()}"
-    return found
+    return innermost_frame(traceback.extract_tb(error.__traceback__), files.__contains__)
 
 
 # Ops an elementwise update may use besides those tagged pointwise.

@@ -87,13 +87,18 @@ def is_alias(node: fx.Node) -> bool:
 
 def is_random(node: fx.Node) -> bool:
     """An op that draws random numbers: recomputing it would draw different ones."""
-    if not isinstance(node.target, torch._ops.OpOverload) or torch.Tag.nondeterministic_seeded not in node.target.tags:
+    return draws_random_numbers(node.target, node.args, node.kwargs)
+
+
+def draws_random_numbers(target, args, kwargs) -> bool:
+    """A call of ``target`` that takes numbers from a generator (capture's replay asks it of ops as they run)."""
+    if not isinstance(target, torch._ops.OpOverload) or torch.Tag.nondeterministic_seeded not in target.tags:
         return False
     # attention kernels are tagged for their dropout; without dropout they are deterministic
-    for argument, value in zip(node.target._schema.arguments, node.args):
+    for argument, value in zip(target._schema.arguments, args):
         if argument.name == "dropout_p":
             return value != 0
-    return "dropout_p" not in node.kwargs or node.kwargs["dropout_p"] != 0
+    return kwargs.get("dropout_p", 1) != 0
 
 
 def forward_region(nodes) -> set[fx.Node]:
