@@ -206,6 +206,7 @@ class CompiledStep:
         self.arenas = Arenas()   # the memory pools' arenas, shared by this step's programs
         self.compile_seconds = 0.0
         self._warned_settings = False   # _say_which_settings_changed: once per step
+        self._modules = tuple(model.modules())   # whose training flags each call's program key reads
         self.compile_stats: list[CompileStats] = []   # per compiled program: seconds per phase (compile_stats.py)
         self._user_hooks: list = []          # zerocc/user_views.py, installed at the first compile
         if self.ranks.world_size > 1:
@@ -327,7 +328,7 @@ class CompiledStep:
 
     def _cache_key(self, batch, layout: BatchLayout) -> CacheKey:
         return CacheKey(input_signature(batch, layout), self.state.state_key(),
-                        hyperparameter_signature(self.optimizer), autocast_state(), training_modes(self.model))
+                        hyperparameter_signature(self.optimizer), autocast_state(), training_modes(self._modules))
 
     def _program_for(self, batch, layout) -> CacheEntry:
         key = self._cache_key(batch, layout)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import warnings
+from typing import Sequence
 
 import torch
 
@@ -50,9 +51,9 @@ class CacheEntry:
     reads_initial_state: bool = False   # compiled before the first step over the optimizer state the step made
 
 
-def training_modes(model: torch.nn.Module) -> tuple[bool, ...]:
-    """Each module's ``training`` flag, in ``modules()`` order: a mode switch between calls gets its own program."""
-    return tuple(module.training for module in model.modules())
+def training_modes(modules: Sequence[torch.nn.Module]) -> tuple[bool, ...]:
+    """Each module's ``training`` flag (the model's ``modules()``, listed once): a mode switch gets its own program."""
+    return tuple(module.training for module in modules)
 
 
 def input_signature(batch, layout: BatchLayout) -> tuple:

@@ -40,7 +40,7 @@ class StepState:
         self.released_shapes: dict[str, tuple[int, ...]] = {}   # parameters the user's module holds as (0,)
         self.initial_scaler = scaler                     # the loss scale before the first compile (or a loaded one)
         self.param_groups: tuple[tuple[int, ...], ...] | None = None   # param_groups_of at the first call
-        self.requires_grad: tuple[tuple[str, bool], ...] | None = None   # requires_grad_of at the first call
+        self.requires_grad: tuple[tuple[torch.nn.Parameter, bool], ...] | None = None   # requires_grad_of, 1st call
         self.first_batch: FirstBatch | None = None       # zerocc/batch.py: later batches keep its dtypes and devices
         self.full_model_depth = 0                        # inside step.full_model(): the module holds whole parameters
         self.reading_model_keys = False                  # model.state_dict() called for its keys only
@@ -102,18 +102,22 @@ def check_param_groups_unchanged(compiled_for: tuple[tuple[int, ...], ...], opti
         "keep a parameter frozen for a while, give it lr=0 in its own group from the start")
 
 
-def requires_grad_of(model: torch.nn.Module) -> tuple[tuple[str, bool], ...]:
-    """Each parameter's name and ``requires_grad``: which ones the step trains and which it keeps frozen."""
-    return tuple((name, p.requires_grad) for name, p in model.named_parameters())
+def requires_grad_of(model: torch.nn.Module) -> tuple[tuple[torch.nn.Parameter, bool], ...]:
+    """Each parameter and its ``requires_grad``: which ones the step trains and which it keeps frozen."""
+    return tuple((p, p.requires_grad) for p in model.parameters())
 
 
-def check_requires_grad_unchanged(compiled_for: tuple[tuple[str, bool], ...], model: torch.nn.Module) -> None:
-    """Freezing or unfreezing a parameter after the first step is refused: the step would go on as it was compiled."""
-    now = requires_grad_of(model)
-    if now == compiled_for:
+def check_requires_grad_unchanged(compiled_for: tuple[tuple[torch.nn.Parameter, bool], ...],
+                                  model: torch.nn.Module) -> None:
+    """Freezing or unfreezing a parameter after the first step is refused: the step would go on as it was compiled.
+
+    Every call reads the flags of the parameters listed at the first call (no walk of the module tree); the
+    names are looked up only for the error."""
+    if all(p.requires_grad == before for p, before in compiled_for):
         return
-    changed = [f"'{name}' ({'trained' if before else 'frozen'} then, requires_grad={after} now)"
-               for (name, before), (_, after) in zip(compiled_for, now) if before != after]
+    names = {id(p): name for name, p in model.named_parameters()}
+    changed = [f"'{names.get(id(p), '?')}' ({'trained' if before else 'frozen'} then, requires_grad={p.requires_grad} "
+               "now)" for p, before in compiled_for if p.requires_grad != before]
     raise ConfigError(
         f"requires_grad changed after the step's first call for {len(changed)} parameter(s): "
         f"{', '.join(changed[:4])}{', ...' if len(changed) > 4 else ''}. The step trains the parameters that "
