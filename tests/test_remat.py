@@ -126,6 +126,11 @@ def test_unreachable_budget_says_the_smallest_peak_and_what_dominates():
     assert found, str(caught.value)
     states, activations, named = float(found[1]), float(found[2]), found[4]
     assert named == ("model states" if states >= activations else "activations"), str(caught.value)
+    # the numbers as data, and the budget the message names is one the planner meets
+    smallest = int(re.search(r"reaches is ([\d,]+) bytes", str(caught.value))[1].replace(",", ""))
+    assert (caught.value.budget_bytes, caught.value.smallest_peak_bytes) == (1000, smallest)
+    step, _, reports = _train("gpt", memory_budget=smallest)
+    assert step.remat_plan.peak_bytes <= smallest and reports[-1]["planned_peak_bytes"] <= smallest
 
 
 def test_without_budget_the_pass_changes_nothing():

@@ -38,7 +38,15 @@ class RecompileWarning(UserWarning):
 
 
 class MemoryBudgetError(ZeroccError):
-    """``memory_budget`` cannot be met by recomputing activations; the message says what can."""
+    """``memory_budget`` cannot be met by recomputing activations; the message says what can.
+
+    ``budget_bytes`` is the budget asked for, ``smallest_peak_bytes`` the lowest peak the planner
+    reaches (the budget to ask for instead): a script sweeping budgets reads them, not the message."""
+
+    def __init__(self, message: str, *, budget_bytes: int | None = None, smallest_peak_bytes: int | None = None):
+        super().__init__(message)
+        self.budget_bytes = budget_bytes
+        self.smallest_peak_bytes = smallest_peak_bytes
 
 
 class PassError(ZeroccError):

@@ -269,4 +269,5 @@ def _refuse(budget: int, before: _Peak, best: _Peak, candidates: int) -> None:
         f"planner reaches is {best.bytes:,} bytes ({megabytes(best.bytes)}; {megabytes(before.bytes)} with nothing "
         f"recomputed, {candidates} stored tensors considered).\n"
         f"  at that peak: model states {megabytes(states)}, activations {megabytes(activations)} ({parts})\n"
-        f"  {why}; or raise memory_budget to at least {best.bytes:,}.")
+        f"  {why}; or raise memory_budget to at least {best.bytes:,}.",
+        budget_bytes=budget, smallest_peak_bytes=best.bytes)
