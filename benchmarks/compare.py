@@ -4,11 +4,18 @@
     torchrun --standalone --nproc_per_node 2 benchmarks/compare.py
 
 Every system trains ``examples/gpt.py``'s ``GPT()`` (5.03M parameters, 6
-layers, d_model 256, vocab 1024, seq 128) with AdamW from the same
-initialization on the same batches (4 sequences per rank), on gloo.
+layers, d_model 256, vocab 1024, seq 128; ``--model 98m``: 97.9M parameters,
+12 layers, d_model 768, vocab 8192, 2 sequences per rank) with AdamW from the
+same initialization on the same batches (4 sequences per rank), on gloo.
+Besides the default systems, ``--systems`` takes the memory-saving
+configurations a user of a peer would try: ``DDP+AC``, ``FSDP2+AC`` (per-block
+activation checkpointing, non-reentrant, applied before sharding as
+torchtitan does), ``FSDP2-noreshard`` and ``FSDP2-noreshard+AC``
+(``reshard_after_forward=False``); ``benchmarks/frontier.py`` runs them all
+beside a sweep of zerocc's ``memory_budget``.
 
 Per system, in this order:
-  - build it and take ``--warmup`` steps (zerocc compiles its two programs here);
+  - build it and take ``--warmup`` steps (zerocc compiles here);
   - one step under ``MemTracker`` (torch.distributed._tools.mem_tracker), which
     was also active while the system was built: every tensor the system
     allocates through the dispatcher, C++ buffers such as DDP's gradient
@@ -76,7 +83,18 @@ from zerocc.runtime.comm_counter import CountCollectives  # noqa: E402
 from gpt import GPT, random_batch  # noqa: E402
 
 LR = 1e-3
-BATCH = 4
+# --model: the GPT every system trains (examples/gpt.py's arguments) and sequences per rank
+MODELS = {
+    "5m": (dict(), 4),
+    "98m": (dict(vocab=8192, d_model=768, layers=12, heads=12, seq=128), 2),
+}
+MODEL = dict(MODELS["5m"][0])   # set from --model before any system is built
+BATCH = [MODELS["5m"][1]]        # sequences per rank, set from --model
+
+
+def make_model():
+    torch.manual_seed(0)
+    return GPT(**MODEL)
 # DeepSpeed's defaults (5e8-element buckets) allocate a 1.9 GiB buffer; these are sized like
 # zerocc's 4 MiB buckets (in elements: 1M fp32 elements = 4 MiB).
 DS_BUCKET_ELEMENTS = 1 << 20
@@ -103,8 +121,7 @@ def build_zerocc(stage, bucket_bytes=None, memory_pools=False, disable=(), prefe
         options["disable"] = list(disable)
 
     def build():
-        torch.manual_seed(0)
-        model = GPT()
+        model = make_model()
         return zerocc.compile(model, make_optimizer(model.parameters()), stage=stage, **options).__call__
     return build
 
@@ -138,38 +155,50 @@ def eager_step(model, optimizer):
     return step
 
 
-def build_ddp():
-    from torch.nn.parallel import DistributedDataParallel
-    torch.manual_seed(0)
-    model = DistributedDataParallel(GPT())
-    optimizer = make_optimizer(model.parameters())
-    return eager_step(model, optimizer)
+def checkpoint_blocks(model):
+    """Per-block activation checkpointing, as torchtitan applies it before sharding (non-reentrant)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    for i, block in enumerate(model.blocks):
+        model.blocks[i] = checkpoint_wrapper(block)
+    return model
 
 
-def build_fsdp2():
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    torch.manual_seed(0)
-    model = GPT()
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    optimizer = make_optimizer(model.parameters())
-    return eager_step(model, optimizer)
+def build_ddp(checkpointed=False):
+    def build():
+        from torch.nn.parallel import DistributedDataParallel
+        model = make_model()
+        model = DistributedDataParallel(checkpoint_blocks(model) if checkpointed else model)
+        optimizer = make_optimizer(model.parameters())
+        return eager_step(model, optimizer)
+    return build
+
+
+def build_fsdp2(reshard_after_forward=True, checkpointed=False):
+    def build():
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        model = make_model()
+        if checkpointed:
+            checkpoint_blocks(model)
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        optimizer = make_optimizer(model.parameters())
+        return eager_step(model, optimizer)
+    return build
 
 
 def build_deepspeed(stage):
     def build():
         import deepspeed
-        torch.manual_seed(0)
-        model = GPT()
+        model = make_model()
         zero = {"stage": stage, "reduce_bucket_size": DS_BUCKET_ELEMENTS, "allgather_bucket_size": DS_BUCKET_ELEMENTS,
                 "overlap_comm": True, "contiguous_gradients": True}
         if stage == 3:
             zero.update({"stage3_prefetch_bucket_size": DS_BUCKET_ELEMENTS, "stage3_max_live_parameters": 4 * DS_BUCKET_ELEMENTS,
                          "stage3_max_reuse_distance": 4 * DS_BUCKET_ELEMENTS, "stage3_param_persistence_threshold": 1 << 12})
-        config = {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": 1,
+        config = {"train_micro_batch_size_per_gpu": BATCH[0], "gradient_accumulation_steps": 1,
                   "zero_optimization": zero, "zero_allow_untested_optimizer": True, "steps_per_print": 1 << 30,
                   "wall_clock_breakdown": False}
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), optimizer=make_optimizer,
@@ -186,9 +215,17 @@ def build_deepspeed(stage):
 
 SYSTEMS = {
     "zerocc-0": build_zerocc(0), "zerocc-1": build_zerocc(1), "zerocc-2": build_zerocc(2), "zerocc-3": build_zerocc(3),
-    "DDP": build_ddp, "FSDP2": build_fsdp2,
+    "DDP": build_ddp(), "FSDP2": build_fsdp2(),
+    # the configurations a user would try for memory: FSDP2 keeping gathered blocks after forward
+    # (reshard_after_forward=False), and per-block activation checkpointing (+AC)
+    "DDP+AC": build_ddp(checkpointed=True), "FSDP2-noreshard": build_fsdp2(reshard_after_forward=False),
+    "FSDP2+AC": build_fsdp2(checkpointed=True),
+    "FSDP2-noreshard+AC": build_fsdp2(reshard_after_forward=False, checkpointed=True),
     "DeepSpeed-1": build_deepspeed(1), "DeepSpeed-2": build_deepspeed(2), "DeepSpeed-3": build_deepspeed(3),
 }
+
+DEFAULT_SYSTEMS = ("zerocc-0", "zerocc-1", "zerocc-2", "zerocc-3", "DDP", "FSDP2", "DeepSpeed-1", "DeepSpeed-2",
+                   "DeepSpeed-3")
 
 
 # -- measuring ------------------------------------------------------------------------------------------------
@@ -199,7 +236,10 @@ def barrier():
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--systems", default=",".join(SYSTEMS),
+    parser.add_argument("--model", choices=sorted(MODELS), default="5m",
+                        help="5m: examples/gpt.py's defaults, 4 sequences per rank; 98m: 12 layers of d_model 768, "
+                             "vocabulary 8192, 2 sequences per rank")
+    parser.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
                         help="comma-separated; zerocc-3@1 is stage 3 with 1 MiB buckets, zerocc-3+pools with memory_pools=True")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
@@ -219,14 +259,24 @@ def main():
     if args.prefetch_bytes is not None:
         ZEROCC_OPTIONS["prefetch_bytes"] = args.prefetch_bytes
     torch.set_num_threads(args.threads)
+    MODEL.update(MODELS[args.model][0])
+    BATCH[0] = MODELS[args.model][1]
     dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
     names = [n for n in args.systems.split(",") if n]
-    builders = {n: system(n) for n in names}
+    results, failed = measure(names, {n: system(n) for n in names}, args)
+    if dist.get_rank() == 0:
+        write(results, failed, args, dist.get_world_size())
+    dist.destroy_process_group()
 
+
+def measure(names, builders, args):
+    """Build, measure the peak of one step, then time every system interleaved; returns (results, failed)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    batch = BATCH[0]
     total_steps = args.warmup + 1 + args.repeats * args.steps
     generator = torch.Generator().manual_seed(1000 + rank)
-    data = [random_batch(generator, BATCH) for _ in range(total_steps)]
+    data = [random_batch(generator, batch, MODEL.get("seq", 128), MODEL.get("vocab", 1024))
+            for _ in range(total_steps)]
 
     steps, losses, peak, comm, calls, build_seconds, failed = {}, {}, {}, {}, {}, {}, {}
     for name in names:
@@ -304,9 +354,7 @@ def main():
     dist.all_reduce(cpu)
     for i, name in enumerate(running):
         results[name]["cpu_seconds_per_rank_mean"] = cpu[i].item() / world
-    if rank == 0:
-        write(results, failed, args, world)
-    dist.destroy_process_group()
+    return results, failed
 
 
 def write(results, failed, args, world):
@@ -318,8 +366,8 @@ def write(results, failed, args, world):
         with open(earlier) as f:
             previous = json.load(f)
         runs.insert(0, (previous["args"].get("malloc", "default"), previous["results"], previous["failed"]))
-    params = sum(p.numel() for p in GPT().parameters())
-    lines = [f"GPT {params / 1e6:.2f}M parameters (examples/gpt.py defaults), batch {BATCH} x 128 tokens per rank, AdamW, "
+    params = sum(p.numel() for p in GPT(**MODEL).parameters())
+    lines = [f"GPT {params / 1e6:.2f}M parameters (examples/gpt.py, {MODEL or 'defaults'}), batch {BATCH[0]} x {MODEL.get('seq', 128)} tokens per rank, AdamW, "
              f"{world} gloo ranks, {args.threads} thread(s) per rank; median of {args.repeats} interleaved rounds of "
              f"{args.steps} steps after {args.warmup} warm-up steps. malloc: glibc's defaults, or tuned "
              f"({' '.join(f'{k}={v}' for k, v in TUNED_MALLOC.items())}); ratios are to DDP in the same run.", "",
@@ -378,7 +426,8 @@ def plot(results, path):
     right.set_ylabel("peak live tensor MiB per rank")
     for axis in (left, right):
         axis.tick_params(axis="x", rotation=45)
-    figure.suptitle("GPT 5M, AdamW, 2 gloo ranks (CPU)")
+    params = sum(p.numel() for p in GPT(**MODEL).parameters())
+    figure.suptitle(f"GPT {params / 1e6:.0f}M, AdamW, {dist.get_world_size()} gloo ranks (CPU)")
     figure.tight_layout()
     figure.savefig(path, dpi=120)
 

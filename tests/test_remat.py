@@ -20,6 +20,7 @@ import zerocc
 from tests import distributed
 from tests.architectures import architecture_batches, build_architecture
 from tests.models import batches, build
+from zerocc import driver
 from zerocc import graph as g
 from zerocc.errors import MemoryBudgetError
 from zerocc.analysis.remat import Recomputation, forward_region, is_backward, is_random
@@ -141,6 +142,27 @@ def test_without_budget_the_pass_changes_nothing():
     assert step.passes.index("place_remat") == step.passes.index("shard") + 1
 
 
+def _plan_gpt_two_ranks(memory_budget, bucket_bytes=16 * 1024):
+    model, data = _model_and_batches("gpt")
+    return zerocc.plan(model, torch.optim.AdamW(model.parameters(), lr=1e-2), stage=3, world_size=2,
+                       example_inputs=tuple(t.chunk(2)[0] for t in data[0]), bucket_bytes=bucket_bytes,
+                       prefetch_bytes=bucket_bytes, memory_pools=False, memory_budget=memory_budget)
+
+
+def test_a_budget_below_the_floor_of_the_users_buckets_tries_smaller_ones(monkeypatch):
+    # the test GPT's parameters fit in a few 16 KiB buckets: let the planner halve them down to 4 KiB
+    monkeypatch.setattr(driver, "MIN_BUDGET_BUCKET_BYTES", 4 * 1024)
+    with pytest.raises(MemoryBudgetError) as caught:
+        _plan_gpt_two_ranks(1)
+    tried = {int(size) * 1024: int(peak.replace(",", "")) for size, peak in
+             re.findall(r"(\d+) KiB: ([\d,]+) bytes", str(caught.value).split("per bucket size tried:")[1])}
+    assert list(tried)[0] == 16 * 1024 and len(tried) >= 2, str(caught.value)
+    # the floor the message names (the budget to ask for) is the lowest over the sizes tried; a budget at
+    # that floor is met with smaller buckets (test_stage3_two_ranks_buckets_shrunk_for_a_budget_train_as_without_one),
+    # one the user's buckets meet keeps them (test_stage3_two_ranks_budget_equals_no_budget_spent_on_gathers_first)
+    assert caught.value.smallest_peak_bytes == min(tried.values()) < tried[16 * 1024], str(caught.value)
+
+
 def _train_gpt_on_rank(rank, world_size, budget):
     model, _ = _model_and_batches("gpt")
     data = list(batches("gpt", STEPS, 16))
@@ -182,9 +204,29 @@ def _stage3_two_ranks(rank, world_size):
                       gathered_twice=sum(1 for count in gathered.values() if count == 2),
                       recomputes_matmul=any(n.target.overloadpacket in flop_registry for n in copies
                                             if isinstance(n.target, torch._ops.OpOverload)),
-                      unbounded=step.remat_plan.unbounded_schedule)
+                      unbounded=step.remat_plan.unbounded_schedule, bucket_bytes=step.shard_plan.bucket_bytes)
         results[fraction] = result
     return results
+
+
+def _smaller_buckets_two_ranks(rank, world_size):
+    driver.MIN_BUDGET_BUCKET_BYTES = 8 * 1024   # one halving of the test's 16 KiB buckets
+    _, without = _train_gpt_on_rank(rank, world_size, None)
+    with pytest.raises(MemoryBudgetError) as caught:
+        _train_gpt_on_rank(rank, world_size, 1)
+    step, result = _train_gpt_on_rank(rank, world_size, caught.value.smallest_peak_bytes)
+    return without, result, step.shard_plan.bucket_bytes, caught.value.smallest_peak_bytes
+
+
+@pytest.mark.multirank
+def test_stage3_two_ranks_buckets_shrunk_for_a_budget_train_as_without_one():
+    for without, result, bucket_bytes, budget in distributed.run(_smaller_buckets_two_ranks, 2):
+        assert bucket_bytes == 8 * 1024
+        for a, b in zip(result["losses"], without["losses"]):
+            assert torch.equal(a, b)
+        for key, value in without["state"].items():
+            assert torch.equal(result["state"][key], value), key
+        assert result["report"]["measured_peak_bytes"] <= budget < without["report"]["live_peak_bytes"]
 
 
 def _views_of(node):
@@ -224,6 +266,7 @@ def test_stage3_two_ranks_budget_equals_no_budget_spent_on_gathers_first():
             for key, value in without["state"].items():
                 assert torch.equal(result["state"][key], value), (fraction, key)
             assert result["copies"] > 0 and result["reads_gather"] and not result["reads_forward_gather"], fraction
+            assert result["bucket_bytes"] == 16 * 1024, fraction   # a budget the user's buckets meet keeps them
             assert result["report"]["live_peak_bytes"] <= budget < without["report"]["live_peak_bytes"], fraction
             assert result["report"]["measured_peak_bytes"] <= budget, fraction
         # the budget is spent first on gathering each bucket once, made room for by cheap recomputation

@@ -116,9 +116,12 @@ def compile(
     ``memory_budget`` (bytes per rank) bounds the step's peak of live tensor
     bytes (model states, activations, gathered parameters, gradient buckets):
     the ``place_remat`` pass recomputes in backward the forward values
-    that cost least to recompute per byte until the scheduled step fits, and
-    raises ``MemoryBudgetError`` naming the smallest peak it can reach when
-    it cannot. ``step.remat_plan`` says what it recomputes.
+    that cost least to recompute per byte until the scheduled step fits; across
+    ranks, when no recomputation fits, it compiles again with ``bucket_bytes``
+    and ``prefetch_bytes`` halved (down to 512 KiB buckets) while that lowers
+    the reachable peak, and raises ``MemoryBudgetError`` naming the smallest
+    peak it can reach when nothing fits. ``step.remat_plan`` says what it
+    recomputes, ``step.shard_plan.bucket_bytes`` the bucket size it kept.
 
     Mixed precision (``zerocc/precision.py``, FSDP2's ``MixedPrecisionPolicy``
     semantics): ``param_dtype`` is the dtype forward and backward compute in

@@ -10,20 +10,26 @@ state.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import gc
 from typing import Any, Callable
 
 import torch
 import torch.fx as fx
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from .capture import Captured
 from .compile_stats import CompileStats
 from .context import CompileContext
 from .decisions import ShardPlan
+from .errors import MemoryBudgetError
 from .options import CompileOptions
-from .pipeline import GraphSnapshot, dump_dir_of, run_pipeline
+from .pipeline import GraphSnapshot, copy_graph, dump_dir_of, run_pipeline
 
+
+# Under a memory budget that recomputation cannot meet, buckets are halved down to this size (see run_passes).
+MIN_BUDGET_BUCKET_BYTES = 512 * 1024
 
 # Allocations between young-generation collections while compiling (Python's default: 700).
 COMPILE_GC_THRESHOLD = 50_000
@@ -62,13 +68,67 @@ def run_passes(captured: Captured, fake_mode: Any, options: CompileOptions, opti
                world_size: int, rank: int, group_name: str | None, previous_plan: ShardPlan | None = None,
                planning: bool = False, traces: dict | None = None,
                progress: Callable[[str], None] | None = None) -> Compiled:
-    """Set up the ``CompileContext`` of ``captured`` and run ``options``' pipeline over its graph."""
+    """Set up the ``CompileContext`` of ``captured`` and run ``options``' pipeline over its graph.
+
+    Under a ``memory_budget`` that no recomputation meets with buckets of ``options.bucket_bytes``,
+    the pipeline runs again on a fresh copy of the capture with buckets (and ``prefetch_bytes``) half the size, down to
+    ``MIN_BUDGET_BUCKET_BYTES``, as long as the smallest reachable peak keeps falling: at stage 3 the
+    step's floor holds a few gathered buckets and a few gradient buckets besides the model states
+    (the 5M benchmark GPT on 2 ranks: 67.1 MB with 4 MiB buckets, 57.6 MB with 1 MiB), so smaller
+    buckets reach budgets recomputation alone cannot. A budget that fits at the user's size keeps it
+    (smaller buckets mean more collectives); the size chosen is ``ShardPlan.bucket_bytes``. On one rank
+    the buckets are not shrunk: nothing is gathered there. A later
+    program of the step (``previous_plan``) keeps the first one's buckets. Every rank raises the same
+    ``MemoryBudgetError`` (place_remat decides on the highest peak over ranks), so every rank retries.
+    """
     creates_state = any(set(new) - set(old) for old, new in zip(captured.state_keys, captured.new_state_keys))
     stats = CompileStats("plan" if planning else "first step" if creates_state else "steady state",
                          dict(captured.stats.seconds))
-    ctx = CompileContext(options.stage, world_size, rank, group_name, optimizer, captured, fake_mode,
-                         options.bucket_bytes, previous_plan=previous_plan, traces=traces, planning=planning,
-                         precision=options.precision, gather_per_micro_batch=options.gather_per_micro_batch)
-    gm, history = run_pipeline(captured.gm, ctx, options.passes(), verify=options.verify,
-                               dump_dir=dump_dir_of(options.dump_dir), progress=progress, stats=stats)
-    return Compiled(gm, ctx, history, stats)
+    # on one rank nothing is gathered and the floor does not fall with the buckets (the test GPT: equal)
+    shrinkable = options.memory_budget is not None and previous_plan is None and world_size > 1
+    attempt, refused = options, []
+    while True:
+        working = dataclasses.replace(captured, gm=copy_graph_module(captured.gm)) if shrinkable else captured
+        ctx = CompileContext(attempt.stage, world_size, rank, group_name, optimizer, working, fake_mode,
+                             attempt.bucket_bytes, previous_plan=previous_plan, traces=traces, planning=planning,
+                             precision=attempt.precision, gather_per_micro_batch=attempt.gather_per_micro_batch)
+        try:
+            gm, history = run_pipeline(working.gm, ctx, attempt.passes(), verify=attempt.verify,
+                                       dump_dir=dump_dir_of(attempt.dump_dir), progress=progress, stats=stats)
+            return Compiled(gm, ctx, history, stats)
+        except MemoryBudgetError as error:
+            refused.append((attempt.bucket_bytes, error))
+            falling = len(refused) < 2 or error.smallest_peak_bytes < refused[-2][1].smallest_peak_bytes
+            if not shrinkable or not falling or attempt.bucket_bytes // 2 < MIN_BUDGET_BUCKET_BYTES:
+                raise _lowest_floor(refused) from None
+            if progress:
+                progress(f"memory_budget not met with buckets of {size_text(attempt.bucket_bytes)} (smallest "
+                         f"peak {error.smallest_peak_bytes / 1e6:.2f} MB): compiling again with buckets and "
+                         f"prefetch half as large")
+            # the prefetch bound halves with the buckets: it counts bytes, so it would otherwise keep
+            # twice as many of the smaller buckets in flight, and the floor would not fall
+            attempt = dataclasses.replace(attempt, bucket_bytes=attempt.bucket_bytes // 2,
+                                          prefetch_bytes=attempt.prefetch_bytes // 2)
+
+
+def _lowest_floor(refused: list[tuple[int, MemoryBudgetError]]) -> MemoryBudgetError:
+    """The refusal whose smallest reachable peak is the lowest, saying which bucket sizes were tried."""
+    size, best = min(refused, key=lambda item: item[1].smallest_peak_bytes)
+    if len(refused) == 1:
+        return best
+    tried = ", ".join(f"{size_text(b)}: {e.smallest_peak_bytes:,} bytes" for b, e in refused)
+    return MemoryBudgetError(f"{best}\n  with buckets of {size_text(size)}; the smallest peak per bucket size "
+                             f"tried: {tried}", budget_bytes=best.budget_bytes,
+                             smallest_peak_bytes=best.smallest_peak_bytes)
+
+
+def size_text(nbytes: int) -> str:
+    """A bucket size as people write it: '4 MiB', '512 KiB'."""
+    return f"{nbytes / 2**20:g} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:g} KiB"
+
+
+def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
+    """A new graph module with the same nodes and meta, so a pipeline can rewrite it and keep ``gm`` intact."""
+    new = _LazyGraphModule(gm, copy_graph(gm.graph))   # its Python is made only if read (pipeline.deferring_codegen)
+    new.meta = {key: copy.copy(value) for key, value in gm.meta.items()}
+    return new

@@ -37,7 +37,6 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.fx as fx
-from torch.fx._lazy_graph_module import _LazyGraphModule
 import torch.nn as nn
 
 from . import compile_stats
@@ -47,11 +46,11 @@ from .batch import BatchLayout
 from .capture import Captured, capture, named_tensors
 from .compile_stats import CompileStats
 from .context import CompileContext
-from .driver import fewer_collections, run_passes
+from .driver import copy_graph_module, fewer_collections, run_passes
 from .errors import ConfigError
 from .options import DEFAULT_BUCKET_BYTES, CompileOptions, check_model_and_optimizer, check_stage
 from . import precision as mixed
-from .pipeline import DEFAULT_PREFETCH_BYTES, GraphSnapshot, copy_graph
+from .pipeline import DEFAULT_PREFETCH_BYTES, GraphSnapshot
 from .tracing import make_fake_mode
 
 # The collectives of a plan name this group; the graph is never run.
@@ -341,9 +340,3 @@ def probe_state(optimizer: torch.optim.Optimizer, group: int, dtype: torch.dtype
     return {key: (value.dim() == 0, value.dtype, value.device.type == "cpu")
             for key, value in shadow.state[tiny].items() if isinstance(value, torch.Tensor)}
 
-
-def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
-    """A new graph module with the same nodes and meta, so a pipeline can rewrite it and keep ``gm`` intact."""
-    new = _LazyGraphModule(gm, copy_graph(gm.graph))   # its Python is made only if read (pipeline.deferring_codegen)
-    new.meta = {key: copy.copy(value) for key, value in gm.meta.items()}
-    return new

@@ -43,7 +43,10 @@ least to most recomputation. How it chooses:
      budget under the default schedule (the plan with nothing recomputed
      first);
   4. when no plan fits, ``MemoryBudgetError`` says the smallest peak
-     measured and what it is made of (model states against activations).
+     measured and what it is made of (model states against activations);
+     across ranks the driver then compiles again with buckets and
+     ``prefetch_bytes`` half as large, while that floor falls
+     (``driver.run_passes``): gathered and gradient buckets are part of it.
 """
 from __future__ import annotations
 
