@@ -367,7 +367,8 @@ def write(results, failed, args, world):
             previous = json.load(f)
         runs.insert(0, (previous["args"].get("malloc", "default"), previous["results"], previous["failed"]))
     params = sum(p.numel() for p in GPT(**MODEL).parameters())
-    lines = [f"GPT {params / 1e6:.2f}M parameters (examples/gpt.py, {MODEL or 'defaults'}), batch {BATCH[0]} x {MODEL.get('seq', 128)} tokens per rank, AdamW, "
+    lines = [f"GPT {params / 1e6:.2f}M parameters (examples/gpt.py, {MODEL or 'defaults'}), batch {BATCH[0]} x "
+             f"{MODEL.get('seq', 128)} tokens per rank, AdamW, "
              f"{world} gloo ranks, {args.threads} thread(s) per rank; median of {args.repeats} interleaved rounds of "
              f"{args.steps} steps after {args.warmup} warm-up steps. malloc: glibc's defaults, or tuned "
              f"({' '.join(f'{k}={v}' for k, v in TUNED_MALLOC.items())}); ratios are to DDP in the same run.", "",
