@@ -149,6 +149,14 @@ def _plan_gpt_two_ranks(memory_budget, bucket_bytes=16 * 1024):
                        prefetch_bytes=bucket_bytes, memory_pools=False, memory_budget=memory_budget)
 
 
+def test_a_generous_budget_is_decided_by_two_measurements():
+    # the plan with nothing recomputed, then the unbounded schedule with nothing recomputed, which fits:
+    # no search over the recomputation plans
+    planned = _plan_gpt_two_ranks(1 << 40)
+    plan = planned.remat_plan
+    assert plan.unbounded_schedule and not plan.recomputed and plan.evaluations == 2, plan.summary()
+
+
 def test_a_budget_below_the_floor_of_the_users_buckets_tries_smaller_ones(monkeypatch):
     # the test GPT's parameters fit in a few 16 KiB buckets: let the planner halve them down to 4 KiB
     monkeypatch.setattr(driver, "MIN_BUDGET_BUCKET_BYTES", 4 * 1024)
