@@ -192,7 +192,7 @@ def plot(results, path, title) -> None:
     axis.set_xlabel("peak live tensor MiB per rank (MemTracker)")
     axis.set_ylabel("median step time (ms)")
     axis.set_title(title + ": lower left is better")
-    axis.legend(loc="upper right")
+    axis.legend(loc="best")
     axis.grid(alpha=0.3)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
