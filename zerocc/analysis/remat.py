@@ -206,7 +206,11 @@ class Recomputation:
         """The split-node network, prices left out (``cut`` sets the ``source -> in`` edges)."""
         network = nx.DiGraph()
         network.add_nodes_from(("source", "sink"))
-        count = len(self.nodes)
+        # the spread is over the order of forward's ops, the same on every rank: positions in the whole graph
+        # count the placeholders and the optimizer region, whose pieces differ by rank, and the different
+        # costs gave ranks different plans (then different collectives)
+        order = {n: i for i, n in enumerate(n for n in self.forward if n.op != "placeholder")}
+        count = max(len(order), 1)
         self._costs: dict[fx.Node, tuple[bool, float]] = {}   # node -> (expensive, position-scaled cost)
         for node in self.forward:
             inside, outside = (node, "in"), (node, "out")
@@ -223,7 +227,7 @@ class Recomputation:
                 else:
                     network.add_edge(inside, outside)
                 if not is_alias(node):
-                    scale = 1.0 + _SPREAD * self.position[node] / count
+                    scale = 1.0 + _SPREAD * order[node] / count
                     self._costs[node] = (self.is_expensive(node), float(self.flops(node)) * scale)
             for user in node.users:
                 if self._in_forward(user):
