@@ -21,8 +21,8 @@ rotating rounds.
 
 Writes benchmarks/results/frontier-<model>.{md,json,png} on rank 0: the table,
 and for every peer the fastest zerocc point at most as large (its step time
-as a ratio to the peer's), so "no peer is both faster and leaner than
-zerocc's curve" is read off one column.
+as a ratio to the peer's): a ratio above 1, or no zerocc point as lean,
+names a peer zerocc's curve does not beat on both axes.
 """
 from __future__ import annotations
 
@@ -145,7 +145,7 @@ def write(results, failed, budgets, args, world) -> None:
     lines += ["", "Each peer against zerocc's curve: the fastest zerocc point at most as large as the peer.", "",
               "| peer | peak MiB | step ms | fastest zerocc point at most as large | its step time / the peer's |",
               "|---|---:|---:|---|---:|"]
-    beaten = []
+    unbeaten = []
     for peer in (n for n in results if not n.startswith("zerocc")):
         found = leanest_faster(results, peer)
         r = results[peer]
@@ -153,8 +153,9 @@ def write(results, failed, budgets, args, world) -> None:
         lines.append(f"| {peer} | {peak_mib(r):.1f} | {r['step_seconds_median'] * 1e3:.1f} | {point} | "
                      f"{'-' if ratio is None else f'{ratio:.2f}'} |")
         if ratio is None or ratio > 1:
-            beaten.append(peer)
-    lines += ["", f"Peers both faster and leaner than zerocc's curve: {', '.join(beaten) or 'none'}."]
+            unbeaten.append(peer)
+    lines += ["", f"Peers faster than every zerocc point at most as large, or leaner than all of them: "
+                  f"{', '.join(unbeaten) or 'none'}."]
     table = "\n".join(lines) + "\n"
     print(table)
     stem = os.path.join(args.out, f"frontier-{args.model}")

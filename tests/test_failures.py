@@ -86,6 +86,7 @@ def test_different_code_on_one_rank_fails_at_compile():
     for message in distributed.run(_different_code, 4):
         assert "ranks [2] compiled a different step than rank 0" in message
         assert "rank 2 differs from rank 0 first at\n      rank 2: bucket 0:" in message
+        assert "the same model code, optimizer and compile options" in message and "ZEROCC_DUMP_DIR" in message
 
 
 def test_timeout_must_be_positive():

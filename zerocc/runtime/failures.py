@@ -154,8 +154,9 @@ def check_ranks_agree(ranks: Ranks, gm: fx.GraphModule, plan: ShardPlan | None) 
     raise RankMismatchError(
         f"ranks {differing} compiled a different step than rank 0; their collectives would not match and the "
         "step would hang or mix unrelated data:\n" + "\n".join(details) + "\n"
-        "  fix: give every rank a batch of the same shapes and the same model code and optimizer "
-        "(drop or pad a short last batch)."
+        "  fix: give every rank the same model code, optimizer and compile options (the batches' shapes were "
+        "checked equal before compiling). If they are the same, zerocc planned the ranks differently, which is "
+        "a bug: set $ZEROCC_DUMP_DIR to a folder of its own per rank and report the two ranks' programs."
     )
 
 
