@@ -92,6 +92,17 @@ MODEL = dict(MODELS["5m"][0])   # set from --model before any system is built
 BATCH = [MODELS["5m"][1]]        # sequences per rank, set from --model
 
 
+def select_model(name):
+    """Every system from now on trains the GPT of ``--model name`` with its sequences per rank."""
+    MODEL.update(MODELS[name][0])
+    BATCH[0] = MODELS[name][1]
+
+
+def model_batch(generator):
+    """(tokens, targets) of one rank's batch for the selected model."""
+    return random_batch(generator, BATCH[0], MODEL.get("seq", 128), MODEL.get("vocab", 1024))
+
+
 def make_model():
     torch.manual_seed(0)
     return GPT(**MODEL)
@@ -259,8 +270,7 @@ def main():
     if args.prefetch_bytes is not None:
         ZEROCC_OPTIONS["prefetch_bytes"] = args.prefetch_bytes
     torch.set_num_threads(args.threads)
-    MODEL.update(MODELS[args.model][0])
-    BATCH[0] = MODELS[args.model][1]
+    select_model(args.model)
     dist.init_process_group("gloo")
     names = [n for n in args.systems.split(",") if n]
     results, failed = measure(names, {n: system(n) for n in names}, args)
@@ -272,11 +282,9 @@ def main():
 def measure(names, builders, args):
     """Build, measure the peak of one step, then time every system interleaved; returns (results, failed)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    batch = BATCH[0]
     total_steps = args.warmup + 1 + args.repeats * args.steps
     generator = torch.Generator().manual_seed(1000 + rank)
-    data = [random_batch(generator, batch, MODEL.get("seq", 128), MODEL.get("vocab", 1024))
-            for _ in range(total_steps)]
+    data = [model_batch(generator) for _ in range(total_steps)]
 
     steps, losses, peak, comm, calls, build_seconds, failed = {}, {}, {}, {}, {}, {}, {}
     for name in names:

@@ -38,7 +38,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import zerocc  # noqa: E402
-from gpt import GPT, random_batch  # noqa: E402
+from gpt import GPT  # noqa: E402
 
 PEERS = ("DDP", "DDP+AC", "FSDP2", "FSDP2+AC", "FSDP2-noreshard", "FSDP2-noreshard+AC",
          "DeepSpeed-1", "DeepSpeed-2", "DeepSpeed-3")
@@ -51,8 +51,7 @@ def budget_ends(rank: int, world: int) -> tuple[int, int]:
     peaks differ by a few KB) and the highest over ranks is taken, as a compiled step decides."""
     model = GPT(**compare.MODEL)
     optimizer = compare.make_optimizer(model.parameters())
-    tokens, targets = random_batch(torch.Generator().manual_seed(0), compare.BATCH[0],
-                                   compare.MODEL.get("seq", 128), compare.MODEL.get("vocab", 1024))
+    tokens, targets = compare.model_batch(torch.Generator().manual_seed(0))
 
     def plan(memory_budget):
         return zerocc.plan(model, optimizer, stage=3, world_size=world, rank=rank, example_inputs=(tokens, targets),
@@ -84,8 +83,7 @@ def main() -> None:
     args = parser.parse_args()
     args.malloc = "default"
     torch.set_num_threads(args.threads)
-    compare.MODEL.update(compare.MODELS[args.model][0])
-    compare.BATCH[0] = compare.MODELS[args.model][1]
+    compare.select_model(args.model)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
 

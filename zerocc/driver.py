@@ -67,14 +67,17 @@ class Compiled:
 def run_passes(captured: Captured, fake_mode: Any, options: CompileOptions, optimizer: torch.optim.Optimizer, *,
                world_size: int, rank: int, group_name: str | None, previous_plan: ShardPlan | None = None,
                planning: bool = False, traces: dict | None = None,
-               progress: Callable[[str], None] | None = None) -> Compiled:
+               progress: Callable[[str], None] | None = None, keep_capture: bool = False) -> Compiled:
     """Set up the ``CompileContext`` of ``captured`` and run ``options``' pipeline over its graph.
+
+    The passes rewrite the graph they are given: ``keep_capture`` (a Planner reuses one capture for every
+    plan) runs them on a copy and leaves ``captured.gm`` as it was.
 
     Under a ``memory_budget`` that no recomputation meets with buckets of ``options.bucket_bytes``,
     the pipeline runs again on a fresh copy of the capture with buckets (and ``prefetch_bytes``) half the size, down to
     ``MIN_BUDGET_BUCKET_BYTES``, as long as the smallest reachable peak keeps falling: at stage 3 the
     step's floor holds a few gathered buckets and a few gradient buckets besides the model states
-    (the 5M benchmark GPT on 2 ranks: 67.1 MB with 4 MiB buckets, 57.6 MB with 1 MiB), so smaller
+    (the 5M benchmark GPT on 2 ranks: 67.1 MB with 4 MiB buckets, 57.4 MB with 1 MiB), so smaller
     buckets reach budgets recomputation alone cannot. A budget that fits at the user's size keeps it
     (smaller buckets mean more collectives); the size chosen is ``ShardPlan.bucket_bytes``. On one rank
     the buckets are not shrunk: nothing is gathered there. A later
@@ -87,8 +90,9 @@ def run_passes(captured: Captured, fake_mode: Any, options: CompileOptions, opti
     # on one rank nothing is gathered and the floor does not fall with the buckets (the test GPT: equal)
     shrinkable = options.memory_budget is not None and previous_plan is None and world_size > 1
     attempt, refused = options, []
-    while True:
-        working = dataclasses.replace(captured, gm=copy_graph_module(captured.gm)) if shrinkable else captured
+    while True:   # a retry needs the capture as it was, so shrinkable compiles run on copies too
+        working = dataclasses.replace(captured, gm=copy_graph_module(captured.gm)) \
+            if shrinkable or keep_capture else captured
         ctx = CompileContext(attempt.stage, world_size, rank, group_name, optimizer, working, fake_mode,
                              attempt.bucket_bytes, previous_plan=previous_plan, traces=traces, planning=planning,
                              precision=attempt.precision, gather_per_micro_batch=attempt.gather_per_micro_batch)

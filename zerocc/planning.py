@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import collections
 import copy
-import dataclasses
 import sys
 import time
 from typing import Any, Callable, Mapping, Sequence
@@ -46,7 +45,7 @@ from .batch import BatchLayout
 from .capture import Captured, capture, named_tensors
 from .compile_stats import CompileStats
 from .context import CompileContext
-from .driver import copy_graph_module, fewer_collections, run_passes
+from .driver import fewer_collections, run_passes
 from .errors import ConfigError
 from .options import DEFAULT_BUCKET_BYTES, CompileOptions, check_model_and_optimizer, check_stage
 from . import precision as mixed
@@ -163,10 +162,10 @@ class Planner:
         with fewer_collections():
             captured, fake_mode, capture_seconds = self._captured(stage != 0)
             started = time.perf_counter()
-            working = dataclasses.replace(captured, gm=copy_graph_module(captured.gm))
-            compiled = run_passes(working, fake_mode, options, self.optimizer, world_size=world_size, rank=rank,
+            compiled = run_passes(captured, fake_mode, options, self.optimizer, world_size=world_size, rank=rank,
                                   group_name=PLANNING_GROUP if world_size > 1 else None, planning=True,
-                                  traces=self._traces.setdefault(stage != 0, {}), progress=self.say)
+                                  traces=self._traces.setdefault(stage != 0, {}), progress=self.say,
+                                  keep_capture=True)
         seconds = {"capture": capture_seconds, "passes": time.perf_counter() - started}
         if self.say:
             self.say(f"planned stage {stage} at world size {world_size}: {seconds['passes']:.1f} s")

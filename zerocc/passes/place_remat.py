@@ -88,13 +88,13 @@ def place_remat(gm: fx.GraphModule, ctx: CompileContext, *, memory_budget: int |
         # only; the plan recomputing nothing is measured before any plan is made (the min-cut sweeps are most
         # of a generous budget's cost: 2.5 of 4.4 s on the 5M benchmark GPT), and decides when it fits
         if peak_of(None, True).bytes <= memory_budget:
-            cheap, fitting = [None], 0
+            peak, unbounded = peak_of(None, True), True
         else:
             plans = analysis.plans()
             cheap = [None, *(plan for plan in plans if not any(analysis.is_expensive(n) for n in plan))]
             fitting = _first_fitting(len(cheap), lambda index: peak_of(cheap[index], True).bytes <= memory_budget)
-        if fitting is not None:
-            recompute, peak, unbounded = cheap[fitting] or frozenset(), peak_of(cheap[fitting], True), True
+            if fitting is not None:
+                recompute, peak, unbounded = cheap[fitting] or frozenset(), peak_of(cheap[fitting], True), True
     if not unbounded and before.bytes > memory_budget:
         plans = plans or analysis.plans()
         high = _first_fitting(len(plans), lambda index: peak_of(plans[index]).bytes <= memory_budget)
