@@ -3,6 +3,7 @@
     python benchmarks/compile_time.py step --model 5m|98m [--world-size 2] [--stage 3]
     python benchmarks/compile_time.py plan [--layers 36] [--world-size 1024]
     python benchmarks/compile_time.py budget --model 5m|98m [--fraction 0.85] [--world-size 2]
+    python benchmarks/compile_time.py cache --model 5m|98m [--world-size 2]
 
 ``step``: the example GPT (``examples/gpt.py``; 5m: its defaults, 6 layers
 of d_model 256, 5.03M parameters; 98m: 12 layers of d_model 768, vocabulary
@@ -11,6 +12,12 @@ of d_model 256, 5.03M parameters; 98m: 12 layers of d_model 768, vocabulary
 second and third step's seconds (the first two compile the first-step and
 the steady-state programs) and a table per compiled program of seconds per
 phase (``step.compile_stats``, ``zerocc/compile_stats.py``).
+
+``cache``: the compile cache on disk (``cache_dir``, zerocc/disk_cache.py):
+``step`` twice, each in new processes, over one new cache folder: the
+first run compiles and stores, the second loads. Prints both runs' steps
+and the warm first step as a multiple of the steady step (issue 21's
+target: at most 1.2x).
 
 ``plan``: one fresh ``zerocc.plan`` (capture included) of the ZeRO paper's
 GPT shape (d_model 4096, sequence 1024; 36 layers: 7.66B parameters with
@@ -29,6 +36,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 import time
 
 import torch
@@ -60,14 +68,15 @@ def phase_table(records) -> str:
     return "\n".join(lines)
 
 
-def train(rank: int, world_size: int, model_name: str, stage: int, port: int) -> None:
+def train(rank: int, world_size: int, model_name: str, stage: int, port: int, cache_dir: str | None = None,
+          results: str | None = None) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     torch.manual_seed(0)
     model = GPT(**MODELS[model_name])
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    step = zerocc.compile(model, optimizer, stage=stage)
+    step = zerocc.compile(model, optimizer, stage=stage, **({"cache_dir": cache_dir} if cache_dir else {}))
     generator = torch.Generator().manual_seed(rank)
     seq, vocab = model.wpe.num_embeddings, model.wte.num_embeddings
     seconds = []
@@ -83,9 +92,30 @@ def train(rank: int, world_size: int, model_name: str, stage: int, port: int) ->
               f"{SEQUENCES_PER_RANK} x {seq} tokens per rank")
         print(f"first step {seconds[0]:.2f} s, second {seconds[1]:.2f} s, third (steady) {seconds[2]:.2f} s; "
               f"compile_seconds {step.compile_seconds:.2f}\n")
+        if cache_dir:
+            print(f"compile cache: {step.report()['compile_cache']}")
         if hasattr(step, "compile_stats"):   # absent before zerocc/compile_stats.py: totals only
             print(phase_table(step.compile_stats), flush=True)
+        if results:
+            with open(results, "w") as file:
+                file.write(" ".join(map(str, seconds)))
     dist.destroy_process_group()
+
+
+def cache(model_name: str, stage: int, world_size: int, port: int) -> None:
+    with tempfile.TemporaryDirectory() as folder:
+        runs = []
+        for name in ("cold (compiles, stores)", "warm (loads)"):
+            print(f"\n## {name}\n", flush=True)
+            results = os.path.join(folder, "seconds")
+            mp.spawn(train, args=(world_size, model_name, stage, port, os.path.join(folder, "cache"), results),
+                     nprocs=world_size)
+            with open(results) as file:
+                runs.append([float(v) for v in file.read().split()])
+            port += 1
+    (cold, warm) = runs
+    print(f"\nfirst step: cold {cold[0]:.2f} s, warm {warm[0]:.2f} s; steady {warm[2]:.2f} s; "
+          f"warm first step / steady step {warm[0] / warm[2]:.2f}x")
 
 
 def plan(layers: int, world_size: int) -> None:
@@ -123,7 +153,7 @@ def budget(model_name: str, fraction: float, world_size: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("part", choices=("step", "plan", "budget"))
+    parser.add_argument("part", choices=("step", "plan", "budget", "cache"))
     parser.add_argument("--model", choices=sorted(MODELS), default="5m")
     parser.add_argument("--world-size", type=int)
     parser.add_argument("--stage", type=int, default=3)
@@ -134,6 +164,8 @@ def main() -> None:
     if args.part == "step":
         world_size = args.world_size or 2
         mp.spawn(train, args=(world_size, args.model, args.stage, args.port), nprocs=world_size)
+    elif args.part == "cache":
+        cache(args.model, args.stage, args.world_size or 2, args.port)
     elif args.part == "budget":
         budget(args.model, args.fraction, args.world_size or 2)
     else:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import os
 import time
 import warnings
 import weakref
@@ -15,6 +16,7 @@ import torch.nn as nn
 
 from . import compile_stats
 from . import decisions
+from . import disk_cache
 from . import graph as g
 from . import optimizer_init
 from . import precision as mixed   # the step has a ``precision`` property
@@ -23,14 +25,15 @@ from . import user_views
 from .batch import BatchLayout, FirstBatch, agreement_lines, check_batch
 from .capture import Captured, capture, named_tensors, trained_parameters
 from .compile_stats import CompileStats
-from .driver import fewer_collections, run_passes
-from .errors import ConfigError
+from .data_guards import all_hold
+from .driver import Compiled, fewer_collections, run_passes
+from .errors import CompileCacheWarning, ConfigError
 from .memory_plan import MemoryPlan
 from .optimizer_step import hyperparameter_signature, live_layout, live_settings
 from .options import (DEFAULT_BUCKET_BYTES, DEFAULT_MAX_PROGRAMS, CompileOptions, check_model_and_optimizer,
                       check_not_meta, check_stage)
 from .passes.clip_gradients import GRAD_NORM_SLOT
-from .pipeline import DEFAULT_PREFETCH_BYTES, GraphSnapshot
+from .pipeline import DEFAULT_PREFETCH_BYTES, DUMP_DIR_VARIABLE, GraphSnapshot, dump_dir_of, write_dumps
 from .planning import communication, model_state_bytes
 from .precision import DynamicLossScale
 from .autocast import autocast_state, outside_autocast
@@ -73,6 +76,7 @@ def compile(
     cast_forward_inputs: bool = True,
     memory_pools: bool | None = None,
     gather_per_micro_batch: bool = True,
+    cache_dir: str | None = None,
 ) -> "CompiledStep":
     """Compile one training step of ``model`` with ``optimizer`` under ZeRO ``stage`` (0-3).
 
@@ -147,6 +151,13 @@ def compile(
     (the default) reads ``$ZEROCC_MEMORY_POOLS`` (``0`` off, ``1`` on) and
     is on when it is unset: the plan's peak is then the peak of what runs.
     ``report()["memory_pools"]`` says which layout the last program ran.
+
+    ``cache_dir`` (or ``$ZEROCC_CACHE_DIR``) keeps every compiled program in
+    that folder, and a later process compiling the same step (the same
+    model, its source files, optimizer, options, batch shapes, world size
+    and versions) loads it instead of tracing and running the passes
+    (``zerocc/disk_cache.py``); ``report()["compile_cache"]`` says whether
+    the last compile loaded, stored or missed, and why.
     """
     check_stage(stage)
     check_model_and_optimizer(model, optimizer)
@@ -158,7 +169,7 @@ def compile(
         static_shapes=static_shapes, max_programs=max_programs, memory_budget=memory_budget,
         param_dtype=param_dtype, reduce_dtype=reduce_dtype, loss_scale=loss_scale,
         cast_forward_inputs=cast_forward_inputs, memory_pools=memory_pools,
-        gather_per_micro_batch=gather_per_micro_batch)
+        gather_per_micro_batch=gather_per_micro_batch, cache_dir=cache_dir)
     _refuse_a_second_step(model, optimizer)
     options.passes()   # unknown or essential names in ``disable`` fail here, before any tracing
     return CompiledStep(model, optimizer, options, group)
@@ -207,6 +218,8 @@ class CompiledStep:
         self.eval_programs: collections.OrderedDict[Any, Any] = collections.OrderedDict()   # zerocc/eval.py
         self.ranks: Ranks = failures.with_timeout(resolve(group, device), options.timeout)
         self.arenas = Arenas()   # the memory pools' arenas, shared by this step's programs
+        self.disk_cache = None if options.cache_dir is None else \
+            disk_cache.DiskCache(options.cache_dir, model, self.ranks.rank, self.ranks.world_size)
         self.compile_seconds = 0.0
         self._warned_settings = False   # _say_which_settings_changed: once per step
         self._modules = tuple(model.modules())   # whose training flags each call's program key reads
@@ -342,7 +355,7 @@ class CompiledStep:
             started = time.perf_counter()
             # the user's MemTracker, profilers, global hooks (zerocc/user_tooling.py)
             with suspended_user_tooling(), fewer_collections(), outside_autocast():
-                found = self._compile(batch, layout, autocast=key.autocast)
+                found = self._compile(batch, layout, autocast=key.autocast, key=key)
             self.compile_seconds += time.perf_counter() - started
             self.cache.entries[key] = found
             if key.state == INITIAL_STATE and (self.state.state_key() or found.reads_initial_state):
@@ -375,9 +388,48 @@ class CompiledStep:
                 self._warned_settings = True
                 return
 
-    def _compile(self, batch, layout: BatchLayout | None = None, autocast: tuple = ()) -> CacheEntry:
-        """Capture the step on this batch, run the pipeline (``zerocc/driver.py``), build the program."""
+    def _compile(self, batch, layout: BatchLayout | None = None, autocast: tuple = (), key: CacheKey | None = None
+                 ) -> CacheEntry:
+        """Capture the step on this batch, run the pipeline (``zerocc/driver.py``), build the program.
+
+        With a compile cache (``cache_dir``), a compile a earlier process stored for the same fingerprint is
+        loaded instead of capture and passes (``zerocc/disk_cache.py``), and a new one is stored.
+        """
         layout = layout or BatchLayout(len(batch))   # all positional
+        state = self.state
+        fingerprint = None
+        if self.disk_cache is not None and key is not None:
+            fingerprint = disk_cache.fingerprint(self, key, state.released_shapes, state.plan)
+        found = self._load_from_disk(fingerprint, batch) if fingerprint is not None else None
+        if found is not None:
+            captured, compiled, fresh, state_signature = found
+        else:
+            captured, compiled, fresh, state_signature = self._capture_and_run_passes(batch, layout, autocast)
+            if fingerprint is not None:
+                self._store_on_disk(fingerprint, captured, compiled, fresh, state_signature)
+        with compiled.stats.timed(compile_stats.AGREE):
+            failures.check_ranks_agree(self.ranks, compiled.gm, compiled.ctx.shard_plan)   # before its collectives hang
+        with compiled.stats.timed(compile_stats.CODEGEN):
+            program = Program.from_graph(compiled.gm, self.arenas)
+        program.guards = captured.guards
+        if not state.started:
+            state.captured = captured
+            state.plan = compiled.ctx.shard_plan
+            with compiled.stats.timed(compile_stats.SLOTS):
+                state.slots = slot_store.initial_slots(compiled.ctx.shard_plan, captured, self.model, self.optimizer,
+                                                       fresh_state=fresh)
+            state.slots.update(state.initial_scaler)   # created (or loaded from a checkpoint) before the first step
+            self.optimizer.state.clear()   # the step owns the (sharded) optimizer state from now on
+            _OWNERS[self.model] = _OWNERS[self.optimizer] = weakref.ref(self)
+            self._user_hooks = user_views.install(self)
+            user_views.release_model_parameters(self)
+        state.state_signature = state_signature
+        self.compile_stats.append(compiled.stats)
+        return CacheEntry(program, compiled.ctx, compiled.history, reads_initial_state=fresh is not None)
+
+    def _capture_and_run_passes(self, batch, layout: BatchLayout, autocast: tuple):
+        """The captured step, what the passes made of it, the optimizer's initial state the step makes (or None)
+        and the structure of the optimizer state the program reads (``_state_signature_of``)."""
         state, options = self.state, self.options
 
         def trace(optimizer_state):
@@ -404,28 +456,58 @@ class CompiledStep:
                 fake_mode, captured = trace(None)
         else:
             fake_mode, captured = trace(None)
-        state_signature = _state_signature_of(captured)
+        state_signature = _state_signature_of(captured)   # before the passes rewrite the captured graph
         compiled = run_passes(captured, fake_mode, options, self.optimizer, world_size=self.ranks.world_size,
                               rank=self.ranks.rank, group_name=self.ranks.group_name, previous_plan=state.plan)
-        with compiled.stats.timed(compile_stats.AGREE):
-            failures.check_ranks_agree(self.ranks, compiled.gm, compiled.ctx.shard_plan)   # before its collectives hang
-        with compiled.stats.timed(compile_stats.CODEGEN):
-            program = Program.from_graph(compiled.gm, self.arenas)
-        program.guards = captured.guards
-        if not state.started:
-            state.captured = captured
-            state.plan = compiled.ctx.shard_plan
-            with compiled.stats.timed(compile_stats.SLOTS):
-                state.slots = slot_store.initial_slots(compiled.ctx.shard_plan, captured, self.model, self.optimizer,
-                                                       fresh_state=fresh)
-            state.slots.update(state.initial_scaler)   # created (or loaded from a checkpoint) before the first step
-            self.optimizer.state.clear()   # the step owns the (sharded) optimizer state from now on
-            _OWNERS[self.model] = _OWNERS[self.optimizer] = weakref.ref(self)
-            self._user_hooks = user_views.install(self)
-            user_views.release_model_parameters(self)
-        state.state_signature = state_signature
-        self.compile_stats.append(compiled.stats)
-        return CacheEntry(program, compiled.ctx, compiled.history, reads_initial_state=fresh is not None)
+        return captured, compiled, fresh, state_signature
+
+    def _load_from_disk(self, fingerprint: disk_cache.Fingerprint, batch):
+        """A compile stored by an earlier process for this one's fingerprint, as ``_capture_and_run_passes``
+        returns it, or None; every rank loads, or none does."""
+        cache, state = self.disk_cache, self.state
+        stats = CompileStats("loaded")
+        with stats.timed(compile_stats.CACHE_FIND):
+            path, why = cache.find(fingerprint)
+            fresh = None
+            if path is not None and not state.started and state.state_signature is None:
+                fresh = self._initial_optimizer_state()
+        payload = None
+        if path is not None:
+            with stats.timed(compile_stats.CACHE_LOAD):
+                payload = cache.load(path, disk_cache.user_objects(self.model, self.optimizer), make_fake_mode())
+            if payload is not None and payload["reads_initial_state"] != (fresh is not None):
+                payload, why = None, "the optimizer's initial state is made otherwise"
+            elif payload is not None and not all_hold(payload["captured"].guards, batch):
+                payload, why = None, "the batch takes another branch of the model's data-dependent code"
+            elif payload is None:
+                why = "unreadable entry"
+        with stats.timed(compile_stats.CACHE_FIND):
+            everyone = disk_cache.every_rank_has(self.ranks, payload is not None)
+        if not everyone:
+            if payload is not None:
+                why = "another rank has no entry"
+            cache.last_outcome = f"miss ({why})"
+            if why.startswith(("changed", "source changed")):
+                warnings.warn(f"zerocc compile cache: compiling, the stored program for {type(self.model).__name__} "
+                              f"does not fit: {why}", CompileCacheWarning, stacklevel=6)
+            return None
+        cache.last_outcome = "loaded"
+        compiled = Compiled(payload["gm"], payload["ctx"], payload["history"], stats)
+        if self.options.dump_dir is not None or os.environ.get(DUMP_DIR_VARIABLE):
+            write_dumps(dump_dir_of(self.options.dump_dir), compiled.history)
+        return payload["captured"], compiled, (fresh if payload["reads_initial_state"] else None), \
+            payload["state_signature"]
+
+    def _store_on_disk(self, fingerprint: disk_cache.Fingerprint, captured, compiled, fresh, state_signature) -> None:
+        cache = self.disk_cache
+        with compiled.stats.timed(compile_stats.CACHE_STORE):
+            ctx = dataclasses.replace(compiled.ctx, traces=None, rest_of_pipeline=None)
+            payload = {"captured": captured, "gm": compiled.gm, "ctx": ctx, "history": compiled.history,
+                       "reads_initial_state": fresh is not None, "state_signature": state_signature}
+            objects = disk_cache.user_objects(self.model, self.optimizer)
+            outcome = cache.store(fingerprint, disk_cache.source_files(captured, self), payload,
+                                  disk_cache.names_of(objects))
+        cache.last_outcome = f"{cache.last_outcome}, then {outcome}" if cache.last_outcome.startswith("miss") else outcome
 
     def _initial_optimizer_state(self):
         """The optimizer's initial state per trained parameter, if learned (``zerocc/optimizer_init.py``).
@@ -589,6 +671,8 @@ class CompiledStep:
             "measured_peak_bytes": entry.measured_peak_bytes,
             "compile_seconds": round(self.compile_seconds, 3),
             "compile_seconds_by_phase": compile_stats.by_phase(self.compile_stats),
+            # zerocc/disk_cache.py: the last compile "loaded", "stored (...)" or "miss (why), then stored (...)"
+            "compile_cache": "off" if self.disk_cache is None else self.disk_cache.last_outcome,
             "remat": ctx.remat_plan.to_dict() if ctx.remat_plan is not None else None,
         }
 

@@ -26,6 +26,9 @@ VERIFY = "verify"                             # verify=True's checks after every
 AGREE = "agree across ranks"                  # every rank compiled the same collectives
 CODEGEN = "program"                           # the runtime's program from the final graph
 SLOTS = "slots"                               # the first program only: parameters and state moved into buckets
+CACHE_FIND = "disk cache: look up"            # the fingerprint, its entry's source files, the ranks' agreement
+CACHE_LOAD = "disk cache: load"               # a stored compile read instead of capture and passes
+CACHE_STORE = "disk cache: store"             # a compile written for later processes
 
 
 def pass_phase(name: str) -> str:

@@ -37,6 +37,11 @@ class RecompileWarning(UserWarning):
     """A step compiled more programs (batch shapes) than ``max_programs`` keeps."""
 
 
+class CompileCacheWarning(UserWarning):
+    """The compile cache on disk (``zerocc/disk_cache.py``) missed an entry it had for this model, or could not
+    read or write one; the step compiles, and loses nothing."""
+
+
 class MemoryBudgetError(ZeroccError):
     """``memory_budget`` cannot be met by recomputing activations; the message says what can.
 

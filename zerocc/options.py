@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 
 from . import precision as mixed
+from .disk_cache import cache_dir_of
 from .errors import ConfigError
 from .pipeline import DEFAULT_PREFETCH_BYTES, Pass, build_pipeline, memory_pools_of
 
@@ -37,8 +38,10 @@ class CompileOptions:
 
     ``clip`` is ``(max_norm, norm_type)`` or None, ``precision`` the resolved
     mixed precision settings (None: the model's dtype), ``memory_pools`` the
-    setting with ``$ZEROCC_MEMORY_POOLS`` read. ``timeout``,
-    ``static_shapes`` and ``max_programs`` concern a running step only.
+    setting with ``$ZEROCC_MEMORY_POOLS`` read, ``cache_dir`` the compile
+    cache's folder with ``$ZEROCC_CACHE_DIR`` read (None: no cache,
+    ``zerocc/disk_cache.py``). ``timeout``, ``static_shapes``,
+    ``max_programs`` and ``cache_dir`` concern a running step only.
     """
     stage: int = 3
     loss_fn: Callable | None = None
@@ -57,6 +60,7 @@ class CompileOptions:
     timeout: float | None = None
     static_shapes: bool = False
     max_programs: int = DEFAULT_MAX_PROGRAMS
+    cache_dir: str | None = None
 
     @classmethod
     def validate(cls, model: nn.Module, *, stage: int = 3, loss_fn: Callable | None = None,
@@ -67,7 +71,8 @@ class CompileOptions:
                  static_shapes: bool = False, max_programs: int = DEFAULT_MAX_PROGRAMS,
                  memory_budget: int | None = None, param_dtype: torch.dtype | None = None,
                  reduce_dtype: torch.dtype | None = None, loss_scale=None, cast_forward_inputs: bool = True,
-                 memory_pools: bool | None = None, gather_per_micro_batch: bool = True) -> "CompileOptions":
+                 memory_pools: bool | None = None, gather_per_micro_batch: bool = True,
+                 cache_dir: str | None = None) -> "CompileOptions":
         """Check every keyword (``ConfigError`` naming it and the fix); ``passes()`` checks ``disable``."""
         check_stage(stage)
         check_bucket_bytes(bucket_bytes)
@@ -86,7 +91,7 @@ class CompileOptions:
                    memory_budget=memory_budget,
                    precision=mixed.resolve(param_dtype, reduce_dtype, loss_scale, cast_forward_inputs, model),
                    gather_per_micro_batch=gather_per_micro_batch, memory_pools=memory_pools, timeout=timeout,
-                   static_shapes=bool(static_shapes), max_programs=max_programs)
+                   static_shapes=bool(static_shapes), max_programs=max_programs, cache_dir=cache_dir_of(cache_dir))
 
     def for_pipeline(self, *, stage: int, disable: Sequence[str] = (), verify: bool = False,
                      dump_dir: str | None = None, memory_pools: bool | None = None,

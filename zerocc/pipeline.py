@@ -401,6 +401,13 @@ def _run_passes(passes: Sequence[Pass], gm: fx.GraphModule, ctx: CompileContext)
     return gm
 
 
+def write_dumps(folder: str, history: Sequence[GraphSnapshot]) -> None:
+    """Write every snapshot as ``{i:03d}_{pass}.py`` into ``folder``, as a compile with ``dump_dir`` does."""
+    os.makedirs(folder, exist_ok=True)
+    for shot in history:
+        _dump(folder, shot)
+
+
 def _dump(folder: str, shot: GraphSnapshot) -> None:
     with open(os.path.join(folder, f"{shot.index:03d}_{shot.name}.py"), "w") as file:
         file.write(str(shot) + "\n")

@@ -1,0 +1,224 @@
+"""The compile cache on disk (``cache_dir``, ``zerocc/disk_cache.py``): a later process loads what an earlier one
+compiled, trains bit for bit as eager, and misses, saying why, when anything the program depends on changed.
+
+Loads are checked in new processes (``tests/distributed.py`` forks each run): nothing of the first run's
+compile may survive in memory. Misses are checked in one process with new models: the entry on disk is
+all the second compile could find.
+"""
+from __future__ import annotations
+
+import copy
+import importlib.util
+import os
+import re
+import shutil
+import sys
+import warnings
+
+import pytest
+import torch
+
+import zerocc
+from tests import distributed
+from tests.models import batches, build, eager_step
+from zerocc.errors import CompileCacheWarning
+
+STEPS = 3
+
+
+def _eager_losses(name, seed, steps, data, lr=1e-2):
+    model, _, loss_fn = build(name, seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    return [eager_step(model, optimizer, loss_fn, batch) for batch in data[:steps]]
+
+
+def _train(rank, world_size, folder, stage=3, name="gpt"):
+    model, _, loss_fn = build(name, 0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step = zerocc.compile(model, optimizer, stage=stage, loss_fn=loss_fn, cache_dir=folder)
+    per_rank = 8 // world_size
+    data = [tuple(t[rank * per_rank:(rank + 1) * per_rank] for t in batch) for batch in batches(name, STEPS, 8)]
+    losses = [step(*batch) for batch in data]
+    report = step.report()
+    return losses, report["compile_cache"], report["compile_seconds_by_phase"], str(step.graph("insert_collectives"))
+
+
+def _without_symbolic_annotations(code: str) -> str:
+    """A loaded graph keeps no symbolic scalar values (they belong to the tracing process): their annotations go."""
+    return re.sub(r': "Sym\([^"]*\)"', "", code)
+
+
+@pytest.mark.multirank   # one rank, but through tests/distributed.py's process group: a new process per run
+def test_a_new_process_loads_what_an_earlier_one_stored_and_trains_as_eager(tmp_path):
+    folder = str(tmp_path / "cache")
+    [(cold, cold_outcome, cold_phases, cold_graph)] = distributed.run(_train, 1, folder)
+    [(warm, warm_outcome, warm_phases, warm_graph)] = distributed.run(_train, 1, folder)
+    assert cold_outcome.startswith("miss (no entry), then stored"), cold_outcome
+    assert warm_outcome == "loaded"
+    assert "capture: trace" in cold_phases and "capture: trace" not in warm_phases   # nothing traced
+    assert not any(phase.startswith("pass ") for phase in warm_phases)   # no pass ran
+    expected = _eager_losses("gpt", 0, STEPS, batches("gpt", STEPS, 8))
+    assert all(torch.equal(a, b) for a, b in zip(cold, expected)), (cold, expected)
+    assert all(torch.equal(a, b) for a, b in zip(warm, expected)), (warm, expected)
+    assert _without_symbolic_annotations(warm_graph) == _without_symbolic_annotations(cold_graph)
+
+
+@pytest.mark.multirank
+def test_two_ranks_load_together_and_a_rank_without_its_entry_makes_every_rank_compile(tmp_path):
+    folder = str(tmp_path / "cache")
+    cold = distributed.run(_train, 2, folder)
+    warm = distributed.run(_train, 2, folder)
+    assert [outcome for _, outcome, *_ in warm] == ["loaded", "loaded"]
+    for (a, *_), (b, *_) in zip(cold, warm):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    shutil.rmtree(os.path.join(folder, "GPT-rank1of2"))   # rank 1 finds nothing: loading alone would hang
+    again = distributed.run(_train, 2, folder)
+    assert again[0][1].startswith("miss (another rank has no entry), then stored"), again[0][1]
+    assert again[1][1].startswith("miss (no entry), then stored"), again[1][1]
+    for (a, *_), (b, *_) in zip(cold, again):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def _compiled(folder, name="gpt", seed=0, **options):
+    model, _, loss_fn = build(name, seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return zerocc.compile(model, optimizer, stage=3, loss_fn=loss_fn, cache_dir=folder, **options)
+
+
+def test_changed_options_miss_and_say_which_part_changed(tmp_path):
+    data = batches("gpt", 2, 8)
+    _compiled(tmp_path)(*data[0])
+    step = _compiled(tmp_path, bucket_bytes=1 << 12)
+    with pytest.warns(CompileCacheWarning, match="changed since the last entry: options"):
+        loss = step(*data[0])
+    assert step.report()["compile_cache"].startswith("miss (changed since the last entry: options), then stored")
+    assert torch.equal(loss, _eager_losses("gpt", 0, 1, data)[0])
+    # the learning rate is read every step: a new one loads the stored program
+    step = _compiled(tmp_path, bucket_bytes=1 << 12)
+    step.optimizer.param_groups[0]["lr"] = 5e-3
+    step(*data[0])
+    assert step.report()["compile_cache"] == "loaded"
+
+
+MODEL_SOURCE = '''
+import torch
+
+
+class Small(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first = torch.nn.Linear(8, 16)
+        self.second = torch.nn.Linear(16, 1)
+
+    def forward(self, x, y):
+        return torch.nn.functional.mse_loss(self.second(torch.relu(self.first(x))), y)
+'''
+
+
+def _import(path, name):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.modules.pop(name, None)
+    return module
+
+
+def _small_step_and_eager(module, folder):
+    torch.manual_seed(0)
+    model = module.Small()
+    reference = copy.deepcopy(model)
+    step = zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), stage=3, cache_dir=folder)
+    batch = (torch.randn(4, 8, generator=torch.Generator().manual_seed(1)), torch.randn(4, 1))
+    expected = eager_step(reference, torch.optim.SGD(reference.parameters(), lr=0.1), None, batch)
+    return step, batch, expected
+
+
+def test_an_edited_model_source_misses_and_names_the_file(tmp_path):
+    source = tmp_path / "small_model.py"
+    source.write_text(MODEL_SOURCE)
+    step, batch, expected = _small_step_and_eager(_import(source, "small_model"), tmp_path / "cache")
+    assert torch.equal(step(*batch), expected)
+    source.write_text(MODEL_SOURCE.replace("torch.relu", "torch.tanh"))   # the module tree and shapes are the same
+    step, batch, expected = _small_step_and_eager(_import(source, "small_model"), tmp_path / "cache")
+    with pytest.warns(CompileCacheWarning, match="source changed: .*small_model.py"):
+        loss = step(*batch)
+    assert torch.equal(loss, expected)   # the edited model's numbers, not the stored program's
+    step, batch, expected = _small_step_and_eager(_import(source, "small_model"), tmp_path / "cache")
+    assert torch.equal(step(*batch), expected) and step.report()["compile_cache"] == "loaded"
+
+
+def test_an_unreadable_entry_is_compiled_again_and_replaced(tmp_path):
+    data = batches("gpt", 1, 8)
+    _compiled(tmp_path)(*data[0])
+    [entry] = [os.path.join(root, f) for root, _, files in os.walk(tmp_path) for f in files if f.endswith(".pkl")]
+    with open(entry, "r+b") as file:
+        file.truncate(1000)
+    step = _compiled(tmp_path)
+    with pytest.warns(CompileCacheWarning, match="could not read"):
+        loss = step(*data[0])
+    assert torch.equal(loss, _eager_losses("gpt", 0, 1, data)[0])
+    assert step.report()["compile_cache"].startswith("miss (unreadable entry), then stored")
+    step = _compiled(tmp_path)
+    step(*data[0])
+    assert step.report()["compile_cache"] == "loaded"
+
+
+def test_a_compile_that_cannot_be_pickled_trains_and_says_it_was_not_stored(tmp_path):
+    def marks_with_a_lambda(gm, ctx):
+        next(iter(gm.graph.nodes)).meta["user_note"] = lambda: None   # nothing pickle can write
+        return gm
+
+    zerocc.register_pass(marks_with_a_lambda, after="shard")
+    try:
+        data = batches("gpt", 1, 8)
+        step = _compiled(tmp_path)
+        assert torch.equal(step(*data[0]), _eager_losses("gpt", 0, 1, data)[0])
+        assert step.report()["compile_cache"].startswith("miss (no entry), then not stored:")
+    finally:
+        zerocc.unregister_pass("marks_with_a_lambda")
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_a_resume_from_a_checkpoint_compiles_once_then_loads(tmp_path):
+    """A checkpoint loaded before the first call gives the program the saved optimizer state to read: another
+    entry than a fresh start's, stored by the first resume and loaded by the next."""
+    data = batches("gpt", 4, 8)
+    first = _compiled(tmp_path / "cache")
+    for batch in data[:2]:
+        first(*batch)
+    zerocc.save_checkpoint(first, tmp_path / "ckpt")
+    expected = [first(*batch) for batch in data[2:]]
+    outcomes = []
+    for _ in range(2):
+        resumed = _compiled(tmp_path / "cache", seed=5)
+        zerocc.load_checkpoint(resumed, tmp_path / "ckpt")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", CompileCacheWarning)   # the first resume's miss says the state changed
+            losses = [resumed(*batch) for batch in data[2:]]
+        assert all(torch.equal(a, b) for a, b in zip(losses, expected)), (losses, expected)
+        outcomes.append(resumed.report()["compile_cache"])
+    assert outcomes[0].startswith("miss (changed since the last entry: optimizer state)"), outcomes[0]
+    assert outcomes[1] == "loaded"
+
+
+def test_a_loaded_compile_still_writes_its_dumps(tmp_path):
+    data = batches("gpt", 1, 8)
+    _compiled(tmp_path / "cache")(*data[0])
+    step = _compiled(tmp_path / "cache", dump_dir=str(tmp_path / "dumps"))
+    step(*data[0])
+    assert step.report()["compile_cache"] == "loaded"
+    written = sorted(os.listdir(tmp_path / "dumps"))
+    assert written == [f"{i:03d}_{name}.py" for i, name in enumerate(step.passes)], written   # capture first
+
+
+def test_the_cache_folder_is_checked_and_off_without_one(tmp_path, monkeypatch):
+    monkeypatch.delenv("ZEROCC_CACHE_DIR", raising=False)
+    with pytest.raises(zerocc.ConfigError, match="cache_dir must be a folder's path"):
+        _compiled(3)
+    step = _compiled(None)
+    step(*batches("gpt", 1, 8)[0])
+    assert step.report()["compile_cache"] == "off"
+    monkeypatch.setenv("ZEROCC_CACHE_DIR", str(tmp_path))
+    step = _compiled(None)
+    step(*batches("gpt", 1, 8)[0])
+    assert step.report()["compile_cache"].startswith("miss (no entry), then stored")

@@ -1,0 +1,333 @@
+"""The compile cache on disk: a later run of the same script loads its programs instead of compiling.
+
+``zerocc.compile(..., cache_dir=path)`` (or ``$ZEROCC_CACHE_DIR``) turns it
+on. After a compile each rank writes what it made (the captured step, the
+passes' decisions, the final graph, the graph after every pass) to
+``path/<model class>-rank<r>of<n>/<digest>.pkl`` (``zerocc/graph_pickle.py``);
+a compile in a later process with the same ``Fingerprint`` loads it instead:
+no tracing, no passes.
+
+The fingerprint is what decides a program without tracing it:
+
+- zerocc's own source, torch's and Python's versions, the ``$ZEROCC_*`` settings;
+- the model's modules (class, plain attributes such as ``in_features`` or
+  ``p``, hooks) and its parameters and buffers (names, shapes, dtypes,
+  devices, ``requires_grad``, which are tied);
+- the optimizer (class, which parameters each group holds, every group
+  setting traced into the program);
+- the compile options and the passes they run (registered ones included);
+- the world size and this rank; the batch's signature, the optimizer
+  state's structure, the caller's autocast and the modules' training modes
+  (``program_cache.CacheKey``);
+- the content of every source file whose code made an op of the step (from
+  the stack traces the tracer kept), of the model's module classes and of
+  the optimizer's class: editing the model's ``forward`` misses.
+
+What it cannot see is state read by the traced code that none of these
+holds (a module-level flag in a file that made no op): clear the folder
+after changing such a thing. A miss says why when an earlier entry for the
+same model, rank and world size exists (``CompileCacheWarning``); a file
+that cannot be read is a miss too, and is rewritten. Every rank loads or
+every rank compiles (one all-reduce decides), and loaded programs still
+pass the ranks' agreement check before their first collective.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import inspect
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from . import graph_pickle
+from .errors import CompileCacheWarning, ConfigError
+from .user_tooling import suspended_user_tooling
+
+CACHE_DIR_VARIABLE = "ZEROCC_CACHE_DIR"
+FORMAT = 1   # bumped when what an entry holds changes shape
+
+# $ZEROCC_* settings that do not change a program
+_UNRELATED_SETTINGS = (CACHE_DIR_VARIABLE, "ZEROCC_DUMP_DIR")
+_FILE_IN_TRACE = re.compile(r'File "([^"]+)", line \d+')
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
+
+
+def cache_dir_of(setting: str | os.PathLike | None) -> str | None:
+    """The cache folder: the ``cache_dir`` setting, else ``$ZEROCC_CACHE_DIR``, else none (no cache)."""
+    if setting is not None:
+        if not isinstance(setting, (str, os.PathLike)):
+            raise ConfigError(f"cache_dir must be a folder's path (str or os.PathLike) or None, got {setting!r}")
+        return os.fspath(setting)
+    return os.environ.get(CACHE_DIR_VARIABLE) or None
+
+
+@dataclasses.dataclass(frozen=True)
+class Fingerprint:
+    """What a compile is for, by part (each a short text or a digest); ``digest`` names its entry."""
+    parts: tuple[tuple[str, str], ...]
+
+    @functools.cached_property
+    def digest(self) -> str:
+        return _sha("\n".join(f"{name}={value}" for name, value in self.parts))[:24]
+
+    def changed_since(self, earlier: dict[str, str]) -> list[str]:
+        """The parts that differ from an earlier entry's, by name."""
+        now = dict(self.parts)
+        return [name for name in now if earlier.get(name) != now[name]] + \
+               [name for name in earlier if name not in now]
+
+
+def _sha(text: str | bytes) -> str:
+    return hashlib.sha256(text.encode() if isinstance(text, str) else text).hexdigest()
+
+
+@functools.lru_cache(maxsize=1)
+def _zerocc_source_digest() -> str:
+    digest = hashlib.sha256()
+    for root, _, files in sorted(os.walk(_PACKAGE_DIR)):
+        for name in sorted(files):
+            if name.endswith(".py"):
+                with open(os.path.join(root, name), "rb") as file:
+                    digest.update(name.encode() + file.read())
+    return digest.hexdigest()[:24]
+
+
+def _stable(value: Any, depth: int = 0) -> str:
+    """A text for ``value`` that is the same in every process (no addresses): what a key may hold."""
+    if depth > 4:
+        return "..."
+    if value is None or isinstance(value, (bool, int, float, str, torch.dtype, torch.device, torch.Size)):
+        return repr(value)
+    if isinstance(value, (list, tuple)):
+        return "(" + ",".join(_stable(v, depth + 1) for v in value) + ")"
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{_stable(k, depth + 1)}:{_stable(v, depth + 1)}" for k, v in value.items()) + "}"
+    if isinstance(value, torch.Tensor):
+        if value.numel() == 1 and not value.is_meta:
+            return f"tensor({value.item()!r},{value.dtype})"
+        return f"tensor{tuple(value.shape)}{value.dtype}"
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return type(value).__qualname__ + _stable(
+            {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}, depth + 1)
+    if isinstance(value, functools.partial):
+        return f"partial({_stable(value.func, depth + 1)},{_stable(value.args, depth + 1)})"
+    if callable(value):
+        return f"{getattr(value, '__module__', '?')}.{getattr(value, '__qualname__', type(value).__qualname__)}"
+    return type(value).__qualname__
+
+
+def _module_attributes(module: nn.Module) -> str:
+    plain = {name: value for name, value in vars(module).items()
+             if not name.startswith("_") and name != "training" and not isinstance(value, (nn.Module, torch.Tensor))}
+    hooks = [hook for store in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
+                                "_backward_pre_hooks", "_state_dict_hooks") for hook in getattr(module, store, {}).values()]
+    return _stable(plain) + _stable(hooks)
+
+
+def fingerprint(step, key, released_shapes: dict[str, tuple[int, ...]], previous_plan) -> Fingerprint:
+    """The fingerprint of the compile ``step`` is about to make for ``key`` (``program_cache.CacheKey``)."""
+    model, optimizer, options = step.model, step.optimizer, step.options
+    modules = "\n".join(f"{name}:{type(m).__module__}.{type(m).__qualname__}:{_module_attributes(m)}"
+                        for name, m in model.named_modules())
+    names = {}
+    for name, tensor in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        names.setdefault(id(tensor), []).append(name)
+    tensors = "\n".join(
+        f"{'/'.join(names[id(t)])}:{tuple(released_shapes.get(n, t.shape))}:{t.dtype}:{t.device}:{t.requires_grad}:"
+        f"{isinstance(t, nn.Parameter)}"
+        for n, t in [*model.named_parameters(), *model.named_buffers()])
+    index = {id(p): n for n, p in model.named_parameters()}
+    # which parameters each group holds; its settings traced into the program are key.hyperparameters (lr and
+    # betas are read every step and stay out, so a schedule does not miss)
+    groups = "\n".join(",".join(index.get(id(p), "?") for p in group["params"]) for group in optimizer.param_groups)
+    # state in the user's optimizer before the first call (a checkpoint loaded): the program reads it as it is
+    held = {index.get(id(p), "?"): {k: (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else v
+                                    for k, v in values.items()}
+            for p, values in optimizer.state.items()} if not step.state.started else {}
+    skipped = ("timeout", "dump_dir", "static_shapes", "max_programs", "cache_dir")
+    option_text = _stable({f.name: getattr(options, f.name) for f in dataclasses.fields(options) if f.name not in skipped})
+    passes = _stable([(p.name, p.run) for p in options.passes()])
+    settings = _stable(sorted((k, v) for k, v in os.environ.items()
+                              if k.startswith("ZEROCC_") and k not in _UNRELATED_SETTINGS))
+    parts = (
+        ("format", str(FORMAT)),
+        ("zerocc source", _zerocc_source_digest()),
+        ("torch", f"{torch.__version__} python {sys.version_info[:3]}"),
+        ("$ZEROCC settings", settings),
+        ("model modules", _sha(modules)[:24]),
+        ("model tensors", _sha(tensors)[:24]),
+        ("optimizer", f"{type(optimizer).__module__}.{type(optimizer).__qualname__} " + _sha(groups)[:16]),
+        ("options", _sha(option_text)[:24]),
+        ("passes", _sha(passes)[:24]),
+        ("ranks", f"rank {step.ranks.rank} of {step.ranks.world_size}"),
+        ("batch", _sha(_stable(key.signature))[:24]),
+        ("optimizer state", _sha(_stable(key.state) + _stable(step.state.state_signature) + _stable(held))[:24]),
+        ("optimizer settings", _sha(_stable(key.hyperparameters))[:24]),
+        ("autocast", _stable(key.autocast)),
+        ("training modes", _sha(_stable(key.training))[:24]),
+        ("earlier buckets", _sha(_stable(previous_plan))[:24]),
+    )
+    return Fingerprint(parts)
+
+
+def source_files(captured, step) -> dict[str, str]:
+    """Every file whose code the traced step ran, by path, with its content's digest (zerocc's and torch's own
+    files are covered by their version parts)."""
+    paths = set()
+    for node in captured.gm.graph.nodes:
+        trace = node.meta.get("stack_trace")
+        if trace:
+            paths.update(_FILE_IN_TRACE.findall(trace))
+    things: list[Any] = [type(m) for m in step.model.modules()] + [type(step.optimizer)]
+    if step.options.loss_fn is not None:
+        things.append(step.options.loss_fn)
+    things += [p.run for p in step.options.passes()]
+    for thing in things:
+        try:
+            paths.add(inspect.getsourcefile(thing))
+        except (TypeError, OSError):
+            pass
+    found = {}
+    for path in sorted(p for p in paths if p):
+        path = os.path.abspath(path)
+        if path.startswith(_PACKAGE_DIR + os.sep) or path.startswith(_TORCH_DIR + os.sep):
+            continue
+        digest = _file_digest(path)
+        if digest is not None:
+            found[path] = digest
+    return found
+
+
+def _file_digest(path: str) -> str | None:
+    try:
+        with open(path, "rb") as file:
+            return _sha(file.read())[:24]
+    except OSError:
+        return None
+
+
+class DiskCache:
+    """One rank's entries for one model class in the cache folder."""
+
+    def __init__(self, directory: str, model: nn.Module, rank: int, world_size: int):
+        self.folder = os.path.join(directory, f"{type(model).__name__}-rank{rank}of{world_size}")
+        self.last_outcome = "not used yet"   # report()["compile_cache"]
+        self.load_seconds = 0.0
+
+    def _path(self, digest: str, suffix: str) -> str:
+        return os.path.join(self.folder, digest + suffix)
+
+    def find(self, fingerprint: Fingerprint) -> tuple[str | None, str]:
+        """The entry for ``fingerprint`` if one is stored and its source files are unchanged, and why not."""
+        index = self._read_json(self._path(fingerprint.digest, ".json"))
+        if index is None:
+            return None, self._why_missing(fingerprint)
+        changed = [path for path, digest in index.get("sources", {}).items() if _file_digest(path) != digest]
+        if changed:
+            return None, "source changed: " + ", ".join(_short(p) for p in changed[:3]) + \
+                (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
+        return self._path(fingerprint.digest, ".pkl"), "found"
+
+    def _why_missing(self, fingerprint: Fingerprint) -> str:
+        latest = self._read_json(os.path.join(self.folder, "latest.json"))
+        if latest is None:
+            return "no entry"
+        changed = fingerprint.changed_since(latest.get("parts", {}))
+        return "changed since the last entry: " + ", ".join(changed) if changed else "no entry"
+
+    @staticmethod
+    def _read_json(path: str) -> dict | None:
+        try:
+            with open(path) as file:
+                return json.load(file)
+        except (OSError, ValueError):
+            return None
+
+    def load(self, path: str, objects: dict[str, Any], fake_mode) -> dict | None:
+        """The stored compile, or None (with a warning) if the file cannot be read."""
+        started = time.perf_counter()
+        try:
+            with open(path, "rb") as file:
+                payload = graph_pickle.loads(file.read(), objects, fake_mode)
+        except Exception as error:   # a truncated or foreign file: compile, and write it again
+            warnings.warn(f"zerocc compile cache: could not read {path} ({type(error).__name__}: {error}); "
+                          "compiling instead, and replacing it", CompileCacheWarning, stacklevel=6)
+            return None
+        self.load_seconds = time.perf_counter() - started
+        return payload
+
+    def store(self, fingerprint: Fingerprint, sources: dict[str, str], payload: dict, names: dict[int, str]) -> str:
+        """Write the entry (atomically: a reader never sees half of one); returns what happened, for the report."""
+        try:
+            data = graph_pickle.dumps(payload, names)
+        except graph_pickle.NotPicklable as error:
+            return f"not stored: {error}"
+        index = {"parts": dict(fingerprint.parts), "sources": sources, "created": time.strftime("%Y-%m-%d %H:%M:%S")}
+        try:
+            os.makedirs(self.folder, exist_ok=True)
+            _write_atomically(self._path(fingerprint.digest, ".pkl"), data)
+            text = json.dumps(index, indent=1).encode()
+            _write_atomically(self._path(fingerprint.digest, ".json"), text)   # last: it marks the entry complete
+            _write_atomically(os.path.join(self.folder, "latest.json"), text)
+        except OSError as error:
+            warnings.warn(f"zerocc compile cache: could not write to {self.folder} ({error}); the step runs "
+                          "without storing its program", CompileCacheWarning, stacklevel=6)
+            return f"not stored: {error}"
+        return f"stored ({len(data) / 2**20:.1f} MiB)"
+
+
+def _write_atomically(path: str, data: bytes) -> None:
+    handle, temporary = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
+    try:
+        with os.fdopen(handle, "wb") as file:
+            file.write(data)
+        os.chmod(temporary, 0o644)   # mkstemp's 0600 would hide the cache from the other users of a shared folder
+        os.replace(temporary, path)
+    except BaseException:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+        raise
+
+
+def _short(path: str) -> str:
+    try:
+        relative = os.path.relpath(path)
+    except ValueError:
+        return path
+    return relative if not relative.startswith("..") else path
+
+
+def every_rank_has(ranks, found: bool) -> bool:
+    """Whether every rank of the step's group found its entry (one all-reduce): all load or all compile."""
+    if ranks.group is None:
+        return found
+    device = "cpu" if dist.get_backend(ranks.group) == "gloo" else torch.device("cuda", torch.cuda.current_device())
+    flag = torch.tensor([1 if found else 0], dtype=torch.int64, device=device)
+    with suspended_user_tooling():   # control traffic: a user's collective counter sees the step's own only
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=ranks.group)
+    return bool(flag.item())
+
+
+def user_objects(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The caller's objects a stored compile names instead of copying, by the names it uses."""
+    objects: dict[str, Any] = {"optimizer": optimizer}
+    for name, module in model.named_modules():
+        objects.setdefault(f"module:{name}", module)
+    return objects
+
+
+def names_of(objects: dict[str, Any]) -> dict[int, str]:
+    return {id(thing): name for name, thing in reversed(list(objects.items()))}
+

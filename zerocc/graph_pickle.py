@@ -1,0 +1,211 @@
+"""Pickling a compilation (``fx`` graphs, their fake tensors, the passes' decisions) to disk and back.
+
+``zerocc/disk_cache.py`` stores what a compile made so that a later process
+loads it instead of compiling. Python's pickle handles most of it; this
+module teaches it the rest:
+
+- an ``fx.Graph`` is pickled as its nodes in order (op, target, name, type,
+  arguments, meta), with the arguments' nodes written by name, and rebuilt
+  node by node (a node named anywhere else, in meta or a pass's decision,
+  is refused);
+- an ``fx.GraphModule`` is its constants, graph and meta (torch's own
+  pickling regenerates the module from its code and drops the meta);
+- a fake tensor is its shape, strides, dtype and device, made again under
+  the loading process's fake mode; the fake mode itself is that mode;
+- an operator (``torch.ops.aten.mm.default``) is its name;
+- the caller's own objects (its optimizer, its modules) are written as names
+  and resolved to the loading process's objects, never copied.
+
+Meta torch.fx uses only while tracing (``from_node``, ``unbacked_bindings``,
+symbolic sizes) is not kept. Anything else pickle cannot write raises
+``NotPicklable``: the compile is then not cached, and nothing is lost.
+"""
+from __future__ import annotations
+
+import io
+import pickle
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch._ops import OpOverload, OpOverloadPacket
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+from .pipeline import NodeRecord
+
+# meta torch.fx keeps for tracing and provenance, meaningless in another process
+_DROPPED_META = ("from_node", "unbacked_bindings", "source_fn_stack", "nn_module_stack", "fwd_source_fn_stack",
+                 "fwd_nn_module_stack")
+
+
+class NotPicklable(Exception):
+    """Part of a compilation pickle cannot write (a lambda traced into the graph, a user object in meta)."""
+
+
+def _is_symbolic(value) -> bool:
+    return isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool))
+
+
+def _plain_meta(meta: dict) -> dict:
+    kept = {}
+    for key, value in meta.items():
+        if key in _DROPPED_META:
+            continue
+        if key == "val" and (_is_symbolic(value) or (isinstance(value, (list, tuple)) and any(map(_is_symbolic, value)))):
+            continue
+        kept[key] = value
+    return kept
+
+
+class _Writer(pickle.Pickler):
+    """Pickles a compilation; ``names`` maps id() of the caller's objects to the names they load as."""
+
+    def __init__(self, file, names: dict[int, str]):
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.names = names
+
+    def persistent_id(self, obj):
+        name = self.names.get(id(obj))
+        if name is not None:
+            return ("object", name)
+        if isinstance(obj, FakeTensorMode):
+            return ("fake_mode",)
+        return None
+
+    def reducer_override(self, obj):   # what it returns is memoized: a value shared by snapshots is made once
+        if isinstance(obj, FakeTensor):
+            return _fake, (tuple(obj.shape), tuple(obj.stride()), obj.dtype, str(obj.device), obj.requires_grad)
+        if isinstance(obj, OpOverload):
+            return _operator, (obj._schema.name, obj._overloadname)
+        if isinstance(obj, OpOverloadPacket):
+            return _operator, (obj._qualified_op_name, None)
+        if isinstance(obj, fx.GraphModule):
+            constants = {n.target: getattr(obj, n.target) for n in obj.graph.nodes if n.op == "get_attr"}
+            return _graph_module, (constants, obj.graph, dict(obj.meta), type(obj).__name__)
+        if isinstance(obj, fx.Graph):
+            return _graph, (obj._codegen, _rows(obj))
+        if isinstance(obj, NodeRecord):   # a pass's snapshot: its rows as they are, its graph still built on demand
+            return _record, (obj.codegen, _record_rows(obj))
+        if isinstance(obj, fx.Node):
+            raise NotPicklable(f"node {obj.name} is named outside its graph's arguments (in meta or a decision)")
+        return NotImplemented
+
+
+class _NodeName:
+    """A node in a pickled graph's arguments, by name (resolved when the graph is rebuilt)."""
+    __slots__ = ("name",)
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __reduce__(self):
+        return _NodeName, (self.name,)
+
+
+def _rows(graph: fx.Graph) -> list[tuple]:
+    def by_name(node: fx.Node) -> _NodeName:
+        return _NodeName(node.name)
+
+    return [(n.op, n.target, n.name, n.type, fx.map_arg(n.args, by_name), fx.map_arg(n.kwargs, by_name),
+             _plain_meta(n.meta)) for n in graph.nodes]
+
+
+def _record_rows(record: NodeRecord) -> list[tuple]:
+    """A record's rows with each live node replaced by one stand-in: the same object in every row that reads it.
+
+    The record's names are those at the snapshot (a later pass may have renamed the live node);
+    ``NodeRecord.build`` maps arguments by identity, which pickle keeps.
+    """
+    keys = {row[0]: _NodeName(row[3]) for row in record.nodes}
+    return [(keys[node], op, target, name, type_expr, fx.map_arg(args, keys.__getitem__),
+             fx.map_arg(kwargs, keys.__getitem__), _plain_meta(meta))
+            for node, op, target, name, type_expr, args, kwargs, meta in record.nodes]
+
+
+class _LoadedRecord(NodeRecord):
+    """A snapshot's record read from disk: its arguments name stand-ins, not nodes."""
+
+    def __init__(self, codegen, rows: list[tuple]):   # the rows are the record: no graph to read
+        self.codegen, self.nodes = codegen, rows
+
+    def build(self) -> fx.Graph:
+        return _graph(self.codegen, [(*row[1:7], dict(row[7])) for row in self.nodes])
+
+
+def _record(codegen, rows: list[tuple]) -> NodeRecord:
+    return _LoadedRecord(codegen, rows)
+
+
+class _Reader(pickle.Unpickler):
+    def __init__(self, file, objects: dict[str, Any]):
+        super().__init__(file)
+        self.objects = objects
+
+    def persistent_load(self, pid):
+        kind = pid[0]
+        if kind == "object":
+            return self.objects[pid[1]]
+        if kind == "fake_mode":
+            return _loading_mode[-1]
+        raise pickle.UnpicklingError(f"unknown persistent id {pid!r}")
+
+
+def _operator(name: str, overload: str | None):
+    namespace, _, op = name.partition("::")
+    packet = getattr(getattr(torch.ops, namespace), op)
+    return packet if overload is None else getattr(packet, overload or "default")
+
+
+_loading_mode: list[FakeTensorMode] = []   # the fake mode of the load under way
+
+
+def _fake(shape, stride, dtype, device, requires_grad) -> FakeTensor:
+    # the constructor, not empty_strided under the mode: a dispatch per value was most of a load
+    value = FakeTensor(_loading_mode[-1], torch.empty_strided(shape, stride, dtype=dtype, device="meta"),
+                       torch.device(device))
+    return value.requires_grad_(requires_grad) if requires_grad else value
+
+
+def _graph(codegen, rows: list[tuple]) -> fx.Graph:
+    graph = fx.Graph()
+    graph.set_codegen(codegen)
+    env: dict[str, fx.Node] = {}
+
+    def resolve(value):
+        return env[value.name] if isinstance(value, _NodeName) else value
+
+    for op, target, name, type_expr, args, kwargs, meta in rows:
+        node = graph.create_node(op, target, name=name, type_expr=type_expr)
+        node.args = fx.node.map_aggregate(args, resolve)
+        if kwargs:
+            node.kwargs = fx.node.map_aggregate(kwargs, resolve)
+        node.meta = meta
+        env[name] = node
+        if node.name != name:
+            raise pickle.UnpicklingError(f"node {name} came back as {node.name}")
+    return graph
+
+
+def _graph_module(constants: dict, graph: fx.Graph, meta: dict, class_name: str) -> fx.GraphModule:
+    gm = fx.GraphModule(constants, graph, class_name=class_name)
+    gm.meta = meta
+    return gm
+
+
+def dumps(obj, names: dict[int, str]) -> bytes:
+    """``obj`` pickled; ``names``: id() of each caller's object that is written by name instead."""
+    buffer = io.BytesIO()
+    try:
+        _Writer(buffer, names).dump(obj)
+    except (pickle.PicklingError, TypeError, AttributeError, RuntimeError) as error:
+        raise NotPicklable(str(error)) from error
+    return buffer.getvalue()
+
+
+def loads(data: bytes, objects: dict[str, Any], fake_mode: FakeTensorMode):
+    """What ``dumps`` wrote, with the caller's objects from ``objects`` and fake tensors made in ``fake_mode``."""
+    _loading_mode.append(fake_mode)
+    try:
+        return _Reader(io.BytesIO(data), objects).load()
+    finally:
+        _loading_mode.pop()
