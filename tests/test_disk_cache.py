@@ -20,7 +20,9 @@ import torch
 
 import zerocc
 from tests import distributed
+from tests.architectures import architecture_batches, build_architecture
 from tests.models import batches, build, eager_step
+from tests.reference import two_groups
 from zerocc.errors import CompileCacheWarning
 
 STEPS = 3
@@ -222,3 +224,38 @@ def test_the_cache_folder_is_checked_and_off_without_one(tmp_path, monkeypatch):
     step = _compiled(None)
     step(*batches("gpt", 1, 8)[0])
     assert step.report()["compile_cache"].startswith("miss (no entry), then stored")
+
+
+def _architecture_through_the_cache(name, folder):
+    reference = build_architecture(name)
+    reference_optimizer = two_groups(reference)
+    model = build_architecture(name)
+    step = zerocc.compile(model, two_groups(model), stage=3, cache_dir=folder)
+    for batch in architecture_batches(name, 3, 4):
+        assert torch.equal(step(*batch), eager_step(reference, reference_optimizer, None, batch))
+    full = step.full_state_dict()
+    for key, value in reference.state_dict().items():
+        assert torch.equal(full[key], value), key
+    return step.report()["compile_cache"]
+
+
+# resnet: batch norm's running statistics are written in place (capture's tracing meta names nodes of another
+# graph); unet: its skip connections; two param groups each
+@pytest.mark.parametrize("name", ["resnet", "unet"])
+def test_model_families_load_and_train_as_eager(tmp_path, name):
+    assert _architecture_through_the_cache(name, tmp_path).startswith("miss (no entry), then stored")
+    assert _architecture_through_the_cache(name, tmp_path) == "loaded"
+
+
+def test_a_mixture_of_experts_loads_and_trains_as_eager(tmp_path):
+    """Hugging Face's Mixtral with grouped_mm experts: zerocc's own fake kernel, routing that differs per batch."""
+    pytest.importorskip("transformers")
+    from tests.test_moe import train_and_compare
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)   # eager's index_put_ sums duplicates in a run-dependent order otherwise
+    try:
+        outcomes = [train_and_compare("mixtral", 3, compile_options={"cache_dir": tmp_path}).report()["compile_cache"]
+                    for _ in range(2)]
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    assert outcomes[0].startswith("miss (no entry), then stored") and outcomes[1] == "loaded", outcomes

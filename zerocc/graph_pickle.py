@@ -16,12 +16,13 @@ module teaches it the rest:
 - the caller's own objects (its optimizer, its modules) are written as names
   and resolved to the loading process's objects, never copied.
 
-Meta torch.fx uses only while tracing (``from_node``, ``unbacked_bindings``,
-symbolic sizes) is not kept. Anything else pickle cannot write raises
+Meta used only while tracing (torch.fx's ``from_node``, ``unbacked_bindings``
+and symbolic scalars, zerocc's ``graph.TRACING_META``) is not kept. Anything else pickle cannot write raises
 ``NotPicklable``: the compile is then not cached, and nothing is lost.
 """
 from __future__ import annotations
 
+import dataclasses
 import io
 import pickle
 from typing import Any
@@ -31,7 +32,8 @@ import torch.fx as fx
 from torch._ops import OpOverload, OpOverloadPacket
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from .pipeline import NodeRecord
+from . import graph as g
+from .pipeline import GraphSnapshot, NodeRecord
 
 # meta torch.fx keeps for tracing and provenance, meaningless in another process
 _DROPPED_META = ("from_node", "unbacked_bindings", "source_fn_stack", "nn_module_stack", "fwd_source_fn_stack",
@@ -81,7 +83,10 @@ class _Writer(pickle.Pickler):
             return _operator, (obj._qualified_op_name, None)
         if isinstance(obj, fx.GraphModule):
             constants = {n.target: getattr(obj, n.target) for n in obj.graph.nodes if n.op == "get_attr"}
-            return _graph_module, (constants, obj.graph, dict(obj.meta), type(obj).__name__)
+            return _graph_module, (constants, obj.graph, _plain_graph_meta(obj.meta), type(obj).__name__)
+        if isinstance(obj, GraphSnapshot):
+            fields = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj) if not f.name.startswith("_")}
+            return _snapshot, ({**fields, "meta": _plain_graph_meta(obj.meta)},)
         if isinstance(obj, fx.Graph):
             return _graph, (obj._codegen, _rows(obj))
         if isinstance(obj, NodeRecord):   # a pass's snapshot: its rows as they are, its graph still built on demand
@@ -184,6 +189,14 @@ def _graph(codegen, rows: list[tuple]) -> fx.Graph:
         if node.name != name:
             raise pickle.UnpicklingError(f"node {name} came back as {node.name}")
     return graph
+
+
+def _plain_graph_meta(meta: dict) -> dict:
+    return {key: value for key, value in meta.items() if key not in g.TRACING_META}
+
+
+def _snapshot(fields: dict) -> GraphSnapshot:
+    return GraphSnapshot(**fields)
 
 
 def _graph_module(constants: dict, graph: fx.Graph, meta: dict, class_name: str) -> fx.GraphModule:
