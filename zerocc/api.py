@@ -8,7 +8,7 @@ import os
 import time
 import warnings
 import weakref
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
@@ -278,6 +278,8 @@ class CompiledStep:
                     del tensors
                     loss = entry.program.run(state.slots, batch)
                 entry.measured_peak_bytes = tracker.peak_bytes
+                if entry.stored_as is not None:   # a later process loading it need not measure again
+                    self.disk_cache.remember_peak(entry.stored_as, tracker.peak_bytes)
             self._drop_state_of_skipped_first_step(entry, batch, layout)
         state.steps += 1
         user_views.point_module_at_slots(self)
@@ -400,13 +402,12 @@ class CompiledStep:
         fingerprint = None
         if self.disk_cache is not None and key is not None:
             fingerprint = disk_cache.fingerprint(self, key, state.released_shapes, state.plan)
-        found = self._load_from_disk(fingerprint, batch) if fingerprint is not None else None
-        if found is not None:
-            captured, compiled, fresh, state_signature = found
-        else:
-            captured, compiled, fresh, state_signature = self._capture_and_run_passes(batch, layout, autocast)
-            if fingerprint is not None:
-                self._store_on_disk(fingerprint, captured, compiled, fresh, state_signature)
+        made = self._load_from_disk(fingerprint, batch) if fingerprint is not None else None
+        if made is None:
+            made = self._capture_and_run_passes(batch, layout, autocast)
+            if fingerprint is not None and self._store_on_disk(fingerprint, made):
+                made = made._replace(stored_as=fingerprint.digest)
+        captured, compiled, fresh, state_signature = made.captured, made.compiled, made.fresh, made.state_signature
         with compiled.stats.timed(compile_stats.AGREE):
             failures.check_ranks_agree(self.ranks, compiled.gm, compiled.ctx.shard_plan)   # before its collectives hang
         with compiled.stats.timed(compile_stats.CODEGEN):
@@ -425,11 +426,10 @@ class CompiledStep:
             user_views.release_model_parameters(self)
         state.state_signature = state_signature
         self.compile_stats.append(compiled.stats)
-        return CacheEntry(program, compiled.ctx, compiled.history, reads_initial_state=fresh is not None)
+        return CacheEntry(program, compiled.ctx, compiled.history, reads_initial_state=fresh is not None,
+                          measured_peak_bytes=made.measured_peak_bytes, stored_as=made.stored_as)
 
-    def _capture_and_run_passes(self, batch, layout: BatchLayout, autocast: tuple):
-        """The captured step, what the passes made of it, the optimizer's initial state the step makes (or None)
-        and the structure of the optimizer state the program reads (``_state_signature_of``)."""
+    def _capture_and_run_passes(self, batch, layout: BatchLayout, autocast: tuple) -> "_Made":
         state, options = self.state, self.options
 
         def trace(optimizer_state):
@@ -459,7 +459,7 @@ class CompiledStep:
         state_signature = _state_signature_of(captured)   # before the passes rewrite the captured graph
         compiled = run_passes(captured, fake_mode, options, self.optimizer, world_size=self.ranks.world_size,
                               rank=self.ranks.rank, group_name=self.ranks.group_name, previous_plan=state.plan)
-        return captured, compiled, fresh, state_signature
+        return _Made(captured, compiled, fresh, state_signature)
 
     def _load_from_disk(self, fingerprint: disk_cache.Fingerprint, batch):
         """A compile stored by an earlier process for this one's fingerprint, as ``_capture_and_run_passes``
@@ -467,14 +467,15 @@ class CompiledStep:
         cache, state = self.disk_cache, self.state
         stats = CompileStats("loaded")
         with stats.timed(compile_stats.CACHE_FIND):
-            path, why = cache.find(fingerprint)
+            index, why = cache.find(fingerprint)
             fresh = None
-            if path is not None and not state.started and state.state_signature is None:
+            if index is not None and not state.started and state.state_signature is None:
                 fresh = self._initial_optimizer_state()
         payload = None
-        if path is not None:
+        if index is not None:
             with stats.timed(compile_stats.CACHE_LOAD):
-                payload = cache.load(path, disk_cache.user_objects(self.model, self.optimizer), make_fake_mode())
+                payload = cache.load(fingerprint.digest, disk_cache.user_objects(self.model, self.optimizer),
+                                     make_fake_mode())
             if payload is not None and payload["reads_initial_state"] != (fresh is not None):
                 payload, why = None, "the optimizer's initial state is made otherwise"
             elif payload is not None and not all_hold(payload["captured"].guards, batch):
@@ -495,19 +496,21 @@ class CompiledStep:
         compiled = Compiled(payload["gm"], payload["ctx"], payload["history"], stats)
         if self.options.dump_dir is not None or os.environ.get(DUMP_DIR_VARIABLE):
             write_dumps(dump_dir_of(self.options.dump_dir), compiled.history)
-        return payload["captured"], compiled, (fresh if payload["reads_initial_state"] else None), \
-            payload["state_signature"]
+        return _Made(payload["captured"], compiled, fresh if payload["reads_initial_state"] else None,
+                     payload["state_signature"], index.get("measured_peak_bytes"), fingerprint.digest)
 
-    def _store_on_disk(self, fingerprint: disk_cache.Fingerprint, captured, compiled, fresh, state_signature) -> None:
-        cache = self.disk_cache
+    def _store_on_disk(self, fingerprint: disk_cache.Fingerprint, made: "_Made") -> bool:
+        """Write what a compile made for later processes; returns whether it was stored."""
+        cache, compiled = self.disk_cache, made.compiled
         with compiled.stats.timed(compile_stats.CACHE_STORE):
             ctx = dataclasses.replace(compiled.ctx, traces=None, rest_of_pipeline=None)
-            payload = {"captured": captured, "gm": compiled.gm, "ctx": ctx, "history": compiled.history,
-                       "reads_initial_state": fresh is not None, "state_signature": state_signature}
+            payload = {"captured": made.captured, "gm": compiled.gm, "ctx": ctx, "history": compiled.history,
+                       "reads_initial_state": made.fresh is not None, "state_signature": made.state_signature}
             objects = disk_cache.user_objects(self.model, self.optimizer)
-            outcome = cache.store(fingerprint, disk_cache.source_files(captured, self), payload,
+            outcome = cache.store(fingerprint, disk_cache.source_files(made.captured, self), payload,
                                   disk_cache.names_of(objects))
         cache.last_outcome = f"{cache.last_outcome}, then {outcome}" if cache.last_outcome.startswith("miss") else outcome
+        return outcome.startswith("stored")
 
     def _initial_optimizer_state(self):
         """The optimizer's initial state per trained parameter, if learned (``zerocc/optimizer_init.py``).
@@ -675,6 +678,16 @@ class CompiledStep:
             "compile_cache": "off" if self.disk_cache is None else self.disk_cache.last_outcome,
             "remat": ctx.remat_plan.to_dict() if ctx.remat_plan is not None else None,
         }
+
+
+class _Made(NamedTuple):
+    """What a compile made, or loaded from the compile cache on disk (``zerocc/disk_cache.py``)."""
+    captured: Captured
+    compiled: Compiled
+    fresh: dict | None            # the optimizer's initial state the step makes (zerocc/optimizer_init.py), or None
+    state_signature: list         # the optimizer state's structure the program reads (_state_signature_of)
+    measured_peak_bytes: int | None = None   # loaded: the peak the storing process measured in its first run
+    stored_as: str | None = None             # its entry in the compile cache, if stored or loaded
 
 
 def _memory_plan_entries(memory_plan: MemoryPlan | None) -> dict:

@@ -33,6 +33,7 @@ pass the ranks' agreement check before their first collective.
 """
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import functools
 import hashlib
@@ -51,7 +52,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import graph_pickle
-from .errors import CompileCacheWarning, ConfigError
+from .errors import CompileCacheError, CompileCacheWarning, ConfigError
 from .user_tooling import suspended_user_tooling
 
 CACHE_DIR_VARIABLE = "ZEROCC_CACHE_DIR"
@@ -229,8 +230,9 @@ class DiskCache:
     def _path(self, digest: str, suffix: str) -> str:
         return os.path.join(self.folder, digest + suffix)
 
-    def find(self, fingerprint: Fingerprint) -> tuple[str | None, str]:
-        """The entry for ``fingerprint`` if one is stored and its source files are unchanged, and why not."""
+    def find(self, fingerprint: Fingerprint) -> tuple[dict | None, str]:
+        """The index of the entry for ``fingerprint`` if one is stored and its source files are unchanged, and
+        why not."""
         index = self._read_json(self._path(fingerprint.digest, ".json"))
         if index is None:
             return None, self._why_missing(fingerprint)
@@ -238,7 +240,7 @@ class DiskCache:
         if changed:
             return None, "source changed: " + ", ".join(_short(p) for p in changed[:3]) + \
                 (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
-        return self._path(fingerprint.digest, ".pkl"), "found"
+        return index, "found"
 
     def _why_missing(self, fingerprint: Fingerprint) -> str:
         latest = self._read_json(os.path.join(self.folder, "latest.json"))
@@ -255,9 +257,10 @@ class DiskCache:
         except (OSError, ValueError):
             return None
 
-    def load(self, path: str, objects: dict[str, Any], fake_mode) -> dict | None:
-        """The stored compile, or None (with a warning) if the file cannot be read."""
-        started = time.perf_counter()
+    def load(self, digest: str, objects: dict[str, Any], fake_mode) -> dict | None:
+        """The stored compile, or None (with a warning) if the file cannot be read. Its ``history`` (the
+        graph after every pass) is read when first used: most runs never print one."""
+        path = self._path(digest, ".pkl")
         try:
             with open(path, "rb") as file:
                 payload = graph_pickle.loads(file.read(), objects, fake_mode)
@@ -265,27 +268,73 @@ class DiskCache:
             warnings.warn(f"zerocc compile cache: could not read {path} ({type(error).__name__}: {error}); "
                           "compiling instead, and replacing it", CompileCacheWarning, stacklevel=6)
             return None
-        self.load_seconds = time.perf_counter() - started
+        payload["history"] = StoredHistory(self._path(digest, ".history.pkl"), objects, fake_mode)
         return payload
 
     def store(self, fingerprint: Fingerprint, sources: dict[str, str], payload: dict, names: dict[int, str]) -> str:
         """Write the entry (atomically: a reader never sees half of one); returns what happened, for the report."""
+        payload = dict(payload)
+        history = payload.pop("history")
         try:
             data = graph_pickle.dumps(payload, names)
+            history_data = graph_pickle.dumps(list(history), names)
         except graph_pickle.NotPicklable as error:
             return f"not stored: {error}"
         index = {"parts": dict(fingerprint.parts), "sources": sources, "created": time.strftime("%Y-%m-%d %H:%M:%S")}
         try:
             os.makedirs(self.folder, exist_ok=True)
             _write_atomically(self._path(fingerprint.digest, ".pkl"), data)
-            text = json.dumps(index, indent=1).encode()
-            _write_atomically(self._path(fingerprint.digest, ".json"), text)   # last: it marks the entry complete
-            _write_atomically(os.path.join(self.folder, "latest.json"), text)
+            _write_atomically(self._path(fingerprint.digest, ".history.pkl"), history_data)
+            self._write_index(fingerprint.digest, index)   # last: it marks the entry complete
         except OSError as error:
             warnings.warn(f"zerocc compile cache: could not write to {self.folder} ({error}); the step runs "
                           "without storing its program", CompileCacheWarning, stacklevel=6)
             return f"not stored: {error}"
-        return f"stored ({len(data) / 2**20:.1f} MiB)"
+        return f"stored ({(len(data) + len(history_data)) / 2**20:.1f} MiB)"
+
+    def _write_index(self, digest: str, index: dict) -> None:
+        text = json.dumps(index, indent=1).encode()
+        _write_atomically(self._path(digest, ".json"), text)
+        _write_atomically(os.path.join(self.folder, "latest.json"), text)
+
+    def remember_peak(self, digest: str, peak_bytes: int) -> None:
+        """The peak of live bytes the entry's program measured in its first run: a process that loads it
+        reports that peak instead of measuring again (the measurement slows a step by a third)."""
+        index = self._read_json(self._path(digest, ".json"))
+        if index is None or index.get("measured_peak_bytes") == peak_bytes:
+            return
+        index["measured_peak_bytes"] = peak_bytes
+        try:
+            self._write_index(digest, index)
+        except OSError:
+            pass   # the next load measures it again
+
+
+class StoredHistory(collections.abc.Sequence):
+    """An entry's graph after every pass, read from its file at the first use."""
+
+    def __init__(self, path: str, objects: dict[str, Any], fake_mode):
+        self._path, self._objects, self._fake_mode = path, objects, fake_mode
+        self._snapshots: list | None = None
+
+    def _read(self) -> list:
+        if self._snapshots is None:
+            try:
+                with open(self._path, "rb") as file:
+                    self._snapshots = graph_pickle.loads(file.read(), self._objects, self._fake_mode)
+            except Exception as error:
+                raise CompileCacheError(
+                    f"the graphs after each pass of this loaded program could not be read from {self._path} "
+                    f"({type(error).__name__}: {error}); the program itself runs. Remove the file's folder to "
+                    "compile (and store) again") from error
+            self._objects = self._fake_mode = None
+        return self._snapshots
+
+    def __getitem__(self, index):
+        return self._read()[index]
+
+    def __len__(self) -> int:
+        return len(self._read())
 
 
 def _write_atomically(path: str, data: bytes) -> None:

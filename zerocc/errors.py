@@ -37,6 +37,10 @@ class RecompileWarning(UserWarning):
     """A step compiled more programs (batch shapes) than ``max_programs`` keeps."""
 
 
+class CompileCacheError(ZeroccError):
+    """A loaded program's stored graphs (``step.graph(name)``) could not be read from the compile cache."""
+
+
 class CompileCacheWarning(UserWarning):
     """The compile cache on disk (``zerocc/disk_cache.py``) missed an entry it had for this model, or could not
     read or write one; the step compiles, and loses nothing."""

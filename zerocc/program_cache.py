@@ -49,6 +49,7 @@ class CacheEntry:
     history: list[GraphSnapshot]
     measured_peak_bytes: int | None = None   # live tensor bytes at the peak of its first run
     reads_initial_state: bool = False   # compiled before the first step over the optimizer state the step made
+    stored_as: str | None = None        # its entry in the compile cache on disk (zerocc/disk_cache.py), if any
 
 
 def training_modes(modules: Sequence[torch.nn.Module]) -> tuple[bool, ...]:
