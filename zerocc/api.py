@@ -17,6 +17,7 @@ import torch.nn as nn
 from . import compile_stats
 from . import decisions
 from . import disk_cache
+from . import graph_pickle
 from . import graph as g
 from . import optimizer_init
 from . import precision as mixed   # the step has a ``precision`` property
@@ -503,6 +504,7 @@ class CompiledStep:
         """Write what a compile made for later processes; returns whether it was stored."""
         cache, compiled = self.disk_cache, made.compiled
         with compiled.stats.timed(compile_stats.CACHE_STORE):
+            graph_pickle.keep_code(compiled.gm)   # written once: for this process's first run and for the entry
             ctx = dataclasses.replace(compiled.ctx, traces=None, rest_of_pipeline=None)
             payload = {"captured": made.captured, "gm": compiled.gm, "ctx": ctx, "history": compiled.history,
                        "reads_initial_state": made.fresh is not None, "state_signature": made.state_signature}
