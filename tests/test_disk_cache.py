@@ -226,6 +226,10 @@ def test_the_cache_folder_is_checked_and_off_without_one(tmp_path, monkeypatch):
     step = _compiled(None)
     step(*batches("gpt", 1, 8)[0])
     assert step.report()["compile_cache"].startswith("miss (no entry), then stored")
+    monkeypatch.setenv("HOME", str(tmp_path))   # "~/..." is the user's home, as in a shell
+    step = _compiled("~/cache")
+    step(*batches("gpt", 1, 8)[0])
+    assert os.path.isdir(tmp_path / "cache" / "GPT-rank0of1")
 
 
 def _architecture_through_the_cache(name, folder):

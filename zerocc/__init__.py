@@ -12,7 +12,7 @@ from .precision import DynamicLossScale
 from .state_dict import export_full_state_dict, load_checkpoint, save_checkpoint
 from .pipeline import register_pass, unregister_pass
 from .planning import Plan, plan
-from .errors import (CaptureError, CheckpointError, CompileCacheWarning, ConfigError, MemoryBudgetError, PassError,
+from .errors import (CaptureError, CheckpointError, CompileCacheError, CompileCacheWarning, ConfigError, MemoryBudgetError, PassError,
                      RecompileWarning, UnsupportedOptimizerError, ZeroccError)
 from .runtime.failures import RankFailureError, RankMismatchError
 from .runtime.host_allocator import keep_freed_host_memory
@@ -20,6 +20,6 @@ from .runtime.host_allocator import keep_freed_host_memory
 __all__ = ["compile", "CompiledStep", "DynamicLossScale", "plan", "Plan", "register_pass", "unregister_pass",
            "save_checkpoint", "load_checkpoint", "export_full_state_dict",
            "ZeroccError", "ConfigError", "CaptureError", "CheckpointError", "MemoryBudgetError", "PassError",
-           "UnsupportedOptimizerError", "RecompileWarning", "CompileCacheWarning",
+           "UnsupportedOptimizerError", "RecompileWarning", "CompileCacheWarning", "CompileCacheError",
            "RankFailureError", "RankMismatchError", "keep_freed_host_memory"]
 __version__ = "0.1.0"

@@ -70,8 +70,9 @@ def cache_dir_of(setting: str | os.PathLike | None) -> str | None:
     if setting is not None:
         if not isinstance(setting, (str, os.PathLike)):
             raise ConfigError(f"cache_dir must be a folder's path (str or os.PathLike) or None, got {setting!r}")
-        return os.fspath(setting)
-    return os.environ.get(CACHE_DIR_VARIABLE) or None
+        return os.path.expanduser(os.fspath(setting))
+    value = os.environ.get(CACHE_DIR_VARIABLE)
+    return os.path.expanduser(value) if value else None
 
 
 @dataclasses.dataclass(frozen=True)
