@@ -87,6 +87,7 @@ LR = 1e-3
 MODELS = {
     "5m": (dict(), 4),
     "98m": (dict(vocab=8192, d_model=768, layers=12, heads=12, seq=128), 2),
+    "705m": (dict(vocab=8192, d_model=1536, layers=24, heads=16, seq=128), 1),   # issue 21's compile-time model
 }
 MODEL = dict(MODELS["5m"][0])   # set from --model before any system is built
 BATCH = [MODELS["5m"][1]]        # sequences per rank, set from --model

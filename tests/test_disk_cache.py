@@ -93,9 +93,9 @@ def test_changed_options_miss_and_say_which_part_changed(tmp_path):
     data = batches("gpt", 2, 8)
     _compiled(tmp_path)(*data[0])
     step = _compiled(tmp_path, bucket_bytes=1 << 12)
-    with pytest.warns(CompileCacheWarning, match="changed since the last entry: options"):
+    with pytest.warns(CompileCacheWarning, match="changed since the entry for this program: options"):
         loss = step(*data[0])
-    assert step.report()["compile_cache"].startswith("miss (changed since the last entry: options), then stored")
+    assert step.report()["compile_cache"].startswith("miss (changed since the entry for this program: options), then stored")
     assert torch.equal(loss, _eager_losses("gpt", 0, 1, data)[0])
     # the learning rate is read every step: a new one loads the stored program
     step = _compiled(tmp_path, bucket_bytes=1 << 12)
@@ -197,11 +197,11 @@ def test_a_resume_from_a_checkpoint_compiles_once_then_loads(tmp_path):
         resumed = _compiled(tmp_path / "cache", seed=5)
         zerocc.load_checkpoint(resumed, tmp_path / "ckpt")
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore", CompileCacheWarning)   # the first resume's miss says the state changed
+            warnings.simplefilter("error", CompileCacheWarning)   # another program of the step, not a changed one
             losses = [resumed(*batch) for batch in data[2:]]
         assert all(torch.equal(a, b) for a, b in zip(losses, expected)), (losses, expected)
         outcomes.append(resumed.report()["compile_cache"])
-    assert outcomes[0].startswith("miss (changed since the last entry: optimizer state)"), outcomes[0]
+    assert outcomes[0].startswith("miss (no entry), then stored"), outcomes[0]
     assert outcomes[1] == "loaded"
 
 
@@ -265,3 +265,21 @@ def test_a_mixture_of_experts_loads_and_trains_as_eager(tmp_path):
     finally:
         torch.use_deterministic_algorithms(previous)
     assert outcomes[0].startswith("miss (no entry), then stored") and outcomes[1] == "loaded", outcomes
+
+
+def test_every_program_of_a_step_is_stored_and_a_new_step_loads_each(tmp_path):
+    """A second batch shape compiles a second program over the first one's buckets: both are stored, and a
+    new step loads both, in the same order."""
+    full, half = batches("gpt", 1, 8)[0], batches("gpt", 1, 4, seed=2)[0]
+    expected = _eager_losses("gpt", 0, 2, [full, half])
+    outcomes = []
+    for _ in range(2):
+        step = _compiled(tmp_path)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", CompileCacheWarning)   # a new shape is a new program, not a change
+            losses = [step(*full)]
+            outcomes.append(step.report()["compile_cache"])
+            losses.append(step(*half))
+        outcomes.append(step.report()["compile_cache"])
+        assert all(torch.equal(a, b) for a, b in zip(losses, expected)), (losses, expected)
+    assert [o.split(",")[0] for o in outcomes] == ["miss (no entry)", "miss (no entry)", "loaded", "loaded"], outcomes

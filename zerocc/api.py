@@ -481,6 +481,8 @@ class CompiledStep:
                 payload, why = None, "the optimizer's initial state is made otherwise"
             elif payload is not None and not all_hold(payload["captured"].guards, batch):
                 payload, why = None, "the batch takes another branch of the model's data-dependent code"
+            elif payload is not None and state.started and payload["ctx"].shard_plan != state.plan:
+                payload, why = None, "the step's buckets are laid out otherwise"
             elif payload is None:
                 why = "unreadable entry"
         with stats.timed(compile_stats.CACHE_FIND):

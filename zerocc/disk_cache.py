@@ -25,9 +25,9 @@ The fingerprint is what decides a program without tracing it:
 
 What it cannot see is state read by the traced code that none of these
 holds (a module-level flag in a file that made no op): clear the folder
-after changing such a thing. A miss says why when an earlier entry for the
-same model, rank and world size exists (``CompileCacheWarning``); a file
-that cannot be read is a miss too, and is rewritten. Every rank loads or
+after changing such a thing. A miss says why when an entry for the same
+program of the step exists (``PROGRAM_PARTS``; ``CompileCacheWarning``);
+a file that cannot be read is a miss too, and is rewritten. Every rank loads or
 every rank compiles (one all-reduce decides), and loaded programs still
 pass the ranks' agreement check before their first collective.
 """
@@ -58,6 +58,9 @@ from .user_tooling import suspended_user_tooling
 CACHE_DIR_VARIABLE = "ZEROCC_CACHE_DIR"
 FORMAT = 1   # bumped when what an entry holds changes shape
 
+# the parts that say which of a step's programs an entry is (one per batch shape, ...): a miss is explained
+# against an entry for the same program only
+PROGRAM_PARTS = ("batch", "optimizer state", "optimizer settings", "autocast", "training modes", "earlier buckets")
 # $ZEROCC_* settings that do not change a program
 _UNRELATED_SETTINGS = (CACHE_DIR_VARIABLE, "ZEROCC_DUMP_DIR")
 _FILE_IN_TRACE = re.compile(r'File "([^"]+)", line \d+')
@@ -134,7 +137,8 @@ def _module_attributes(module: nn.Module) -> str:
     plain = {name: value for name, value in vars(module).items()
              if not name.startswith("_") and name != "training" and not isinstance(value, (nn.Module, torch.Tensor))}
     hooks = [hook for store in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
-                                "_backward_pre_hooks", "_state_dict_hooks") for hook in getattr(module, store, {}).values()]
+                                "_backward_pre_hooks", "_state_dict_hooks") for hook in getattr(module, store, {}).values()
+             if not getattr(hook, "__module__", "").startswith("zerocc.")]   # the step's own (user_views.py)
     return _stable(plain) + _stable(hooks)
 
 
@@ -244,11 +248,20 @@ class DiskCache:
         return index, "found"
 
     def _why_missing(self, fingerprint: Fingerprint) -> str:
-        latest = self._read_json(os.path.join(self.folder, "latest.json"))
-        if latest is None:
+        """What changed since an entry for the same program of the step (the same batch signature, optimizer
+        state, ...: ``PROGRAM_PARTS``) was stored; "no entry" when there is none, as for a new batch shape."""
+        now = dict(fingerprint.parts)
+        try:
+            names = sorted(os.listdir(self.folder))
+        except OSError:
             return "no entry"
-        changed = fingerprint.changed_since(latest.get("parts", {}))
-        return "changed since the last entry: " + ", ".join(changed) if changed else "no entry"
+        for name in names:
+            if not name.endswith(".json") or name.startswith("."):
+                continue
+            parts = (self._read_json(os.path.join(self.folder, name)) or {}).get("parts", {})
+            if all(parts.get(part) == now.get(part) for part in PROGRAM_PARTS):
+                return "changed since the entry for this program: " + ", ".join(fingerprint.changed_since(parts))
+        return "no entry"
 
     @staticmethod
     def _read_json(path: str) -> dict | None:
@@ -294,9 +307,7 @@ class DiskCache:
         return f"stored ({(len(data) + len(history_data)) / 2**20:.1f} MiB)"
 
     def _write_index(self, digest: str, index: dict) -> None:
-        text = json.dumps(index, indent=1).encode()
-        _write_atomically(self._path(digest, ".json"), text)
-        _write_atomically(os.path.join(self.folder, "latest.json"), text)
+        _write_atomically(self._path(digest, ".json"), json.dumps(index, indent=1).encode())
 
     def remember_peak(self, digest: str, peak_bytes: int) -> None:
         """The peak of live bytes the entry's program measured in its first run: a process that loads it
