@@ -70,16 +70,49 @@ class _Writer(pickle.Pickler):
     def __init__(self, file, names: dict[int, str]):
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self.names = names
+        self._stand_ins: dict[str, _NodeName] = {}
+        self._mapped: dict[int, tuple] = {}   # id(args) -> (args, the nodes' names, args with stand-ins)
 
-    def persistent_id(self, obj):
+    def _record_rows(self, record: NodeRecord) -> list[tuple]:
+        """A snapshot's rows, nodes in arguments replaced by stand-ins named as at the snapshot.
+
+        Consecutive snapshots share most nodes' argument tuples (a pass gives a node new ones only when
+        it rewrites it): an unchanged tuple maps to the object mapped for an earlier snapshot, which pickle
+        then writes as a reference. A rename in between maps it again.
+        """
+        names = {row[0]: row[3] for row in record.nodes}
+
+        def stand_in(node: fx.Node) -> _NodeName:
+            name = names[node]
+            found = self._stand_ins.get(name)
+            if found is None:
+                found = self._stand_ins[name] = _NodeName(name)
+            return found
+
+        def mapped(args):
+            if not args:
+                return args
+            known = self._mapped.get(id(args))
+            if known is not None and known[0] is args:
+                nodes, before, after = known[1], known[2], known[3]
+                if all(names[n] == name for n, name in zip(nodes, before)):
+                    return after
+            nodes = []
+            after = fx.map_arg(args, lambda n: (nodes.append(n), stand_in(n))[1])
+            self._mapped[id(args)] = (args, nodes, [names[n] for n in nodes], after)
+            return after
+
+        return [(stand_in(node), op, target, name, type_expr, mapped(args), mapped(kwargs), _plain_meta(meta))
+                for node, op, target, name, type_expr, args, kwargs, meta in record.nodes]
+
+    # Called for every object but atomic ones (not for ints, strings, tuples, dicts: a persistent_id, called for
+    # every object, was most of a dump); what it returns is memoized, so a value shared by snapshots is made once
+    def reducer_override(self, obj):
         name = self.names.get(id(obj))
         if name is not None:
-            return ("object", name)
+            return _caller_object, (name,)
         if isinstance(obj, FakeTensorMode):
-            return ("fake_mode",)
-        return None
-
-    def reducer_override(self, obj):   # what it returns is memoized: a value shared by snapshots is made once
+            return _loading_fake_mode, ()
         if isinstance(obj, FakeTensor):
             return _fake, (tuple(obj.shape), tuple(obj.stride()), obj.dtype, str(obj.device), obj.requires_grad)
         if isinstance(obj, OpOverload):
@@ -100,7 +133,7 @@ class _Writer(pickle.Pickler):
         if isinstance(obj, fx.Graph):
             return _graph, (obj._codegen, _rows(obj))
         if isinstance(obj, NodeRecord):   # a pass's snapshot: its rows as they are, its graph still built on demand
-            return _record, (obj.codegen, _record_rows(obj))
+            return _record, (obj.codegen, self._record_rows(obj))
         if isinstance(obj, fx.Node):
             raise NotPicklable(f"node {obj.name} is named outside its graph's arguments (in meta or a decision)")
         return NotImplemented
@@ -125,18 +158,6 @@ def _rows(graph: fx.Graph) -> list[tuple]:
              _plain_meta(n.meta)) for n in graph.nodes]
 
 
-def _record_rows(record: NodeRecord) -> list[tuple]:
-    """A record's rows with each live node replaced by one stand-in: the same object in every row that reads it.
-
-    The record's names are those at the snapshot (a later pass may have renamed the live node);
-    ``NodeRecord.build`` maps arguments by identity, which pickle keeps.
-    """
-    keys = {row[0]: _NodeName(row[3]) for row in record.nodes}
-    return [(keys[node], op, target, name, type_expr, fx.map_arg(args, keys.__getitem__),
-             fx.map_arg(kwargs, keys.__getitem__), _plain_meta(meta))
-            for node, op, target, name, type_expr, args, kwargs, meta in record.nodes]
-
-
 class _LoadedRecord(NodeRecord):
     """A snapshot's record read from disk: its arguments name stand-ins, not nodes."""
 
@@ -151,32 +172,26 @@ def _record(codegen, rows: list[tuple]) -> NodeRecord:
     return _LoadedRecord(codegen, rows)
 
 
-class _Reader(pickle.Unpickler):
-    def __init__(self, file, objects: dict[str, Any]):
-        super().__init__(file)
-        self.objects = objects
-
-    def persistent_load(self, pid):
-        kind = pid[0]
-        if kind == "object":
-            return self.objects[pid[1]]
-        if kind == "fake_mode":
-            return _loading_mode[-1]
-        raise pickle.UnpicklingError(f"unknown persistent id {pid!r}")
-
-
 def _operator(name: str, overload: str | None):
     namespace, _, op = name.partition("::")
     packet = getattr(getattr(torch.ops, namespace), op)
     return packet if overload is None else getattr(packet, overload or "default")
 
 
-_loading_mode: list[FakeTensorMode] = []   # the fake mode of the load under way
+_loading: list[tuple[FakeTensorMode, dict[str, Any]]] = []   # the load under way: its fake mode, the caller's objects
+
+
+def _loading_fake_mode() -> FakeTensorMode:
+    return _loading[-1][0]
+
+
+def _caller_object(name: str):
+    return _loading[-1][1][name]
 
 
 def _fake(shape, stride, dtype, device, requires_grad) -> FakeTensor:
     # the constructor, not empty_strided under the mode: a dispatch per value was most of a load
-    value = FakeTensor(_loading_mode[-1], torch.empty_strided(shape, stride, dtype=dtype, device="meta"),
+    value = FakeTensor(_loading_fake_mode(), torch.empty_strided(shape, stride, dtype=dtype, device="meta"),
                        torch.device(device))
     return value.requires_grad_(requires_grad) if requires_grad else value
 
@@ -250,8 +265,8 @@ def dumps(obj, names: dict[int, str]) -> bytes:
 
 def loads(data: bytes, objects: dict[str, Any], fake_mode: FakeTensorMode):
     """What ``dumps`` wrote, with the caller's objects from ``objects`` and fake tensors made in ``fake_mode``."""
-    _loading_mode.append(fake_mode)
+    _loading.append((fake_mode, objects))
     try:
-        return _Reader(io.BytesIO(data), objects).load()
+        return pickle.loads(data)
     finally:
-        _loading_mode.pop()
+        _loading.pop()
