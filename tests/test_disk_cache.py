@@ -283,3 +283,23 @@ def test_every_program_of_a_step_is_stored_and_a_new_step_loads_each(tmp_path):
         outcomes.append(step.report()["compile_cache"])
         assert all(torch.equal(a, b) for a, b in zip(losses, expected)), (losses, expected)
     assert [o.split(",")[0] for o in outcomes] == ["miss (no entry)", "miss (no entry)", "loaded", "loaded"], outcomes
+
+
+def test_a_hugging_face_config_switch_misses(tmp_path):
+    """The attention implementation lives in the model's config (a private attribute), not in its modules'
+    structure or its source: the fingerprint reads config objects whole."""
+    pytest.importorskip("transformers")
+    from tests import test_hf_models as hf
+    _, batch_maker, loss_fn = hf.MODELS["llama"]
+    batch = batch_maker(torch.Generator().manual_seed(1))
+    outcomes = []
+    for implementation in ("eager", "sdpa"):
+        model = hf.build("llama")
+        model.config._attn_implementation = implementation
+        step = zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-3), stage=3, loss_fn=loss_fn,
+                              cache_dir=tmp_path)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", CompileCacheWarning)
+            step(*batch)
+        outcomes.append(step.report()["compile_cache"])
+    assert outcomes[1].startswith("miss (changed since the entry for this program: model modules)"), outcomes

@@ -395,7 +395,7 @@ class CompiledStep:
                  ) -> CacheEntry:
         """Capture the step on this batch, run the pipeline (``zerocc/driver.py``), build the program.
 
-        With a compile cache (``cache_dir``), a compile a earlier process stored for the same fingerprint is
+        With a compile cache (``cache_dir``), a compile an earlier process stored for the same fingerprint is
         loaded instead of capture and passes (``zerocc/disk_cache.py``), and a new one is stored.
         """
         layout = layout or BatchLayout(len(batch))   # all positional

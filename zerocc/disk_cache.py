@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import collections.abc
 import dataclasses
+import enum
 import functools
 import hashlib
 import inspect
@@ -123,13 +124,18 @@ def _stable(value: Any, depth: int = 0) -> str:
         if value.numel() == 1 and not value.is_meta:
             return f"tensor({value.item()!r},{value.dtype})"
         return f"tensor{tuple(value.shape)}{value.dtype}"
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+    if dataclasses.is_dataclass(value) and not isinstance(value, type) and not hasattr(value, "__dict__"):
         return type(value).__qualname__ + _stable(
             {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}, depth + 1)
     if isinstance(value, functools.partial):
         return f"partial({_stable(value.func, depth + 1)},{_stable(value.args, depth + 1)})"
-    if callable(value):
+    if callable(value) or isinstance(value, type):
         return f"{getattr(value, '__module__', '?')}.{getattr(value, '__qualname__', type(value).__qualname__)}"
+    if isinstance(value, enum.Enum):
+        return repr(value)
+    if hasattr(value, "__dict__"):   # a config object, its private attributes too (Hugging Face's
+        # _attn_implementation_internal picks the attention's code path)
+        return type(value).__qualname__ + _stable(vars(value), depth + 1)
     return type(value).__qualname__
 
 
@@ -230,7 +236,6 @@ class DiskCache:
     def __init__(self, directory: str, model: nn.Module, rank: int, world_size: int):
         self.folder = os.path.join(directory, f"{type(model).__name__}-rank{rank}of{world_size}")
         self.last_outcome = "not used yet"   # report()["compile_cache"]
-        self.load_seconds = 0.0
 
     def _path(self, digest: str, suffix: str) -> str:
         return os.path.join(self.folder, digest + suffix)
