@@ -9,7 +9,8 @@ no tracing, no passes.
 
 The fingerprint is what decides a program without tracing it:
 
-- zerocc's own source, torch's and Python's versions, the ``$ZEROCC_*`` settings;
+- zerocc's own source, torch's and Python's versions, torch's default dtype
+  and deterministic-algorithms setting, the ``$ZEROCC_*`` settings;
 - the model's modules (class, plain attributes such as ``in_features`` or
   ``p``, hooks) and its parameters and buffers (names, shapes, dtypes,
   devices, ``requires_grad``, which are tied);
@@ -176,7 +177,8 @@ def fingerprint(step, key, released_shapes: dict[str, tuple[int, ...]], previous
     parts = (
         ("format", str(FORMAT)),
         ("zerocc source", _zerocc_source_digest()),
-        ("torch", f"{torch.__version__} python {sys.version_info[:3]}"),
+        ("torch", f"{torch.__version__} python {sys.version_info[:3]} default dtype {torch.get_default_dtype()} "
+                  f"deterministic {torch.are_deterministic_algorithms_enabled()}"),
         ("$ZEROCC settings", settings),
         ("model modules", _sha(modules)[:24]),
         ("model tensors", _sha(tensors)[:24]),
