@@ -22,7 +22,7 @@ import zerocc
 from tests import distributed
 from tests.architectures import architecture_batches, build_architecture
 from tests.models import batches, build, eager_step
-from tests.reference import two_groups
+from tests.reference import train_eagerly, two_groups
 from zerocc.errors import CompileCacheWarning
 
 STEPS = 3
@@ -253,15 +253,29 @@ def test_model_families_load_and_train_as_eager(tmp_path, name):
     assert _architecture_through_the_cache(name, tmp_path) == "loaded"
 
 
+def _zoo_model_through_the_cache(name, folder, steps=3, **config):
+    """Train the zoo's ``name`` (a keyword batch, the model's own loss) beside eager: every loss equal."""
+    from tests.zoo import ZOO, batches as zoo_batches
+    reference, model = ZOO[name].build(), ZOO[name].build()
+    for key, value in config.items():
+        setattr(reference.config, key, value)
+        setattr(model.config, key, value)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    step = zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-2), stage=3, cache_dir=folder)
+    for number, batch in enumerate(zoo_batches(name, steps)):
+        expected = train_eagerly(reference, reference_optimizer, batch, seed=100 + number)
+        torch.manual_seed(100 + number)
+        assert torch.equal(step(**batch), expected), number
+    return step.report()["compile_cache"]
+
+
 def test_a_mixture_of_experts_loads_and_trains_as_eager(tmp_path):
     """Hugging Face's Mixtral with grouped_mm experts: zerocc's own fake kernel, routing that differs per batch."""
     pytest.importorskip("transformers")
-    from tests.test_moe import train_and_compare
     previous = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)   # eager's index_put_ sums duplicates in a run-dependent order otherwise
     try:
-        outcomes = [train_and_compare("mixtral", 3, compile_options={"cache_dir": tmp_path}).report()["compile_cache"]
-                    for _ in range(2)]
+        outcomes = [_zoo_model_through_the_cache("mixtral", tmp_path) for _ in range(2)]
     finally:
         torch.use_deterministic_algorithms(previous)
     assert outcomes[0].startswith("miss (no entry), then stored") and outcomes[1] == "loaded", outcomes
@@ -289,17 +303,10 @@ def test_a_hugging_face_config_switch_misses(tmp_path):
     """The attention implementation lives in the model's config (a private attribute), not in its modules'
     structure or its source: the fingerprint reads config objects whole."""
     pytest.importorskip("transformers")
-    from tests import test_hf_models as hf
-    _, batch_maker, loss_fn = hf.MODELS["llama"]
-    batch = batch_maker(torch.Generator().manual_seed(1))
     outcomes = []
     for implementation in ("eager", "sdpa"):
-        model = hf.build("llama")
-        model.config._attn_implementation = implementation
-        step = zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-3), stage=3, loss_fn=loss_fn,
-                              cache_dir=tmp_path)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", CompileCacheWarning)
-            step(*batch)
-        outcomes.append(step.report()["compile_cache"])
+            outcomes.append(_zoo_model_through_the_cache("llama", tmp_path, steps=1,
+                                                         _attn_implementation=implementation))
     assert outcomes[1].startswith("miss (changed since the entry for this program: model modules)"), outcomes
