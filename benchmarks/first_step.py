@@ -65,7 +65,12 @@ def run(rank: int, world_size: int, name: str, model_name: str, steps: int, port
         step(tokens, targets)
         seconds.append(time.perf_counter() - started)
     if rank == 0:
-        outcome = step.report()["compile_cache"] if isinstance(step, zerocc.CompiledStep) else "-"
+        outcome = "-"
+        if isinstance(step, zerocc.CompiledStep):
+            report = step.report()
+            phases = ", ".join(f"{phase} {seconds:.2f}" for phase, seconds in report["compile_seconds_by_phase"].items()
+                               if seconds >= 0.1)
+            outcome = f"{report['compile_cache']}; compile {report['compile_seconds']:.2f} s: {phases}"
         with open(results, "w") as file:
             file.write(" ".join(map(str, [build_seconds, *seconds])) + "\n" + outcome)
     dist.destroy_process_group()

@@ -29,14 +29,16 @@ def initial_slots(plan: ShardPlan, captured: Captured, model: torch.nn.Module,
     bucketed = set()
     for bucket in plan.buckets:
         device = tensors[captured.params[bucket.segments[0].param].name].device
-        full = torch.zeros(bucket.numel, dtype=bucket.dtype, device=device)
-        for segment in bucket.segments:
-            info = captured.params[segment.param]
-            full[segment.offset: segment.offset + segment.numel] = tensors[info.name].detach().reshape(-1)
-            bucketed.add(segment.param)
+        bucketed.update(segment.param for segment in bucket.segments)
         if plan.has_compute_copy(bucket):   # mixed precision at stages 1-2: the full bucket in param_dtype
+            full = _flat_range(bucket, captured, tensors, 0, bucket.numel, device)
             slots[decisions.compute_slot(bucket.index)] = full.to(plan.param_dtype)
-        if plan.holds_shard(bucket):
+        elif plan.holds_shard(bucket):   # only this rank's range is copied: the whole bucket was a second copy
+            start = plan.rank * bucket.shard_numel
+            full = _flat_range(bucket, captured, tensors, start, start + bucket.shard_numel, device)
+        else:
+            full = _flat_range(bucket, captured, tensors, 0, bucket.numel, device)
+        if plan.holds_shard(bucket) and plan.has_compute_copy(bucket):
             start = plan.rank * bucket.shard_numel
             slots[decisions.bucket_slot(bucket.index)] = full[start: start + bucket.shard_numel].clone()
         else:
@@ -69,6 +71,25 @@ def initial_slots(plan: ShardPlan, captured: Captured, model: torch.nn.Module,
     for info in captured.buffers:
         slots[decisions.buffer_slot(info.name)] = tensors[info.name].detach()
     return slots
+
+
+def _flat_range(bucket, captured: Captured, tensors: dict[str, torch.Tensor], start: int, end: int,
+                device) -> torch.Tensor:
+    """Elements ``start:end`` of the bucket's flat layout: its parameters' values, zeros in its padding."""
+    flat = torch.empty(end - start, dtype=bucket.dtype, device=device)
+    written = start
+    for segment in sorted(bucket.segments, key=lambda s: s.offset):
+        low, high = max(segment.offset, start), min(segment.offset + segment.numel, end)
+        if low >= high:
+            continue
+        if low > written:
+            flat[written - start: low - start].zero_()
+        values = tensors[captured.params[segment.param].name].detach().reshape(-1)
+        flat[low - start: high - start] = values[low - segment.offset: high - segment.offset]
+        written = high
+    if written < end:
+        flat[written - start:].zero_()
+    return flat
 
 
 def full_buckets(plan: ShardPlan, slots: dict[str, torch.Tensor], group) -> dict[int, torch.Tensor]:
