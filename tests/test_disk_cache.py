@@ -310,3 +310,19 @@ def test_a_hugging_face_config_switch_misses(tmp_path):
             outcomes.append(_zoo_model_through_the_cache("llama", tmp_path, steps=1,
                                                          _attn_implementation=implementation))
     assert outcomes[1].startswith("miss (changed since the entry for this program: model modules)"), outcomes
+
+
+def _train_with_a_cache_on_rank_0_only(rank, world_size, folder):
+    return _train(rank, world_size, folder if rank == 0 else None)
+
+
+@pytest.mark.multirank
+def test_a_cache_on_some_ranks_only_compiles_everywhere_without_hanging(tmp_path, monkeypatch):
+    """$ZEROCC_CACHE_DIR set on one node and not another: the ranks without a cache still take part in the
+    all-reduce that decides whether to load, so nobody waits for them; every rank compiles."""
+    monkeypatch.delenv("ZEROCC_CACHE_DIR", raising=False)
+    folder = str(tmp_path / "cache")
+    distributed.run(_train, 2, folder)   # both ranks' entries exist: rank 0 alone would load
+    runs = distributed.run(_train_with_a_cache_on_rank_0_only, 2, folder, timeout=300)
+    assert runs[0][1].startswith("miss (another rank has no entry), then stored"), runs[0][1]
+    assert runs[1][1] == "off"

@@ -403,7 +403,11 @@ class CompiledStep:
         fingerprint = None
         if self.disk_cache is not None and key is not None:
             fingerprint = disk_cache.fingerprint(self, key, state.released_shapes, state.plan)
-        made = self._load_from_disk(fingerprint, batch) if fingerprint is not None else None
+        if fingerprint is not None:
+            made = self._load_from_disk(fingerprint, batch)
+        else:   # ranks with and without a cache (set on some nodes only) must still meet in the loaders' all-reduce
+            made = None
+            disk_cache.every_rank_has(self.ranks, False)
         if made is None:
             made = self._capture_and_run_passes(batch, layout, autocast)
             if fingerprint is not None and self._store_on_disk(fingerprint, made):

@@ -378,7 +378,10 @@ def _short(path: str) -> str:
 
 
 def every_rank_has(ranks, found: bool) -> bool:
-    """Whether every rank of the step's group found its entry (one all-reduce): all load or all compile."""
+    """Whether every rank of the step's group found its entry (one all-reduce): all load or all compile.
+
+    Every compile across ranks calls it, with a cache or without (``found`` False): a cache folder set on
+    some nodes only must not leave the others' compiles out of the collective."""
     if ranks.group is None:
         return found
     device = "cpu" if dist.get_backend(ranks.group) == "gloo" else torch.device("cuda", torch.cuda.current_device())
