@@ -4,7 +4,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import os
 import time
 import warnings
 import weakref
@@ -34,7 +33,7 @@ from .optimizer_step import hyperparameter_signature, live_layout, live_settings
 from .options import (DEFAULT_BUCKET_BYTES, DEFAULT_MAX_PROGRAMS, CompileOptions, check_model_and_optimizer,
                       check_not_meta, check_stage)
 from .passes.clip_gradients import GRAD_NORM_SLOT
-from .pipeline import DEFAULT_PREFETCH_BYTES, DUMP_DIR_VARIABLE, GraphSnapshot, dump_dir_of, write_dumps
+from .pipeline import DEFAULT_PREFETCH_BYTES, GraphSnapshot, dump_dir_of, write_dumps
 from .planning import communication, model_state_bytes
 from .precision import DynamicLossScale
 from .autocast import autocast_state, outside_autocast
@@ -400,14 +399,12 @@ class CompiledStep:
         """
         layout = layout or BatchLayout(len(batch))   # all positional
         state = self.state
-        fingerprint = None
         if self.disk_cache is not None and key is not None:
             fingerprint = disk_cache.fingerprint(self, key, state.released_shapes, state.plan)
-        if fingerprint is not None:
             made = self._load_from_disk(fingerprint, batch)
         else:   # ranks with and without a cache (set on some nodes only) must still meet in the loaders' all-reduce
-            made = None
-            disk_cache.every_rank_has(self.ranks, False)
+            fingerprint = made = None
+            failures.every_rank_has(self.ranks, False)
         if made is None:
             made = self._capture_and_run_passes(batch, layout, autocast)
             if fingerprint is not None and self._store_on_disk(fingerprint, made):
@@ -490,7 +487,7 @@ class CompiledStep:
             elif payload is None:
                 why = "unreadable entry"
         with stats.timed(compile_stats.CACHE_FIND):
-            everyone = disk_cache.every_rank_has(self.ranks, payload is not None)
+            everyone = failures.every_rank_has(self.ranks, payload is not None)
         if not everyone:
             if payload is not None:
                 why = "another rank has no entry"
@@ -501,8 +498,9 @@ class CompiledStep:
             return None
         cache.last_outcome = "loaded"
         compiled = Compiled(payload["gm"], payload["ctx"], payload["history"], stats)
-        if self.options.dump_dir is not None or os.environ.get(DUMP_DIR_VARIABLE):
-            write_dumps(dump_dir_of(self.options.dump_dir), compiled.history)
+        dump_dir = dump_dir_of(self.options.dump_dir)
+        if dump_dir:   # a compile writes them as its passes run
+            write_dumps(dump_dir, compiled.history)
         return _Made(payload["captured"], compiled, fresh if payload["reads_initial_state"] else None,
                      payload["state_signature"], index.get("measured_peak_bytes"), fingerprint.digest)
 

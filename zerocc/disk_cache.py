@@ -50,12 +50,10 @@ import warnings
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from . import graph_pickle
 from .errors import CompileCacheError, CompileCacheWarning, ConfigError
-from .user_tooling import suspended_user_tooling
 
 CACHE_DIR_VARIABLE = "ZEROCC_CACHE_DIR"
 FORMAT = 1   # bumped when what an entry holds changes shape
@@ -377,28 +375,12 @@ def _short(path: str) -> str:
     return relative if not relative.startswith("..") else path
 
 
-def every_rank_has(ranks, found: bool) -> bool:
-    """Whether every rank of the step's group found its entry (one all-reduce): all load or all compile.
-
-    Every compile across ranks calls it, with a cache or without (``found`` False): a cache folder set on
-    some nodes only must not leave the others' compiles out of the collective."""
-    if ranks.group is None:
-        return found
-    device = "cpu" if dist.get_backend(ranks.group) == "gloo" else torch.device("cuda", torch.cuda.current_device())
-    flag = torch.tensor([1 if found else 0], dtype=torch.int64, device=device)
-    with suspended_user_tooling():   # control traffic: a user's collective counter sees the step's own only
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=ranks.group)
-    return bool(flag.item())
-
-
 def user_objects(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """The caller's objects a stored compile names instead of copying, by the names it uses."""
-    objects: dict[str, Any] = {"optimizer": optimizer}
-    for name, module in model.named_modules():
-        objects.setdefault(f"module:{name}", module)
-    return objects
+    return {"optimizer": optimizer, **{f"module:{name}": module for name, module in model.named_modules()}}
 
 
 def names_of(objects: dict[str, Any]) -> dict[int, str]:
-    return {id(thing): name for name, thing in reversed(list(objects.items()))}
+    """``user_objects`` by id(), as ``graph_pickle.dumps`` reads them (named_modules lists each module once)."""
+    return {id(thing): name for name, thing in objects.items()}
 

@@ -73,14 +73,16 @@ class _Writer(pickle.Pickler):
         self._stand_ins: dict[str, _NodeName] = {}
         self._mapped: dict[int, tuple] = {}   # id(args) -> (args, the nodes' names, args with stand-ins)
 
-    def _record_rows(self, record: NodeRecord) -> list[tuple]:
-        """A snapshot's rows, nodes in arguments replaced by stand-ins named as at the snapshot.
+    def _rows(self, rows) -> list[tuple]:
+        """A graph's or a snapshot's rows (node, op, target, name, type, args, kwargs, meta), each node in the
+        arguments replaced by a stand-in named as in these rows (a later pass may have renamed a snapshot's node).
 
         Consecutive snapshots share most nodes' argument tuples (a pass gives a node new ones only when
         it rewrites it): an unchanged tuple maps to the object mapped for an earlier snapshot, which pickle
         then writes as a reference. A rename in between maps it again.
         """
-        names = {row[0]: row[3] for row in record.nodes}
+        rows = list(rows)
+        names = {row[0]: row[3] for row in rows}
 
         def stand_in(node: fx.Node) -> _NodeName:
             name = names[node]
@@ -103,7 +105,7 @@ class _Writer(pickle.Pickler):
             return after
 
         return [(stand_in(node), op, target, name, type_expr, mapped(args), mapped(kwargs), _plain_meta(meta))
-                for node, op, target, name, type_expr, args, kwargs, meta in record.nodes]
+                for node, op, target, name, type_expr, args, kwargs, meta in rows]
 
     # Called for every object but atomic ones (not for ints, strings, tuples, dicts: a persistent_id, called for
     # every object, was most of a dump); what it returns is memoized, so a value shared by snapshots is made once
@@ -131,9 +133,10 @@ class _Writer(pickle.Pickler):
             fields = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj) if not f.name.startswith("_")}
             return _snapshot, ({**fields, "meta": _plain_graph_meta(obj.meta)},)
         if isinstance(obj, fx.Graph):
-            return _graph, (obj._codegen, _rows(obj))
+            return _graph, (obj._codegen, self._rows((n, n.op, n.target, n.name, n.type, n.args, n.kwargs, n.meta)
+                                                     for n in obj.nodes))
         if isinstance(obj, NodeRecord):   # a pass's snapshot: its rows as they are, its graph still built on demand
-            return _record, (obj.codegen, self._record_rows(obj))
+            return _record, (obj.codegen, self._rows(obj.nodes))
         if isinstance(obj, fx.Node):
             raise NotPicklable(f"node {obj.name} is named outside its graph's arguments (in meta or a decision)")
         return NotImplemented
@@ -150,14 +153,6 @@ class _NodeName:
         return _NodeName, (self.name,)
 
 
-def _rows(graph: fx.Graph) -> list[tuple]:
-    def by_name(node: fx.Node) -> _NodeName:
-        return _NodeName(node.name)
-
-    return [(n.op, n.target, n.name, n.type, fx.map_arg(n.args, by_name), fx.map_arg(n.kwargs, by_name),
-             _plain_meta(n.meta)) for n in graph.nodes]
-
-
 class _LoadedRecord(NodeRecord):
     """A snapshot's record read from disk: its arguments name stand-ins, not nodes."""
 
@@ -165,7 +160,7 @@ class _LoadedRecord(NodeRecord):
         self.codegen, self.nodes = codegen, rows
 
     def build(self) -> fx.Graph:
-        return _graph(self.codegen, [(*row[1:7], dict(row[7])) for row in self.nodes])
+        return _graph(self.codegen, [(*row[:7], dict(row[7])) for row in self.nodes])   # the record keeps its meta
 
 
 def _record(codegen, rows: list[tuple]) -> NodeRecord:
@@ -197,6 +192,7 @@ def _fake(shape, stride, dtype, device, requires_grad) -> FakeTensor:
 
 
 def _graph(codegen, rows: list[tuple]) -> fx.Graph:
+    """The graph of ``_Writer._rows``' rows; arguments' stand-ins resolved by name."""
     graph = fx.Graph()
     graph.set_codegen(codegen)
     env: dict[str, fx.Node] = {}
@@ -204,7 +200,7 @@ def _graph(codegen, rows: list[tuple]) -> fx.Graph:
     def resolve(value):
         return env[value.name] if isinstance(value, _NodeName) else value
 
-    for op, target, name, type_expr, args, kwargs, meta in rows:
+    for _, op, target, name, type_expr, args, kwargs, meta in rows:
         node = graph.create_node(op, target, name=name, type_expr=type_expr)
         node.args = fx.node.map_aggregate(args, resolve)
         if kwargs:

@@ -160,6 +160,26 @@ def check_ranks_agree(ranks: Ranks, gm: fx.GraphModule, plan: ShardPlan | None) 
     )
 
 
+def _control_device(ranks: Ranks):
+    """Where the ranks' own small all-reduces run: the CPU on gloo, this rank's GPU on NCCL."""
+    return "cpu" if dist.get_backend(ranks.group) == "gloo" else torch.device("cuda", torch.cuda.current_device())
+
+
+def every_rank_has(ranks: Ranks, found: bool) -> bool:
+    """Whether every rank found what it looked for (one all-reduce; the compile cache's entry, zerocc/disk_cache.py):
+    all load or all compile.
+
+    Every compile across ranks calls it, with a cache or without (``found`` False): a cache folder set on
+    some nodes only must not leave the others' compiles out of the collective. Control traffic, as below:
+    the user's dispatch modes are off."""
+    if ranks.group is None:
+        return found
+    flag = torch.tensor([1 if found else 0], dtype=torch.int64, device=_control_device(ranks))
+    with _disable_current_modes():
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=ranks.group)
+    return bool(flag.item())
+
+
 def check_batches_agree(ranks: Ranks, lines: list[str]) -> None:
     """Raise ``RankMismatchError`` on every rank if any rank's batch (``lines``: shapes and dtypes) differs.
 
@@ -173,8 +193,7 @@ def check_batches_agree(ranks: Ranks, lines: list[str]) -> None:
     if ranks.group is None:
         return
     digest = int.from_bytes(hashlib.sha256("\n".join(lines).encode()).digest()[:7], "big")   # fits an int64
-    device = "cpu" if dist.get_backend(ranks.group) == "gloo" else torch.device("cuda", torch.cuda.current_device())
-    extremes = torch.tensor([digest, -digest], dtype=torch.int64, device=device)
+    extremes = torch.tensor([digest, -digest], dtype=torch.int64, device=_control_device(ranks))
     with _disable_current_modes():
         dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=ranks.group)
     highest, negated_lowest = extremes.tolist()

@@ -30,19 +30,14 @@ def initial_slots(plan: ShardPlan, captured: Captured, model: torch.nn.Module,
     for bucket in plan.buckets:
         device = tensors[captured.params[bucket.segments[0].param].name].device
         bucketed.update(segment.param for segment in bucket.segments)
+        start, end = (plan.rank * bucket.shard_numel, (plan.rank + 1) * bucket.shard_numel) \
+            if plan.holds_shard(bucket) else (0, bucket.numel)
         if plan.has_compute_copy(bucket):   # mixed precision at stages 1-2: the full bucket in param_dtype
             full = _flat_range(bucket, captured, tensors, 0, bucket.numel, device)
             slots[decisions.compute_slot(bucket.index)] = full.to(plan.param_dtype)
-        elif plan.holds_shard(bucket):   # only this rank's range is copied: the whole bucket was a second copy
-            start = plan.rank * bucket.shard_numel
-            full = _flat_range(bucket, captured, tensors, start, start + bucket.shard_numel, device)
-        else:
-            full = _flat_range(bucket, captured, tensors, 0, bucket.numel, device)
-        if plan.holds_shard(bucket) and plan.has_compute_copy(bucket):
-            start = plan.rank * bucket.shard_numel
-            slots[decisions.bucket_slot(bucket.index)] = full[start: start + bucket.shard_numel].clone()
-        else:
-            slots[decisions.bucket_slot(bucket.index)] = full
+            slots[decisions.bucket_slot(bucket.index)] = full[start:end].clone() if plan.holds_shard(bucket) else full
+        else:   # only this rank's range: building the whole bucket to clone a shard was a second copy
+            slots[decisions.bucket_slot(bucket.index)] = _flat_range(bucket, captured, tensors, start, end, device)
     for bucket, number, piece in plan.owned_pieces():
         name = captured.params[piece.param].name
         param = tensors[name]
