@@ -26,7 +26,8 @@ from .batch import BatchLayout, FirstBatch, agreement_lines, check_batch
 from .capture import Captured, capture, named_tensors, trained_parameters
 from .compile_stats import CompileStats
 from .data_guards import all_hold
-from .driver import Compiled, fewer_collections, run_passes
+from .device_budget import DeviceBudget, device_budget
+from .driver import Compiled, fewer_collections, final_peak, run_passes
 from .errors import CompileCacheWarning, ConfigError
 from .memory_plan import MemoryPlan
 from .optimizer_step import hyperparameter_signature, live_layout, live_settings
@@ -126,6 +127,10 @@ def compile(
     the reachable peak, and raises ``MemoryBudgetError`` naming the smallest
     peak it can reach when nothing fits. ``step.remat_plan`` says what it
     recomputes, ``step.shard_plan.bucket_bytes`` the bucket size it kept.
+    Without ``memory_budget`` the budget is what the device offers
+    (``zerocc/device_budget.py``: CUDA's free memory less 10%, or
+    ``$ZEROCC_DEVICE_MEMORY``; none on CPU): the fastest plan if it fits,
+    else planned against the device as against a ``memory_budget``.
 
     Mixed precision (``zerocc/precision.py``, FSDP2's ``MixedPrecisionPolicy``
     semantics): ``param_dtype`` is the dtype forward and backward compute in
@@ -399,14 +404,15 @@ class CompiledStep:
         """
         layout = layout or BatchLayout(len(batch))   # all positional
         state = self.state
+        device = self._device_budget()   # every rank, every compile: it is agreed across ranks
         if self.disk_cache is not None and key is not None:
             fingerprint = disk_cache.fingerprint(self, key, state.released_shapes, state.plan)
-            made = self._load_from_disk(fingerprint, batch)
+            made = self._load_from_disk(fingerprint, batch, device)
         else:   # ranks with and without a cache (set on some nodes only) must still meet in the loaders' all-reduce
             fingerprint = made = None
             failures.every_rank_has(self.ranks, False)
         if made is None:
-            made = self._capture_and_run_passes(batch, layout, autocast)
+            made = self._capture_and_run_passes(batch, layout, autocast, device)
             if fingerprint is not None and self._store_on_disk(fingerprint, made):
                 made = made._replace(stored_as=fingerprint.digest)
         captured, compiled, fresh, state_signature = made.captured, made.compiled, made.fresh, made.state_signature
@@ -431,7 +437,8 @@ class CompiledStep:
         return CacheEntry(program, compiled.ctx, compiled.history, reads_initial_state=fresh is not None,
                           measured_peak_bytes=made.measured_peak_bytes, stored_as=made.stored_as)
 
-    def _capture_and_run_passes(self, batch, layout: BatchLayout, autocast: tuple) -> "_Made":
+    def _capture_and_run_passes(self, batch, layout: BatchLayout, autocast: tuple,
+                                device: DeviceBudget | None = None) -> "_Made":
         state, options = self.state, self.options
 
         def trace(optimizer_state):
@@ -459,11 +466,29 @@ class CompiledStep:
         else:
             fake_mode, captured = trace(None)
         state_signature = _state_signature_of(captured)   # before the passes rewrite the captured graph
+        options = options if device is None else dataclasses.replace(options, device_budget=device)
         compiled = run_passes(captured, fake_mode, options, self.optimizer, world_size=self.ranks.world_size,
                               rank=self.ranks.rank, group_name=self.ranks.group_name, previous_plan=state.plan)
         return _Made(captured, compiled, fresh, state_signature)
 
-    def _load_from_disk(self, fingerprint: disk_cache.Fingerprint, batch):
+    def _device_budget(self) -> DeviceBudget | None:
+        """Without a ``memory_budget``, what the device offers now (``zerocc/device_budget.py``): its free memory
+        plus what the step's tensors already take of it (the model's and optimizer's before the first step, the
+        slots and arenas after); the smallest over ranks, so that every rank plans the same step."""
+        if self.options.memory_budget is not None:
+            return None
+        state = self.state
+        held = [*self.model.parameters(), *self.model.buffers(), *self.arenas.tensors(),
+                *(value for per_param in self.optimizer.state.values() for value in per_param.values()),
+                *(state.slots.values() if state.slots else ())]
+        mine = device_budget(next(self.model.parameters()).device, held)
+        smallest = failures.smallest_over_ranks(self.ranks, None if mine is None else mine.bytes)
+        if smallest is None or (mine is not None and smallest == mine.bytes):
+            return mine
+        return DeviceBudget(smallest, "the smallest a rank's device offers" + (f"; this rank's: {mine.source}"
+                                                                                if mine is not None else ""))
+
+    def _load_from_disk(self, fingerprint: disk_cache.Fingerprint, batch, device: DeviceBudget | None = None):
         """A compile stored by an earlier process for this one's fingerprint, as ``_capture_and_run_passes``
         returns it, or None; every rank loads, or none does."""
         cache, state = self.disk_cache, self.state
@@ -484,6 +509,9 @@ class CompiledStep:
                 payload, why = None, "the batch takes another branch of the model's data-dependent code"
             elif payload is not None and state.started and payload["ctx"].shard_plan != state.plan:
                 payload, why = None, "the step's buckets are laid out otherwise"
+            elif payload is not None and device is not None \
+                    and final_peak(payload["ctx"], self.options.memory_pools) > device.bytes:
+                payload, why = None, f"its peak does not fit what the device offers now ({device.source})"
             elif payload is None:
                 why = "unreadable entry"
         with stats.timed(compile_stats.CACHE_FIND):

@@ -206,16 +206,23 @@ class RematPlan:
     evaluations: int                       # plans whose peak was measured
     unbounded_schedule: bool = False       # stage 3: the budget, not prefetch_bytes, bounds the schedule; every
                                            # forward gather is kept for backward, which gathers nothing
+    budget_source: str = "memory_budget"   # or what the device offers (zerocc/device_budget.py): then the peaks
+                                           # are the final plan's, filled in by the driver once it fits
 
     def summary(self) -> str:
+        if self.evaluations == 0 and not self.recomputed and self.budget_source != "memory_budget":
+            return (f"device budget {self.budget_bytes / 1e6:.2f} MB ({self.budget_source}): the fastest plan fits, "
+                    f"schedule unbounded, every forward gather kept for backward (no all_gather in backward), "
+                    f"nothing recomputed; peak {self.peak_bytes / 1e6:.2f} MB")
         share = f" ({self.extra_flops / self.forward_flops:.1%} of forward)" if self.forward_flops else ""
         kept = sum(1 for r in self.recomputed if r.bytes)
         gathers = "; schedule unbounded: every forward gather kept for backward (no all_gather in backward)" \
             if self.unbounded_schedule else ""
+        source = "" if self.budget_source == "memory_budget" else f" ({self.budget_source})"
         return (f"{len(self.recomputed)} forward nodes recomputed in backward ({kept} of {self.candidates} "
                 f"stored tensors){gathers}: {self.saved_bytes / 1e6:.2f} MB no longer kept, "
                 f"+{self.extra_flops / 1e6:.1f} MFLOP{share}; peak {self.peak_before_bytes / 1e6:.2f} MB -> "
-                f"{self.peak_bytes / 1e6:.2f} MB, budget {self.budget_bytes / 1e6:.2f} MB "
+                f"{self.peak_bytes / 1e6:.2f} MB, budget {self.budget_bytes / 1e6:.2f} MB{source} "
                 f"({self.evaluations} plans measured)")
 
     def table(self) -> str:
@@ -234,4 +241,5 @@ class RematPlan:
         return {"budget_bytes": self.budget_bytes, "peak_before_bytes": self.peak_before_bytes,
                 "peak_bytes": self.peak_bytes, "saved_bytes": self.saved_bytes, "extra_flops": self.extra_flops,
                 "forward_flops": self.forward_flops, "unbounded_schedule": self.unbounded_schedule,
+                "budget_source": self.budget_source,
                 "recomputed": [dataclasses.asdict(r) for r in self.recomputed]}

@@ -23,6 +23,7 @@ from .capture import Captured
 from .compile_stats import CompileStats
 from .context import CompileContext
 from .decisions import ShardPlan
+from .device_budget import DeviceBudget
 from .errors import MemoryBudgetError
 from .options import CompileOptions
 from .pipeline import GraphSnapshot, copy_graph, dump_dir_of, run_pipeline
@@ -83,24 +84,44 @@ def run_passes(captured: Captured, fake_mode: Any, options: CompileOptions, opti
     the buckets are not shrunk: nothing is gathered there. A later
     program of the step (``previous_plan``) keeps the first one's buckets. Every rank raises the same
     ``MemoryBudgetError`` (place_remat decides on the highest peak over ranks), so every rank retries.
+
+    Without a ``memory_budget``, the device's (``options.device_budget``, ``zerocc/device_budget.py``):
+    ``place_remat`` takes the fastest plan unmeasured, and when the final plan's peak (the highest over
+    ranks) does not fit the device, the pipeline runs again with the device's bytes as ``memory_budget``.
     """
     creates_state = any(set(new) - set(old) for old, new in zip(captured.state_keys, captured.new_state_keys))
     stats = CompileStats("plan" if planning else "first step" if creates_state else "steady state",
                          dict(captured.stats.seconds))
     # on one rank nothing is gathered and the floor does not fall with the buckets (the test GPT: equal)
+    device = options.device_budget if options.memory_budget is None else None
     shrinkable = options.memory_budget is not None and previous_plan is None and world_size > 1
     attempt, refused = options, []
     while True:   # a retry needs the capture as it was, so shrinkable compiles run on copies too
+        retries = shrinkable or (device is not None and attempt.memory_budget is None)
         working = dataclasses.replace(captured, gm=copy_graph_module(captured.gm)) \
-            if shrinkable or keep_capture else captured
+            if retries or keep_capture else captured
         ctx = CompileContext(attempt.stage, world_size, rank, group_name, optimizer, working, fake_mode,
                              attempt.bucket_bytes, previous_plan=previous_plan, traces=traces, planning=planning,
                              precision=attempt.precision, gather_per_micro_batch=attempt.gather_per_micro_batch)
         try:
             gm, history = run_pipeline(working.gm, ctx, attempt.passes(), verify=attempt.verify,
                                        dump_dir=dump_dir_of(attempt.dump_dir), progress=progress, stats=stats)
+            if device is not None and ctx.memory_plan is not None:   # (plan_memory disabled: nothing to check)
+                peak = max(ctx.from_every_rank(final_peak(ctx, attempt.memory_pools)))
+                if attempt.memory_budget is None and peak > device.bytes:
+                    if progress:
+                        progress(f"the fastest plan's peak ({peak / 1e6:.2f} MB) does not fit the device "
+                                 f"({device.bytes / 1e6:.2f} MB, {device.source}): planning against it")
+                    attempt = dataclasses.replace(attempt, memory_budget=device.bytes)
+                    shrinkable = previous_plan is None and world_size > 1
+                    continue
+                _record_device_budget(ctx, device, peak)
             return Compiled(gm, ctx, history, stats)
         except MemoryBudgetError as error:
+            if device is not None:
+                error = MemoryBudgetError(
+                    f"the step does not fit what the device offers ({device.source}), with no memory_budget "
+                    f"given: {error}", budget_bytes=error.budget_bytes, smallest_peak_bytes=error.smallest_peak_bytes)
             refused.append((attempt.bucket_bytes, error))
             falling = len(refused) < 2 or error.smallest_peak_bytes < refused[-2][1].smallest_peak_bytes
             if not shrinkable or not falling or attempt.bucket_bytes // 2 < MIN_BUDGET_BUCKET_BYTES:
@@ -113,6 +134,23 @@ def run_passes(captured: Captured, fake_mode: Any, options: CompileOptions, opti
             # twice as many of the smaller buckets in flight, and the floor would not fall
             attempt = dataclasses.replace(attempt, bucket_bytes=attempt.bucket_bytes // 2,
                                           prefetch_bytes=attempt.prefetch_bytes // 2)
+
+
+def final_peak(ctx: CompileContext, memory_pools: bool) -> int:
+    """The final memory plan's peak: the pooled layout's with memory pools, else the live peak (as place_remat
+    measures a plan)."""
+    plan = ctx.memory_plan
+    return plan.planned_peak_bytes if memory_pools else plan.live_peak_bytes
+
+
+def _record_device_budget(ctx: CompileContext, device: DeviceBudget, peak: int) -> None:
+    """Say on the remat plan that the device's budget was planned against, with the final peak."""
+    plan = ctx.remat_plan
+    if plan is None:
+        return
+    if plan.evaluations == 0 and not plan.recomputed:   # unmeasured: the fastest plan, nothing recomputed
+        plan = dataclasses.replace(plan, peak_before_bytes=peak, peak_bytes=peak)
+    ctx.remat_plan = dataclasses.replace(plan, budget_source=device.source)
 
 
 def _lowest_floor(refused: list[tuple[int, MemoryBudgetError]]) -> MemoryBudgetError:

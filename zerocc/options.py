@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 
 from . import precision as mixed
+from .device_budget import DeviceBudget
 from .disk_cache import cache_dir_of
 from .errors import ConfigError
 from .pipeline import DEFAULT_PREFETCH_BYTES, Pass, build_pipeline, memory_pools_of
@@ -42,6 +43,9 @@ class CompileOptions:
     cache's folder with ``$ZEROCC_CACHE_DIR`` read (None: no cache,
     ``zerocc/disk_cache.py``). ``timeout``, ``static_shapes``,
     ``max_programs`` and ``cache_dir`` concern a running step only.
+    ``device_budget`` is not a keyword: with no ``memory_budget``, what the
+    rank's device offers, read at each compile (``zerocc/device_budget.py``;
+    None where unknown, on CPU).
     """
     stage: int = 3
     loss_fn: Callable | None = None
@@ -54,6 +58,7 @@ class CompileOptions:
     grad_accumulation: int = 1
     clip: tuple[float, float] | None = None
     memory_budget: int | None = None
+    device_budget: DeviceBudget | None = None
     precision: mixed.Precision | None = None
     gather_per_micro_batch: bool = True
     memory_pools: bool = True
@@ -95,20 +100,26 @@ class CompileOptions:
 
     def for_pipeline(self, *, stage: int, disable: Sequence[str] = (), verify: bool = False,
                      dump_dir: str | None = None, memory_pools: bool | None = None,
-                     memory_budget: int | None = None) -> "CompileOptions":
+                     memory_budget: int | None = None, device_memory: int | None = None) -> "CompileOptions":
         """These options with the pipeline's own keywords replaced and checked, ``disable`` included
-        (``Planner.plan``: one capture's options, planned for many stages)."""
+        (``Planner.plan``: one capture's options, planned for many stages; ``device_memory``: the bytes per
+        rank a plan's device offers, as a device budget)."""
         check_stage(stage)
         check_memory_budget(memory_budget)
+        check_memory_budget(device_memory, "device_memory")
+        device = None if device_memory is None or memory_budget is not None else \
+            DeviceBudget(device_memory, "device_memory= given to zerocc.plan")
         options = dataclasses.replace(self, stage=stage, disable=tuple(disable), verify=verify, dump_dir=dump_dir,
-                                      memory_pools=memory_pools_of(memory_pools, disable), memory_budget=memory_budget)
+                                      memory_pools=memory_pools_of(memory_pools, disable), memory_budget=memory_budget,
+                                      device_budget=device)
         options.passes()
         return options
 
     def passes(self) -> list[Pass]:
         """The passes a compilation with these options runs, in order (registered passes included)."""
         return build_pipeline(self.stage, self.disable, self.prefetch_bytes, clip=self.clip,
-                              memory_budget=self.memory_budget, mixed_precision=self.precision is not None,
+                              memory_budget=self.memory_budget, device_budget=self.device_budget,
+                              mixed_precision=self.precision is not None,
                               memory_pools=self.memory_pools)
 
 
@@ -153,9 +164,10 @@ def check_prefetch_bytes(prefetch_bytes) -> None:
         raise ConfigError(f"prefetch_bytes must be a non-negative int, got {prefetch_bytes!r}")
 
 
-def check_memory_budget(memory_budget) -> None:
-    if memory_budget is not None and (not isinstance(memory_budget, int) or memory_budget <= 0):
-        raise ConfigError(f"memory_budget must be a positive int (bytes per rank) or None, got {memory_budget!r}")
+def check_memory_budget(memory_budget, name: str = "memory_budget") -> None:
+    if memory_budget is not None and (isinstance(memory_budget, bool) or not isinstance(memory_budget, int)
+                                      or memory_budget <= 0):
+        raise ConfigError(f"{name} must be a positive int (bytes per rank) or None, got {memory_budget!r}")
 
 
 def check_gather_per_micro_batch(gather_per_micro_batch) -> None:

@@ -44,6 +44,7 @@ from . import graph as g
 from . import registry
 from .compile_stats import CompileStats
 from .context import CompileContext
+from .device_budget import DeviceBudget
 from .errors import ConfigError, MemoryBudgetError, PassError
 from .runtime.failures import is_collective_failure
 from .passes.clip_gradients import clip_gradients
@@ -98,11 +99,14 @@ DEFAULT_PREFETCH_BYTES = 4 * 1024 * 1024
 def default_pipeline(stage: int, *, prefetch_bytes: int = DEFAULT_PREFETCH_BYTES,
                      clip: tuple[float, float] | None = None,
                      memory_budget: int | None = None,
+                     device_budget: DeviceBudget | None = None,
                      mixed_precision: bool = False,
                      memory_pools: bool = False) -> list[Pass]:
     """The passes for ``stage``, in order. The same list for every stage: the plan differs, not the passes.
 
     ``clip`` is ``(max_norm, norm_type)`` when ``compile(clip_grad_norm=...)`` asked for clipping;
+    ``place_remat`` plans against ``memory_budget`` or, without one, what the device offers (``device_budget``,
+    ``zerocc/device_budget.py``; None on CPU: then it does nothing);
     ``mixed_precision`` (compile's ``param_dtype``/``reduce_dtype``/``loss_scale``) adds its pass after shard;
     ``memory_pools`` (compile's ``memory_pools``, on by default) adds ``place_buffers`` last.
     """
@@ -118,9 +122,9 @@ def default_pipeline(stage: int, *, prefetch_bytes: int = DEFAULT_PREFETCH_BYTES
         Pass("shard", shard, essential="the runtime lays out its tensors by the shard plan"),   # parameters, gradients, optimizer state -> flat per-rank buckets
         *precision,                                                                              # bf16 compute from fp32 master buckets, loss scaling
         *clipping,                                                                               # global-norm clipping between reduction and update
-        Pass("place_remat", functools.partial(place_remat, memory_budget=memory_budget,
-                                                    memory_pools=memory_pools),
-             requires=("shard",)),                                                                # recompute activations to fit memory_budget
+        Pass("place_remat", functools.partial(place_remat, memory_budget=memory_budget, device_budget=device_budget,
+                                              memory_pools=memory_pools),
+             requires=("shard",)),                                                                # spend the budget on speed, recompute to fit it
         Pass("insert_collectives", insert_collectives, requires=("shard",),
              essential="the shard pass's markers cannot run across ranks"),                      # the communication the buckets need
         Pass("schedule", functools.partial(schedule, prefetch_bytes=prefetch_bytes),
@@ -142,10 +146,12 @@ def build_pipeline(stage: int, disable: Sequence[str] = (), prefetch_bytes: int 
                    user_passes: Sequence[registry.UserPass] | None = None,
                    clip: tuple[float, float] | None = None,
                    memory_budget: int | None = None,
+                   device_budget: DeviceBudget | None = None,
                    mixed_precision: bool = False,
                    memory_pools: bool = False) -> list[Pass]:
     """``default_pipeline(stage)`` with the registered passes spliced in and the ``disable``d ones dropped."""
     passes = default_pipeline(stage, prefetch_bytes=prefetch_bytes, clip=clip, memory_budget=memory_budget,
+                              device_budget=device_budget,
                               mixed_precision=mixed_precision, memory_pools=memory_pools)
     user_passes = registry.registered() if user_passes is None else list(user_passes)
     for user in user_passes:

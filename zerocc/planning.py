@@ -65,7 +65,7 @@ def plan(model: nn.Module, optimizer: torch.optim.Optimizer, stage: int = 3, wor
          disable: Sequence[str] = (), verify: bool = False, dump_dir: str | None = None,
          progress: bool | Callable[[str], None] = False, memory_pools: bool | None = None,
          accounting_dtype: torch.dtype | None = None, gather_per_micro_batch: bool = True,
-         memory_budget: int | None = None, **runtime_only) -> "Plan":
+         memory_budget: int | None = None, device_memory: int | None = None, **runtime_only) -> "Plan":
     """Plan one steady-state training step at ``world_size`` ranks without running it.
 
     Takes ``zerocc.compile``'s keywords (see the module docstring for the few
@@ -74,6 +74,9 @@ def plan(model: nn.Module, optimizer: torch.optim.Optimizer, stage: int = 3, wor
     ``memory_plan`` when a pass made one) as a compiled step.
     ``memory_budget`` (bytes per rank) plans activation checkpointing as
     ``zerocc.compile`` does; ``Plan.remat_plan`` says what it recomputes.
+    ``device_memory`` (bytes per rank) is what the planned job's devices
+    offer: without ``memory_budget`` it is planned against as ``compile``
+    plans against a CUDA device's free memory (``zerocc/device_budget.py``).
     ``example_inputs`` and ``example_keyword_inputs`` are one batch as the
     step would be called with: ``step(*example_inputs, **example_keyword_inputs)``.
     """
@@ -86,7 +89,7 @@ def plan(model: nn.Module, optimizer: torch.optim.Optimizer, stage: int = 3, wor
                    bucket_bytes=bucket_bytes, progress=progress, accounting_dtype=accounting_dtype,
                    gather_per_micro_batch=gather_per_micro_batch, **runtime_only,
                    ).plan(stage, world_size, rank=rank, disable=disable, verify=verify, dump_dir=dump_dir,
-                          memory_pools=memory_pools, memory_budget=memory_budget)
+                          memory_pools=memory_pools, memory_budget=memory_budget, device_memory=device_memory)
 
 
 # compile keywords that only concern a running step: a plan accepts them and they change nothing in it
@@ -153,12 +156,14 @@ class Planner:
         return self._captures[elementwise_check]
 
     def plan(self, stage: int, world_size: int, *, rank: int = 0, disable: Sequence[str] = (), verify: bool = False,
-            dump_dir: str | None = None, memory_pools: bool | None = None, memory_budget: int | None = None) -> "Plan":
+            dump_dir: str | None = None, memory_pools: bool | None = None, memory_budget: int | None = None,
+             device_memory: int | None = None) -> "Plan":
         check_stage(stage)
         if not isinstance(world_size, int) or world_size < 1 or not 0 <= rank < world_size:
             raise ConfigError(f"world_size must be a positive int and 0 <= rank < world_size, got {world_size!r}, {rank!r}")
         options = self.options.for_pipeline(stage=stage, disable=disable, verify=verify, dump_dir=dump_dir,
-                                            memory_pools=memory_pools, memory_budget=memory_budget)   # as compile()
+                                            memory_pools=memory_pools, memory_budget=memory_budget,
+                                            device_memory=device_memory)   # as compile()
         with fewer_collections():
             captured, fake_mode, capture_seconds = self._captured(stage != 0)
             started = time.perf_counter()

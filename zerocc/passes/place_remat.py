@@ -47,6 +47,16 @@ least to most recomputation. How it chooses:
      across ranks the driver then compiles again with buckets and
      ``prefetch_bytes`` half as large, while that floor falls
      (``driver.run_passes``): gathered and gradient buckets are part of it.
+
+Without ``memory_budget``, the budget is what the device offers
+(``device_budget``, ``zerocc/device_budget.py``; None on CPU, and then this
+pass does nothing). A device is usually roomy beside the plan, so nothing is
+measured first: at stage 3 across ranks the schedule is unbounded (every
+forward gather kept for backward, as in step 2) and nothing is recomputed;
+the driver checks the final plan's peak against the device and, when it
+does not fit, compiles again with the device's bytes as ``memory_budget``
+(steps 1-4). A device budget costs an ordinary compile when the fastest plan
+fits, and the measured search only where the default plan would not.
 """
 from __future__ import annotations
 
@@ -61,13 +71,25 @@ from ..context import CompileContext
 from ..errors import MemoryBudgetError, user_line_of_node
 from ..memory_plan import POOL_OF_ROLE
 from ..decisions import RecomputedTensor, RematPlan
+from ..device_budget import DeviceBudget
 
 
 def place_remat(gm: fx.GraphModule, ctx: CompileContext, *, memory_budget: int | None,
-                memory_pools: bool = False) -> fx.GraphModule:
+                device_budget: DeviceBudget | None = None, memory_pools: bool = False) -> fx.GraphModule:
     """Recompute in backward the forward values that cost least per byte, until the step's peak fits the budget."""
+    if memory_budget is None and device_budget is not None and _gathers_in_backward(ctx):
+        # the fastest plan, unmeasured: the driver checks the final peak against the device (module docstring)
+        ctx.remat_plan = RematPlan(
+            budget_bytes=device_budget.bytes, peak_before_bytes=0, peak_bytes=0, recomputed=(), saved_bytes=0,
+            extra_flops=0, forward_flops=0, candidates=0, evaluations=0, unbounded_schedule=True,
+            budget_source=device_budget.source)
+        ctx.notes["place_remat"] = (f"device budget {megabytes(device_budget.bytes)} ({device_budget.source}): "
+                                    "schedule unbounded, every forward gather kept for backward; nothing recomputed")
+        return gm
     if memory_budget is None:
-        ctx.notes["place_remat"] = "no memory budget: every forward value backward reads is kept"
+        ctx.notes["place_remat"] = "no memory budget: every forward value backward reads is kept" + (
+            f" (device budget {megabytes(device_budget.bytes)}: the final plan is checked against it)"
+            if device_budget is not None else "")
         return gm
     started = time.perf_counter()
     analysis = Recomputation(gm)

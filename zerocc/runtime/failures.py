@@ -180,6 +180,18 @@ def every_rank_has(ranks: Ranks, found: bool) -> bool:
     return bool(flag.item())
 
 
+def smallest_over_ranks(ranks: Ranks, value: int | None) -> int | None:
+    """The smallest of the ranks' ``value``s, None only where no rank has one (one all-reduce; the device budget,
+    zerocc/device_budget.py, which every rank must plan against alike). Control traffic, as above."""
+    if ranks.group is None:
+        return value
+    unknown = 2 ** 62
+    smallest = torch.tensor([unknown if value is None else value], dtype=torch.int64, device=_control_device(ranks))
+    with _disable_current_modes():
+        dist.all_reduce(smallest, op=dist.ReduceOp.MIN, group=ranks.group)
+    return None if smallest.item() == unknown else int(smallest.item())
+
+
 def check_batches_agree(ranks: Ranks, lines: list[str]) -> None:
     """Raise ``RankMismatchError`` on every rank if any rank's batch (``lines``: shapes and dtypes) differs.
 
