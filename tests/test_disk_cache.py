@@ -326,3 +326,25 @@ def test_a_cache_on_some_ranks_only_compiles_everywhere_without_hanging(tmp_path
     runs = distributed.run(_train_with_a_cache_on_rank_0_only, 2, folder, timeout=300)
     assert runs[0][1].startswith("miss (another rank has no entry), then stored"), runs[0][1]
     assert runs[1][1] == "off"
+
+
+def test_a_stored_program_larger_than_what_the_device_offers_now_misses(tmp_path, monkeypatch):
+    """CUDA's free memory changes between runs and is not in the fingerprint: a stored program whose peak the
+    device no longer fits is compiled again, against the device (faked here: CPU offers no budget)."""
+    from zerocc import api
+    from zerocc.device_budget import DeviceBudget
+    data = batches("gpt", 2, 8)
+    first = _compiled(tmp_path)
+    first(*data[0])
+    peak = first.report()["planned_peak_bytes"]
+    monkeypatch.setattr(api, "device_budget", lambda device, held=(): DeviceBudget(peak * 10, "a roomy device"))
+    roomy = _compiled(tmp_path)
+    roomy(*data[0])
+    assert roomy.report()["compile_cache"] == "loaded"
+    small = int(peak * 0.95)
+    monkeypatch.setattr(api, "device_budget", lambda device, held=(): DeviceBudget(small, "a smaller device"))
+    step = _compiled(tmp_path)
+    assert torch.equal(step(*data[0]), _eager_losses("gpt", 0, 1, data)[0])
+    assert step.report()["compile_cache"].startswith(
+        "miss (its peak does not fit what the device offers now (a smaller device)), then stored")
+    assert step.report()["planned_peak_bytes"] <= small and step.remat_plan.budget_source == "a smaller device"
