@@ -12,6 +12,8 @@ from .precision import DynamicLossScale
 from .state_dict import export_full_state_dict, load_checkpoint, save_checkpoint
 from .pipeline import register_pass, unregister_pass
 from .planning import Plan, plan
+from .hardware import measure_hardware
+from .analysis.step_time import HardwareProfile, StepTime
 from .errors import (CaptureError, CheckpointError, CompileCacheError, CompileCacheWarning, ConfigError, MemoryBudgetError, PassError,
                      RecompileWarning, UnsupportedOptimizerError, ZeroccError)
 from .runtime.failures import RankFailureError, RankMismatchError
@@ -21,5 +23,6 @@ __all__ = ["compile", "CompiledStep", "DynamicLossScale", "plan", "Plan", "regis
            "save_checkpoint", "load_checkpoint", "export_full_state_dict",
            "ZeroccError", "ConfigError", "CaptureError", "CheckpointError", "MemoryBudgetError", "PassError",
            "UnsupportedOptimizerError", "RecompileWarning", "CompileCacheWarning", "CompileCacheError",
-           "RankFailureError", "RankMismatchError", "keep_freed_host_memory"]
+           "RankFailureError", "RankMismatchError", "keep_freed_host_memory",
+           "measure_hardware", "HardwareProfile", "StepTime"]
 __version__ = "0.1.0"

@@ -25,10 +25,12 @@ from . import user_views
 from .batch import BatchLayout, FirstBatch, agreement_lines, check_batch
 from .capture import Captured, capture, named_tensors, trained_parameters
 from .compile_stats import CompileStats
+from .analysis.step_time import HardwareProfile, StepTime, predict
 from .data_guards import all_hold
 from .device_budget import DeviceBudget, device_budget
 from .driver import Compiled, fewer_collections, final_peak, run_passes
 from .errors import CompileCacheWarning, ConfigError
+from .hardware import named_profile
 from .memory_plan import MemoryPlan
 from .optimizer_step import hyperparameter_signature, live_layout, live_settings
 from .options import (DEFAULT_BUCKET_BYTES, DEFAULT_MAX_PROGRAMS, CompileOptions, check_model_and_optimizer,
@@ -668,6 +670,13 @@ class CompiledStep:
     def remat_plan(self) -> decisions.RematPlan | None:
         """What ``memory_budget`` made backward recompute (None without a budget): print it for the table."""
         return self._require_compiled().ctx.remat_plan
+
+    def predicted_step_time(self, profile: HardwareProfile | str) -> StepTime:
+        """The last program's step time on ``profile`` (``zerocc.measure_hardware()``, or a name in
+        ``zerocc.hardware.NAMED``), from ``zerocc/analysis/step_time.py``'s cost model."""
+        entry = self._require_compiled()
+        return predict(entry.program.gm, self.ranks.world_size,
+                       named_profile(profile) if isinstance(profile, str) else profile)
 
     @property
     def checkpoint_plan(self):

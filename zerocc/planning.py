@@ -41,12 +41,14 @@ import torch.nn as nn
 from . import compile_stats
 from . import graph as g
 from . import decisions
+from .analysis.step_time import HardwareProfile, StepTime, predict
 from .batch import BatchLayout
 from .capture import Captured, capture, named_tensors
 from .compile_stats import CompileStats
 from .context import CompileContext
 from .driver import fewer_collections, run_passes
 from .errors import ConfigError
+from .hardware import named_profile
 from .options import DEFAULT_BUCKET_BYTES, CompileOptions, check_model_and_optimizer, check_stage
 from . import precision as mixed
 from .pipeline import DEFAULT_PREFETCH_BYTES, GraphSnapshot
@@ -219,6 +221,11 @@ class Plan:
     def checkpoint_plan(self):
         """Renamed ``remat_plan``: reading it says so."""
         raise AttributeError(decisions.CHECKPOINT_PLAN_RENAMED)
+
+    def predicted_step_time(self, profile: HardwareProfile | str) -> StepTime:
+        """The planned step's time on ``profile`` (a name in ``zerocc.hardware.NAMED`` such as
+        ``"h100-sxm-bf16"``, or ``zerocc.measure_hardware()``'s), from ``zerocc/analysis/step_time.py``."""
+        return predict(self.gm, self.world_size, named_profile(profile) if isinstance(profile, str) else profile)
 
     def report(self) -> dict:
         captured = self.ctx.captured

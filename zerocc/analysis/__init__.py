@@ -6,4 +6,5 @@
     releases.py     which slots the step may drop early, and after which node (release_slots' marks)
     kernels.py      which ops have an ``out=`` overload with a kernel of the device's backend
     remat.py        what place_remat may recompute, at what cost, and the min-cut plans that choose it
+    step_time.py    how long the final program takes on a hardware profile (the cost model)
 """

@@ -190,12 +190,11 @@ class Recomputation:
     def flops(self, node: fx.Node) -> int:
         """FLOPs of matmuls, convolutions and attention (the flop counter's formulas); elements written otherwise."""
         if node not in self._flops:
-            self._flops[node] = _flops(node)
+            self._flops[node] = flops_of(node)
         return self._flops[node]
 
     def is_expensive(self, node: fx.Node) -> bool:
-        return node.target in _ATTENTION or (isinstance(node.target, torch._ops.OpOverload)
-                                             and node.target.overloadpacket in flop_registry)
+        return is_expensive_op(node)
 
     def bytes_of(self, node: fx.Node) -> int:
         return storage_bytes(node.meta.get(g.VAL))
@@ -313,7 +312,14 @@ class Recomputation:
         return found
 
 
-def _flops(node: fx.Node) -> int:
+def is_expensive_op(node: fx.Node) -> bool:
+    """A matmul, convolution or attention: an op the flop counter has a formula for."""
+    return node.target in _ATTENTION or (isinstance(node.target, torch._ops.OpOverload)
+                                         and node.target.overloadpacket in flop_registry)
+
+
+def flops_of(node: fx.Node) -> int:
+    """FLOPs of matmuls, convolutions and attention (the flop counter's formulas); elements written otherwise."""
     if node.op != "call_function" or is_alias(node):
         return 0
     value = node.meta.get(g.VAL)
