@@ -19,7 +19,7 @@ from torch.utils.flop_counter import flop_registry
 import zerocc
 from tests import distributed
 from tests.architectures import architecture_batches, build_architecture
-from tests.models import batches, build
+from tests.models import batches, build, eager_step
 from zerocc import driver
 from zerocc import graph as g
 from zerocc.errors import MemoryBudgetError
@@ -307,6 +307,60 @@ def test_stage3_two_ranks_budget_equals_no_budget_spent_on_gathers_first():
         # recomputations read (never forward's gather)
         bounded = results[BOUNDED_FRACTION]
         assert not bounded["unbounded"] and bounded["gathered_twice"] > 0
+
+
+def _keeping_more_gathers_two_ranks(rank, world_size):
+    import torch.distributed as dist
+    # 4 tokens per sequence: activations so small that recomputing them frees little, and a budget a little
+    # above the default schedule's peak is spent on keeping more of forward's gathers for backward
+    data = [tuple(t[:2, :4] for t in batch) for batch in batches("gpt", STEPS, 8)]
+
+    def train(budget):
+        model, _ = _model_and_batches("gpt")
+        step = zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-2), stage=3, memory_budget=budget,
+                              bucket_bytes=16 * 1024, prefetch_bytes=0, memory_pools=False)
+        losses = [step(*(t.chunk(world_size)[rank] for t in batch)) for batch in data]
+        gathers = sum(1 for n in step.graph("plan_memory").graph_module.graph.nodes if g.is_all_gather(n))
+        return step, losses, gathers
+    without, without_losses, without_gathers = train(None)
+    peak = torch.tensor(without.report()["live_peak_bytes"])
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    budget = int(peak.item()) + 2 * 16 * 1024
+    step, losses, gathers = train(budget)
+    model, _ = _model_and_batches("gpt")   # the reference: one process, the global batch
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    eager = [eager_step(model, optimizer, None, batch) for batch in data]
+    return dict(plan=step.remat_plan, report=step.report(), budget=budget, losses=losses, gathers=gathers,
+                without_losses=without_losses, without_gathers=without_gathers, state=step.full_state_dict(),
+                eager=eager, eager_state=model.state_dict())
+
+
+@pytest.mark.multirank
+def test_a_budget_above_the_default_peak_keeps_more_gathers_and_trains_as_eager():
+    results = distributed.run(_keeping_more_gathers_two_ranks, 2)
+    for step, want in enumerate(results[0]["eager"]):   # each rank's loss is its half's mean
+        torch.testing.assert_close(sum(r["losses"][step] for r in results) / 2, want, rtol=1e-5, atol=1e-6)
+    for result in results:
+        plan = result["plan"]
+        assert plan.keep_extra_bytes > 0 and not plan.unbounded_schedule and not plan.recomputed, plan.summary()
+        assert result["gathers"] < result["without_gathers"]
+        assert result["report"]["live_peak_bytes"] <= result["budget"]
+        assert result["report"]["measured_peak_bytes"] <= result["budget"]
+        chosen = [c for c in plan.considered if c.fits and c.schedule.startswith("keep")]
+        assert chosen and all(c.moved_bytes < plan.considered[0].moved_bytes for c in chosen)   # [0]: default
+        for a, b in zip(result["losses"], result["without_losses"]):
+            assert torch.equal(a, b)
+        for key, value in result["eager_state"].items():
+            torch.testing.assert_close(result["state"][key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_the_chosen_plan_is_the_fastest_or_near_it_moving_fewer_bytes():
+    from zerocc.passes.place_remat import NEAR, _choose
+    fastest = (1.0, 300.0, frozenset(), 0)
+    near_leaner = (1.0 + NEAR / 2, 100.0, frozenset(), 1)
+    far_leaner = (1.0 + 2 * NEAR, 50.0, frozenset(), 2)
+    assert _choose([fastest, far_leaner]) is fastest
+    assert _choose([fastest, near_leaner, far_leaner]) is near_leaner
 
 
 def test_memory_budget_must_be_a_positive_number_of_bytes():

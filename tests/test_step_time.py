@@ -86,7 +86,11 @@ def test_named_profiles_predict_a_plan_and_unknown_names_are_refused():
 
 def test_measured_profile_is_kept_per_machine_and_read_back(tmp_path, monkeypatch):
     monkeypatch.setenv("ZEROCC_CACHE_DIR", str(tmp_path))
+    torch.manual_seed(7)
+    rng = torch.get_rng_state()
     measured = zerocc.measure_hardware(device="cpu")
+    # a compile measures when a budget's plans are compared, mid-trace: the user's dropout draws must not move
+    assert torch.equal(torch.get_rng_state(), rng)
     assert measured.matmul_flops_per_s > 0 and measured.memory_bytes_per_s > 0 and measured.op_overhead_s > 0
     assert measured.overlap == 1.0 and "1 rank" in measured.name   # nothing to overlap with
     (kept,) = (tmp_path / "hardware").iterdir()

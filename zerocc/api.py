@@ -30,7 +30,7 @@ from .data_guards import all_hold
 from .device_budget import DeviceBudget, device_budget
 from .driver import Compiled, fewer_collections, final_peak, run_passes
 from .errors import CompileCacheWarning, ConfigError
-from .hardware import named_profile
+from .hardware import measure_hardware, named_profile
 from .memory_plan import MemoryPlan
 from .optimizer_step import hyperparameter_signature, live_layout, live_settings
 from .options import (DEFAULT_BUCKET_BYTES, DEFAULT_MAX_PROGRAMS, CompileOptions, check_model_and_optimizer,
@@ -232,6 +232,7 @@ class CompiledStep:
         self._modules = tuple(model.modules())   # whose training flags each call's program key reads
         self.compile_stats: list[CompileStats] = []   # per compiled program: seconds per phase (compile_stats.py)
         self._user_hooks: list = []          # zerocc/user_views.py, installed at the first compile
+        self._hardware: HardwareProfile | None = None   # _hardware_profile: measured (or read) when first needed
         if self.ranks.world_size > 1:
             self._sync_initial_state()
 
@@ -468,10 +469,21 @@ class CompiledStep:
         else:
             fake_mode, captured = trace(None)
         state_signature = _state_signature_of(captured)   # before the passes rewrite the captured graph
-        options = options if device is None else dataclasses.replace(options, device_budget=device)
+        options = dataclasses.replace(options, device_budget=device, hardware=self._hardware_profile)
         compiled = run_passes(captured, fake_mode, options, self.optimizer, world_size=self.ranks.world_size,
                               rank=self.ranks.rank, group_name=self.ranks.group_name, previous_plan=state.plan)
         return _Made(captured, compiled, fresh, state_signature)
+
+    def _hardware_profile(self) -> HardwareProfile:
+        """This machine's profile (``zerocc/hardware.py``: measured once per machine, device, dtype and group size,
+        then read from disk) for ``place_remat`` to compare the plans that fit a budget by. Every rank asks at the
+        same point of the same pipeline, so every rank takes part in the measurement."""
+        if self._hardware is None:
+            parameter = next(self.model.parameters())
+            precision = self.options.precision
+            dtype = precision.compute_dtype(parameter.dtype) if precision is not None else parameter.dtype
+            self._hardware = measure_hardware(self.ranks.group, parameter.device, dtype)
+        return self._hardware
 
     def _device_budget(self) -> DeviceBudget | None:
         """Without a ``memory_budget``, what the device offers now (``zerocc/device_budget.py``): its free memory

@@ -187,6 +187,17 @@ CHECKPOINT_PLAN_RENAMED = ("checkpoint_plan was renamed remat_plan (recomputing 
 
 
 @dataclasses.dataclass(frozen=True)
+class ConsideredPlan:
+    """One candidate ``place_remat`` measured: its schedule, what it recomputes, its peak and predicted step time."""
+    schedule: str              # "default", "keep +<bytes>" (more forward gathers kept), "unbounded" (every one kept)
+    recomputed: int            # forward nodes copied into backward
+    peak_bytes: int            # the final plan's peak, the highest over ranks
+    predicted_seconds: float   # zerocc/analysis/step_time.py on the profile the plan was chosen by
+    moved_bytes: float         # bytes a rank sends or receives per step
+    fits: bool
+
+
+@dataclasses.dataclass(frozen=True)
 class RematPlan:
     """What ``place_remat`` decided: which forward values backward recomputes, and what it buys.
 
@@ -208,6 +219,11 @@ class RematPlan:
                                            # forward gather is kept for backward, which gathers nothing
     budget_source: str = "memory_budget"   # or what the device offers (zerocc/device_budget.py): then the peaks
                                            # are the final plan's, filled in by the driver once it fits
+    keep_extra_bytes: int = 0              # stage 3: bytes of forward gathers the schedule may keep for backward
+                                           # beyond prefetch_bytes (0: prefetch_bytes bounds them; see schedule)
+    predicted_seconds: float | None = None  # the chosen plan's step time by the cost model (None: not compared)
+    hardware: str = ""                     # the profile candidates were compared on
+    considered: tuple[ConsideredPlan, ...] = ()   # every candidate measured, in the order measured
 
     def summary(self) -> str:
         if self.evaluations == 0 and not self.recomputed and self.budget_source != "memory_budget":
@@ -217,13 +233,17 @@ class RematPlan:
         share = f" ({self.extra_flops / self.forward_flops:.1%} of forward)" if self.forward_flops else ""
         kept = sum(1 for r in self.recomputed if r.bytes)
         gathers = "; schedule unbounded: every forward gather kept for backward (no all_gather in backward)" \
-            if self.unbounded_schedule else ""
+            if self.unbounded_schedule else f"; {self.keep_extra_bytes / 1e6:.2f} MB more of forward's gathers kept " \
+            "for backward" if self.keep_extra_bytes else ""
+        chosen = "" if self.predicted_seconds is None else \
+            f"; predicted step {self.predicted_seconds * 1e3:.1f} ms, the fastest of the " \
+            f"{sum(c.fits for c in self.considered)} that fit ({self.hardware})"
         source = "" if self.budget_source == "memory_budget" else f" ({self.budget_source})"
         return (f"{len(self.recomputed)} forward nodes recomputed in backward ({kept} of {self.candidates} "
                 f"stored tensors){gathers}: {self.saved_bytes / 1e6:.2f} MB no longer kept, "
                 f"+{self.extra_flops / 1e6:.1f} MFLOP{share}; peak {self.peak_before_bytes / 1e6:.2f} MB -> "
                 f"{self.peak_bytes / 1e6:.2f} MB, budget {self.budget_bytes / 1e6:.2f} MB{source} "
-                f"({self.evaluations} plans measured)")
+                f"({self.evaluations} plans measured{chosen})")
 
     def table(self) -> str:
         """One row per recomputed node that does work (views and getitems are left out), with its source line."""
@@ -241,5 +261,7 @@ class RematPlan:
         return {"budget_bytes": self.budget_bytes, "peak_before_bytes": self.peak_before_bytes,
                 "peak_bytes": self.peak_bytes, "saved_bytes": self.saved_bytes, "extra_flops": self.extra_flops,
                 "forward_flops": self.forward_flops, "unbounded_schedule": self.unbounded_schedule,
-                "budget_source": self.budget_source,
+                "budget_source": self.budget_source, "keep_extra_bytes": self.keep_extra_bytes,
+                "predicted_seconds": self.predicted_seconds, "hardware": self.hardware,
+                "considered": [dataclasses.asdict(c) for c in self.considered],
                 "recomputed": [dataclasses.asdict(r) for r in self.recomputed]}

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn as nn
@@ -45,7 +45,10 @@ class CompileOptions:
     ``max_programs`` and ``cache_dir`` concern a running step only.
     ``device_budget`` is not a keyword: with no ``memory_budget``, what the
     rank's device offers, read at each compile (``zerocc/device_budget.py``;
-    None where unknown, on CPU).
+    None where unknown, on CPU). ``hardware`` is not a keyword either: the
+    profile ``place_remat`` compares the plans that fit a budget by (a
+    ``HardwareProfile``, or a function that measures this machine's when first
+    needed; None: a named one, ``place_remat.DEFAULT_HARDWARE``).
     """
     stage: int = 3
     loss_fn: Callable | None = None
@@ -59,6 +62,7 @@ class CompileOptions:
     clip: tuple[float, float] | None = None
     memory_budget: int | None = None
     device_budget: DeviceBudget | None = None
+    hardware: Any = None
     precision: mixed.Precision | None = None
     gather_per_micro_batch: bool = True
     memory_pools: bool = True
@@ -120,7 +124,7 @@ class CompileOptions:
         return build_pipeline(self.stage, self.disable, self.prefetch_bytes, clip=self.clip,
                               memory_budget=self.memory_budget, device_budget=self.device_budget,
                               mixed_precision=self.precision is not None,
-                              memory_pools=self.memory_pools)
+                              memory_pools=self.memory_pools, hardware=self.hardware)
 
 
 def check_stage(stage) -> None:

@@ -101,12 +101,15 @@ def default_pipeline(stage: int, *, prefetch_bytes: int = DEFAULT_PREFETCH_BYTES
                      memory_budget: int | None = None,
                      device_budget: DeviceBudget | None = None,
                      mixed_precision: bool = False,
-                     memory_pools: bool = False) -> list[Pass]:
+                     memory_pools: bool = False,
+                     hardware=None) -> list[Pass]:
     """The passes for ``stage``, in order. The same list for every stage: the plan differs, not the passes.
 
     ``clip`` is ``(max_norm, norm_type)`` when ``compile(clip_grad_norm=...)`` asked for clipping;
     ``place_remat`` plans against ``memory_budget`` or, without one, what the device offers (``device_budget``,
-    ``zerocc/device_budget.py``; None on CPU: then it does nothing);
+    ``zerocc/device_budget.py``; None on CPU: then it does nothing), choosing among the plans that fit by
+    their step time on ``hardware`` (a ``HardwareProfile``, or a function that measures one when first needed;
+    None: ``place_remat.DEFAULT_HARDWARE``);
     ``mixed_precision`` (compile's ``param_dtype``/``reduce_dtype``/``loss_scale``) adds its pass after shard;
     ``memory_pools`` (compile's ``memory_pools``, on by default) adds ``place_buffers`` last.
     """
@@ -123,7 +126,7 @@ def default_pipeline(stage: int, *, prefetch_bytes: int = DEFAULT_PREFETCH_BYTES
         *precision,                                                                              # bf16 compute from fp32 master buckets, loss scaling
         *clipping,                                                                               # global-norm clipping between reduction and update
         Pass("place_remat", functools.partial(place_remat, memory_budget=memory_budget, device_budget=device_budget,
-                                              memory_pools=memory_pools),
+                                              memory_pools=memory_pools, hardware=hardware),
              requires=("shard",)),                                                                # spend the budget on speed, recompute to fit it
         Pass("insert_collectives", insert_collectives, requires=("shard",),
              essential="the shard pass's markers cannot run across ranks"),                      # the communication the buckets need
@@ -148,11 +151,12 @@ def build_pipeline(stage: int, disable: Sequence[str] = (), prefetch_bytes: int 
                    memory_budget: int | None = None,
                    device_budget: DeviceBudget | None = None,
                    mixed_precision: bool = False,
-                   memory_pools: bool = False) -> list[Pass]:
+                   memory_pools: bool = False,
+                   hardware=None) -> list[Pass]:
     """``default_pipeline(stage)`` with the registered passes spliced in and the ``disable``d ones dropped."""
     passes = default_pipeline(stage, prefetch_bytes=prefetch_bytes, clip=clip, memory_budget=memory_budget,
                               device_budget=device_budget,
-                              mixed_precision=mixed_precision, memory_pools=memory_pools)
+                              mixed_precision=mixed_precision, memory_pools=memory_pools, hardware=hardware)
     user_passes = registry.registered() if user_passes is None else list(user_passes)
     for user in user_passes:
         names = [p.name for p in passes]

@@ -29,6 +29,7 @@ holds only the fp32 master shard), so use ``param_dtype`` to plan what
 from __future__ import annotations
 
 import collections
+import dataclasses
 import copy
 import sys
 import time
@@ -67,7 +68,8 @@ def plan(model: nn.Module, optimizer: torch.optim.Optimizer, stage: int = 3, wor
          disable: Sequence[str] = (), verify: bool = False, dump_dir: str | None = None,
          progress: bool | Callable[[str], None] = False, memory_pools: bool | None = None,
          accounting_dtype: torch.dtype | None = None, gather_per_micro_batch: bool = True,
-         memory_budget: int | None = None, device_memory: int | None = None, **runtime_only) -> "Plan":
+         memory_budget: int | None = None, device_memory: int | None = None,
+         hardware: HardwareProfile | str | None = None, **runtime_only) -> "Plan":
     """Plan one steady-state training step at ``world_size`` ranks without running it.
 
     Takes ``zerocc.compile``'s keywords (see the module docstring for the few
@@ -79,6 +81,9 @@ def plan(model: nn.Module, optimizer: torch.optim.Optimizer, stage: int = 3, wor
     ``device_memory`` (bytes per rank) is what the planned job's devices
     offer: without ``memory_budget`` it is planned against as ``compile``
     plans against a CUDA device's free memory (``zerocc/device_budget.py``).
+    ``hardware`` (a name in ``zerocc.hardware.NAMED``, or a ``HardwareProfile``;
+    default ``"h100-sxm-bf16"``) is what the plans that fit a budget are compared
+    on: the one predicted fastest there is chosen.
     ``example_inputs`` and ``example_keyword_inputs`` are one batch as the
     step would be called with: ``step(*example_inputs, **example_keyword_inputs)``.
     """
@@ -91,7 +96,8 @@ def plan(model: nn.Module, optimizer: torch.optim.Optimizer, stage: int = 3, wor
                    bucket_bytes=bucket_bytes, progress=progress, accounting_dtype=accounting_dtype,
                    gather_per_micro_batch=gather_per_micro_batch, **runtime_only,
                    ).plan(stage, world_size, rank=rank, disable=disable, verify=verify, dump_dir=dump_dir,
-                          memory_pools=memory_pools, memory_budget=memory_budget, device_memory=device_memory)
+                          memory_pools=memory_pools, memory_budget=memory_budget, device_memory=device_memory,
+                          hardware=hardware)
 
 
 # compile keywords that only concern a running step: a plan accepts them and they change nothing in it
@@ -159,13 +165,15 @@ class Planner:
 
     def plan(self, stage: int, world_size: int, *, rank: int = 0, disable: Sequence[str] = (), verify: bool = False,
             dump_dir: str | None = None, memory_pools: bool | None = None, memory_budget: int | None = None,
-             device_memory: int | None = None) -> "Plan":
+             device_memory: int | None = None, hardware: HardwareProfile | str | None = None) -> "Plan":
         check_stage(stage)
         if not isinstance(world_size, int) or world_size < 1 or not 0 <= rank < world_size:
             raise ConfigError(f"world_size must be a positive int and 0 <= rank < world_size, got {world_size!r}, {rank!r}")
         options = self.options.for_pipeline(stage=stage, disable=disable, verify=verify, dump_dir=dump_dir,
                                             memory_pools=memory_pools, memory_budget=memory_budget,
                                             device_memory=device_memory)   # as compile()
+        options = dataclasses.replace(options, hardware=named_profile(hardware) if isinstance(hardware, str)
+                                      else hardware)
         with fewer_collections():
             captured, fake_mode, capture_seconds = self._captured(stage != 0)
             started = time.perf_counter()

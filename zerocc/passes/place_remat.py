@@ -1,10 +1,11 @@
-"""place_remat: under a memory budget, recompute forward values in backward instead of keeping them.
+"""place_remat: under a memory budget, the fastest plan that fits: forward gathers kept, forward values recomputed.
 
 Requires: ``shard`` (parameters are views of buckets behind ``ops.unshard``
 markers, not yet lowered to gathers). Runs before ``insert_collectives``.
 Establishes: ``ctx.remat_plan`` (a ``decisions.RematPlan``, which
 ``schedule`` reads), and a graph whose step peaks at most ``memory_budget``
-bytes once the later passes have run. Without a budget it does nothing.
+bytes once the later passes have run, the fastest such by the cost model.
+Without a budget it does nothing.
 
 The graph is the joint step, so remat (recomputation) is a rewrite: a forward value
 that backward reads is either kept (it lives from forward into backward) or
@@ -20,63 +21,85 @@ What may be recomputed, and the candidate plans, come from
 forward->backward boundary, random ops, collectives, markers and mutating ops
 uncuttable-through, swept over the price of recomputing (cheap ops first,
 then matmuls and attention by FLOPs saved per byte). Plans are ordered from
-least to most recomputation. How it chooses:
+least to most recomputation.
 
-  1. the peak of a plan is *measured*: the rewrite applied to a copy, then
-     the passes after this one in the pipeline being built, which the runner
-     hands over as ``ctx.rest_of_pipeline`` (registered passes in, disabled
-     ones out; no pass is imported here), then the final memory plan's peak
-     (the bytes the cut counts are a proxy: copies are alive in backward
-     too): the live peak, or with memory pools the pooled layout's;
-  2. at stage 3 across ranks, the budget is first spent on communication:
-     the schedule's byte bounds are lifted (``RematPlan.unbounded_schedule``:
-     the budget bounds the peak instead of ``prefetch_bytes``), so it keeps
-     every bucket's forward gather alive for backward, which gathers nothing,
-     if some plan recomputing only cheap ops (element-wise ops, norms: no
-     matmul, convolution or attention) then fits. A bucket gathered once
-     instead of twice saves a transfer of the whole bucket; the cheap copies
-     reread activations already in memory. Measured on benchmarks/compare.py's
+How it chooses: every candidate is *measured*, the rewrite applied to a
+copy, then the passes after this one in the pipeline being built (which the
+runner hands over as ``ctx.rest_of_pipeline``: registered passes in, disabled
+ones out; no pass is imported here), giving the final memory plan's peak (the
+live peak, or with memory pools the pooled layout's; the bytes a cut counts
+are only a proxy) and the final graph's step time by the cost model
+(``zerocc/analysis/step_time.py``) on ``hardware``: this machine's measured
+profile for a compile, a named one for ``zerocc.plan``. Peaks and times are
+the highest over ranks, so every rank decides alike. Of the candidates that
+fit, the one predicted fastest is taken, or of those within 2% of it the one
+moving the fewest bytes (``RematPlan.considered`` lists every one measured).
+The candidates, at stage 3 across ranks, where backward gathers again what
+forward gathered:
+
+  1. every forward gather kept for backward, nothing recomputed
+     (``RematPlan.unbounded_schedule``: the budget, not ``prefetch_bytes``,
+     bounds the schedule; backward gathers nothing): the fastest plan; when
+     it fits, nothing else is measured;
+  2. every forward gather kept, paid for by recomputing cheap ops only
+     (element-wise ops, norms: no matmul, convolution or attention), the
+     least such recomputation that fits. A bucket gathered once instead of
+     twice saves a transfer of the whole bucket; the cheap copies reread
+     activations already in memory. Measured on benchmarks/compare.py's
      GPT at a budget of FSDP2's peak: 14 instead of 19 collectives, 38.4
-     instead of 53.4 MiB moved, +0.1% of forward's FLOPs, the same peak,
-     0.87-0.99x DDP's step time in three runs (README, "Benchmark");
-  3. otherwise a binary search finds the first plan whose peak fits the
-     budget under the default schedule (the plan with nothing recomputed
-     first);
-  4. when no plan fits, ``MemoryBudgetError`` says the smallest peak
-     measured and what it is made of (model states against activations);
-     across ranks the driver then compiles again with buckets and
-     ``prefetch_bytes`` half as large, while that floor falls
-     (``driver.run_passes``): gathered and gradient buckets are part of it.
+     instead of 53.4 MiB moved, +0.1% of forward's FLOPs, the same peak;
+  3. nothing recomputed, the schedule's default, and more of forward's
+     gathers kept than ``prefetch_bytes`` allows
+     (``RematPlan.keep_extra_bytes``): a ladder of one bucket more at each
+     step, in the order backward gathers them, binary-searched for the most
+     that fit;
+  4. the default schedule with the least recomputation that fits, by
+     binary search (at world size 1 or stages 0-2, the only family).
+
+A family is searched only when one of its plans could still be chosen: its
+plans are no faster than its schedule with nothing recomputed (measured
+first: recomputation only adds work) and move the bytes that schedule moves.
+When no plan fits, ``MemoryBudgetError`` says the smallest peak measured and what it is made
+of (model states against activations); across ranks the driver then
+compiles again with buckets and ``prefetch_bytes`` half as large, while that
+floor falls (``driver.run_passes``): gathered and gradient buckets are part
+of it.
 
 Without ``memory_budget``, the budget is what the device offers
 (``device_budget``, ``zerocc/device_budget.py``; None on CPU, and then this
 pass does nothing). A device is usually roomy beside the plan, so nothing is
 measured first: at stage 3 across ranks the schedule is unbounded (every
-forward gather kept for backward, as in step 2) and nothing is recomputed;
+forward gather kept for backward, as in candidate 1) and nothing is recomputed;
 the driver checks the final plan's peak against the device and, when it
 does not fit, compiles again with the device's bytes as ``memory_budget``
-(steps 1-4). A device budget costs an ordinary compile when the fastest plan
+(candidates 1-4). A device budget costs an ordinary compile when the fastest plan
 fits, and the measured search only where the default plan would not.
 """
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
+from typing import Callable
 
 import torch.fx as fx
 
 from .. import graph as g
+from .. import ops
 from ..analysis.remat import Recomputation, forward_region, is_alias, is_backward
+from ..analysis.step_time import HardwareProfile, moved_bytes, predict
 from ..context import CompileContext
 from ..errors import MemoryBudgetError, user_line_of_node
+from ..hardware import named_profile
 from ..memory_plan import POOL_OF_ROLE
-from ..decisions import RecomputedTensor, RematPlan
+from ..decisions import ConsideredPlan, RecomputedTensor, RematPlan
 from ..device_budget import DeviceBudget
 
 
 def place_remat(gm: fx.GraphModule, ctx: CompileContext, *, memory_budget: int | None,
-                device_budget: DeviceBudget | None = None, memory_pools: bool = False) -> fx.GraphModule:
-    """Recompute in backward the forward values that cost least per byte, until the step's peak fits the budget."""
+                device_budget: DeviceBudget | None = None, memory_pools: bool = False,
+                hardware: HardwareProfile | Callable[[], HardwareProfile] | None = None) -> fx.GraphModule:
+    """Among the plans that fit the budget, the one the cost model predicts fastest (module docstring)."""
     if memory_budget is None and device_budget is not None and _gathers_in_backward(ctx):
         # the fastest plan, unmeasured: the driver checks the final peak against the device (module docstring)
         ctx.remat_plan = RematPlan(
@@ -92,38 +115,73 @@ def place_remat(gm: fx.GraphModule, ctx: CompileContext, *, memory_budget: int |
             if device_budget is not None else "")
         return gm
     started = time.perf_counter()
+    profile = hardware() if callable(hardware) else hardware or named_profile(DEFAULT_HARDWARE)
     analysis = Recomputation(gm)
-    peaks: dict[tuple[frozenset | None, bool], _Peak] = {}
+    peaks: dict[tuple[frozenset | None, int], _Peak] = {}
+    considered: list[ConsideredPlan] = []
 
-    def peak_of(recompute: frozenset | None, unbounded: bool = False) -> _Peak:
-        """The step's peak (the highest over ranks) with ``recompute`` recomputed (None: nothing)."""
-        if (recompute, unbounded) not in peaks:
-            peaks[recompute, unbounded] = _highest_over_ranks(
-                _measure(gm, ctx, recompute, memory_pools, unbounded), ctx)
-        return peaks[recompute, unbounded]
+    def peak_of(recompute: frozenset | None, keep: int = DEFAULT) -> _Peak:
+        """The step's peak and predicted time (the highest over ranks) with ``recompute`` recomputed (None:
+        nothing) and forward's gathers kept for backward as ``keep`` says (DEFAULT, EVERY, or extra bytes)."""
+        recompute = recompute or None
+        if (recompute, keep) not in peaks:
+            peak = _highest_over_ranks(_measure(gm, ctx, recompute, memory_pools, keep, profile), ctx)
+            peaks[recompute, keep] = peak
+            considered.append(ConsideredPlan(_keep_name(keep), len(recompute or ()), peak.bytes, peak.seconds,
+                                             peak.moved_bytes, peak.bytes <= memory_budget))
+        return peaks[recompute, keep]
+
+    fitting: list[tuple[float, float, frozenset, int]] = []   # (predicted seconds, bytes moved, recompute, keep)
+
+    def consider(recompute: frozenset | None, keep: int) -> None:
+        peak = peak_of(recompute, keep)
+        if peak.bytes <= memory_budget:
+            fitting.append((peak.seconds, peak.moved_bytes, recompute or frozenset(), keep))
+
+    def fastest() -> float:
+        return min((seconds for seconds, *_ in fitting), default=float("inf"))
 
     before = peak_of(None)
     plans: list[frozenset] = []
-    recompute, peak, unbounded = frozenset(), before, False
-    if _gathers_in_backward(ctx):
-        # first choice: the schedule's bounds lifted (no gather in backward), paid for with cheap recomputation
-        # only; the plan recomputing nothing is measured before any plan is made (the min-cut sweeps are most
-        # of a generous budget's cost: 2.5 of 4.4 s on the 5M benchmark GPT), and decides when it fits
-        if peak_of(None, True).bytes <= memory_budget:
-            peak, unbounded = peak_of(None, True), True
-        else:
+    multi = _gathers_in_backward(ctx)
+    if multi:
+        # 1. every forward gather kept, nothing recomputed: the fastest plan there is; when it fits, no search
+        consider(None, EVERY)
+    if not fitting:
+        consider(None, DEFAULT)
+        # Each family below is searched only when one of its plans could still be chosen (_choose): its plans
+        # are no faster than its schedule recomputing nothing, and move as many bytes as that schedule does.
+        if multi and peak_of(None, EVERY).seconds <= fastest() * (1 + NEAR):
+            # 2. every gather kept, paid for by recomputing cheap ops only (no matmul, convolution, attention)
+            # (skipped unmeasured when even the most it can stop keeping would not bring the peak to the budget:
+            # recomputing a value lowers the peak by at most its bytes, as the copies live in backward too)
             plans = analysis.plans()
             cheap = [None, *(plan for plan in plans if not any(analysis.is_expensive(n) for n in plan))]
-            fitting = _first_fitting(len(cheap), lambda index: peak_of(cheap[index], True).bytes <= memory_budget)
-            if fitting is not None:
-                recompute, peak, unbounded = cheap[fitting] or frozenset(), peak_of(cheap[fitting], True), True
-    if not unbounded and before.bytes > memory_budget:
-        plans = plans or analysis.plans()
-        high = _first_fitting(len(plans), lambda index: peak_of(plans[index]).bytes <= memory_budget)
-        if high is None:
-            _refuse(memory_budget, before, min([p for (_, lifted), p in peaks.items() if not lifted], default=before),
-                    len(analysis.candidates))
-        recompute, peak = plans[high], peak_of(plans[high])
+            most_saved = analysis.kept_bytes(frozenset()) - min(analysis.kept_bytes(plan or frozenset())
+                                                                 for plan in cheap)
+            if peak_of(None, EVERY).bytes - most_saved <= memory_budget:
+                first = _first_fitting(len(cheap), lambda i: peak_of(cheap[i], EVERY).bytes <= memory_budget)
+                if first is not None:
+                    consider(cheap[first], EVERY)
+        if multi and before.bytes <= memory_budget and fastest() > peak_of(None, EVERY).seconds * (1 + NEAR):
+            # 3. more of forward's gathers kept than prefetch_bytes allows, nothing recomputed: the most that fit
+            # (skipped when a plan of family 2 was found near the fastest possible: it moves fewer bytes)
+            ladder = _keep_ladder(gm)
+            most = _first_fitting(len(ladder), lambda i: peak_of(None, ladder[-1 - i]).bytes <= memory_budget)
+            if most is not None:
+                consider(None, ladder[-1 - most])
+        if before.bytes > memory_budget and fastest() > before.seconds * (1 + NEAR):
+            # 4. the default schedule, the least recomputation that fits
+            plans = plans or analysis.plans()
+            first = _first_fitting(len(plans), lambda i: peak_of(plans[i]).bytes <= memory_budget)
+            if first is not None:
+                consider(plans[first], DEFAULT)
+    if not fitting:
+        _refuse(memory_budget, before, min([p for (_, keep), p in peaks.items() if keep == DEFAULT],
+                                          key=lambda p: p.bytes, default=before),
+                len(analysis.candidates))
+    seconds, _, recompute, keep = _choose(fitting)
+    peak = peaks[recompute or None, keep]
     clones: dict[fx.Node, fx.Node] = {}
     if recompute:
         clones = _recompute(gm, recompute)
@@ -139,14 +197,50 @@ def place_remat(gm: fx.GraphModule, ctx: CompileContext, *, memory_budget: int |
         budget_bytes=memory_budget, peak_before_bytes=before.bytes, peak_bytes=peak.bytes, recomputed=recomputed,
         saved_bytes=analysis.kept_bytes(frozenset()) - analysis.kept_bytes(recompute),
         extra_flops=sum(r.flops for r in recomputed), forward_flops=analysis.forward_flops,
-        candidates=len(analysis.candidates), evaluations=len(peaks), unbounded_schedule=unbounded)
-    kept = "; schedule unbounded, every forward gather kept for backward" if unbounded else ""
+        candidates=len(analysis.candidates), evaluations=len(peaks), unbounded_schedule=keep == EVERY,
+        keep_extra_bytes=max(keep, 0), predicted_seconds=seconds, hardware=profile.name,
+        considered=tuple(considered))
     ctx.notes["place_remat"] = (f"{sum(1 for r in recomputed if r.bytes)} of {len(analysis.candidates)} stored "
-                                f"tensors recomputed ({len(recomputed)} nodes copied into backward){kept}: peak "
-                                f"{megabytes(before.bytes)} -> {megabytes(peak.bytes)}, budget "
-                                f"{megabytes(memory_budget)}; {len(peaks)} plans "
-                                f"measured in {time.perf_counter() - started:.1f} s")
+                                f"tensors recomputed ({len(recomputed)} nodes copied into backward), "
+                                f"{_keep_name(keep)} schedule: peak {megabytes(before.bytes)} -> "
+                                f"{megabytes(peak.bytes)}, budget {megabytes(memory_budget)}, predicted step "
+                                f"{seconds * 1e3:.1f} ms; {len(peaks)} plans measured in "
+                                f"{time.perf_counter() - started:.1f} s")
     return gm
+
+
+# How forward's gathers are kept for backward, in a candidate plan: as prefetch_bytes allows (the schedule's
+# default), every one (the schedule unbounded), or a number of bytes more than prefetch_bytes allows.
+DEFAULT, EVERY = 0, -1
+# the profile plans are compared on where none is given (zerocc.plan of hardware that is not here)
+DEFAULT_HARDWARE = "h100-sxm-bf16"
+# plans predicted within this share of the fastest count as fast as it (_choose)
+NEAR = 0.02
+# at most this many steps in the ladder of bytes kept (each step a measurement in the binary search)
+LADDER_STEPS = 16
+
+
+def _choose(fitting: list[tuple[float, float, frozenset, int]]) -> tuple[float, float, frozenset, int]:
+    """The plan predicted fastest; of those within ``NEAR`` of it, the one moving the fewest bytes (then the
+    fastest): the model's error is larger than that (``benchmarks/predict.py``), mostly in how much of a
+    collective compute hides on a shared CPU, and a collective not issued costs nothing however it overlaps."""
+    fastest = min(seconds for seconds, *_ in fitting)
+    near = [plan for plan in fitting if plan[0] <= fastest * (1 + NEAR)]
+    return min(near, key=lambda plan: (plan[1], plan[0]))
+
+
+def _keep_name(keep: int) -> str:
+    return "default" if keep == DEFAULT else "unbounded" if keep == EVERY else f"keep +{megabytes(keep)}"
+
+
+def _keep_ladder(gm: fx.GraphModule) -> list[int]:
+    """Extra bytes for the schedule to keep, increasing: one more bucket kept at each step, taken in the order
+    backward gathers them (the reverse of forward's), at most ``LADDER_STEPS`` steps."""
+    gathered = [g.nbytes(n) for n in gm.graph.nodes if n.op == "call_function" and n.target is ops.unshard]
+    sums = list(itertools.accumulate(reversed(gathered)))[:-1]   # all of them kept: the unbounded schedule
+    if len(sums) > LADDER_STEPS:
+        sums = [sums[round(i * (len(sums) - 1) / (LADDER_STEPS - 1))] for i in range(LADDER_STEPS)]
+    return sums
 
 
 # -- the rewrite ---------------------------------------------------------------------------------
@@ -189,10 +283,12 @@ def _recompute(gm: fx.GraphModule, recompute: set[fx.Node]) -> dict[fx.Node, fx.
 
 # -- measuring a plan: the rest of the pipeline on a copy, then the memory plan it ends with ------------
 
-@dataclasses.dataclass(frozen=True, order=True)
+@dataclasses.dataclass(frozen=True)
 class _Peak:
     bytes: int
     by_role: tuple[tuple[str, int], ...] = ()
+    seconds: float = 0.0   # the final graph's predicted step time
+    moved_bytes: float = 0.0   # bytes this rank sends or receives per step
 
 
 class _Unemitted(fx.GraphModule):
@@ -203,8 +299,9 @@ class _Unemitted(fx.GraphModule):
 
 
 def _measure(gm: fx.GraphModule, ctx: CompileContext, recompute: set[fx.Node] | None, memory_pools: bool,
-             unbounded: bool = False) -> _Peak:
-    """The peak the final memory plan reports once ``recompute`` is recomputed (None: as it is).
+             keep: int, profile: HardwareProfile) -> _Peak:
+    """The peak the final memory plan reports once ``recompute`` is recomputed (None: as it is) with forward's
+    gathers kept as ``keep`` says, and the final graph's step time on ``profile``.
 
     The passes after this one in the pipeline being built (``ctx.rest_of_pipeline``, handed over by the
     runner: the registered ones in, the disabled ones out) run on a copy with a scratch context; the peak
@@ -226,7 +323,7 @@ def _measure(gm: fx.GraphModule, ctx: CompileContext, recompute: set[fx.Node] | 
     # the schedule reads unbounded_schedule off the plan this pass records; the rest of it is not decided yet
     provisional = RematPlan(budget_bytes=0, peak_before_bytes=0, peak_bytes=0, recomputed=(), saved_bytes=0,
                                  extra_flops=0, forward_flops=0, candidates=0, evaluations=0,
-                                 unbounded_schedule=unbounded)
+                                 unbounded_schedule=keep == EVERY, keep_extra_bytes=max(keep, 0))
     scratch = dataclasses.replace(ctx, notes={}, remat_plan=provisional, schedule=None, update_order=None,
                                   memory_plan=None)
     ctx.rest_of_pipeline(copy, scratch)
@@ -235,7 +332,9 @@ def _measure(gm: fx.GraphModule, ctx: CompileContext, recompute: set[fx.Node] | 
     totals = live.total()
     at = max(range(len(totals)), key=totals.__getitem__)
     peak = plan.planned_peak_bytes if memory_pools else plan.live_peak_bytes
-    return _Peak(peak, tuple((role, values[at]) for role, values in live.by_role.items() if values[at]))
+    return _Peak(peak, tuple((role, values[at]) for role, values in live.by_role.items() if values[at]),
+                 predict(copy, ctx.world_size, profile).seconds,
+                 sum(moved_bytes(n, ctx.world_size) for n in copy.graph.nodes if g.is_collective(n)))
 
 
 def _gathers_in_backward(ctx: CompileContext) -> bool:
@@ -248,9 +347,13 @@ def megabytes(count: int) -> str:
 
 
 def _highest_over_ranks(peak: _Peak, ctx: CompileContext) -> _Peak:
-    """The highest of every rank's peak: ranks own different optimizer pieces, so their peaks differ a little,
-    and every rank must make the same decision (the collectives' order depends on it) and fit the budget."""
-    return max(ctx.from_every_rank(peak))
+    """The highest of every rank's peak, and the slowest rank's time: ranks own different optimizer pieces, so
+    their numbers differ a little, and every rank must make the same decision (the collectives' order depends on
+    it) and fit the budget."""
+    every = ctx.from_every_rank(peak)
+    highest = max(every, key=lambda p: p.bytes)
+    return dataclasses.replace(highest, seconds=max(p.seconds for p in every),
+                               moved_bytes=max(p.moved_bytes for p in every))
 
 
 def _first_fitting(count: int, fits) -> int | None:

@@ -29,7 +29,9 @@ Under a memory budget, ``place_remat`` may decide that the budget
 bounds the step's peak instead of ``prefetch_bytes``
 (``ctx.remat_plan.unbounded_schedule``): then every gather and
 reduction is issued and kept without a byte bound, and backward gathers
-nothing.
+nothing. Or it may let kept copies hold ``ctx.remat_plan.keep_extra_bytes``
+more than ``prefetch_bytes`` (prefetch and reductions keep their bound):
+more buckets, in the order backward gathers them, are gathered once.
 
 Only collectives, waits and the averaging divisions move; compute keeps its
 traced order, so random ops run in eager's order. Every decision is a function
@@ -75,6 +77,8 @@ def schedule(gm: fx.GraphModule, ctx: CompileContext, *, prefetch_bytes: int,
         unbounded = ctx.remat_plan is not None and ctx.remat_plan.unbounded_schedule
     if unbounded:
         prefetch_bytes = UNBOUNDED
+    keep_bytes = prefetch_bytes + (ctx.remat_plan.keep_extra_bytes if ctx.remat_plan is not None and not unbounded
+                                   else 0)
     graph = gm.graph
     collectives = [n for n in graph.nodes if g.is_collective(n)]
     if not collectives:
@@ -84,7 +88,7 @@ def schedule(gm: fx.GraphModule, ctx: CompileContext, *, prefetch_bytes: int,
     original_order = {node: i for i, node in enumerate(collectives)}
     sunk = _sink_waits(graph)
     prefetched = _prefetch_parameter_gathers(graph, prefetch_bytes)
-    kept = _keep_forward_gathers(graph, prefetch_bytes)
+    kept = _keep_forward_gathers(graph, keep_bytes)
     prefetched &= set(graph.nodes)   # less the backward gathers just dropped
     bounded = _bound_reductions_in_flight(graph, prefetch_bytes)
     graph.lint()
@@ -186,13 +190,14 @@ def _prefetch_parameter_gathers(graph: fx.Graph, prefetch_bytes: int) -> set[fx.
     return prefetched
 
 
-def _keep_forward_gathers(graph: fx.Graph, prefetch_bytes: int) -> list[int]:
+def _keep_forward_gathers(graph: fx.Graph, keep_bytes: int) -> list[int]:
     """Drop the backward gather of a bucket whose forward copy can serve backward; returns the buckets.
 
     A bucket's forward copy is kept when it is still alive where its backward
     gather is issued (free), or when the bytes of kept copies beyond their
-    last forward use plus the gathers in flight stay within ``prefetch_bytes``
-    over that gap. Buckets are taken in the order backward gathers them.
+    last forward use plus the gathers in flight stay within ``keep_bytes``
+    (``prefetch_bytes``, plus what ``place_remat`` allows) over that gap.
+    Buckets are taken in the order backward gathers them.
     """
     twice: dict[int, list[fx.Node]] = {}
     gathers: dict[fx.Node, tuple[fx.Node, int]] = {}   # every parameter gather: its wait and bytes
@@ -209,7 +214,7 @@ def _keep_forward_gathers(graph: fx.Graph, prefetch_bytes: int) -> list[int]:
         last_forward_use = _last_use(forward_wait)
         if backward > last_forward_use:
             held = _gathered_bytes_over(gathers, last_forward_use, backward, extensions)
-            if held + held_bytes(forward) > prefetch_bytes:
+            if held + held_bytes(forward) > keep_bytes:
                 continue
             extensions.append((last_forward_use, list(backward_wait.users), held_bytes(forward)))
         shard = backward.args[0]
