@@ -1,6 +1,6 @@
 """Where zerocc's step spends CPU that eager's does not: one process, no communication, op by op.
 
-    python benchmarks/differential_profile.py --stages 0,3 --rounds 8
+    python benchmarks/differential_profile.py --stages 0,3 --rounds 8 [--model 5m|98m]
 
 At world size 1 zerocc's programs have no collectives, so what is left of a
 difference in CPU time against a plain eager step of the same GPT
@@ -23,7 +23,7 @@ sys.path.insert(0, HERE)
 import compare  # noqa: E402  (puts zerocc and examples on the path)
 import torch  # noqa: E402
 import zerocc  # noqa: E402
-from gpt import GPT, random_batch  # noqa: E402
+from gpt import GPT  # noqa: E402
 
 
 def main():
@@ -31,16 +31,18 @@ def main():
     parser.add_argument("--stages", default="0,3")
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--top", type=int, default=20)
+    parser.add_argument("--model", choices=sorted(compare.MODELS), default="5m")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    compare.select_model(args.model)
     generator = torch.Generator().manual_seed(1000)
-    data = [random_batch(generator, compare.BATCH) for _ in range(4)]
+    data = [compare.model_batch(generator) for _ in range(4)]
     torch.manual_seed(0)
-    model = GPT()
+    model = GPT(**compare.MODEL)
     systems = {"eager": compare.eager_step(model, compare.make_optimizer(model.parameters()))}
     for stage in map(int, args.stages.split(",")):
         torch.manual_seed(0)
-        model = GPT()
+        model = GPT(**compare.MODEL)
         systems[f"zerocc-{stage}"] = zerocc.compile(model, compare.make_optimizer(model.parameters()), stage=stage)
     for step in systems.values():
         for batch in data[:2]:
