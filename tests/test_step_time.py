@@ -84,6 +84,24 @@ def test_named_profiles_predict_a_plan_and_unknown_names_are_refused():
         plan.predicted_step_time("tpu")
 
 
+def test_a_budgeted_plan_chooses_on_the_hardware_named_and_lists_every_candidate():
+    model, _, loss_fn = build("gpt")
+    example = batches("gpt", 1, 4)[0]
+
+    def plan(**options):
+        return zerocc.plan(model, torch.optim.AdamW(model.parameters()), stage=3, world_size=2,
+                           example_inputs=example, loss_fn=loss_fn, memory_pools=False, **options)
+    peak = plan().memory_plan.live_peak_bytes
+    remat = plan(memory_budget=peak, hardware="a100-sxm-bf16").remat_plan
+    assert remat.hardware.startswith("a100-sxm-bf16") and remat.considered
+    fitting = [c for c in remat.considered if c.fits]
+    assert remat.predicted_seconds == pytest.approx(min(c.predicted_seconds for c in fitting), rel=0.02)
+    assert all(c.peak_bytes <= peak for c in fitting) and remat.peak_bytes <= peak
+    assert plan(memory_budget=peak).remat_plan.hardware.startswith("h100-sxm-bf16")   # the default
+    with pytest.raises(ConfigError, match="a100-sxm-bf16"):
+        plan(memory_budget=peak, hardware="tpu")
+
+
 def test_measured_profile_is_kept_per_machine_and_read_back(tmp_path, monkeypatch):
     monkeypatch.setenv("ZEROCC_CACHE_DIR", str(tmp_path))
     torch.manual_seed(7)
