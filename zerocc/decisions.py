@@ -207,7 +207,8 @@ class RematPlan:
     follow, for the plan with nothing recomputed and for the plan chosen.
     """
     budget_bytes: int
-    peak_before_bytes: int                 # nothing recomputed
+    peak_before_bytes: int                 # nothing recomputed, the default schedule (or every gather kept,
+                                           # when that fits and so was the only plan measured)
     peak_bytes: int                        # with the recomputation chosen
     recomputed: tuple[RecomputedTensor, ...]   # every node copied into backward, in forward order
     saved_bytes: int                       # bytes of the storages no longer kept for backward

@@ -40,7 +40,7 @@ forward gathered:
   1. every forward gather kept for backward, nothing recomputed
      (``RematPlan.unbounded_schedule``: the budget, not ``prefetch_bytes``,
      bounds the schedule; backward gathers nothing): the fastest plan; when
-     it fits, nothing else is measured;
+     it fits, it is the only plan measured;
   2. every forward gather kept, paid for by recomputing cheap ops only
      (element-wise ops, norms: no matmul, convolution or attention), the
      least such recomputation that fits. A bucket gathered once instead of
@@ -141,12 +141,13 @@ def place_remat(gm: fx.GraphModule, ctx: CompileContext, *, memory_budget: int |
     def fastest() -> float:
         return min((seconds for seconds, *_ in fitting), default=float("inf"))
 
-    before = peak_of(None)
     plans: list[frozenset] = []
     multi = _gathers_in_backward(ctx)
     if multi:
-        # 1. every forward gather kept, nothing recomputed: the fastest plan there is; when it fits, no search
+        # 1. every forward gather kept, nothing recomputed: the fastest plan there is; when it fits, nothing
+        # else is measured
         consider(None, EVERY)
+    before = peaks[None, EVERY] if fitting else peak_of(None)
     if not fitting:
         consider(None, DEFAULT)
         # Each family below is searched only when one of its plans could still be chosen (_choose): its plans
