@@ -97,6 +97,9 @@ def test_a_budgeted_plan_chooses_on_the_hardware_named_and_lists_every_candidate
     fitting = [c for c in remat.considered if c.fits]
     assert remat.predicted_seconds == pytest.approx(min(c.predicted_seconds for c in fitting), rel=0.02)
     assert all(c.peak_bytes <= peak for c in fitting) and remat.peak_bytes <= peak
+    table = remat.candidates_table()   # printed with the plan: one row per candidate, the chosen one starred
+    assert table in str(remat) and table.count("\n") == len(remat.considered)
+    assert sum(line.startswith("*") for line in table.splitlines()) == 1
     assert plan(memory_budget=peak).remat_plan.hardware.startswith("h100-sxm-bf16")   # the default
     with pytest.raises(ConfigError, match="a100-sxm-bf16"):
         plan(memory_budget=peak, hardware="tpu")

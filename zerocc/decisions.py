@@ -256,7 +256,20 @@ class RematPlan:
                          for row in rows)
 
     def __str__(self) -> str:
-        return self.summary() + ("\n" + self.table() if self.recomputed else "")
+        return (self.summary() + ("\n" + self.candidates_table() if self.considered else "")
+                + ("\n" + self.table() if self.recomputed else ""))
+
+    def candidates_table(self) -> str:
+        """One row per candidate plan measured, in the order measured; ``*`` marks the one chosen."""
+        chosen = next((c for c in self.considered if c.fits and c.peak_bytes == self.peak_bytes
+                       and c.predicted_seconds == self.predicted_seconds), None)
+        rows = [("", "schedule", "recomputed", "peak MB", "predicted ms", "moved MB", "fits")]
+        rows += [("*" if c is chosen else "", c.schedule, str(c.recomputed), f"{c.peak_bytes / 1e6:.2f}",
+                  f"{c.predicted_seconds * 1e3:.1f}", f"{c.moved_bytes / 1e6:.2f}", "yes" if c.fits else "no")
+                 for c in self.considered]
+        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+        return "\n".join("  ".join(cell.ljust(w) if i < 2 else cell.rjust(w) for i, (cell, w) in
+                                   enumerate(zip(row, widths))).rstrip() for row in rows)
 
     def to_dict(self) -> dict:
         return {"budget_bytes": self.budget_bytes, "peak_before_bytes": self.peak_before_bytes,

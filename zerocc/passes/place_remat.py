@@ -231,7 +231,9 @@ def _choose(fitting: list[tuple[float, float, frozenset, int]]) -> tuple[float, 
 
 
 def _keep_name(keep: int) -> str:
-    return "default" if keep == DEFAULT else "unbounded" if keep == EVERY else f"keep +{megabytes(keep)}"
+    if keep in (DEFAULT, EVERY):
+        return "default" if keep == DEFAULT else "unbounded"
+    return f"keep +{megabytes(keep)}" if keep >= 1e6 else f"keep +{keep / 1e3:.1f} kB"
 
 
 def _keep_ladder(gm: fx.GraphModule) -> list[int]:
