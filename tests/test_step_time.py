@@ -39,6 +39,7 @@ def test_compute_is_the_sum_of_the_ops_and_communication_of_the_collectives():
     assert collectives
     expected_link = sum(PROFILE.link_latency_s + moved_bytes(n, 2) / PROFILE.link_bytes_per_s for n in collectives)
     assert math.isclose(predicted.communication_seconds, expected_link)
+    assert math.isclose(predicted.moved_bytes, sum(moved_bytes(n, 2) for n in collectives))
     assert math.isclose(sum(predicted.by_phase.values()), predicted.compute_seconds)
     assert {"forward", "backward", "optimizer"} <= set(predicted.by_phase)
     # a ring all-gather: each rank receives the other ranks' halves

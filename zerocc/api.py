@@ -30,7 +30,7 @@ from .data_guards import all_hold
 from .device_budget import DeviceBudget, device_budget
 from .driver import Compiled, fewer_collections, final_peak, run_passes
 from .errors import CompileCacheWarning, ConfigError
-from .hardware import measure_hardware, named_profile
+from .hardware import measure_hardware, profile_of
 from .memory_plan import MemoryPlan
 from .optimizer_step import hyperparameter_signature, live_layout, live_settings
 from .options import (DEFAULT_BUCKET_BYTES, DEFAULT_MAX_PROGRAMS, CompileOptions, check_model_and_optimizer,
@@ -687,8 +687,7 @@ class CompiledStep:
         """The last program's step time on ``profile`` (``zerocc.measure_hardware()``, or a name in
         ``zerocc.hardware.NAMED``), from ``zerocc/analysis/step_time.py``'s cost model."""
         entry = self._require_compiled()
-        return predict(entry.program.gm, self.ranks.world_size,
-                       named_profile(profile) if isinstance(profile, str) else profile)
+        return predict(entry.program.gm, self.ranks.world_size, profile_of(profile))
 
     @property
     def checkpoint_plan(self):

@@ -27,6 +27,8 @@ import torch.distributed as dist
 
 from .analysis.step_time import HardwareProfile
 from .errors import ConfigError
+from .runtime.failures import every_rank_has
+from .runtime.process_group import Ranks
 
 # datasheet peaks (dense), for planning jobs on hardware that is not here
 NAMED = {
@@ -43,6 +45,11 @@ NAMED = {
         matmul_flops_per_s=312e12, memory_bytes_per_s=2.0e12, op_overhead_s=5e-6, link_latency_s=10e-6,
         link_bytes_per_s=300e9, overlap=1.0),
 }
+
+
+def profile_of(profile: HardwareProfile | str) -> HardwareProfile:
+    """``profile`` itself, or the named profile it names."""
+    return named_profile(profile) if isinstance(profile, str) else profile
 
 
 def named_profile(name: str) -> HardwareProfile:
@@ -71,9 +78,8 @@ def measure_hardware(group=None, device: torch.device | str | None = None, dtype
         except (OSError, ValueError, TypeError):
             found = None
     if group is not None and world > 1:   # every rank reads, or every rank measures (the link is measured together)
-        flag = torch.tensor([0 if found is None else 1], device=device if device.type == "cuda" else "cpu")
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-        if not flag.item():
+        ranks = Ranks(world, dist.get_rank(group), group, group.group_name)
+        if not every_rank_has(ranks, found is not None):
             found = None
     if found is not None:
         return found

@@ -49,7 +49,7 @@ from .compile_stats import CompileStats
 from .context import CompileContext
 from .driver import fewer_collections, run_passes
 from .errors import ConfigError
-from .hardware import named_profile
+from .hardware import profile_of
 from .options import DEFAULT_BUCKET_BYTES, CompileOptions, check_model_and_optimizer, check_stage
 from . import precision as mixed
 from .pipeline import DEFAULT_PREFETCH_BYTES, GraphSnapshot
@@ -172,8 +172,7 @@ class Planner:
         options = self.options.for_pipeline(stage=stage, disable=disable, verify=verify, dump_dir=dump_dir,
                                             memory_pools=memory_pools, memory_budget=memory_budget,
                                             device_memory=device_memory)   # as compile()
-        options = dataclasses.replace(options, hardware=named_profile(hardware) if isinstance(hardware, str)
-                                      else hardware)
+        options = dataclasses.replace(options, hardware=None if hardware is None else profile_of(hardware))
         with fewer_collections():
             captured, fake_mode, capture_seconds = self._captured(stage != 0)
             started = time.perf_counter()
@@ -233,7 +232,7 @@ class Plan:
     def predicted_step_time(self, profile: HardwareProfile | str) -> StepTime:
         """The planned step's time on ``profile`` (a name in ``zerocc.hardware.NAMED`` such as
         ``"h100-sxm-bf16"``, or ``zerocc.measure_hardware()``'s), from ``zerocc/analysis/step_time.py``."""
-        return predict(self.gm, self.world_size, named_profile(profile) if isinstance(profile, str) else profile)
+        return predict(self.gm, self.world_size, profile_of(profile))
 
     def report(self) -> dict:
         captured = self.ctx.captured

@@ -61,6 +61,7 @@ class StepTime:
     exposed_seconds: float         # of that, what compute waited for or gave up to it
     by_phase: dict[str, float]     # compute seconds per phase (forward, backward, optimizer, ...)
     profile: str
+    moved_bytes: float = 0.0       # bytes this rank sends or receives per step, every collective's
 
     def __str__(self) -> str:
         phases = ", ".join(f"{phase} {seconds * 1e3:.1f}" for phase, seconds in self.by_phase.items())
@@ -74,7 +75,7 @@ class StepTime:
 
 def predict(gm: fx.GraphModule, world_size: int, profile: HardwareProfile) -> StepTime:
     """The step's predicted time on ``profile`` (module docstring)."""
-    compute = link = compute_total = link_total = exposed = 0.0
+    compute = link = compute_total = link_total = exposed = moved = 0.0
     finished: dict[fx.Node, float] = {}
     by_phase: dict[str, float] = {}
     for node in gm.graph.nodes:
@@ -82,7 +83,9 @@ def predict(gm: fx.GraphModule, world_size: int, profile: HardwareProfile) -> St
             continue
         if g.is_collective(node):
             start = max(compute, link)
-            took = profile.link_latency_s + moved_bytes(node, world_size) / profile.link_bytes_per_s
+            sent = moved_bytes(node, world_size)
+            moved += sent
+            took = profile.link_latency_s + sent / profile.link_bytes_per_s
             link = finished[node] = start + took
             link_total += took
             held = (1 - profile.overlap) * took   # the share of the collective compute cannot run beside
@@ -99,7 +102,7 @@ def predict(gm: fx.GraphModule, world_size: int, profile: HardwareProfile) -> St
             compute_total += took
             phase = node.meta.get(g.PHASE, "other")
             by_phase[phase] = by_phase.get(phase, 0.0) + took
-    return StepTime(max(compute, link), compute_total, link_total, exposed, by_phase, profile.name)
+    return StepTime(max(compute, link), compute_total, link_total, exposed, by_phase, profile.name, moved)
 
 
 def op_seconds(node: fx.Node, profile: HardwareProfile) -> float:

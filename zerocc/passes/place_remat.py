@@ -59,11 +59,11 @@ forward gathered:
 A family is searched only when one of its plans could still be chosen: its
 plans are no faster than its schedule with nothing recomputed (measured
 first: recomputation only adds work) and move the bytes that schedule moves.
-When no plan fits, ``MemoryBudgetError`` says the smallest peak measured and what it is made
-of (model states against activations); across ranks the driver then
-compiles again with buckets and ``prefetch_bytes`` half as large, while that
-floor falls (``driver.run_passes``): gathered and gradient buckets are part
-of it.
+When no plan fits, ``MemoryBudgetError`` says the smallest peak measured
+and what it is made of (model states against activations); across ranks the
+driver then compiles again with buckets and ``prefetch_bytes`` half as
+large, while that floor falls (``driver.run_passes``): gathered and gradient
+buckets are part of it.
 
 Without ``memory_budget``, the budget is what the device offers
 (``device_budget``, ``zerocc/device_budget.py``; None on CPU, and then this
@@ -87,7 +87,7 @@ import torch.fx as fx
 from .. import graph as g
 from .. import ops
 from ..analysis.remat import Recomputation, forward_region, is_alias, is_backward
-from ..analysis.step_time import HardwareProfile, moved_bytes, predict
+from ..analysis.step_time import HardwareProfile, predict
 from ..context import CompileContext
 from ..errors import MemoryBudgetError, user_line_of_node
 from ..hardware import named_profile
@@ -335,9 +335,9 @@ def _measure(gm: fx.GraphModule, ctx: CompileContext, recompute: set[fx.Node] | 
     totals = live.total()
     at = max(range(len(totals)), key=totals.__getitem__)
     peak = plan.planned_peak_bytes if memory_pools else plan.live_peak_bytes
+    step = predict(copy, ctx.world_size, profile)
     return _Peak(peak, tuple((role, values[at]) for role, values in live.by_role.items() if values[at]),
-                 predict(copy, ctx.world_size, profile).seconds,
-                 sum(moved_bytes(n, ctx.world_size) for n in copy.graph.nodes if g.is_collective(n)))
+                 step.seconds, step.moved_bytes)
 
 
 def _gathers_in_backward(ctx: CompileContext) -> bool:

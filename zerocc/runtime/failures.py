@@ -172,17 +172,13 @@ def every_rank_has(ranks: Ranks, found: bool) -> bool:
     Every compile across ranks calls it, with a cache or without (``found`` False): a cache folder set on
     some nodes only must not leave the others' compiles out of the collective. Control traffic, as below:
     the user's dispatch modes are off."""
-    if ranks.group is None:
-        return found
-    flag = torch.tensor([1 if found else 0], dtype=torch.int64, device=_control_device(ranks))
-    with _disable_current_modes():
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=ranks.group)
-    return bool(flag.item())
+    return bool(smallest_over_ranks(ranks, 1 if found else 0))
 
 
 def smallest_over_ranks(ranks: Ranks, value: int | None) -> int | None:
     """The smallest of the ranks' ``value``s, None only where no rank has one (one all-reduce; the device budget,
-    zerocc/device_budget.py, which every rank must plan against alike). Control traffic, as above."""
+    zerocc/device_budget.py, which every rank must plan against alike). Control traffic: the user's dispatch modes
+    are off."""
     if ranks.group is None:
         return value
     unknown = 2 ** 62
