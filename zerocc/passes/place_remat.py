@@ -57,8 +57,10 @@ forward gathered:
      binary search (at world size 1 or stages 0-2, the only family).
 
 A family is searched only when one of its plans could still be chosen: its
-plans are no faster than its schedule with nothing recomputed (measured
-first: recomputation only adds work) and move the bytes that schedule moves.
+plans are no faster than its floor, measured first (every gather kept, or
+the default schedule, with nothing recomputed: recomputation only adds work)
+and move no fewer bytes, so a family is skipped when a plan with its floor's
+time and bytes would not be chosen over the plans already found.
 When no plan fits, ``MemoryBudgetError`` says the smallest peak measured
 and what it is made of (model states against activations); across ranks the
 driver then compiles again with buckets and ``prefetch_bytes`` half as
@@ -138,8 +140,12 @@ def place_remat(gm: fx.GraphModule, ctx: CompileContext, *, memory_budget: int |
         if peak.bytes <= memory_budget:
             fitting.append((peak.seconds, peak.moved_bytes, recompute or frozenset(), keep))
 
-    def fastest() -> float:
-        return min((seconds for seconds, *_ in fitting), default=float("inf"))
+    def could_win(floor: _Peak) -> bool:
+        """Whether a plan as fast as ``floor`` and moving its bytes would be chosen over the plans found: a
+        family's plans are no faster than its floor and move no fewer bytes, so a family whose floor could not
+        win is not searched (the most favourable plan a family could hold, tried against ``_choose``)."""
+        probe = (floor.seconds, floor.moved_bytes, None, None)
+        return _choose([*fitting, probe]) is probe
 
     plans: list[frozenset] = []
     multi = _gathers_in_backward(ctx)
@@ -150,9 +156,9 @@ def place_remat(gm: fx.GraphModule, ctx: CompileContext, *, memory_budget: int |
     before = peaks[None, EVERY] if fitting else peak_of(None)
     if not fitting:
         consider(None, DEFAULT)
-        # Each family below is searched only when one of its plans could still be chosen (_choose): its plans
-        # are no faster than its schedule recomputing nothing, and move as many bytes as that schedule does.
-        if multi and peak_of(None, EVERY).seconds <= fastest() * (1 + NEAR):
+        # Each family below is searched only when one of its plans could still be chosen (could_win): its plans
+        # are no faster than its floor, the schedule every gather kept or the default one, recomputing nothing.
+        if multi and could_win(peak_of(None, EVERY)):
             # 2. every gather kept, paid for by recomputing cheap ops only (no matmul, convolution, attention)
             # (skipped unmeasured when even the most it can stop keeping would not bring the peak to the budget:
             # recomputing a value lowers the peak by at most its bytes, as the copies live in backward too)
@@ -164,14 +170,13 @@ def place_remat(gm: fx.GraphModule, ctx: CompileContext, *, memory_budget: int |
                 first = _first_fitting(len(cheap), lambda i: peak_of(cheap[i], EVERY).bytes <= memory_budget)
                 if first is not None:
                     consider(cheap[first], EVERY)
-        if multi and before.bytes <= memory_budget and fastest() > peak_of(None, EVERY).seconds * (1 + NEAR):
+        if multi and before.bytes <= memory_budget and could_win(peak_of(None, EVERY)):
             # 3. more of forward's gathers kept than prefetch_bytes allows, nothing recomputed: the most that fit
-            # (skipped when a plan of family 2 was found near the fastest possible: it moves fewer bytes)
             ladder = _keep_ladder(gm)
             most = _first_fitting(len(ladder), lambda i: peak_of(None, ladder[-1 - i]).bytes <= memory_budget)
             if most is not None:
                 consider(None, ladder[-1 - most])
-        if before.bytes > memory_budget and fastest() > before.seconds * (1 + NEAR):
+        if before.bytes > memory_budget and could_win(before):
             # 4. the default schedule, the least recomputation that fits
             plans = plans or analysis.plans()
             first = _first_fitting(len(plans), lambda i: peak_of(plans[i]).bytes <= memory_budget)
