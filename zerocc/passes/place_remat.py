@@ -117,7 +117,11 @@ def place_remat(gm: fx.GraphModule, ctx: CompileContext, *, memory_budget: int |
             if device_budget is not None else "")
         return gm
     started = time.perf_counter()
-    profile = hardware() if callable(hardware) else hardware or named_profile(DEFAULT_HARDWARE)
+    multi = _gathers_in_backward(ctx)
+    # Without gathers in backward (one rank, stages 0-2) one family is searched and at most one of its plans fits:
+    # the choice does not depend on time, so a profile still to be measured is not (the named one predicts)
+    profile = (hardware() if multi else named_profile(DEFAULT_HARDWARE)) if callable(hardware) \
+        else hardware or named_profile(DEFAULT_HARDWARE)
     analysis = Recomputation(gm)
     peaks: dict[tuple[frozenset | None, int], _Peak] = {}
     considered: list[ConsideredPlan] = []
@@ -148,7 +152,6 @@ def place_remat(gm: fx.GraphModule, ctx: CompileContext, *, memory_budget: int |
         return _choose([*fitting, probe]) is probe
 
     plans: list[frozenset] = []
-    multi = _gathers_in_backward(ctx)
     if multi:
         # 1. every forward gather kept, nothing recomputed: the fastest plan there is; when it fits, nothing
         # else is measured
