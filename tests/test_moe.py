@@ -100,6 +100,13 @@ def test_grouped_mm_in_memory_pools_equals_eager(deterministic):
     train_and_compare("mixtral", stage=3, compile_options=dict(memory_pools=True))
 
 
+@pytest.mark.parametrize("name", ["mixtral", pytest.param("olmoe", marks=pytest.mark.slow),
+                                  pytest.param("deepseek_v3", marks=pytest.mark.slow)])
+def test_router_load_balancing_loss_trains_as_eager(name, deterministic):
+    """How MoE models are trained: the loss includes the router's auxiliary load-balancing term."""
+    train_and_compare(name, stage=3, output_router_logits=True, router_aux_loss_coef=0.02)
+
+
 @pytest.mark.slow
 def test_batched_mm_experts_equal_eager(deterministic):
     step = train_and_compare("qwen2_moe", stage=3, experts_implementation="batched_mm")
