@@ -177,7 +177,17 @@ def eliminate_dead_code(gm: fx.GraphModule) -> None:
     gradient, yet must still take part in the reduce-scatter: dropping it on
     one rank would leave the others waiting (or mismatched) forever.
     """
-    gm.graph.eliminate_dead_code(is_impure_node=lambda node: node.is_impure() or is_communication(node))
+    # torch's Graph.eliminate_dead_code lints the graph and asks every node whether it is impure; only a node
+    # nothing reads can go, so only those are asked (a tenth of the time on a GPT's step)
+    graph = gm.graph
+    for node in reversed(graph.nodes):
+        if not node.users and not node.is_impure() and not is_communication(node):
+            graph.erase_node(node)
+    read = {node.target for node in graph.nodes if node.op == "get_attr"}
+    for name, child in gm.named_children():   # as torch's: subgraphs the graph still reads, cleaned too
+        if name in read and isinstance(child, fx.GraphModule):
+            child.graph.eliminate_dead_code()
+            child.recompile()
 
 
 def drop_unread_constants(gm: fx.GraphModule) -> None:

@@ -21,7 +21,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from . import graph as g
-from .tracing import fakeify, make_fake_mode, record_source_lines_of, trace_functional
+from .tracing import empty_fake, fakeify, make_fake_mode, record_source_lines_of, trace_functional
 from .errors import ConfigError, UnsupportedOptimizerError, innermost_frame, user_line_of_node
 
 aten = torch.ops.aten
@@ -310,8 +310,7 @@ def splice_update(
 
     def fresh(node):
         value = node.meta[g.VAL]
-        with fake_mode:
-            return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
+        return empty_fake(fake_mode, value.shape, value.stride(), value.dtype, value.device)
 
     def family(i):
         """A class's key without the shapes: classes in one family differ only in the parameter's shape."""
@@ -449,12 +448,19 @@ def _propagate_fake(node: fx.Node, fake_mode, broadcast: bool = False) -> None:
         return
     if broadcast:
         shapes = [a.meta[g.VAL].shape for a in node.all_input_nodes if isinstance(a.meta.get(g.VAL), torch.Tensor)]
-        with fake_mode:
-            node.meta[g.VAL] = torch.empty(torch.broadcast_shapes(*shapes) if shapes else value.shape,
-                                           dtype=value.dtype, device=value.device)
+        shape = tuple(shapes[0] if shapes and all(s == shapes[0] for s in shapes) else
+                      torch.broadcast_shapes(*shapes) if shapes else value.shape)
+        node.meta[g.VAL] = empty_fake(fake_mode, shape, _contiguous_strides(shape), value.dtype, value.device)
         return
-    with fake_mode:
-        node.meta[g.VAL] = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
+    node.meta[g.VAL] = empty_fake(fake_mode, value.shape, value.stride(), value.dtype, value.device)
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, running = [], 1
+    for size in reversed(shape):
+        strides.append(running)
+        running *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 def initial_state_layout(optimizer: torch.optim.Optimizer,
