@@ -161,6 +161,20 @@ def test_a_generous_budget_is_decided_by_one_measurement():
     assert plan.peak_before_bytes == plan.peak_bytes == planned.memory_plan.live_peak_bytes   # pools off
 
 
+def test_plans_that_cannot_save_enough_are_not_measured_and_the_choice_is_the_same(monkeypatch):
+    # a plan saving fewer bytes than the peak's excess over the budget cannot fit (recomputing lowers the peak by
+    # at most what it stops keeping): the searches skip it unmeasured and find the plan a full search finds
+    default = _plan_gpt_two_ranks(None).memory_plan.live_peak_bytes
+    budget = int(default * 0.85)
+    pruned = _plan_gpt_two_ranks(budget).remat_plan
+    # kept bytes all equal: no plan known to save anything, so every probe is measured (the search as it was)
+    monkeypatch.setattr(Recomputation, "kept_bytes", lambda self, recompute: 0)
+    full = _plan_gpt_two_ranks(budget).remat_plan
+    assert pruned.peak_bytes == full.peak_bytes <= budget and pruned.recomputed and \
+        [r.name for r in pruned.recomputed] == [r.name for r in full.recomputed], (pruned.summary(), full.summary())
+    assert pruned.evaluations < full.evaluations, (pruned.evaluations, full.evaluations)
+
+
 def test_every_rank_prices_and_plans_the_same(monkeypatch):
     # ranks own different optimizer pieces, so their joint graphs differ in length after forward and backward;
     # what place_remat decides from must not: a rank-dependent price gave ranks of the 98M GPT different plans

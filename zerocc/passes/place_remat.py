@@ -151,6 +151,16 @@ def place_remat(gm: fx.GraphModule, ctx: CompileContext, *, memory_budget: int |
         probe = (floor.seconds, floor.moved_bytes, None, None)
         return _choose([*fitting, probe]) is probe
 
+    def could_fit(base: _Peak, family: list, i: int) -> bool:
+        """Whether ``family[i]`` recomputed on top of the plan measured as ``base`` could fit, unmeasured:
+        recomputing a value lowers the peak by at most its bytes (its copies live in backward too), so a plan
+        saving less than the excess over the budget cannot fit, and the searches below probe it for free. Not
+        used when the family's last plan could not fit either: the budget is likely out of reach, and the
+        refusal names the smallest peak measured, which the search then measures as before."""
+        def saved(recompute):
+            return analysis.kept_bytes(frozenset()) - analysis.kept_bytes(recompute or frozenset())
+        return base.bytes - saved(family[-1]) > memory_budget or base.bytes - saved(family[i]) <= memory_budget
+
     plans: list[frozenset] = []
     if multi:
         # 1. every forward gather kept, nothing recomputed: the fastest plan there is; when it fits, nothing
@@ -170,7 +180,9 @@ def place_remat(gm: fx.GraphModule, ctx: CompileContext, *, memory_budget: int |
             most_saved = analysis.kept_bytes(frozenset()) - min(analysis.kept_bytes(plan or frozenset())
                                                                  for plan in cheap)
             if peak_of(None, EVERY).bytes - most_saved <= memory_budget:
-                first = _first_fitting(len(cheap), lambda i: peak_of(cheap[i], EVERY).bytes <= memory_budget)
+                every = peak_of(None, EVERY)
+                first = _first_fitting(len(cheap), lambda i: could_fit(every, cheap, i) and
+                                       peak_of(cheap[i], EVERY).bytes <= memory_budget)
                 if first is not None:
                     consider(cheap[first], EVERY)
         if multi and before.bytes <= memory_budget and could_win(peak_of(None, EVERY)):
@@ -182,7 +194,8 @@ def place_remat(gm: fx.GraphModule, ctx: CompileContext, *, memory_budget: int |
         if before.bytes > memory_budget and could_win(before):
             # 4. the default schedule, the least recomputation that fits
             plans = plans or analysis.plans()
-            first = _first_fitting(len(plans), lambda i: peak_of(plans[i]).bytes <= memory_budget)
+            first = _first_fitting(len(plans), lambda i: could_fit(before, plans, i) and
+                                   peak_of(plans[i]).bytes <= memory_budget)
             if first is not None:
                 consider(plans[first], DEFAULT)
     if not fitting:
