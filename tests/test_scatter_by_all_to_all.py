@@ -9,10 +9,30 @@ from tests import distributed
 from tests.models import batches, build
 from tests.helpers import assert_two_ranks_train_the_same, compile_graph
 from zerocc import graph as g
-from zerocc.analysis.live_bytes import live_peaks
+from zerocc.analysis import live_bytes as live_bytes_module
+from zerocc.analysis.live_bytes import live_bytes, live_peaks
+from zerocc.passes import gradients_into_buckets, scatter_by_all_to_all
 from zerocc.graph import wait_of
 
 c10d = torch.ops._c10d_functional
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_one_lifetime_analysis_gives_the_passes_both_peaks_and_the_bytes_by_position(stage, monkeypatch):
+    # the passes weighing rewrites against the peak read the peaks and the bytes alive at each position from
+    # one analysis: the bytes are those live_bytes finds (old slot values kept to the end) on the same graph
+    checked = []
+
+    def both(gm, ctx):
+        expected = live_bytes(gm)
+        peaks, by_position = live_bytes_module.live_peaks_and_bytes(gm, ctx)
+        assert by_position == expected and peaks == live_peaks(gm, ctx) and max(expected) == peaks[0]
+        checked.append(gm)
+        return peaks, by_position
+    for module in (scatter_by_all_to_all, gradients_into_buckets):
+        monkeypatch.setattr(module, "live_peaks_and_bytes", both)
+    compile_graph(stage)
+    assert len(checked) == 2
 
 
 @pytest.mark.parametrize("stage, world_size", [(1, 2), (2, 2), (3, 2), (3, 4)])
@@ -49,7 +69,7 @@ def _compile_with_rank_0_keeping_the_first_bucket(rank, world_size):
     """As if rank 0's peak left no room for one replacement that rank 1 has room for."""
     from zerocc.passes import scatter_by_all_to_all as module
     chosen = module._kept
-    module._kept = lambda gm, scatters, peak: (chosen(gm, scatters, peak) or []) + (
+    module._kept = lambda gm, scatters, peak, live: (chosen(gm, scatters, peak, live) or []) + (
         [scatters[0].meta[g.BUCKET]] if rank == 0 else [])
     torch.manual_seed(0)
     model, _, loss_fn = build("gpt")

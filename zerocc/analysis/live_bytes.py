@@ -24,6 +24,11 @@ def live_peaks(gm: fx.GraphModule, ctx: CompileContext) -> tuple[int, int]:
     phase can become the peak (under a ``memory_budget``). The move is kept
     only if neither peak grows, so it is safe with the pass and without it.
     """
+    return live_peaks_and_bytes(gm, ctx)[0]
+
+
+def live_peaks_and_bytes(gm: fx.GraphModule, ctx: CompileContext) -> tuple[tuple[int, int], list[int]]:
+    """``live_peaks`` and ``live_bytes`` from one lifetime analysis (the passes that weigh rewrites read both)."""
     released, _ = mark_releases(gm, ctx)
     try:
         lifetimes = buffer_lifetimes(gm)
@@ -34,7 +39,8 @@ def live_peaks(gm: fx.GraphModule, ctx: CompileContext) -> tuple[int, int]:
     # one analysis for both: without the marks, a released slot lives to the end like every other slot
     names, last = {node.name for node in released}, len(gm.graph.nodes) - 1
     kept = [(size, start, last if name in names else end) for name, _, size, start, end, _ in lifetimes]
-    return _peak(kept), _peak((size, start, end) for _, _, size, start, end, _ in lifetimes)
+    peaks = _peak(kept), _peak((size, start, end) for _, _, size, start, end, _ in lifetimes)
+    return peaks, _by_position(kept, len(gm.graph.nodes))
 
 
 def live_bytes(gm: fx.GraphModule) -> list[int]:
@@ -44,9 +50,14 @@ def live_bytes(gm: fx.GraphModule) -> list[int]:
     gradients_into_buckets) take this once and add each chosen rewrite's
     change to it, instead of analysing lifetimes again per rewrite.
     """
-    length = len(gm.graph.nodes)
+    return _by_position([(size, start, end) for _, _, size, start, end, _ in buffer_lifetimes(gm)],
+                        len(gm.graph.nodes))
+
+
+def _by_position(lifetimes, length: int) -> list[int]:
+    """Bytes alive at each of ``length`` positions, of (bytes, start, end) lifetimes."""
     change = [0] * (length + 1)
-    for _, _, size, start, end, _ in buffer_lifetimes(gm):
+    for size, start, end in lifetimes:
         change[start] += size
         change[end + 1] -= size
     live, total = [], 0

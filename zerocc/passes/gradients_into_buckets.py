@@ -51,7 +51,7 @@ from ..context import CompileContext
 from ..memory_plan import align
 from ..analysis.aliasing import is_view, storage_id
 from ..analysis.kernels import has_backend_kernel, out_variant
-from ..analysis.live_bytes import live_bytes, live_peaks
+from ..analysis.live_bytes import live_peaks_and_bytes
 
 aten = torch.ops.aten
 
@@ -64,9 +64,9 @@ def gradients_into_buckets(gm: fx.GraphModule, ctx: CompileContext, *, memory_po
     if not cats:
         ctx.notes["gradients_into_buckets"] = "no gradient bucket cat"
         return gm
-    peak = min(live_peaks(gm, ctx))
+    peaks, live = live_peaks_and_bytes(gm, ctx)   # live: by position in today's order; the chosen rewrites'
+    peak = min(peaks)                              # changes are added in
     position = g.topological_index(gm)
-    live = live_bytes(gm)   # by position in today's order; the chosen rewrites' changes are added in
     chosen, written, copied, kept = [], 0, 0, []
     for cat in cats:
         pieces = [_piece(cat, x) for x in cat.args[0]]

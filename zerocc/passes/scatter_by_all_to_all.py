@@ -49,7 +49,7 @@ import torch.fx as fx
 from .. import graph as g
 from ..context import CompileContext
 from ..memory_plan import align
-from ..analysis.live_bytes import live_bytes, live_peaks
+from ..analysis.live_bytes import live_peaks_and_bytes
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -62,7 +62,8 @@ def scatter_by_all_to_all(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphMo
     if not scatters:
         ctx.notes["scatter_by_all_to_all"] = "no reduce-scatter of CPU tensors"
         return gm
-    anywhere = _kept_on_any_rank(_kept(gm, scatters, min(live_peaks(gm, ctx))), ctx)
+    peaks, live = live_peaks_and_bytes(gm, ctx)
+    anywhere = _kept_on_any_rank(_kept(gm, scatters, min(peaks), live), ctx)
     kept = [scatter.meta.get(g.BUCKET) for scatter in scatters if scatter.meta.get(g.BUCKET) in anywhere]
     chosen = [scatter for scatter in scatters if scatter.meta.get(g.BUCKET) not in anywhere]
     for scatter in chosen:
@@ -83,7 +84,7 @@ def _cpu_reduce_scatters(gm: fx.GraphModule) -> list[fx.Node]:
             and g.tensor_meta(n) is not None and g.tensor_meta(n).device.type == "cpu"]
 
 
-def _kept(gm: fx.GraphModule, scatters: list[fx.Node], peak: int) -> list:
+def _kept(gm: fx.GraphModule, scatters: list[fx.Node], peak: int, live: list[int]) -> list:
     """The buckets whose reduce-scatter stays one: replacing it, in issue order, would take the live peak past ``peak``.
 
     From one lifetime analysis, with an upper bound of each replacement's
@@ -96,7 +97,7 @@ def _kept(gm: fx.GraphModule, scatters: list[fx.Node], peak: int) -> list:
     accountings agree; so neither peak can grow.
     """
     position = g.topological_index(gm)
-    live = live_bytes(gm)
+    live = list(live)   # live_bytes(gm): the bytes alive at each position, each replacement's bound added in
     kept = []
     for scatter in scatters:
         (wait,) = scatter.users
