@@ -164,9 +164,11 @@ def fingerprint(step, key, released_shapes: dict[str, tuple[int, ...]], previous
     # betas are read every step and stay out, so a schedule does not miss)
     groups = "\n".join(",".join(index.get(id(p), "?") for p in group["params"]) for group in optimizer.param_groups)
     # state in the user's optimizer before the first call (a checkpoint loaded): the program reads it as it is
-    held = {index.get(id(p), "?"): {k: (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else v
-                                    for k, v in values.items()}
-            for p, values in optimizer.state.items()} if not step.state.started else {}
+    # sorted by name: the same state inserted in another order (a checkpoint loaded) is the same program
+    held = dict(sorted(
+        (index.get(id(p), "?"), {k: (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else v
+                                 for k, v in sorted(values.items())})
+        for p, values in optimizer.state.items())) if not step.state.started else {}
     skipped = ("timeout", "dump_dir", "static_shapes", "max_programs", "cache_dir", "device_budget", "hardware")
     option_text = _stable({f.name: getattr(options, f.name) for f in dataclasses.fields(options) if f.name not in skipped})
     passes = _stable([(p.name, p.run) for p in options.passes()])

@@ -305,7 +305,11 @@ def _install_optimizer_state(step, state: dict[str, object]) -> None:
     never_stepped = {fqn for fqn, values in by_param.items()
                      if fqn in params and not step.optimizer.state.get(params[fqn])
                      and not any(isinstance(v, torch.Tensor) and bool(v.any()) for v in values)}
-    for key, value in state.items():
+    # in the model's parameter order, as an eager first step creates it: the checkpoint's metadata lists its
+    # keys in no fixed order, and the compile cache's fingerprint reads this dict's order
+    order = {fqn: index for index, fqn in enumerate(params)}
+    for key, value in sorted(state.items(), key=lambda item: (order.get(item[0].split("/", 2)[1], len(order)),
+                                                              item[0])):
         if key.split("/", 2)[1] in never_stepped:
             continue
         _, fqn, name = key.split("/", 2)
