@@ -63,6 +63,9 @@ FORMAT = 1   # bumped when what an entry holds changes shape
 PROGRAM_PARTS = ("batch", "optimizer state", "optimizer settings", "autocast", "training modes", "earlier buckets")
 # $ZEROCC_* settings that do not change a program
 _UNRELATED_SETTINGS = (CACHE_DIR_VARIABLE, "ZEROCC_DUMP_DIR")
+# attributes whose value differs from process to process for the same object: Hugging Face's GenerationConfig
+# keeps hash(self), a hash of strings that follows the interpreter's hash seed (every causal LM holds one)
+_PER_PROCESS_ATTRIBUTES = frozenset({"_original_object_hash"})
 _FILE_IN_TRACE = re.compile(r'File "([^"]+)", line \d+')
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
@@ -118,7 +121,8 @@ def _stable(value: Any, depth: int = 0) -> str:
     if isinstance(value, (list, tuple)):
         return "(" + ",".join(_stable(v, depth + 1) for v in value) + ")"
     if isinstance(value, dict):
-        return "{" + ",".join(f"{_stable(k, depth + 1)}:{_stable(v, depth + 1)}" for k, v in value.items()) + "}"
+        return "{" + ",".join(f"{_stable(k, depth + 1)}:{_stable(v, depth + 1)}" for k, v in value.items()
+                              if k not in _PER_PROCESS_ATTRIBUTES) + "}"
     if isinstance(value, torch.Tensor):
         if value.numel() == 1 and not value.is_meta:
             return f"tensor({value.item()!r},{value.dtype})"
