@@ -200,14 +200,34 @@ def _param_groups(step) -> list[dict]:
 
 def _load_param_groups(step, saved: list[dict]) -> None:
     """Set every group's hyper-parameters to the saved ones, as ``Optimizer.load_state_dict`` does."""
-    own = _param_groups(step)
-    if [g["params"] for g in saved] != [g["params"] for g in own]:
-        raise ConfigError(
-            f"the checkpoint's optimizer has {len(saved)} param group(s) over parameters "
-            f"{[g['params'][:3] for g in saved]}, this one {len(own)} over {[g['params'][:3] for g in own]}; "
-            "build the optimizer with the same param groups, in the same order, as the run that saved it")
     for group, settings in zip(step.optimizer.param_groups, saved):
         group.update({k: v for k, v in settings.items() if k != "params"})
+
+
+def _check_param_groups(step, saved: list[dict]) -> None:
+    """Refuse saved groups over other parameters, or with settings of another optimizer type."""
+    own = _param_groups(step)
+    if [g["params"] for g in saved] != [g["params"] for g in own]:
+        where = next((i for i, (a, b) in enumerate(zip(saved, own)) if a["params"] != b["params"]), min(len(saved), len(own)))
+        differ = ""
+        if where < min(len(saved), len(own)):
+            a, b = saved[where]["params"], own[where]["params"]
+            at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            differ = (f"; group {where} differs at its parameter {at}: the checkpoint's "
+                      f"{a[at] if at < len(a) else '(none)'!r} ({len(a)} in all), this one's "
+                      f"{b[at] if at < len(b) else '(none)'!r} ({len(b)} in all)")
+        raise ConfigError(
+            f"the checkpoint's optimizer has {len(saved)} param group(s) over parameters "
+            f"{[g['params'][:3] for g in saved]}, this one {len(own)} over {[g['params'][:3] for g in own]}{differ}; "
+            "build the optimizer with the same param groups, in the same order, as the run that saved it")
+    # a setting this optimizer does not have (AdamW's betas in an SGD): saved with another optimizer type, whose
+    # state and settings would otherwise go in silently before the first call (lr and weight decay included)
+    foreign = sorted({k for g in saved for k in g} - {k for g in own for k in g})
+    if foreign:
+        raise ConfigError(
+            f"the checkpoint's optimizer has settings {type(step.optimizer).__name__} does not have: "
+            f"{', '.join(foreign)}; it was saved with another optimizer type (or a torch whose optimizer has them): "
+            "build the same optimizer as the run that saved it")
 
 
 def whole_optimizer_state(step) -> dict[str, dict[str, torch.Tensor]]:
@@ -252,6 +272,8 @@ def _sources(value) -> list[tuple[int, torch.Tensor]]:
 
 def load_state_dict(step, state: dict[str, object]) -> None:
     """Copy ``state`` (as from ``state_dict()``, after ``dcp.load`` filled it) into the step."""
+    if PARAM_GROUPS_KEY in state:   # checked before anything changes
+        _check_param_groups(step, list(state[PARAM_GROUPS_KEY]))
     if STEPS_KEY in state:
         step.steps = int(state[STEPS_KEY])
     if PARAM_GROUPS_KEY in state:
@@ -451,6 +473,10 @@ def load_checkpoint(step, path: str) -> None:
         raise ConfigError(f"{path} lacks {len(absent)} entr{'y' if len(absent) == 1 else 'ies'} this step needs: "
                           f"{', '.join(absent[:5])}; it was saved from a different model or optimizer")
     try:
+        if groups_saved:   # refused before the load writes into the step's buckets (views of them at stages 1-3)
+            groups = {PARAM_GROUPS_KEY: state[PARAM_GROUPS_KEY]}
+            dcp.load(groups, storage_reader=reader, process_group=step.ranks.group, no_dist=step.ranks.group is None)
+            _check_param_groups(step, list(groups[PARAM_GROUPS_KEY]))
         dcp.load(state, storage_reader=reader, process_group=step.ranks.group, no_dist=step.ranks.group is None)
     except CheckpointException as error:   # a BaseException: ``except Exception`` would not see it
         raise CheckpointError(f"loading {path} failed: {_first_line(error)}") from error
