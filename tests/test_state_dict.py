@@ -217,6 +217,21 @@ def test_checkpoint_of_another_optimizer_type_is_refused_before_the_first_call(t
     assert not sgd.state and set(sgd.param_groups[0]) == set(torch.optim.SGD(model.parameters()).param_groups[0])
 
 
+def test_checkpoint_with_a_tensor_of_another_shape_is_refused(tmp_path):
+    """Entries are saved flat: a weight stored transposed (as many elements) loaded scrambled without a word, and
+    a wider model failed inside DCP with "CheckpointException ranks:dict_keys([0])"."""
+    step = compiled("gpt", 3)
+    step(*batches("gpt", 1, 8)[0])
+    zerocc.save_checkpoint(step, tmp_path / "ckpt")
+    transposed, _, _ = build("gpt", 0)
+    transposed.blocks[0].fc.weight = torch.nn.Parameter(transposed.blocks[0].fc.weight.detach().t().clone())
+    with pytest.raises(zerocc.ConfigError, match=r"blocks.0.fc.weight: \(128, 32\) in the checkpoint, \(32, 128\) here"):
+        zerocc.load_checkpoint(zerocc.compile(transposed, adamw(transposed), stage=3), tmp_path / "ckpt")
+    wider = TinyGPT(d=48)
+    with pytest.raises(zerocc.ConfigError, match=r"wte.weight: \(64, 32\) in the checkpoint, \(64, 48\) here"):
+        zerocc.load_checkpoint(zerocc.compile(wider, adamw(wider), stage=3), tmp_path / "ckpt")
+
+
 @pytest.mark.parametrize("stage", [1, 3])
 def test_a_refused_checkpoint_leaves_the_trained_step_as_it_was(tmp_path, stage):
     """A checkpoint of a model with more layers names every parameter this one has: its param groups were checked

@@ -398,7 +398,8 @@ def _publish(path: str, version: str) -> None:
         shutil.rmtree(previous, ignore_errors=True)
 
 
-def _write_meta(step, folder: str) -> None:
+def _shapes(step) -> dict[str, tuple[str, tuple[int, ...], str]]:
+    """Per model key (tied weights under each name): its first name, its shape and dtype."""
     shapes = {}
     for kind in ("param", "buffer"):
         for names, tensor in named_tensors(step.model, kind):
@@ -407,6 +408,24 @@ def _write_meta(step, folder: str) -> None:
                 shape = tuple(step.state.released_shapes.get(names[0], shape))
             for name in names:
                 shapes[name] = (names[0], shape, str(tensor.dtype).removeprefix("torch."))
+    return shapes
+
+
+def _check_shapes(step, path: str) -> None:
+    """Entries are saved flat: a tensor of another shape with as many elements (a transposed weight) would load
+    scrambled, and one of another size fails deep in DCP. The shapes ``_write_meta`` kept are compared first."""
+    with open(os.path.join(path, META_FILE)) as handle:
+        saved = json.load(handle).get("model", [])
+    own = _shapes(step)
+    differ = [f"{key}: {tuple(shape)} in the checkpoint, {own[key][1]} here"
+              for key, _, shape, _ in saved if key in own and tuple(shape) != own[key][1]]
+    if differ:
+        raise ConfigError(f"{path} holds {len(differ)} tensor(s) of other shapes than this model's: "
+                          + "; ".join(differ[:5]) + "; it was saved from a different model")
+
+
+def _write_meta(step, folder: str) -> None:
+    shapes = _shapes(step)
     with step.state.reading_keys_only():   # zerocc/user_views.py: only the keys are read, no current values
         keys = step.model.state_dict().keys()
     meta = {"format": FORMAT_VERSION, "world_size": step.ranks.world_size, "stage": step.stage, "steps": step.steps,
@@ -457,6 +476,7 @@ def load_checkpoint(step, path: str) -> None:
     path = os.path.abspath(path)
     if not os.path.exists(os.path.join(path, META_FILE)):
         raise ConfigError(f"{path} is not a complete zerocc checkpoint (no {META_FILE})")
+    _check_shapes(step, path)
     reader = dcp.FileSystemReader(path)
     saved = reader.read_metadata().state_dict_metadata
     state = state_dict(step)
