@@ -16,7 +16,7 @@ import torch.distributed.checkpoint as dcp
 import zerocc
 from zerocc import state_dict
 from tests import distributed
-from tests.models import batches, build, eager_step
+from tests.models import TinyGPT, batches, build, eager_step
 from tests.reference import adamw
 from tests.helpers import read_whole
 
@@ -202,6 +202,58 @@ def test_checkpoint_of_another_model_is_refused(tmp_path):
         zerocc.load_checkpoint(compiled("gpt", 3), tmp_path / "mlp")
     with pytest.raises(zerocc.ConfigError, match="not a complete zerocc checkpoint"):
         zerocc.load_checkpoint(step, tmp_path / "nowhere")
+
+
+def test_checkpoint_of_another_optimizer_type_is_refused_before_the_first_call(tmp_path):
+    """Before the first call the checkpoint's optimizer state goes in as saved: an AdamW checkpoint loaded into an
+    SGD step put AdamW's state and settings (its weight decay among them) into the SGD, which then trained."""
+    step = compiled("mlp", 3)
+    step(*batches("mlp", 1, 8)[0])
+    zerocc.save_checkpoint(step, tmp_path / "ckpt")
+    model, _, loss_fn = build("mlp", 0)
+    sgd = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+    with pytest.raises(zerocc.ConfigError, match="settings SGD does not have: amsgrad, betas"):
+        zerocc.load_checkpoint(zerocc.compile(model, sgd, stage=3, loss_fn=loss_fn), tmp_path / "ckpt")
+    assert not sgd.state and set(sgd.param_groups[0]) == set(torch.optim.SGD(model.parameters()).param_groups[0])
+
+
+def test_checkpoint_with_a_tensor_of_another_shape_is_refused(tmp_path):
+    """Entries are saved flat: a weight stored transposed (as many elements) loaded scrambled without a word, and
+    a wider model failed inside DCP with "CheckpointException ranks:dict_keys([0])"."""
+    step = compiled("gpt", 3)
+    step(*batches("gpt", 1, 8)[0])
+    zerocc.save_checkpoint(step, tmp_path / "ckpt")
+    transposed, _, _ = build("gpt", 0)
+    transposed.blocks[0].fc.weight = torch.nn.Parameter(transposed.blocks[0].fc.weight.detach().t().clone())
+    with pytest.raises(zerocc.ConfigError, match=r"blocks.0.fc.weight: \(128, 32\) in the checkpoint, \(32, 128\) here"):
+        zerocc.load_checkpoint(zerocc.compile(transposed, adamw(transposed), stage=3), tmp_path / "ckpt")
+    wider = TinyGPT(d=48)
+    with pytest.raises(zerocc.ConfigError, match=r"wte.weight: \(64, 32\) in the checkpoint, \(64, 48\) here"):
+        zerocc.load_checkpoint(zerocc.compile(wider, adamw(wider), stage=3), tmp_path / "ckpt")
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_refused_checkpoint_leaves_the_trained_step_as_it_was(tmp_path, stage):
+    """A checkpoint of a model with more layers names every parameter this one has: its param groups were checked
+    only after DCP had loaded the parameters into the step's buckets (views of them), so the refused load
+    overwrote the trained parameters. The step now refuses first and trains on as eager."""
+    data = batches("gpt", 3, 8)
+    torch.manual_seed(4)
+    deeper = TinyGPT(layers=3)
+    deeper_step = zerocc.compile(deeper, adamw(deeper), stage=stage)
+    deeper_step(*data[0])
+    zerocc.save_checkpoint(deeper_step, tmp_path / "deeper")
+    reference, _, _ = build("gpt", 0)
+    reference_optimizer = adamw(reference)
+    step = compiled("gpt", stage)
+    for batch in data[:2]:
+        assert torch.equal(step(*batch), eager_step(reference, reference_optimizer, None, batch))
+    with pytest.raises(zerocc.ConfigError, match="param group"):
+        zerocc.load_checkpoint(step, tmp_path / "deeper")
+    assert torch.equal(step(*data[2]), eager_step(reference, reference_optimizer, None, data[2]))
+    full = step.full_state_dict()
+    for key, value in reference.state_dict().items():
+        assert torch.equal(full[key], value), key
 
 
 # -- nothing lost ------------------------------------------------------------------

@@ -63,6 +63,9 @@ FORMAT = 1   # bumped when what an entry holds changes shape
 PROGRAM_PARTS = ("batch", "optimizer state", "optimizer settings", "autocast", "training modes", "earlier buckets")
 # $ZEROCC_* settings that do not change a program
 _UNRELATED_SETTINGS = (CACHE_DIR_VARIABLE, "ZEROCC_DUMP_DIR")
+# attributes whose value differs from process to process for the same object: Hugging Face's GenerationConfig
+# keeps hash(self), a hash of strings that follows the interpreter's hash seed (every causal LM holds one)
+_PER_PROCESS_ATTRIBUTES = frozenset({"_original_object_hash"})
 _FILE_IN_TRACE = re.compile(r'File "([^"]+)", line \d+')
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
@@ -118,7 +121,8 @@ def _stable(value: Any, depth: int = 0) -> str:
     if isinstance(value, (list, tuple)):
         return "(" + ",".join(_stable(v, depth + 1) for v in value) + ")"
     if isinstance(value, dict):
-        return "{" + ",".join(f"{_stable(k, depth + 1)}:{_stable(v, depth + 1)}" for k, v in value.items()) + "}"
+        return "{" + ",".join(f"{_stable(k, depth + 1)}:{_stable(v, depth + 1)}" for k, v in value.items()
+                              if k not in _PER_PROCESS_ATTRIBUTES) + "}"
     if isinstance(value, torch.Tensor):
         if value.numel() == 1 and not value.is_meta:
             return f"tensor({value.item()!r},{value.dtype})"
@@ -164,9 +168,11 @@ def fingerprint(step, key, released_shapes: dict[str, tuple[int, ...]], previous
     # betas are read every step and stay out, so a schedule does not miss)
     groups = "\n".join(",".join(index.get(id(p), "?") for p in group["params"]) for group in optimizer.param_groups)
     # state in the user's optimizer before the first call (a checkpoint loaded): the program reads it as it is
-    held = {index.get(id(p), "?"): {k: (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else v
-                                    for k, v in values.items()}
-            for p, values in optimizer.state.items()} if not step.state.started else {}
+    # sorted by name: the same state inserted in another order (a checkpoint loaded) is the same program
+    held = dict(sorted(
+        (index.get(id(p), "?"), {k: (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else v
+                                 for k, v in sorted(values.items())})
+        for p, values in optimizer.state.items())) if not step.state.started else {}
     skipped = ("timeout", "dump_dir", "static_shapes", "max_programs", "cache_dir", "device_budget", "hardware")
     option_text = _stable({f.name: getattr(options, f.name) for f in dataclasses.fields(options) if f.name not in skipped})
     passes = _stable([(p.name, p.run) for p in options.passes()])

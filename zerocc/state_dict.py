@@ -200,14 +200,34 @@ def _param_groups(step) -> list[dict]:
 
 def _load_param_groups(step, saved: list[dict]) -> None:
     """Set every group's hyper-parameters to the saved ones, as ``Optimizer.load_state_dict`` does."""
-    own = _param_groups(step)
-    if [g["params"] for g in saved] != [g["params"] for g in own]:
-        raise ConfigError(
-            f"the checkpoint's optimizer has {len(saved)} param group(s) over parameters "
-            f"{[g['params'][:3] for g in saved]}, this one {len(own)} over {[g['params'][:3] for g in own]}; "
-            "build the optimizer with the same param groups, in the same order, as the run that saved it")
     for group, settings in zip(step.optimizer.param_groups, saved):
         group.update({k: v for k, v in settings.items() if k != "params"})
+
+
+def _check_param_groups(step, saved: list[dict]) -> None:
+    """Refuse saved groups over other parameters, or with settings of another optimizer type."""
+    own = _param_groups(step)
+    if [g["params"] for g in saved] != [g["params"] for g in own]:
+        where = next((i for i, (a, b) in enumerate(zip(saved, own)) if a["params"] != b["params"]), min(len(saved), len(own)))
+        differ = ""
+        if where < min(len(saved), len(own)):
+            a, b = saved[where]["params"], own[where]["params"]
+            at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            differ = (f"; group {where} differs at its parameter {at}: the checkpoint's "
+                      f"{a[at] if at < len(a) else '(none)'!r} ({len(a)} in all), this one's "
+                      f"{b[at] if at < len(b) else '(none)'!r} ({len(b)} in all)")
+        raise ConfigError(
+            f"the checkpoint's optimizer has {len(saved)} param group(s) over parameters "
+            f"{[g['params'][:3] for g in saved]}, this one {len(own)} over {[g['params'][:3] for g in own]}{differ}; "
+            "build the optimizer with the same param groups, in the same order, as the run that saved it")
+    # a setting this optimizer does not have (AdamW's betas in an SGD): saved with another optimizer type, whose
+    # state and settings would otherwise go in silently before the first call (lr and weight decay included)
+    foreign = sorted({k for g in saved for k in g} - {k for g in own for k in g})
+    if foreign:
+        raise ConfigError(
+            f"the checkpoint's optimizer has settings {type(step.optimizer).__name__} does not have: "
+            f"{', '.join(foreign)}; it was saved with another optimizer type (or a torch whose optimizer has them): "
+            "build the same optimizer as the run that saved it")
 
 
 def whole_optimizer_state(step) -> dict[str, dict[str, torch.Tensor]]:
@@ -252,6 +272,8 @@ def _sources(value) -> list[tuple[int, torch.Tensor]]:
 
 def load_state_dict(step, state: dict[str, object]) -> None:
     """Copy ``state`` (as from ``state_dict()``, after ``dcp.load`` filled it) into the step."""
+    if PARAM_GROUPS_KEY in state:   # checked before anything changes
+        _check_param_groups(step, list(state[PARAM_GROUPS_KEY]))
     if STEPS_KEY in state:
         step.steps = int(state[STEPS_KEY])
     if PARAM_GROUPS_KEY in state:
@@ -305,7 +327,11 @@ def _install_optimizer_state(step, state: dict[str, object]) -> None:
     never_stepped = {fqn for fqn, values in by_param.items()
                      if fqn in params and not step.optimizer.state.get(params[fqn])
                      and not any(isinstance(v, torch.Tensor) and bool(v.any()) for v in values)}
-    for key, value in state.items():
+    # in the model's parameter order, as an eager first step creates it: the checkpoint's metadata lists its
+    # keys in no fixed order, and the compile cache's fingerprint reads this dict's order
+    order = {fqn: index for index, fqn in enumerate(params)}
+    for key, value in sorted(state.items(), key=lambda item: (order.get(item[0].split("/", 2)[1], len(order)),
+                                                              item[0])):
         if key.split("/", 2)[1] in never_stepped:
             continue
         _, fqn, name = key.split("/", 2)
@@ -372,7 +398,8 @@ def _publish(path: str, version: str) -> None:
         shutil.rmtree(previous, ignore_errors=True)
 
 
-def _write_meta(step, folder: str) -> None:
+def _shapes(step) -> dict[str, tuple[str, tuple[int, ...], str]]:
+    """Per model key (tied weights under each name): its first name, its shape and dtype."""
     shapes = {}
     for kind in ("param", "buffer"):
         for names, tensor in named_tensors(step.model, kind):
@@ -381,6 +408,24 @@ def _write_meta(step, folder: str) -> None:
                 shape = tuple(step.state.released_shapes.get(names[0], shape))
             for name in names:
                 shapes[name] = (names[0], shape, str(tensor.dtype).removeprefix("torch."))
+    return shapes
+
+
+def _check_shapes(step, path: str) -> None:
+    """Entries are saved flat: a tensor of another shape with as many elements (a transposed weight) would load
+    scrambled, and one of another size fails deep in DCP. The shapes ``_write_meta`` kept are compared first."""
+    with open(os.path.join(path, META_FILE)) as handle:
+        saved = json.load(handle).get("model", [])
+    own = _shapes(step)
+    differ = [f"{key}: {tuple(shape)} in the checkpoint, {own[key][1]} here"
+              for key, _, shape, _ in saved if key in own and tuple(shape) != own[key][1]]
+    if differ:
+        raise ConfigError(f"{path} holds {len(differ)} tensor(s) of other shapes than this model's: "
+                          + "; ".join(differ[:5]) + "; it was saved from a different model")
+
+
+def _write_meta(step, folder: str) -> None:
+    shapes = _shapes(step)
     with step.state.reading_keys_only():   # zerocc/user_views.py: only the keys are read, no current values
         keys = step.model.state_dict().keys()
     meta = {"format": FORMAT_VERSION, "world_size": step.ranks.world_size, "stage": step.stage, "steps": step.steps,
@@ -431,6 +476,7 @@ def load_checkpoint(step, path: str) -> None:
     path = os.path.abspath(path)
     if not os.path.exists(os.path.join(path, META_FILE)):
         raise ConfigError(f"{path} is not a complete zerocc checkpoint (no {META_FILE})")
+    _check_shapes(step, path)
     reader = dcp.FileSystemReader(path)
     saved = reader.read_metadata().state_dict_metadata
     state = state_dict(step)
@@ -447,6 +493,10 @@ def load_checkpoint(step, path: str) -> None:
         raise ConfigError(f"{path} lacks {len(absent)} entr{'y' if len(absent) == 1 else 'ies'} this step needs: "
                           f"{', '.join(absent[:5])}; it was saved from a different model or optimizer")
     try:
+        if groups_saved:   # refused before the load writes into the step's buckets (views of them at stages 1-3)
+            groups = {PARAM_GROUPS_KEY: state[PARAM_GROUPS_KEY]}
+            dcp.load(groups, storage_reader=reader, process_group=step.ranks.group, no_dist=step.ranks.group is None)
+            _check_param_groups(step, list(groups[PARAM_GROUPS_KEY]))
         dcp.load(state, storage_reader=reader, process_group=step.ranks.group, no_dist=step.ranks.group is None)
     except CheckpointException as error:   # a BaseException: ``except Exception`` would not see it
         raise CheckpointError(f"loading {path} failed: {_first_line(error)}") from error
