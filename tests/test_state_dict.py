@@ -217,6 +217,31 @@ def test_checkpoint_of_another_optimizer_type_is_refused_before_the_first_call(t
     assert not sgd.state and set(sgd.param_groups[0]) == set(torch.optim.SGD(model.parameters()).param_groups[0])
 
 
+def test_a_checkpoint_saved_under_a_scheduler_loads_before_the_scheduler_is_made(tmp_path):
+    """The usual resume: load, then make the scheduler with last_epoch, which reads the groups' initial_lr the
+    checkpoint brings (a setting no optimizer has: an LR scheduler's, not another optimizer type's)."""
+    def run(steps, load=None, save=None):
+        model, _, loss_fn = build("mlp", 0)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        step = zerocc.compile(model, optimizer, stage=3, loss_fn=loss_fn)
+        if load:
+            zerocc.load_checkpoint(step, load)
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda epoch: 0.5 ** epoch,
+                                                     last_epoch=step.steps - 1 if load else -1)
+        for batch in batches("mlp", 4, 8)[step.steps:step.steps + steps]:
+            step(*batch)
+            schedule.step()
+        if save:
+            zerocc.save_checkpoint(step, save)
+        return step.full_state_dict(), optimizer.param_groups[0]["lr"]
+    whole, lr = run(4)
+    run(2, save=tmp_path / "ckpt")
+    resumed, resumed_lr = run(2, load=tmp_path / "ckpt")
+    assert resumed_lr == lr == 1e-2 * 0.5 ** 4
+    for key, value in whole.items():
+        assert torch.equal(resumed[key], value), key
+
+
 def test_checkpoint_with_a_tensor_of_another_shape_is_refused(tmp_path):
     """Entries are saved flat: a weight stored transposed (as many elements) loaded scrambled without a word, and
     a wider model failed inside DCP with "CheckpointException ranks:dict_keys([0])"."""

@@ -198,6 +198,10 @@ def _param_groups(step) -> list[dict]:
             for group in step.optimizer.param_groups]
 
 
+# keys torch.optim.lr_scheduler (and swa_utils.SWALR) add to an optimizer's param groups
+SCHEDULER_GROUP_KEYS = frozenset({"initial_lr", "max_lr", "min_lr", "max_momentum", "base_momentum", "swa_lr"})
+
+
 def _load_param_groups(step, saved: list[dict]) -> None:
     """Set every group's hyper-parameters to the saved ones, as ``Optimizer.load_state_dict`` does."""
     for group, settings in zip(step.optimizer.param_groups, saved):
@@ -221,8 +225,10 @@ def _check_param_groups(step, saved: list[dict]) -> None:
             f"{[g['params'][:3] for g in saved]}, this one {len(own)} over {[g['params'][:3] for g in own]}{differ}; "
             "build the optimizer with the same param groups, in the same order, as the run that saved it")
     # a setting this optimizer does not have (AdamW's betas in an SGD): saved with another optimizer type, whose
-    # state and settings would otherwise go in silently before the first call (lr and weight decay included)
-    foreign = sorted({k for g in saved for k in g} - {k for g in own for k in g})
+    # state and settings would otherwise go in silently before the first call (lr and weight decay included).
+    # What LR schedulers and SWA add to the groups is no optimizer's: a resume loads the checkpoint, then makes
+    # its scheduler with last_epoch, which reads the initial_lr the checkpoint brings (as eager's load does)
+    foreign = sorted({k for g in saved for k in g} - {k for g in own for k in g} - SCHEDULER_GROUP_KEYS)
     if foreign:
         raise ConfigError(
             f"the checkpoint's optimizer has settings {type(step.optimizer).__name__} does not have: "
