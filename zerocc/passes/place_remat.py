@@ -415,6 +415,10 @@ def _refuse(budget: int, before: _Peak, best: _Peak, candidates: int) -> None:
     states = sum(v for k, v in by_pool.items() if k in ("persistent", "gathered parameters", "gradient buckets"))
     activations = by_pool.get("activations", 0)
     parts = ", ".join(f"{role} {megabytes(nbytes)}" for role, nbytes in sorted(best.by_role, key=lambda r: -r[1]))
+    # the roles are the bytes alive at the live peak; with memory pools the peak is the pooled layout's, above it
+    layout = best.bytes - sum(nbytes for _, nbytes in best.by_role)
+    if layout > 0:
+        parts += f"; the memory pools' layout adds {megabytes(layout)}"
     if states >= activations:
         why = ("model states dominate it: a higher ZeRO stage or more ranks shrink them; "
                "recomputing activations cannot")
@@ -425,6 +429,7 @@ def _refuse(budget: int, before: _Peak, best: _Peak, candidates: int) -> None:
         f"memory_budget={budget:,} bytes ({megabytes(budget)}) cannot be met: the smallest peak the remat "
         f"planner reaches is {best.bytes:,} bytes ({megabytes(best.bytes)}; {megabytes(before.bytes)} with nothing "
         f"recomputed, {candidates} stored tensors considered).\n"
-        f"  at that peak: model states {megabytes(states)}, activations {megabytes(activations)} ({parts})\n"
-        f"  {why}; or raise memory_budget to at least {best.bytes:,}.",
+        f"  at that peak, alive: {parts}\n"
+        f"  model states {megabytes(states)}, activations {megabytes(activations)}: {why}; "
+        f"or raise memory_budget to at least {best.bytes:,}.",
         budget_bytes=budget, smallest_peak_bytes=best.bytes)
