@@ -157,9 +157,16 @@ def place_remat(gm: fx.GraphModule, ctx: CompileContext, *, memory_budget: int |
         saving less than the excess over the budget cannot fit, and the searches below probe it for free. Not
         used when the family's last plan could not fit either: the budget is likely out of reach, and the
         refusal names the smallest peak measured, which the search then measures as before."""
-        def saved(recompute):
-            return analysis.kept_bytes(frozenset()) - analysis.kept_bytes(recompute or frozenset())
         return base.bytes - saved(family[-1]) > memory_budget or base.bytes - saved(family[i]) <= memory_budget
+
+    kept: dict[frozenset, int] = {}
+
+    def saved(recompute: frozenset | None) -> int:
+        """Bytes of forward values backward no longer reads once ``recompute`` is recomputed."""
+        for plan in (frozenset(), recompute or frozenset()):
+            if plan not in kept:
+                kept[plan] = analysis.kept_bytes(plan)
+        return kept[frozenset()] - kept[recompute or frozenset()]
 
     plans: list[frozenset] = []
     if multi:
@@ -177,8 +184,7 @@ def place_remat(gm: fx.GraphModule, ctx: CompileContext, *, memory_budget: int |
             # recomputing a value lowers the peak by at most its bytes, as the copies live in backward too)
             plans = analysis.plans()
             cheap = [None, *(plan for plan in plans if not any(analysis.is_expensive(n) for n in plan))]
-            most_saved = analysis.kept_bytes(frozenset()) - min(analysis.kept_bytes(plan or frozenset())
-                                                                 for plan in cheap)
+            most_saved = max(saved(plan) for plan in cheap)
             if peak_of(None, EVERY).bytes - most_saved <= memory_budget:
                 every = peak_of(None, EVERY)
                 first = _first_fitting(len(cheap), lambda i: could_fit(every, cheap, i) and
@@ -217,7 +223,7 @@ def place_remat(gm: fx.GraphModule, ctx: CompileContext, *, memory_budget: int |
                                         analysis.flops(node), user_line_of_node(node) or "") for node in cloned)
     ctx.remat_plan = RematPlan(
         budget_bytes=memory_budget, peak_before_bytes=before.bytes, peak_bytes=peak.bytes, recomputed=recomputed,
-        saved_bytes=analysis.kept_bytes(frozenset()) - analysis.kept_bytes(recompute),
+        saved_bytes=saved(recompute),
         extra_flops=sum(r.flops for r in recomputed), forward_flops=analysis.forward_flops,
         candidates=len(analysis.candidates), evaluations=len(peaks), unbounded_schedule=keep == EVERY,
         keep_extra_bytes=max(keep, 0), predicted_seconds=seconds, hardware=profile.name,
