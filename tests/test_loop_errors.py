@@ -91,6 +91,23 @@ def test_a_training_step_under_inference_mode_is_refused_and_eval_forward_runs_t
         assert step.eval_forward(data[1][0]).shape == data[1][1].shape
 
 
+def test_a_training_step_under_no_grad_is_refused_without_training():
+    """An evaluation loop under torch.no_grad() calling the training step by mistake would train on its batches;
+    eager's loss.backward() fails there."""
+    step, _, _ = compiled_mlp(stage=3)
+    data = batches("mlp", 2, 4)
+    step(*data[0])
+    before = {key: value.clone() for key, value in step.full_state_dict().items()}
+    with torch.no_grad(), pytest.raises(zerocc.ConfigError, match=r"called under torch.no_grad\(\).*"
+                                                                  r"use step.eval_forward"):
+        step(*data[1])
+    after = step.full_state_dict()
+    assert all(torch.equal(after[key], value) for key, value in before.items())   # nothing trained
+    assert step.steps == 1
+    with torch.no_grad():
+        assert step.eval_forward(data[1][0]).shape == data[1][1].shape
+
+
 @pytest.mark.parametrize("method", ["report", "explain"])
 def test_report_and_explain_without_a_memory_plan(method):
     step, _, _ = compiled_mlp(stage=0, disable=["plan_memory"])

@@ -202,6 +202,17 @@ def test_a_users_dispatch_mode_sits_out_the_trace_and_sees_the_steps_ops():
     assert seen[0] < 2 * seen[2]              # the first two calls compile: the mode saw no trace
 
 
+def test_anomaly_detection_sits_out_the_trace_with_a_warning_and_stays_on():
+    # a user hunting a NaN turns it on for the whole run; its check reads every backward output's values, which a
+    # trace on fake tensors does not have: the compile failed as data-dependent control flow naming no user line
+    from zerocc import user_tooling
+    user_tooling._warn_anomaly_once.cache_clear()
+    with torch.autograd.set_detect_anomaly(True):
+        with pytest.warns(UserWarning, match="anomaly detection is on.*no NaN check runs inside a compiled step"):
+            train_both(mlp(), steps=2)
+        assert torch.is_anomaly_enabled()
+
+
 def test_global_module_hooks_sit_out_the_trace_and_stay_registered():
     from torch.nn.modules.module import register_module_forward_hook
     calls = []

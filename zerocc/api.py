@@ -259,6 +259,10 @@ class CompiledStep:
             raise ConfigError("the training step was called under torch.inference_mode(), where no gradient can be "
                               "computed (eager's loss.backward() fails there too): call it outside inference_mode; "
                               "to evaluate, use step.eval_forward(...)")
+        if not torch.is_grad_enabled():   # an evaluation loop calling the training step would train on its batches
+            raise ConfigError("the training step was called under torch.no_grad() (gradients disabled), where eager's "
+                              "loss.backward() fails: it would train on this batch all the same; call it outside "
+                              "no_grad; to evaluate, use step.eval_forward(...)")
         layout = BatchLayout.of(inputs, keyword_inputs)
         batch = layout.flatten(inputs, keyword_inputs)   # zerocc/batch.py: the program reads one flat list
         state = self.state

@@ -28,7 +28,10 @@ trace, not the steps.
 from __future__ import annotations
 
 import contextlib
+import functools
+import warnings
 
+import torch
 import torch.nn.modules.module as module_hooks
 import torch.optim.optimizer as optimizer_hooks
 from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode_stack
@@ -48,17 +51,31 @@ GLOBAL_HOOKS = (
 
 @contextlib.contextmanager
 def suspended_user_tooling():
-    """Trace without the user's dispatch modes and global module / optimizer hooks; restore them after."""
+    """Trace without the user's dispatch modes, global module / optimizer hooks and autograd anomaly detection;
+    restore them after."""
     saved = [(registry, dict(registry)) for registry in (getattr(owner, name) for owner, name in GLOBAL_HOOKS)]
     full_backward = module_hooks._global_is_full_backward_hook
     modes = contextlib.nullcontext() if not _get_current_dispatch_mode_stack() else _disable_current_modes()
+    anomaly = contextlib.nullcontext()
+    if torch.is_anomaly_enabled():
+        # its NaN check reads every backward output's values: a fake tensor has none, so the trace failed as
+        # data-dependent control flow. The compiled backward is one program autograd does not run: no check there
+        _warn_anomaly_once()
+        anomaly = torch.autograd.set_detect_anomaly(False)
     try:
         for registry, _ in saved:
             registry.clear()
-        with modes:
+        with modes, anomaly:
             yield
     finally:
         for registry, hooks in saved:
             registry.clear()
             registry.update(hooks)
         module_hooks._global_is_full_backward_hook = full_backward
+
+
+@functools.cache
+def _warn_anomaly_once() -> None:
+    warnings.warn("zerocc: torch.autograd anomaly detection is on; it is off while zerocc traces the step, and the "
+                  "compiled backward is one program it does not see into: no NaN check runs inside a compiled step. "
+                  "To find the op that makes a NaN, run the model eagerly under detect_anomaly", stacklevel=4)
