@@ -1,6 +1,8 @@
 """After compile the user's model and optimizer tell the truth: current values, ``step.full_model()``, or clear errors."""
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -66,3 +68,26 @@ def test_a_second_compile_on_the_same_model_is_refused(stage):
     other, _, _ = build("mlp")
     with pytest.raises(zerocc.ConfigError, match="this optimizer is already trained by a compiled step"):
         zerocc.compile(other, optimizer, stage=stage, loss_fn=loss_fn)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_an_average_of_the_weights_kept_beside_training_equals_eager(stage):
+    """An EMA updated after each step (docs/guide/checkpoints.md): from model.parameters() at stages 0-2, inside
+    full_model(writeback=False) at stage 3, where the module holds empty placeholders."""
+    def averaged(compiled):
+        model, _, loss_fn = build("gpt")
+        optimizer = adamw(model)
+        step = zerocc.compile(model, optimizer, stage=stage, loss_fn=loss_fn) if compiled else None
+        average = [p.detach().clone() for p in model.parameters()]
+        for batch in batches("gpt", 3, 4):
+            if compiled:
+                step(*batch)
+            else:
+                eager_step(model, optimizer, loss_fn, batch)
+            with step.full_model(writeback=False) if compiled and stage == 3 else contextlib.nullcontext(), \
+                    torch.no_grad():
+                for kept, param in zip(average, model.parameters()):
+                    kept.mul_(0.9).add_(param, alpha=0.1)
+        return average
+    for got, expected in zip(averaged(True), averaged(False)):
+        assert torch.equal(got, expected)
