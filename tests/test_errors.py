@@ -303,3 +303,13 @@ def test_in_place_write_to_a_parameter_in_forward():
                        r"  - parameter 'linear.weight' by mul_ at .*test_errors.py:\d+: self.linear.weight.mul_\(0.5\).*"
                        r"fix: compute a new tensor instead"):
         step(*batches("mlp", 1, 4)[0])
+
+
+def test_a_post_accumulate_grad_hook_is_refused_naming_the_parameter():
+    model = MLP()
+    name, param = next(iter(model.named_parameters()))
+    param.register_post_accumulate_grad_hook(lambda p: None)
+    step = zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), stage=3, loss_fn=F.mse_loss)
+    with pytest.raises(zerocc.CaptureError, match=rf"parameter\(s\) '{name}' have a post-accumulate-grad hook "
+                                                  r"\(register_post_accumulate_grad_hook\): the compiled step never"):
+        step(*batches("mlp", 1, 4)[0])

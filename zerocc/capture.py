@@ -170,6 +170,23 @@ def trained_parameters(model: nn.Module, optimizer: torch.optim.Optimizer) -> li
             if t.requires_grad and id(t) in group_of_id]
 
 
+
+def _gradient_hooks_of(trained) -> list[list]:
+    """Each trained parameter's ``register_hook`` functions, in order: they are traced into the step on its gradient.
+
+    ``register_post_accumulate_grad_hook`` runs after ``.grad`` is accumulated, which the step never does
+    (optimizer-in-backward): refused, naming the parameter.
+    """
+    after_accumulation = [names[0] for names, tensor in trained if getattr(tensor, "_post_accumulate_grad_hooks", None)]
+    if after_accumulation:
+        raise CaptureError(
+            f"parameter(s) {', '.join(repr(n) for n in after_accumulation)} have a post-accumulate-grad hook "
+            "(register_post_accumulate_grad_hook): the compiled step never accumulates .grad, so it would not run. "
+            "Remove it: zerocc's step runs the optimizer itself, after backward (hooks registered with "
+            "register_hook, on the gradient, are traced into the step)")
+    return [list((getattr(tensor, "_backward_hooks", None) or {}).values()) for _, tensor in trained]
+
+
 def trace_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -212,6 +229,7 @@ def trace_step(
     frozen = [(names, t) for names, t in params_all if not (t.requires_grad and id(t) in group_of_id)]
     if not trained:
         raise ConfigError("the model has no parameter that both requires grad and is in the optimizer")
+    gradient_hooks = _gradient_hooks_of(trained)
     parameter_shapes = parameter_shapes or {}
 
     def shape_of(names, tensor):
@@ -244,6 +262,9 @@ def trace_step(
         computed, frozen_computed = params, frozen_params
         if precision is not None:   # forward and backward in param_dtype (zerocc/precision.py)
             computed, frozen_computed, _ = mixed.compute_values(precision, params, frozen_params, ())
+        for value, hooks in zip(computed, gradient_hooks):   # param.register_hook(fn): fn(grad) as eager's backward
+            for hook in hooks:
+                value.register_hook(hook)
         tensors = {}
         for info, value in zip(param_infos, computed):
             tensors[info.name] = value
