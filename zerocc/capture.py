@@ -171,6 +171,23 @@ def trained_parameters(model: nn.Module, optimizer: torch.optim.Optimizer) -> li
 
 
 
+
+def _fake_value_hint(error: BaseException) -> str:
+    """Why a tensor used as a Python number fails while tracing, and the way out (PackedSequence: pad instead)."""
+    if "FakeTensor" not in str(error):
+        return ""
+    hint = ("\n  why: a tensor's value was used where PyTorch needs a Python number (a size, an index); zerocc traces "
+            "the step on fake tensors, which hold no values")
+    tb = error.__traceback__
+    while tb is not None:
+        if any(isinstance(value, torch.nn.utils.rnn.PackedSequence) for value in tb.tb_frame.f_locals.values()):
+            return hint + (" (a PackedSequence's batch_sizes, computed from the lengths, give the RNN's sizes)"
+                           "\n  fix: run the RNN on the padded batch (no pack_padded_sequence) and mask or gather "
+                           "the padded positions, e.g. the last hidden state at index lengths - 1")
+        tb = tb.tb_next
+    return hint + "\n  fix: compute that number outside the step and pass it as a Python int, or keep it a tensor"
+
+
 def _gradient_hooks_of(trained) -> list[list]:
     """Each trained parameter's ``register_hook`` functions, in order: they are traced into the step on its gradient.
 
@@ -333,7 +350,8 @@ def trace_step(
                            f"{recorder.guards[-1].where} on its values")
             raise
         where = user_frame(error.__traceback__) or "(no user frame found)"
-        raise CaptureError(f"tracing the training step failed at {where}: {type(error).__name__}: {error}") from error
+        raise CaptureError(f"tracing the training step failed at {where}: {type(error).__name__}: {error}"
+                           f"{_fake_value_hint(error)}") from error
 
     _refuse_writes_to_parameters(gm, leaves, param_infos, frozen_infos)
     _refuse_writes_to_tensor_attributes(gm, attributes)
