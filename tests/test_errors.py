@@ -303,3 +303,33 @@ def test_in_place_write_to_a_parameter_in_forward():
                        r"  - parameter 'linear.weight' by mul_ at .*test_errors.py:\d+: self.linear.weight.mul_\(0.5\).*"
                        r"fix: compute a new tensor instead"):
         step(*batches("mlp", 1, 4)[0])
+
+
+def test_a_post_accumulate_grad_hook_is_refused_naming_the_parameter():
+    model = MLP()
+    name, param = next(iter(model.named_parameters()))
+    param.register_post_accumulate_grad_hook(lambda p: None)
+    step = zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), stage=3, loss_fn=F.mse_loss)
+    with pytest.raises(zerocc.CaptureError, match=rf"parameter\(s\) '{name}' have a post-accumulate-grad hook "
+                                                  r"\(register_post_accumulate_grad_hook\): the compiled step never"):
+        step(*batches("mlp", 1, 4)[0])
+
+
+class PackedLSTM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lstm = nn.LSTM(4, 4, batch_first=True)
+
+    def forward(self, x, lengths):
+        packed = nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+        _, (hidden, _) = self.lstm(packed)
+        return hidden.square().mean()
+
+
+def test_a_packed_sequence_says_why_it_cannot_be_traced_and_to_pad_instead():
+    model = PackedLSTM()
+    step = zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), stage=3)
+    with pytest.raises(zerocc.CaptureError, match=r"(?s)tracing the training step failed at .*test_errors.py.*self.lstm\(packed\)"
+                                                  r".*why: a tensor's value was used where PyTorch needs a Python number.*"
+                                                  r"PackedSequence's batch_sizes.*fix: run the RNN on the padded batch"):
+        step(torch.randn(3, 5, 4), torch.tensor([5, 2, 4]))

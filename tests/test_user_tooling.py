@@ -244,6 +244,37 @@ def test_a_module_hook_that_only_observes_leaves_the_step_as_eager():
     assert (4, 16) in shapes
 
 
+def _clipped_gradient(grad):
+    return grad.clamp(-0.05, 0.05) * 3.0
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_gradient_hook_on_a_parameter_is_traced(stage, accumulation):
+    """``param.register_hook(fn)`` changes the gradient eager's backward gives that parameter; the step was silently
+    training without it (the hook sat on the user's parameter, not on the traced one)."""
+    model, reference = mlp(), mlp()
+    for net in (model, reference):
+        net[0].weight.register_hook(_clipped_gradient)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    step = zerocc.compile(model, optimizer, stage=stage, loss_fn=F.mse_loss, grad_accumulation=accumulation)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x, y = torch.randn(4, 12, generator=generator), torch.randn(4, 5, generator=generator)
+        reference_optimizer.zero_grad(set_to_none=True)
+        expected = 0
+        for micro_x, micro_y in zip(x.chunk(accumulation), y.chunk(accumulation)):
+            loss = F.mse_loss(reference(micro_x), micro_y) / accumulation
+            loss.backward()
+            expected = expected + loss.detach()
+        reference_optimizer.step()
+        assert torch.equal(step(x, y), expected)
+    full = step.full_state_dict()
+    for key, value in reference.state_dict().items():
+        assert torch.equal(full[key], value), key
+
+
 @pytest.mark.parametrize("wrapped", ["model", "block"])
 @pytest.mark.parametrize("stage", [0, 3])
 def test_a_model_or_block_wrapped_in_torch_compile_is_traced_through_its_own_code(stage, wrapped):

@@ -170,6 +170,40 @@ def trained_parameters(model: nn.Module, optimizer: torch.optim.Optimizer) -> li
             if t.requires_grad and id(t) in group_of_id]
 
 
+
+
+def _fake_value_hint(error: BaseException) -> str:
+    """Why a tensor used as a Python number fails while tracing, and the way out (PackedSequence: pad instead)."""
+    if "FakeTensor" not in str(error):
+        return ""
+    hint = ("\n  why: a tensor's value was used where PyTorch needs a Python number (a size, an index); zerocc traces "
+            "the step on fake tensors, which hold no values")
+    tb = error.__traceback__
+    while tb is not None:
+        if any(isinstance(value, torch.nn.utils.rnn.PackedSequence) for value in tb.tb_frame.f_locals.values()):
+            return hint + (" (a PackedSequence's batch_sizes, computed from the lengths, give the RNN's sizes)"
+                           "\n  fix: run the RNN on the padded batch (no pack_padded_sequence) and mask or gather "
+                           "the padded positions, e.g. the last hidden state at index lengths - 1")
+        tb = tb.tb_next
+    return hint + "\n  fix: compute that number outside the step and pass it as a Python int, or keep it a tensor"
+
+
+def _gradient_hooks_of(trained) -> list[list]:
+    """Each trained parameter's ``register_hook`` functions, in order: they are traced into the step on its gradient.
+
+    ``register_post_accumulate_grad_hook`` runs after ``.grad`` is accumulated, which the step never does
+    (optimizer-in-backward): refused, naming the parameter.
+    """
+    after_accumulation = [names[0] for names, tensor in trained if getattr(tensor, "_post_accumulate_grad_hooks", None)]
+    if after_accumulation:
+        raise CaptureError(
+            f"parameter(s) {', '.join(repr(n) for n in after_accumulation)} have a post-accumulate-grad hook "
+            "(register_post_accumulate_grad_hook): the compiled step never accumulates .grad, so it would not run. "
+            "Remove it: zerocc's step runs the optimizer itself, after backward (hooks registered with "
+            "register_hook, on the gradient, are traced into the step)")
+    return [list((getattr(tensor, "_backward_hooks", None) or {}).values()) for _, tensor in trained]
+
+
 def trace_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -212,6 +246,7 @@ def trace_step(
     frozen = [(names, t) for names, t in params_all if not (t.requires_grad and id(t) in group_of_id)]
     if not trained:
         raise ConfigError("the model has no parameter that both requires grad and is in the optimizer")
+    gradient_hooks = _gradient_hooks_of(trained)
     parameter_shapes = parameter_shapes or {}
 
     def shape_of(names, tensor):
@@ -244,6 +279,9 @@ def trace_step(
         computed, frozen_computed = params, frozen_params
         if precision is not None:   # forward and backward in param_dtype (zerocc/precision.py)
             computed, frozen_computed, _ = mixed.compute_values(precision, params, frozen_params, ())
+        for value, hooks in zip(computed, gradient_hooks):   # param.register_hook(fn): fn(grad) as eager's backward
+            for hook in hooks:
+                value.register_hook(hook)
         tensors = {}
         for info, value in zip(param_infos, computed):
             tensors[info.name] = value
@@ -312,7 +350,8 @@ def trace_step(
                            f"{recorder.guards[-1].where} on its values")
             raise
         where = user_frame(error.__traceback__) or "(no user frame found)"
-        raise CaptureError(f"tracing the training step failed at {where}: {type(error).__name__}: {error}") from error
+        raise CaptureError(f"tracing the training step failed at {where}: {type(error).__name__}: {error}"
+                           f"{_fake_value_hint(error)}") from error
 
     _refuse_writes_to_parameters(gm, leaves, param_infos, frozen_infos)
     _refuse_writes_to_tensor_attributes(gm, attributes)

@@ -15,6 +15,7 @@ are computed in double precision exactly as eager PyTorch does.
 from __future__ import annotations
 
 import contextlib
+import operator
 from typing import Any, Callable
 
 import torch
@@ -220,6 +221,33 @@ def written_values(gm: fx.GraphModule, root: dict[fx.Node, Any]) -> dict[Any, fx
     return written
 
 
+def _writes_its_first_argument(node: fx.Node) -> bool:
+    """An op that updates its first argument in place and returns it (``add_``, ``sigmoid_``)."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return False
+    schema = node.target._schema
+    return (bool(schema.arguments) and schema.arguments[0].alias_info is not None and schema.arguments[0].alias_info.is_write
+            and len(schema.returns) == 1 and schema.returns[0].alias_info is not None
+            and bool(node.args) and isinstance(node.args[0], fx.Node))
+
+
+def _updates_a_fresh_tensor(node: fx.Node) -> bool:
+    """``node`` updates in place a tensor an op made, no view of another and no input of the graph.
+
+    Functionalization rebinds such a tensor alone; an input or a view is written back to its base, which a
+    copy in another layout would not follow.
+    """
+    if not _writes_its_first_argument(node):
+        return False
+    while _writes_its_first_argument(node):
+        node = node.args[0]
+    if node.op == "call_function" and node.target is operator.getitem:
+        node = node.args[0]
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return False
+    return all(r.alias_info is None for r in node.target._schema.returns)
+
+
 def _is_functional(gm: fx.GraphModule) -> bool:
     """No op writes to an input (schema alias marked as written) and none hides a write (batch norm stats)."""
     for node in gm.graph.nodes:
@@ -276,7 +304,31 @@ class _VisibleMutations(fx.Interpreter):
     ``native_batch_norm`` updates its running statistics in place although its
     schema does not say so; replayed as ``batch_norm_with_stats`` plus an
     explicit ``copy_``, functionalization sees the update and returns it.
+
+    An in-place op keeps its tensor's strides; functionalization computes it out of place, whose result is
+    laid out afresh. On a tensor with gaps between its rows (a chunk of ``unsafe_chunk``, as in the CPU GRU
+    cell's ``gates.unsafe_chunk(3, 1)[0].add_(...).sigmoid_()``) the new value is contiguous, and the next
+    vectorized kernel (``sigmoid``) runs over other chunks of elements than eager's and rounds some of them
+    differently. Such a value is copied back into eager's layout (``empty_strided`` + ``copy``): the later
+    ops then see what eager's saw, bit for bit.
     """
+
+    def run_node(self, n: fx.Node) -> Any:
+        result = super().run_node(n)
+        eager = n.meta.get(g.VAL)
+        if (n.op == "call_function" and isinstance(result, torch.Tensor) and isinstance(eager, torch.Tensor)
+                and result.stride() != eager.stride() and _updates_a_fresh_tensor(n)
+                and all(type(x) is int for x in (*eager.shape, *eager.stride()))):
+            result = torch.empty_strided(eager.shape, eager.stride(), dtype=result.dtype,
+                                         device=result.device).copy_(result)
+            node = n
+            while True:   # the updated tensor under every name the graph gives it, as eager's in-place op returns self
+                if node in self.env or node is n:
+                    self.env[node] = result
+                if not _writes_its_first_argument(node):
+                    break
+                node = node.args[0]
+        return result
 
     def call_function(self, target, args, kwargs):
         if target is aten.native_batch_norm.default and args[3] is not None and args[4] is not None:
