@@ -32,6 +32,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from . import compile_stats
 from . import graph as g
 from . import decisions
+from . import optimizer_init
 from .compile_stats import CompileStats
 from .autocast import autocast_as, autocast_state, outside_autocast
 from .batch import BatchLayout
@@ -144,6 +145,7 @@ def capture(model: nn.Module, optimizer: torch.optim.Optimizer, inputs: Sequence
     autocast = options.pop("autocast", None)
     autocast = autocast_state() if autocast is None else autocast
     with suspended_user_tooling(), outside_autocast():
+        optimizer_init.refuse_python_state(optimizer, trained_parameters(model, optimizer))
         return trace_step(model, optimizer, inputs, autocast=autocast, **options)
 
 
