@@ -339,4 +339,11 @@ class _VisibleMutations(fx.Interpreter):
             running_mean.copy_(new_mean)
             running_var.copy_(new_var)
             return out, save_mean, save_invstd
+        if any(isinstance(a, torch.SymFloat) for a in args) and any(
+                isinstance(a, torch.Tensor) and a.is_complex() for a in args):
+            # a complex tensor times a traced Python float (AdamW's decay of a complex parameter by
+            # 1 - lr * weight_decay): the functional op's fake kernel converts the float to complex, which a
+            # symbolic float cannot be; as a 0-dim float64 tensor it promotes and rounds as the Python float does
+            args = tuple(torch.scalar_tensor(a, dtype=torch.float64) if isinstance(a, torch.SymFloat) else a
+                         for a in args)
         return super().call_function(target, args, kwargs)
