@@ -316,9 +316,11 @@ class _VisibleMutations(fx.Interpreter):
     def run_node(self, n: fx.Node) -> Any:
         result = super().run_node(n)
         eager = n.meta.get(g.VAL)
+        # plain sizes first: comparing symbolic strides (a CTC loss's log alpha, sized by an unbacked symbol of
+        # the first trace) would evaluate the first trace's symbols in this one's tracer, which does not know them
         if (n.op == "call_function" and isinstance(result, torch.Tensor) and isinstance(eager, torch.Tensor)
-                and result.stride() != eager.stride() and _updates_a_fresh_tensor(n)
-                and all(type(x) is int for x in (*eager.shape, *eager.stride()))):
+                and all(type(x) is int for x in (*eager.shape, *eager.stride(), *result.stride()))
+                and result.stride() != eager.stride() and _updates_a_fresh_tensor(n)):
             result = torch.empty_strided(eager.shape, eager.stride(), dtype=result.dtype,
                                          device=result.device).copy_(result)
             node = n
