@@ -362,3 +362,27 @@ def test_a_packed_sequence_says_why_it_cannot_be_traced_and_to_pad_instead():
                                                   r".*why: a tensor's value was used where PyTorch needs a Python number.*"
                                                   r"PackedSequence's batch_sizes.*fix: run the RNN on the padded batch"):
         step(torch.randn(3, 5, 4), torch.tensor([5, 2, 4]))
+
+
+class _NormalizesItsInputInPlace(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(12, 5)
+
+    def forward(self, x, labels):
+        x.mul_(0.5)
+        labels[labels < 0] = 0
+        return F.mse_loss(self.linear(x), labels)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_model_writing_into_its_batch_in_place_is_refused(stage):
+    """Eager changes the caller's batch tensor (a batch reused for several steps is halved each time); the program
+    never writes the batch, so it trained differently from the second step on: refused, naming each write."""
+    model = _NormalizesItsInputInPlace()
+    step = zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), stage=stage)
+    x, labels = torch.randn(4, 12), torch.randn(4, 5)
+    with pytest.raises(zerocc.CaptureError, match=r"(?s)writes into its batch in place.*argument 0 by mul_ at "
+                                                  r".*test_errors.py:\d+: x.mul_\(0.5\).*argument 1 by index_put_ "
+                                                  r".*labels\[labels < 0\] = 0.*fix: compute a new tensor"):
+        step(x, labels)
