@@ -22,9 +22,11 @@ from tests.zoo import ZOO, batches  # noqa: E402  (needs transformers)
 # Architectures that fail today, each with the error a user sees; strict, so a fix shows up as a failure here.
 KNOWN_FAILURES: dict[str, tuple[type, str]] = {}
 
-# The default suite trains these two (a rotary grouped-query decoder, a vision transformer; tests/test_moe.py trains
-# Mixtral); the rest of the zoo and the two-rank run are marked slow (python -m pytest -m slow tests/test_model_zoo.py).
-DEFAULT_SLICE = {"llama", "vit"}
+# The default suite trains these three (a rotary grouped-query decoder, a vision transformer, and wav2vec2, whose CTC
+# loss is sized by an unbacked symbol: a tracing change broke it unseen while it ran only under -m slow;
+# tests/test_moe.py trains Mixtral); the rest of the zoo and the two-rank run are marked slow
+# (python -m pytest -m slow tests/test_model_zoo.py).
+DEFAULT_SLICE = {"llama", "vit", "wav2vec2"}
 
 
 def _params():

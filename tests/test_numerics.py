@@ -312,3 +312,43 @@ def test_dropout_on_a_transposed_tensor_draws_eagers_mask(architecture, stage):
         assert torch.equal(step(*batch), expected), number
     for key, value in reference.state_dict().items():
         assert torch.equal(step.full_state_dict()[key], value), key
+
+
+class _SpectralFilter(torch.nn.Module):
+    """A complex parameter: a learned filter applied in the frequency domain (torch.fft)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+        self.filter = torch.nn.Parameter(torch.randn(5, dtype=torch.complex64))
+
+    def forward(self, x, target):
+        spectrum = torch.fft.rfft(self.linear(x), dim=-1) * self.filter
+        return torch.nn.functional.mse_loss(torch.fft.irfft(spectrum, n=8, dim=-1), target)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_complex_parameters_with_adamw_weight_decay_bit_for_bit(stage):
+    """AdamW decays a complex parameter by 1 - lr * weight_decay, a traced Python float times a complex tensor,
+    which the functional op's fake kernel could not convert: the step now traces it and trains as eager does,
+    under a schedule too."""
+    torch.manual_seed(0)
+    model, reference = _SpectralFilter(), _SpectralFilter()
+    reference.load_state_dict(model.state_dict())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+    eager_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.01, weight_decay=0.1)
+    schedules = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in (optimizer, eager_optimizer)]
+    step = zerocc.compile(model, optimizer, stage=stage)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(STEPS):
+        batch = (torch.randn(4, 6, 8, generator=generator), torch.randn(4, 6, 8, generator=generator))
+        eager_optimizer.zero_grad()
+        expected = reference(*batch)
+        expected.backward()
+        eager_optimizer.step()
+        assert torch.equal(step(*batch), expected)
+        for schedule in schedules:
+            schedule.step()
+    full = step.full_state_dict()
+    for key, value in reference.state_dict().items():
+        assert torch.equal(full[key], value), key

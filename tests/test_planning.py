@@ -224,3 +224,20 @@ def test_cli_prints_the_table_and_writes_the_plot(tmp_path, capsys):
     assert len([line for line in out.out.splitlines() if line.strip().startswith(("2 ", "3 "))]) == 4
     assert "capture:" in out.err and "planned stage 3 at world size 8" in out.err
     assert plot.stat().st_size > 1000
+
+
+def test_plan_of_a_meta_model_reports_the_planned_peaks_of_the_cpu_model():
+    """A plan's report() has the compiled step's peak entries; on the meta device no op has an out= kernel, so no
+    arena is made, and the planned peak is then what is alive outside arenas: never below the live peak."""
+    reports = {}
+    for device in ("cpu", "meta"):
+        with torch.device(device):
+            model, _, loss_fn = build("gpt")
+        batch = [t.to(device) for t in batches("gpt", 1, 4)[0]]
+        reports[device] = zerocc.plan(model, torch.optim.AdamW(model.parameters(), lr=1e-2), stage=3, world_size=1,
+                                      loss_fn=loss_fn, example_inputs=batch).report()
+    cpu, meta = reports["cpu"], reports["meta"]
+    assert cpu["memory_pools"] and cpu["planned_peak_bytes"] >= cpu["live_peak_bytes"] > 0
+    assert not meta["memory_pools"]   # no arena on meta
+    assert meta["planned_peak_bytes"] >= meta["live_peak_bytes"]
+    assert abs(meta["planned_peak_bytes"] / cpu["planned_peak_bytes"] - 1) < 0.05

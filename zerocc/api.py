@@ -31,7 +31,7 @@ from .device_budget import DeviceBudget, device_budget
 from .driver import Compiled, fewer_collections, final_peak, run_passes
 from .errors import CompileCacheWarning, ConfigError
 from .hardware import measure_hardware, profile_of
-from .memory_plan import MemoryPlan
+from .memory_plan import MemoryPlan, memory_plan_entries
 from .optimizer_step import hyperparameter_signature, live_layout, live_settings
 from .options import (DEFAULT_BUCKET_BYTES, DEFAULT_MAX_PROGRAMS, CompileOptions, check_model_and_optimizer,
                       check_not_meta, check_stage)
@@ -727,7 +727,7 @@ class CompiledStep:
             "comm_bytes_per_step": comm,
             "collectives_per_step": counts,
             "model_state_bytes_per_rank": model_state_bytes(entry.program.gm, ctx),
-            **_memory_plan_entries(ctx.memory_plan),   # None each with disable=["plan_memory"]
+            **memory_plan_entries(ctx.memory_plan),   # None each with disable=["plan_memory"]
             "arena_bytes": self.arenas.nbytes,
             "measured_peak_bytes": entry.measured_peak_bytes,
             "compile_seconds": round(self.compile_seconds, 3),
@@ -746,16 +746,6 @@ class _Made(NamedTuple):
     state_signature: list         # the optimizer state's structure the program reads (_state_signature_of)
     measured_peak_bytes: int | None = None   # loaded: the peak the storing process measured in its first run
     stored_as: str | None = None             # its entry in the compile cache, if stored or loaded
-
-
-def _memory_plan_entries(memory_plan: MemoryPlan | None) -> dict:
-    """The report's entries read from the memory plan; None each when no plan was made."""
-    if memory_plan is None:
-        return {"memory_pools": False, "planned_peak_bytes": None, "lower_bound_bytes": None,
-                "unplanned_bytes": None, "live_peak_bytes": None}
-    return {"memory_pools": bool(memory_plan.arenas), "planned_peak_bytes": memory_plan.planned_peak_bytes,
-            "lower_bound_bytes": memory_plan.lower_bound_peak_bytes, "unplanned_bytes": memory_plan.unplanned_bytes,
-            "live_peak_bytes": memory_plan.live_peak_bytes}
 
 
 def _state_signature_of(captured: Captured) -> list[dict[str, tuple[bool, torch.dtype]]]:

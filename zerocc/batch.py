@@ -16,29 +16,59 @@ import dataclasses
 from typing import Any, Mapping, Sequence
 
 import torch
+import torch.utils._pytree as pytree
 
 from .errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)
 class BatchLayout:
-    """How a flat batch splits back into the call's positional and keyword arguments."""
+    """How a flat batch splits back into the call's positional and keyword arguments.
+
+    An argument that is a container (a dict of tensors, a nested tuple or list) is flattened into its leaves, as
+    the trace flattens it into placeholders: ``spec`` is then the structure of (positional, keyword values) and
+    ``names`` names each leaf ('argument 0['ids']', 'extra[1][0]='); without containers both stay empty and each
+    argument is one entry.
+    """
     positional: int
     keywords: tuple[str, ...] = ()
+    spec: Any = dataclasses.field(default=None, compare=False)
+    names: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, args: Sequence[Any], kwargs: Mapping[str, Any]) -> "BatchLayout":
-        return cls(len(args), tuple(sorted(kwargs)))
+        keywords = tuple(sorted(kwargs))
+        entries = (tuple(args), tuple(kwargs[name] for name in keywords))
+        if all(pytree.tree_structure(entry).is_leaf() for entry in (*entries[0], *entries[1])):
+            return cls(len(args), keywords)
+        with_paths, spec = pytree.tree_flatten_with_path(entries)
+        names = []
+        for path, _ in with_paths:
+            index, rest = path[1].idx, pytree.keystr(path[2:])
+            names.append(f"argument {index}{rest}" if path[0].idx == 0 else f"{keywords[index]}{rest}=")
+        return cls(len(args), keywords, spec, tuple(names))
 
     def flatten(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[Any]:
-        return [*args, *(kwargs[name] for name in self.keywords)]
+        entries = [*args, *(kwargs[name] for name in self.keywords)]
+        if self.spec is None:
+            return entries
+        return pytree.tree_leaves((tuple(args), tuple(kwargs[name] for name in self.keywords)))
 
     def split(self, flat: Sequence[Any]) -> tuple[list[Any], dict[str, Any]]:
-        return list(flat[:self.positional]), dict(zip(self.keywords, flat[self.positional:]))
+        if self.spec is None:
+            return list(flat[:self.positional]), dict(zip(self.keywords, flat[self.positional:]))
+        args, values = pytree.tree_unflatten(list(flat), self.spec)
+        return list(args), dict(zip(self.keywords, values))
 
     def name_of(self, index: int) -> str:
-        """How an error names a flat entry: 'argument 2' or 'input_ids='."""
+        """How an error names a flat entry: 'argument 2', 'input_ids=' or, in a container, "argument 0['ids']"."""
+        if self.spec is not None:
+            return self.names[index]
         return f"argument {index}" if index < self.positional else f"{self.keywords[index - self.positional]}="
+
+    def structure(self) -> str:
+        """The containers' structure, for a program's signature: '' without containers."""
+        return "" if self.spec is None else str(self.spec)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,5 +135,6 @@ def agreement_lines(batch: Sequence[Any], layout: BatchLayout) -> list[str]:
         if isinstance(value, torch.Tensor):
             return f"{_dtype_name(value.dtype)}{list(value.shape)}"
         return repr(value)
-    return [f"input {i}{'' if i < layout.positional else ' (' + layout.name_of(i) + ')'}: {describe(v)}"
+    named = layout.spec is not None   # containers: every leaf by its name
+    return [f"input {i}{' (' + layout.name_of(i) + ')' if named or i >= layout.positional else ''}: {describe(v)}"
             for i, v in enumerate(batch)]

@@ -32,6 +32,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from . import compile_stats
 from . import graph as g
 from . import decisions
+from . import optimizer_init
 from .compile_stats import CompileStats
 from .autocast import autocast_as, autocast_state, outside_autocast
 from .batch import BatchLayout
@@ -144,6 +145,7 @@ def capture(model: nn.Module, optimizer: torch.optim.Optimizer, inputs: Sequence
     autocast = options.pop("autocast", None)
     autocast = autocast_state() if autocast is None else autocast
     with suspended_user_tooling(), outside_autocast():
+        optimizer_init.refuse_python_state(optimizer, trained_parameters(model, optimizer))
         return trace_step(model, optimizer, inputs, autocast=autocast, **options)
 
 
@@ -354,6 +356,7 @@ def trace_step(
                            f"{_fake_value_hint(error)}") from error
 
     _refuse_writes_to_parameters(gm, leaves, param_infos, frozen_infos)
+    _refuse_writes_to_the_batch(gm, leaves, layout)
     _refuse_writes_to_tensor_attributes(gm, attributes)
     _tag_placeholders(gm, leaves, param_infos, frozen_infos, buffer_infos, state_keys)
     if precision is not None:
@@ -447,6 +450,25 @@ def _refuse_writes_to_parameters(gm, layout, param_infos, frozen_infos) -> None:
             "updates them, so this write would be lost.\n"
             "  fix: compute a new tensor instead (w = w * s), keep the value in a buffer (register_buffer), "
             "or change the parameters outside the step (before compiling, or through load_checkpoint).")
+
+
+def _refuse_writes_to_the_batch(gm, leaves, layout: BatchLayout) -> None:
+    """A batch tensor the model writes in place: eager changes the caller's tensor, the program would not."""
+    from .errors import user_line_of_node
+    problems = []
+    for position, node in sorted(gm.meta.get(g.WRITTEN_INPUTS, {}).items()):
+        role, index, _ = leaves[position]
+        if role == g.ROLE_INPUT:
+            where = user_line_of_node(node) or "(no user frame found)"
+            problems.append(f"  - {layout.name_of(index)} by {g.short_name(node.target)} at {where}")
+    if problems:
+        raise CaptureError(
+            "the model writes into its batch in place during the step:\n" + "\n".join(problems) + "\n"
+            "  why: eager changes your batch tensor, which a later step reusing it (or your code reading it "
+            "afterwards) then sees; the compiled step reads the batch and never writes it, so it would train "
+            "differently.\n"
+            "  fix: compute a new tensor instead (x = x * s, x = x.clamp(...), y = y.masked_fill(...)), or do "
+            "the in-place preprocessing before calling the step.")
 
 
 def tensor_attributes(model: nn.Module) -> dict[int, tuple[str, torch.Tensor]]:

@@ -110,6 +110,7 @@ class MemoryPlan:
     alignment: int = ALIGNMENT_BYTES
     unplanned: tuple[Unplanned, ...] = ()   # storages no pool holds, each with the reason
     arenas: tuple[str, ...] = ()    # pools the runtime allocates once and places outputs in (place_buffers)
+    placed: bool = False            # laid out by place_buffers: what is in no arena is allocated as the step runs
 
     @property
     def planned_bytes(self) -> int:
@@ -157,16 +158,17 @@ class MemoryPlan:
 
         With arenas: the arenas (held all step) plus the most bytes alive at
         once outside them (the slots, the values that replace them, unplanned
-        storages). Without: every pool's planned size, as if each were an arena.
+        storages); laid out for arenas of which none was made (no op could write into one: a plan of a model on
+        the meta device), the same with no arena. Without: every pool's planned size, as if each were an arena.
         """
-        if not self.arenas:
+        if not self.arenas and not self.placed:
             return self.planned_bytes
         return self.arena_bytes + self.outside_peak_bytes
 
     @property
     def lower_bound_peak_bytes(self) -> int:
         """``planned_peak_bytes`` with every arena at its lower bound: what no layout of the same arenas beats."""
-        if not self.arenas:
+        if not self.arenas and not self.placed:
             return self.lower_bound_bytes
         return sum(p.lower_bound_bytes for p in self.pools if p.name in self.arenas) + self.outside_peak_bytes
 
@@ -568,3 +570,13 @@ def _phase_spans(phases: Sequence[str]) -> list[tuple[str, int, int]]:
     if merged:
         merged[-1][2] = len(phases) - 1
     return [tuple(run) for run in merged]
+
+
+def memory_plan_entries(memory_plan: "MemoryPlan | None") -> dict:
+    """A report's entries (a compiled step's, a plan's) read from the memory plan; None each when no plan was made."""
+    if memory_plan is None:
+        return {"memory_pools": False, "planned_peak_bytes": None, "lower_bound_bytes": None,
+                "unplanned_bytes": None, "live_peak_bytes": None}
+    return {"memory_pools": bool(memory_plan.arenas), "planned_peak_bytes": memory_plan.planned_peak_bytes,
+            "lower_bound_bytes": memory_plan.lower_bound_peak_bytes, "unplanned_bytes": memory_plan.unplanned_bytes,
+            "live_peak_bytes": memory_plan.live_peak_bytes}

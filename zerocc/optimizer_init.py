@@ -133,6 +133,56 @@ def _learned(optimizer, group, shape, dtype, device) -> dict[str, InitialValue] 
     return learned
 
 
+def refuse_python_state(optimizer: torch.optim.Optimizer, params: Sequence[tuple[str, torch.Tensor, int]]) -> None:
+    """Refuse an optimizer whose per-parameter state holds a Python value that its later steps depend on.
+
+    The step's program carries only tensor state from step to step: a Python value in the state (a step count
+    kept as an ``int``, an ``initialized`` flag) is made afresh by every traced update, as if each step were the
+    first. Per group, dtype and number of dimensions, two steps on a stand-in parameter are run as eager runs
+    them and again with the Python values dropped between the steps, as the program would: if the parameter or
+    the tensor state differ, the optimizer is refused. A Python value the steps do not depend on is harmless.
+    """
+    from .errors import UnsupportedOptimizerError
+    checked = set()
+    for _, tensor, group in params:
+        kind = (group, tensor.dtype, tensor.dim())
+        if kind in checked:
+            continue
+        checked.add(kind)
+        shape = tuple(range(2, 2 + tensor.dim()))
+        runs = []
+        try:
+            for drop in (False, True):
+                param, *grads = _stand_in(shape, tensor.dtype, "cpu", seed=0)
+                shadow = _shadow(optimizer, group, param)
+                python_values = {}
+                with torch.no_grad():
+                    for grad in grads:
+                        state = shadow.state[param]
+                        if drop:
+                            for key in [key for key, value in state.items() if not isinstance(value, torch.Tensor)]:
+                                python_values[key] = state.pop(key)
+                        param.grad = grad
+                        shadow.step()
+                tensors = sorted((k, v) for k, v in shadow.state[param].items() if isinstance(v, torch.Tensor))
+                runs.append((param.detach(), tensors, python_values))
+        except Exception:   # the trace of the step will say what is wrong
+            continue
+        (eager_param, eager_state, _), (program_param, program_state, dropped) = runs
+        same = torch.equal(eager_param, program_param) and [k for k, _ in eager_state] == [k for k, _ in program_state] \
+            and all(torch.equal(a, b) for (_, a), (_, b) in zip(eager_state, program_state))
+        if dropped and not same:
+            described = ", ".join(f"{key!r} (a Python {type(value).__name__}, {value!r} after the first step)"
+                                  for key, value in dropped.items())
+            raise UnsupportedOptimizerError(
+                f"{type(optimizer).__name__}.step() keeps per-parameter state that is not a tensor: {described}; "
+                f"param group {group}\n"
+                "  why: zerocc traces the update once and carries only tensor state from step to step: every step "
+                "would see the state without it, as if it were the first step, and update differently from eager.\n"
+                "  fix: keep it as a tensor in the state (a count as torch.tensor(0.0), as torch.optim's optimizers "
+                "keep their step), or decide first steps by a tensor's presence (`if 'exp_avg' not in state`).")
+
+
 def initial_state(optimizer: torch.optim.Optimizer,
                   params: Sequence[tuple[str, torch.Tensor, int]]) -> dict[str, dict[str, InitialValue]] | None:
     """Per trained parameter (name, tensor, group), the state the optimizer's first step would create.

@@ -154,7 +154,7 @@ def optimizer_update(
                 f"{name}.step() branches in Python on a value it computes from its state or settings, at {branch}\n"
                 "  why: zerocc traces the update once, on tensors whose values it does not know, and runs it every "
                 "step; a branch on the step count (RAdam's rho_t, ASGD's mu) takes different sides at different "
-                "steps. (Its update is elementwise; it is this branch that cannot be traced.)\n"
+                "steps. (RAdam's and ASGD's updates are otherwise elementwise; it is this branch that cannot be traced.)\n"
                 "  fix: use an optimizer whose step() does not branch on values (SGD, Adam, AdamW, NAdam, Adamax, "
                 "Adagrad, Adadelta, RMSprop, Rprop)."
             ) from error
@@ -177,8 +177,18 @@ def _optimizer_branch(error: BaseException, optimizer_class: type) -> str | None
     from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
     if not isinstance(error, GuardOnDataDependentSymNode):
         return None
-    files = {os.path.abspath(inspect.getsourcefile(cls) or "") for cls in optimizer_class.__mro__
-             if cls not in (torch.optim.Optimizer, object)}   # not the base class's step() wrappers
+    files = set()
+    for cls in optimizer_class.__mro__:
+        if cls in (torch.optim.Optimizer, object):   # not the base class's step() wrappers
+            continue
+        # the files of the class's own functions: torch.optim's public classes (Adafactor) name the package as
+        # their __module__, so the class's source file is not where its step() is
+        functions = [inspect.unwrap(f) for f in vars(cls).values() if callable(f)]
+        for source in (cls, *functions):
+            try:
+                files.add(os.path.abspath(inspect.getsourcefile(source) or ""))
+            except TypeError:
+                continue
     return innermost_frame(traceback.extract_tb(error.__traceback__), files.__contains__)
 
 

@@ -50,6 +50,7 @@ from .context import CompileContext
 from .driver import fewer_collections, run_passes
 from .errors import ConfigError
 from .hardware import profile_of
+from .memory_plan import memory_plan_entries
 from .options import DEFAULT_BUCKET_BYTES, CompileOptions, check_model_and_optimizer, check_stage
 from . import precision as mixed
 from .pipeline import DEFAULT_PREFETCH_BYTES, GraphSnapshot
@@ -251,6 +252,7 @@ class Plan:
             "comm_bytes_per_step": comm,
             "collectives_per_step": counts,
             "model_state_bytes_per_rank": model_state_bytes(self.gm, self.ctx, self.param_dtype),
+            **memory_plan_entries(self.memory_plan),   # the planned peaks a compiled step's report() gives
             "plan_seconds": {k: round(v, 3) for k, v in self.seconds.items()},
             "compile_seconds_by_phase": compile_stats.by_phase([self.compile_stats] if self.compile_stats else []),
             "remat": self.ctx.remat_plan.to_dict() if self.ctx.remat_plan is not None else None,

@@ -65,9 +65,13 @@ def input_signature(batch, layout: BatchLayout) -> tuple:
             entry = (tuple(value.shape), value.dtype, str(value.device), value.requires_grad)
         else:
             entry = ("python", type(value).__name__, repr(value))
-        if index >= layout.positional:
+        if layout.spec is not None:   # containers: each leaf by its name ('argument 0['ids']', 'extra[1]=')
+            entry = ("leaf", layout.name_of(index), entry)
+        elif index >= layout.positional:
             entry = ("keyword", layout.keywords[index - layout.positional], entry)
         signature.append(entry)
+    if layout.spec is not None:
+        signature.append(("structure", layout.structure()))
     return tuple(signature)
 
 
@@ -76,11 +80,13 @@ def describe_signature(signature: tuple) -> str:
     def describe(entry):
         if entry[0] == "keyword":
             return f"{entry[1]}={describe(entry[2])}"
+        if entry[0] == "leaf":
+            return f"{entry[1]}: {describe(entry[2])}"
         if entry[0] == "python":
             return f"{entry[1]} {entry[2]}"
         shape, dtype = entry[0], str(entry[1]).replace("torch.", "")
         return f"{shape} {dtype}"
-    return "shapes " + ", ".join(describe(entry) for entry in signature)
+    return "shapes " + ", ".join(describe(entry) for entry in signature if entry[0] != "structure")
 
 
 class ProgramCache:

@@ -316,9 +316,11 @@ class _VisibleMutations(fx.Interpreter):
     def run_node(self, n: fx.Node) -> Any:
         result = super().run_node(n)
         eager = n.meta.get(g.VAL)
+        # plain sizes first: comparing symbolic strides (a CTC loss's log alpha, sized by an unbacked symbol of
+        # the first trace) would evaluate the first trace's symbols in this one's tracer, which does not know them
         if (n.op == "call_function" and isinstance(result, torch.Tensor) and isinstance(eager, torch.Tensor)
-                and result.stride() != eager.stride() and _updates_a_fresh_tensor(n)
-                and all(type(x) is int for x in (*eager.shape, *eager.stride()))):
+                and all(type(x) is int for x in (*eager.shape, *eager.stride(), *result.stride()))
+                and result.stride() != eager.stride() and _updates_a_fresh_tensor(n)):
             result = torch.empty_strided(eager.shape, eager.stride(), dtype=result.dtype,
                                          device=result.device).copy_(result)
             node = n
@@ -339,4 +341,11 @@ class _VisibleMutations(fx.Interpreter):
             running_mean.copy_(new_mean)
             running_var.copy_(new_var)
             return out, save_mean, save_invstd
+        if any(isinstance(a, torch.SymFloat) for a in args) and any(
+                isinstance(a, torch.Tensor) and a.is_complex() for a in args):
+            # a complex tensor times a traced Python float (AdamW's decay of a complex parameter by
+            # 1 - lr * weight_decay): the functional op's fake kernel converts the float to complex, which a
+            # symbolic float cannot be; as a 0-dim float64 tensor it promotes and rounds as the Python float does
+            args = tuple(torch.scalar_tensor(a, dtype=torch.float64) if isinstance(a, torch.SymFloat) else a
+                         for a in args)
         return super().call_function(target, args, kwargs)

@@ -166,7 +166,8 @@ def arena_layout(gm: fx.GraphModule, plan: MemoryPlan) -> ArenaLayout:
                           tuple(dataclasses.replace(b, offset=arena_offsets[b.name]) for b in members)))
     arenas = tuple(p.name for p in pools if p.name != PERSISTENT_POOL)
     unplanned.sort(key=lambda u: (u.start, u.name))
-    new = dataclasses.replace(plan, pools=tuple(pools), unplanned=tuple(unplanned), arenas=arenas)
+    new = dataclasses.replace(plan, pools=tuple(pools), unplanned=tuple(unplanned), arenas=arenas,
+                              placed=True)
     return ArenaLayout(new, placed, offsets, in_place, devices)
 
 
