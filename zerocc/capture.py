@@ -172,8 +172,6 @@ def trained_parameters(model: nn.Module, optimizer: torch.optim.Optimizer) -> li
             if t.requires_grad and id(t) in group_of_id]
 
 
-
-
 def _fake_value_hint(error: BaseException) -> str:
     """Why a tensor used as a Python number fails while tracing, and the way out (PackedSequence: pad instead)."""
     if "FakeTensor" not in str(error):
@@ -433,16 +431,22 @@ def _splice_optimizer(gm, fake_mode, optimizer, grad_nodes, group_of):
     return new_params, new_states
 
 
+def _writes_into_inputs(gm, leaves, roles) -> list[tuple[str, int, str]]:
+    """Each graph input of ``roles`` an op writes in place: (role, index, 'by <op> at <user line>')."""
+    from .errors import user_line_of_node
+    found = []
+    for position, node in sorted(gm.meta.get(g.WRITTEN_INPUTS, {}).items()):
+        role, index, _ = leaves[position]
+        if role in roles:
+            where = user_line_of_node(node) or "(no user frame found)"
+            found.append((role, index, f"by {g.short_name(node.target)} at {where}"))
+    return found
+
+
 def _refuse_writes_to_parameters(gm, layout, param_infos, frozen_infos) -> None:
     """A parameter written in place inside the step (not by the optimizer) would be silently lost: refuse it."""
-    from .errors import user_line_of_node
-    problems = []
-    for position, node in sorted(gm.meta.get(g.WRITTEN_INPUTS, {}).items()):
-        role, index, _ = layout[position]
-        if role in (g.ROLE_PARAM, g.ROLE_FROZEN):
-            name = (param_infos if role == g.ROLE_PARAM else frozen_infos)[index].name
-            where = user_line_of_node(node) or "(no user frame found)"
-            problems.append(f"  - parameter {name!r} by {g.short_name(node.target)} at {where}")
+    problems = [f"  - parameter {(param_infos if role == g.ROLE_PARAM else frozen_infos)[index].name!r} {how}"
+                for role, index, how in _writes_into_inputs(gm, layout, (g.ROLE_PARAM, g.ROLE_FROZEN))]
     if problems:
         raise CaptureError(
             "the model writes into its parameters in place during the step:\n" + "\n".join(problems) + "\n"
@@ -454,13 +458,7 @@ def _refuse_writes_to_parameters(gm, layout, param_infos, frozen_infos) -> None:
 
 def _refuse_writes_to_the_batch(gm, leaves, layout: BatchLayout) -> None:
     """A batch tensor the model writes in place: eager changes the caller's tensor, the program would not."""
-    from .errors import user_line_of_node
-    problems = []
-    for position, node in sorted(gm.meta.get(g.WRITTEN_INPUTS, {}).items()):
-        role, index, _ = leaves[position]
-        if role == g.ROLE_INPUT:
-            where = user_line_of_node(node) or "(no user frame found)"
-            problems.append(f"  - {layout.name_of(index)} by {g.short_name(node.target)} at {where}")
+    problems = [f"  - {layout.name_of(index)} {how}" for _, index, how in _writes_into_inputs(gm, leaves, (g.ROLE_INPUT,))]
     if problems:
         raise CaptureError(
             "the model writes into its batch in place during the step:\n" + "\n".join(problems) + "\n"

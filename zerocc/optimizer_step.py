@@ -19,6 +19,7 @@ from typing import Sequence
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
+from torch._prims_common import make_contiguous_strides_for
 
 from . import graph as g
 from .tracing import empty_fake, fakeify, make_fake_mode, record_source_lines_of, trace_functional
@@ -460,17 +461,10 @@ def _propagate_fake(node: fx.Node, fake_mode, broadcast: bool = False) -> None:
         shapes = [a.meta[g.VAL].shape for a in node.all_input_nodes if isinstance(a.meta.get(g.VAL), torch.Tensor)]
         shape = tuple(shapes[0] if shapes and all(s == shapes[0] for s in shapes) else
                       torch.broadcast_shapes(*shapes) if shapes else value.shape)
-        node.meta[g.VAL] = empty_fake(fake_mode, shape, _contiguous_strides(shape), value.dtype, value.device)
+        node.meta[g.VAL] = empty_fake(fake_mode, shape, make_contiguous_strides_for(shape), value.dtype,
+                                      value.device)
         return
     node.meta[g.VAL] = empty_fake(fake_mode, value.shape, value.stride(), value.dtype, value.device)
-
-
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides, running = [], 1
-    for size in reversed(shape):
-        strides.append(running)
-        running *= max(size, 1)
-    return tuple(reversed(strides))
 
 
 def initial_state_layout(optimizer: torch.optim.Optimizer,

@@ -118,10 +118,11 @@ def place_remat(gm: fx.GraphModule, ctx: CompileContext, *, memory_budget: int |
         return gm
     started = time.perf_counter()
     multi = _gathers_in_backward(ctx)
-    # Without gathers in backward (one rank, stages 0-2) one family is searched and at most one of its plans fits:
-    # the choice does not depend on time, so a profile still to be measured is not (the named one predicts)
-    profile = (hardware() if multi else named_profile(DEFAULT_HARDWARE)) if callable(hardware) \
-        else hardware or named_profile(DEFAULT_HARDWARE)
+    if callable(hardware):
+        # Without gathers in backward (one rank, stages 0-2) one family is searched and at most one of its plans
+        # fits: the choice does not depend on time, so a profile still to be measured is not (the named one predicts)
+        hardware = hardware() if multi else None
+    profile = hardware or named_profile(DEFAULT_HARDWARE)
     analysis = Recomputation(gm)
     peaks: dict[tuple[frozenset | None, int], _Peak] = {}
     considered: list[ConsideredPlan] = []
