@@ -255,6 +255,10 @@ def test_explain_says_what_the_passes_decided():
     assert "collectives per step: " in text and "all_gather" in text
     assert "model states per rank: params" in text
     assert "01 shard" in text and "02 place_remat" in text and "03 insert_collectives" in text
+    # the decisions as sentences, not dataclass reprs
+    assert "schedule: " in text and "all_gather (" in text and "issued early" in text and "in flight" in text
+    assert "ScheduledCollective(" not in text
+    assert "predicted peak memory: " in text and "at the live peak" in text and "activations" in text
 
 
 def test_custom_pass_example_drops_one_gather():

@@ -154,6 +154,10 @@ class ScheduledCollective:
     prefetched: bool         # issued earlier than insert_collectives placed it
 
 
+# Schedule.prefetch_bytes when a memory budget, not prefetch_bytes, bounds the schedule (no real bound reaches it)
+UNBOUNDED_PREFETCH = 2**62
+
+
 @dataclasses.dataclass(frozen=True)
 class Schedule:
     """When each collective is issued and waited; the issue order is the same on every rank."""
@@ -162,6 +166,23 @@ class Schedule:
     max_gather_bytes_in_flight: int
     max_reduce_bytes_in_flight: int
     kept_buckets: tuple[int, ...] = ()           # stage 3: backward reads forward's gather, not a second one
+
+    def summary(self) -> str:
+        """One line: how many collectives of each kind, how many issued early, the most bytes in flight."""
+        kinds: dict[str, list[int]] = {}
+        for collective in self.collectives:
+            counts = kinds.setdefault(collective.kind, [0, 0])
+            counts[0] += 1
+            counts[1] += collective.prefetched
+        issued = ", ".join(f"{count} {kind} ({early} issued early)" if early else f"{count} {kind}"
+                           for kind, (count, early) in kinds.items())
+        bound = ("no prefetch bound: a memory budget bounds the step" if self.prefetch_bytes >= UNBOUNDED_PREFETCH
+                 else f"prefetch_bytes {self.prefetch_bytes / 1e6:.2f} MB")
+        kept = (f"; forward's gather kept for backward in {len(self.kept_buckets)} buckets"
+                if self.kept_buckets else "")
+        return (f"{issued or 'no collectives'}; at most {self.max_gather_bytes_in_flight / 1e6:.2f} MB gathered "
+                f"and {self.max_reduce_bytes_in_flight / 1e6:.2f} MB unreduced in flight "
+                f"({bound}){kept}")
 
 
 @dataclasses.dataclass(frozen=True)

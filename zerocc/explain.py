@@ -49,9 +49,9 @@ def explain(ctx, history, report: dict) -> str:
     if report.get("accounting", "as compiled") != "as compiled":
         lines.append(f"  ({report['accounting']})")
     memory_plan = getattr(ctx, "memory_plan", None)
-    peak = _peak_by_category(memory_plan)
-    if peak:
-        lines.append("predicted peak memory: " + ", ".join(f"{k} {human(v)}" for k, v in peak.items()))
+    if memory_plan is not None:
+        lines.append(f"predicted peak memory: {human(memory_plan.planned_peak_bytes)} planned; at the live peak "
+                     f"({human(memory_plan.live_peak_bytes)}): " + _alive_at_live_peak(memory_plan))
     return "\n".join(lines)
 
 
@@ -59,12 +59,12 @@ _INTERESTING = {"all_gather_into_tensor", "all_gather_by_send_recv", "reduce_sca
                 "wait_tensor", "unshard", "reduce_gradient"}
 
 
-def _peak_by_category(memory_plan) -> dict[str, int]:
-    """Peak bytes by category from a memory plan's ``to_dict()``, when it says so."""
-    if memory_plan is None or not hasattr(memory_plan, "to_dict"):
-        return {}
-    data = memory_plan.to_dict()
-    for key in ("peak_by_category", "peak_bytes_by_category", "categories"):
-        if isinstance(data.get(key), dict):
-            return {k: v for k, v in data[key].items() if isinstance(v, (int, float))}
-    return {}
+def _alive_at_live_peak(memory_plan) -> str:
+    """The roles alive where the plan's live bytes peak, largest first."""
+    live = memory_plan.live_bytes_by_role()
+    totals = live.total()
+    if not totals:
+        return "nothing"
+    at = max(range(len(totals)), key=totals.__getitem__)
+    alive = sorted(((values[at], role) for role, values in live.by_role.items() if values[at]), reverse=True)
+    return ", ".join(f"{role} {human(nbytes)}" for nbytes, role in alive) or "nothing"

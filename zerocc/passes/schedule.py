@@ -55,10 +55,10 @@ import torch.fx as fx
 from .. import graph as g
 from ..context import CompileContext
 from ..graph import wait_of
-from ..decisions import Schedule, ScheduledCollective
+from ..decisions import UNBOUNDED_PREFETCH, Schedule, ScheduledCollective
 
 # The bound on bytes in flight (and kept from forward) when a memory budget bounds the peak instead.
-UNBOUNDED = 2**62
+UNBOUNDED = UNBOUNDED_PREFETCH
 
 KIND = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
         "all_to_all_single": "reduce_scatter",   # a reduce-scatter on gloo (passes/scatter_by_all_to_all.py)
