@@ -31,35 +31,30 @@ to most recomputation, each the fewest bytes kept for its recompute cost: the
 knapsack over expensive ops by FLOPs per byte, solved exactly for the bytes
 the cut sees.
 
-Each cut is a maximum flow by networkx's default preflow-push.
-Boykov-Kolmogorov is 2.2x faster on the benchmark GPT's network (2.9 s
-against 6.5 s for one program's 46 cuts) with the same plans there, but the
-capacities are floats, and with it the stage-3 two-rank test of
-tests/test_remat.py measured a peak 2.5 kB over its budget (the
-planned peak under it); presumably rounding gave another cut there (not
-verified): kept out.
+Each cut is a maximum flow on one network built once (``analysis/min_cut.py``:
+integer capacities, Dinic's algorithm, each solve of a sweep starting from
+the flow of the one below its price): listing the 98M GPT's 88 plans takes
+0.6 s, where networkx's Boykov-Kolmogorov, rebuilding its residual network
+per cut, took 9.9-16 s for the same plans.
 """
 from __future__ import annotations
 
 import dataclasses
 import operator
 
-import networkx as nx
-from networkx.algorithms.flow import boykov_kolmogorov
 import torch
 import torch.fx as fx
 from torch.utils.flop_counter import flop_registry, sdpa_flop_count
 
 from .. import graph as g
 from .. import ops
+from . import min_cut
 
 aten = torch.ops.aten
 
-# The max-flow algorithm behind every cut. Boykov-Kolmogorov returned the same plans as networkx's default
-# (preflow-push) on the benchmark GPTs and every model of tests/models.py and tests/architectures.py at stage 3,
-# 2.7-4x faster: listing the plans of the 98M GPT took 9.8 s instead of 33.3 s (the sink side of a minimum cut,
-# what reaches the sink in the residual network, is the same for every maximum flow).
-MAX_FLOW = boykov_kolmogorov
+# Capacities are integers (exact flows: analysis/min_cut.py): bytes and priced costs in this many units per byte,
+# fine enough that NEGLIGIBLE times one element written is still a unit.
+_UNITS_PER_BYTE = 2**20
 
 # Attention kernels whose FLOPs the flop counter's registry does not know by this name.
 _ATTENTION = {aten._scaled_dot_product_flash_attention_for_cpu.default}
@@ -201,54 +196,65 @@ class Recomputation:
 
     # -- the network and its cuts --------------------------------------------------------------
 
-    def _build_network(self) -> nx.DiGraph:
-        """The split-node network, prices left out (``cut`` sets the ``source -> in`` edges)."""
-        network = nx.DiGraph()
-        network.add_nodes_from(("source", "sink"))
+    def _build_network(self) -> min_cut.Solver:
+        """The split-node network, prices left out (``cut`` sets the ``source -> in`` arcs' capacities)."""
+        network = min_cut.Network()
+        network.vertex("source")
+        network.vertex("sink")
         # the spread is over the order of forward's ops, the same on every rank: positions in the whole graph
         # count the placeholders and the optimizer region, whose pieces differ by rank, and the different
         # costs gave ranks different plans (then different collectives)
         order = {n: i for i, n in enumerate(n for n in self.forward if n.op != "placeholder")}
         count = max(len(order), 1)
         self._costs: dict[fx.Node, tuple[bool, float]] = {}   # node -> (expensive, position-scaled cost)
+        self._priced: dict[fx.Node, int] = {}                  # node -> its source -> in arc
+        self._stored: dict[fx.Node, int] = {}                  # node -> bytes its in -> out arc carries
         for node in self.forward:
             inside, outside = (node, "in"), (node, "out")
             if node in self.parameter_views:
-                network.add_edge("source", inside)
-                network.add_edge(inside, outside, capacity=0.0)
+                network.add_arc("source", inside)
+                network.add_arc(inside, outside, 0)
             elif node not in self.recomputable:
-                network.add_edge("source", inside)   # unbounded: never recomputed; kept whole if backward reads it
-                network.add_edge(inside, outside, capacity=float(self.bytes_of(node)))
+                network.add_arc("source", inside)   # unbounded: never recomputed; kept whole if backward reads it
+                self._stored[node] = self.bytes_of(node)
+                network.add_arc(inside, outside, self._stored[node] * _UNITS_PER_BYTE)
             else:
                 tuple_valued = isinstance(node.meta.get(g.VAL), (tuple, list))
                 if not (is_alias(node) or tuple_valued):   # a view or a tuple is kept as its storages
-                    network.add_edge(inside, outside, capacity=float(self.bytes_of(node)))
+                    self._stored[node] = self.bytes_of(node)
+                    network.add_arc(inside, outside, self._stored[node] * _UNITS_PER_BYTE)
                 else:
-                    network.add_edge(inside, outside)
+                    network.add_arc(inside, outside)
                 if not is_alias(node):
                     scale = 1.0 + _SPREAD * order[node] / count
                     self._costs[node] = (self.is_expensive(node), float(self.flops(node)) * scale)
+                    self._priced[node] = network.add_arc("source", inside, 0)
             for user in node.users:
                 if self._in_forward(user):
-                    network.add_edge(outside, (user, "in"))
+                    network.add_arc(outside, (user, "in"))
             if node in self.read_by_backward:
-                network.add_edge(outside, "sink")
-        return network
+                network.add_arc(outside, "sink")
+        return min_cut.Solver(network, "source", "sink")
 
     def cut(self, cheap_price: float, expensive_price: float | None) -> Cut:
-        """The plan keeping the fewest bytes plus priced recomputation (expensive ops banned when its price is None)."""
-        network = self._network
+        """The plan keeping the fewest bytes plus priced recomputation (expensive ops banned when its price is None).
+
+        The two sweeps of ``plans`` are the solver's two families: the cheap ops' price rising with expensive
+        ops banned, and the expensive ops' price rising with cheap ops at ``NEGLIGIBLE``.
+        """
+        capacities = {}
         for node, (expensive, cost) in self._costs.items():
-            network.add_edge("source", (node, "in"))
-            edge = network["source"][(node, "in")]
             if expensive and expensive_price is None:
-                edge.pop("capacity", None)   # unbounded
+                capacities[self._priced[node]] = min_cut.INFINITE
             else:
-                edge["capacity"] = (expensive_price if expensive else cheap_price) * cost
-        _, (_, sink_side) = nx.minimum_cut(network, "source", "sink", flow_func=MAX_FLOW)
+                price = expensive_price if expensive else cheap_price
+                capacities[self._priced[node]] = round(price * cost * _UNITS_PER_BYTE)
+        if expensive_price is None:
+            sink_side = self._network.solve(capacities, family="expensive banned", key=cheap_price)
+        else:
+            sink_side = self._network.solve(capacities, family=("cheap at", cheap_price), key=expensive_price)
         recompute = frozenset(n for n in self.recomputable if (n, "in") in sink_side)
-        kept = sum(data.get("capacity", 0.0) for node in self.forward
-                   for data in [network[(node, "in")].get((node, "out"), {})]
+        kept = sum(float(nbytes) for node, nbytes in self._stored.items()
                    if (node, "in") not in sink_side and (node, "out") in sink_side)
         cheap = sum(c for n, (e, c) in self._costs.items() if n in recompute and not e)
         expensive = sum(c for n, (e, c) in self._costs.items() if n in recompute and e)
