@@ -457,6 +457,29 @@ def test_first_fitting_measures_no_sample_past_the_first_that_fits():
     assert max(measured) == 16 and sorted(set(measured) - {16}) == [0, 2, 4, 5, 6]
     assert len(measured) == len(set(measured))
 
+def test_first_fitting_stops_when_the_plans_left_between_are_settled():
+    """The search ends with a plan that fits once ``settled`` says the plans between it and one that does not
+    fit need no measuring (place_remat: none could be predicted meaningfully faster), and only then."""
+    from zerocc.passes.place_remat import _first_fitting
+    for first_fitting in range(12):
+        measured, asked = [], []
+
+        def fits(index):
+            measured.append(index)
+            return index >= first_fitting
+
+        def settled(below, first):
+            asked.append((below, first))
+            assert below == -1 or below in measured and below < first_fitting <= first
+            return first - below <= 4
+        found = _first_fitting(16, fits, settled)
+        below = max([i for i in measured if i < first_fitting], default=-1)
+        assert first_fitting <= found and found - below <= 4 and asked[-1] == (below, found)   # settled said so
+        plain = []
+        assert _first_fitting(16, lambda i: plain.append(i) or i >= first_fitting) == first_fitting
+        assert len(set(measured)) == len(measured) <= 3 < len(plain)
+
+
 def test_the_keep_ladder_search_finds_the_most_that_fits_in_few_measurements():
     """The most bytes kept whose peak fits, as a bisection would find it on any increasing peak; where the peak is
     a line in the bytes kept (as on the 98M GPT) in three measurements or fewer, where bisecting took four."""

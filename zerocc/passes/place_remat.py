@@ -162,6 +162,17 @@ def place_remat(gm: fx.GraphModule, ctx: CompileContext, *, memory_budget: int |
         refusal names the smallest peak measured, which the search then measures as before."""
         return base.bytes - saved(family[-1]) > memory_budget or base.bytes - saved(family[i]) <= memory_budget
 
+    def settled(family: list, keep: int, base: _Peak) -> Callable[[int, int], bool]:
+        """For the search of ``family``: whether the plans between ``family[below]``, found not to fit (-1:
+        ``base``), and ``family[first]``, which fits, are left unmeasured. They recompute more than the one
+        below, so none is predicted faster than it; when the one that fits is within ``NEAR`` of it, ``_choose``
+        would not prefer any of them (they move the same bytes), and measuring them would not change the choice."""
+        def done(below: int, first: int) -> bool:
+            low = base if below < 0 else peaks.get(((family[below] or None), keep))
+            high = peaks.get(((family[first] or None), keep))
+            return low is not None and high is not None and high.seconds <= low.seconds * (1 + NEAR)
+        return done
+
     kept: dict[frozenset, int] = {}
 
     def saved(recompute: frozenset | None) -> int:
@@ -191,7 +202,8 @@ def place_remat(gm: fx.GraphModule, ctx: CompileContext, *, memory_budget: int |
             if peak_of(None, EVERY).bytes - most_saved <= memory_budget:
                 every = peak_of(None, EVERY)
                 first = _first_fitting(len(cheap), lambda i: could_fit(every, cheap, i) and
-                                       peak_of(cheap[i], EVERY).bytes <= memory_budget)
+                                       peak_of(cheap[i], EVERY).bytes <= memory_budget,
+                                       settled(cheap, EVERY, every))
                 if first is not None:
                     consider(cheap[first], EVERY)
         if multi and before.bytes <= memory_budget and could_win(peak_of(None, EVERY)):
@@ -206,7 +218,7 @@ def place_remat(gm: fx.GraphModule, ctx: CompileContext, *, memory_budget: int |
             # 4. the default schedule, the least recomputation that fits
             plans = plans or analysis.plans()
             first = _first_fitting(len(plans), lambda i: could_fit(before, plans, i) and
-                                   peak_of(plans[i]).bytes <= memory_budget)
+                                   peak_of(plans[i]).bytes <= memory_budget, settled(plans, DEFAULT, before))
             if first is not None:
                 consider(plans[first], DEFAULT)
     if not fitting:
@@ -400,11 +412,13 @@ def _highest_over_ranks(peak: _Peak, ctx: CompileContext) -> _Peak:
                                moved_bytes=max(p.moved_bytes for p in every))
 
 
-def _first_fitting(count: int, fits) -> int | None:
+def _first_fitting(count: int, fits, settled: Callable[[int, int], bool] | None = None) -> int | None:
     """The first of ``count`` plans that fits, by binary search (None when none of the sampled ones does).
 
     The peak is not monotone in the plans (copies alive in backward can outweigh what a plan saves): when the
-    last plan does not fit, sample the order and search below the first sample that does.
+    last plan does not fit, sample the order and search below the first sample that does. ``settled(below,
+    first)`` ends the search early with ``first``, which fits, when the plans after ``below``, which does not
+    (-1: none below), need no measuring.
     """
     if count == 0:
         return None
@@ -415,7 +429,7 @@ def _first_fitting(count: int, fits) -> int | None:
         if high is None:
             return None
         low = max([k for k in samples if k < high], default=-1) + 1
-    while low < high:   # invariant: plan high fits
+    while low < high and not (settled and settled(low - 1, high)):   # invariant: plan high fits
         middle = (low + high) // 2
         if fits(middle):
             high = middle
