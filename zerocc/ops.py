@@ -6,7 +6,9 @@ mean and variance inside the kernel without saying so in the op's schema, so
 functionalization would not see it. This op returns the new statistics
 instead, and runs the very same kernel, so numerics are unchanged.
 ``zerocc::bernoulli_in_layout`` draws a dropout mask in its input's memory
-order, as eager's in-place draw does (below).
+order, as eager's in-place draw does (below), and
+``zerocc::binary_cross_entropy_with_logits`` keeps eager's kernel where
+functionalization would swap in another formula.
 """
 from __future__ import annotations
 
@@ -62,6 +64,24 @@ def _bernoulli_in_layout_fake(self, p):
 
 
 bernoulli_in_layout = torch.ops.zerocc.bernoulli_in_layout.default
+
+
+# ``zerocc::binary_cross_entropy_with_logits`` is the aten op under another name. ``torch.func.functionalize`` (the
+# replay in zerocc/tracing.py) swaps the aten op for functorch's own formula (PyTorchOperatorHacks.cpp:
+# ``max_val + log(exp(-max_val) + exp(-x - max_val))``), while eager's kernel computes ``- log_sigmoid(x)``; the two
+# round differently. Under this name functorch leaves it alone and the program runs eager's kernel.
+_lib.define("binary_cross_entropy_with_logits(Tensor self, Tensor target, Tensor? weight=None, "
+            "Tensor? pos_weight=None, int reduction=1) -> Tensor")
+
+
+def _binary_cross_entropy_with_logits(self, target, weight=None, pos_weight=None, reduction=1):
+    return torch.ops.aten.binary_cross_entropy_with_logits.default(self, target, weight, pos_weight, reduction)
+
+
+_lib.impl("binary_cross_entropy_with_logits", _binary_cross_entropy_with_logits, "CompositeExplicitAutograd")
+torch.library.register_fake("zerocc::binary_cross_entropy_with_logits")(_binary_cross_entropy_with_logits)
+
+binary_cross_entropy_with_logits = torch.ops.zerocc.binary_cross_entropy_with_logits.default
 
 
 # Communication markers -------------------------------------------------------

@@ -30,7 +30,7 @@ from . import compile_stats, fake_kernels
 from . import graph as g
 from .compile_stats import CompileStats
 from .data_guards import GuardedShapeEnv
-from .ops import batch_norm_with_stats, bernoulli_in_layout
+from .ops import batch_norm_with_stats, bernoulli_in_layout, binary_cross_entropy_with_logits
 
 aten = torch.ops.aten
 
@@ -304,6 +304,8 @@ class _VisibleMutations(fx.Interpreter):
     ``native_batch_norm`` updates its running statistics in place although its
     schema does not say so; replayed as ``batch_norm_with_stats`` plus an
     explicit ``copy_``, functionalization sees the update and returns it.
+    ``binary_cross_entropy_with_logits`` is replayed under zerocc's name for it, which
+    ``torch.func.functionalize`` does not replace with functorch's formula (zerocc/ops.py).
 
     An in-place op keeps its tensor's strides; functionalization computes it out of place, whose result is
     laid out afresh. On a tensor with gaps between its rows (a chunk of ``unsafe_chunk``, as in the CPU GRU
@@ -341,6 +343,8 @@ class _VisibleMutations(fx.Interpreter):
             running_mean.copy_(new_mean)
             running_var.copy_(new_var)
             return out, save_mean, save_invstd
+        if target is aten.binary_cross_entropy_with_logits.default:   # functorch would swap in its own formula
+            return binary_cross_entropy_with_logits(*args, **kwargs)
         if any(isinstance(a, torch.SymFloat) for a in args) and any(
                 isinstance(a, torch.Tensor) and a.is_complex() for a in args):
             # a complex tensor times a traced Python float (AdamW's decay of a complex parameter by
