@@ -40,7 +40,8 @@ from .pipeline import DEFAULT_PREFETCH_BYTES, GraphSnapshot, dump_dir_of, write_
 from .planning import communication, model_state_bytes
 from .precision import DynamicLossScale
 from .autocast import autocast_state, outside_autocast
-from .program_cache import INITIAL_STATE, CacheEntry, CacheKey, ProgramCache, input_signature, training_modes
+from .program_cache import (INITIAL_STATE, CacheEntry, CacheKey, ProgramCache, hook_ids, input_signature,
+                            training_modes)
 from .runtime import failures
 from .runtime import slots as slot_store
 from .runtime.arenas import Arenas
@@ -275,7 +276,8 @@ class CompiledStep:
             disk_cache.DiskCache(options.cache_dir, model, self.ranks.rank, self.ranks.world_size)
         self.compile_seconds = 0.0
         self._warned_settings = False   # _say_which_settings_changed: once per step
-        self._modules = tuple(model.modules())   # whose training flags each call's program key reads
+        self._modules = tuple(model.modules())   # whose training flags and hooks each call's program key reads
+        self._parameters = tuple(model.parameters())   # whose hooks each call's program key reads
         self.compile_stats: list[CompileStats] = []   # per compiled program: seconds per phase (compile_stats.py)
         self._user_hooks: list = []          # zerocc/user_views.py, installed at the first compile
         self._hardware: HardwareProfile | None = None   # _hardware_profile: measured (or read) when first needed
@@ -404,7 +406,8 @@ class CompiledStep:
 
     def _cache_key(self, batch, layout: BatchLayout) -> CacheKey:
         return CacheKey(input_signature(batch, layout), self.state.state_key(),
-                        hyperparameter_signature(self.optimizer), autocast_state(), training_modes(self._modules))
+                        hyperparameter_signature(self.optimizer), autocast_state(), training_modes(self._modules),
+                        hook_ids(self._modules, self._parameters, frozenset(h.id for h in self._user_hooks)))
 
     def _program_for(self, batch, layout) -> CacheEntry:
         key = self._cache_key(batch, layout)
