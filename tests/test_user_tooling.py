@@ -275,6 +275,45 @@ def test_a_gradient_hook_on_a_parameter_is_traced(stage, accumulation):
         assert torch.equal(full[key], value), key
 
 
+@pytest.mark.parametrize("kind", ["forward", "forward_pre", "full_backward", "parameter"])
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_hook_registered_or_removed_between_steps_trains_as_eager(stage, kind):
+    """Hooks are traced into the program: one registered after the first step was silently left out (the
+    program traced without it ran on), where eager runs it. It now gets its own program, as does its removal."""
+    model = mlp()
+    reference = copy.deepcopy(model)
+    optimizer, reference_optimizer = (torch.optim.AdamW(m.parameters(), lr=0.1) for m in (model, reference))
+    step = zerocc.compile(model, optimizer, stage=stage, loss_fn=F.mse_loss)
+
+    def register(net):
+        if kind == "forward":
+            return net[0].register_forward_hook(lambda module, inputs, output: output * 0.5)
+        if kind == "forward_pre":
+            return net[2].register_forward_pre_hook(lambda module, inputs: (inputs[0] + 1.0,))
+        if kind == "full_backward":
+            return net[2].register_full_backward_hook(lambda module, grad_in, grad_out: (grad_in[0] * 0.25,))
+        return net[0].weight.register_hook(_clipped_gradient)
+    generator = torch.Generator().manual_seed(1)
+    handles, programs = [], []
+    for index in range(4):
+        if index == 1:
+            handles = [register(net) for net in (model, reference)]
+        if index == 3:
+            for handle in handles:
+                handle.remove()
+        x, y = torch.randn(4, 12, generator=generator), torch.randn(4, 5, generator=generator)
+        reference_optimizer.zero_grad(set_to_none=True)
+        expected = F.mse_loss(reference(x), y)
+        expected.backward()
+        reference_optimizer.step()
+        assert torch.equal(step(x, y), expected.detach()), index
+        programs.append(len(step.compile_stats))
+    assert programs[1] == programs[0] + 1 and programs[2] == programs[1]   # the hook compiled once
+    full = step.full_state_dict()
+    for key, value in reference.state_dict().items():
+        assert torch.equal(full[key], value), key
+
+
 @pytest.mark.parametrize("wrapped", ["model", "block"])
 @pytest.mark.parametrize("stage", [0, 3])
 def test_a_model_or_block_wrapped_in_torch_compile_is_traced_through_its_own_code(stage, wrapped):

@@ -40,7 +40,8 @@ from .pipeline import DEFAULT_PREFETCH_BYTES, GraphSnapshot, dump_dir_of, write_
 from .planning import communication, model_state_bytes
 from .precision import DynamicLossScale
 from .autocast import autocast_state, outside_autocast
-from .program_cache import INITIAL_STATE, CacheEntry, CacheKey, ProgramCache, input_signature, training_modes
+from .program_cache import (INITIAL_STATE, CacheEntry, CacheKey, ProgramCache, hook_ids, input_signature,
+                            training_modes)
 from .runtime import failures
 from .runtime import slots as slot_store
 from .runtime.arenas import Arenas
@@ -204,6 +205,52 @@ def _refuse_a_second_step(model: nn.Module, optimizer: torch.optim.Optimizer) ->
                 "zerocc.load_checkpoint(new_step, path)")
 
 
+def _refuse_tensors_another_step_trains(step: "CompiledStep", captured: Captured | None = None) -> None:
+    """A model sharing a parameter with another compiled step's model, trained by either step, is refused.
+
+    Each step keeps what it trains (and the buffers it writes) in its own
+    slots and points the user's module at them, releasing them at stage 3;
+    parameters it does not train it reads from the module. A second step
+    over a model that shares them (a GAN's generator loss reads the
+    discriminator another step trains) would read the values of its own
+    first call forever (stages 0-2) or the released placeholders (stage 3,
+    an obscure failure in tracing), never the other step's updates as eager
+    does. Checked at a step's first compile against every step that has
+    started: parameters before tracing, then (given this step's
+    ``captured``) the buffers either step writes.
+    """
+    others = {id(other): other for ref in list(_OWNERS.values())
+              if (other := ref()) is not None and other is not step and other.state.started}
+    if captured is None:
+        optimized = {id(p) for group in step.optimizer.param_groups for p in group["params"]}
+        ours = {id(t): (names[0], t.requires_grad and id(t) in optimized)
+                for names, t in named_tensors(step.model, "param")}
+    else:
+        written = set(captured.written_buffers)
+        ours = {id(t): (names[0], names[0] in written) for names, t in named_tensors(step.model, "buffer")}
+    kind = "parameter" if captured is None else "buffer"
+    for other in others.values():
+        held = {info.name for info in other.state.captured.params} if captured is None \
+            else set(other.state.captured.written_buffers)
+        theirs = {id(t): (names[0], names[0] in held)
+                  for names, t in named_tensors(other.model, "param" if captured is None else "buffer")}
+        shared = [(ours[i], theirs[i]) for i in ours.keys() & theirs.keys() if ours[i][1] or theirs[i][1]]
+        if not shared:
+            continue
+        verb = "trains" if captured is None else "writes"
+        lines = "\n".join(f"  - {kind} {mine!r}: this step {verb if here else 'reads'} it, the other step "
+                           f"{verb if there else 'reads'} it (as {other_name!r})"
+                           for (mine, here), (other_name, there) in sorted(shared)[:8])
+        raise ConfigError(
+            f"this model shares {len(shared)} {kind}(s) with the model of another compiled step "
+            f"({type(other.model).__name__}, stage {other.stage}), and one of the two steps {verb} them:\n{lines}\n"
+            f"Each step keeps what it {verb} in its own copy, so neither would see the other's updates, where "
+            "eager reads the shared module's current values. Give this model its own frozen copy of the shared "
+            "module (copy.deepcopy(module).requires_grad_(False)) and refresh it in place after every call of "
+            "the other step: `with other_step.full_model(writeback=False): my_copy.load_state_dict("
+            "module.state_dict())` (docs/guide/your-model.md, \"Two steps over one module\")")
+
+
 class CompiledStep:
     """A compiled training step and the sharded state it keeps between calls.
 
@@ -229,7 +276,8 @@ class CompiledStep:
             disk_cache.DiskCache(options.cache_dir, model, self.ranks.rank, self.ranks.world_size)
         self.compile_seconds = 0.0
         self._warned_settings = False   # _say_which_settings_changed: once per step
-        self._modules = tuple(model.modules())   # whose training flags each call's program key reads
+        self._modules = tuple(model.modules())   # whose training flags and hooks each call's program key reads
+        self._parameters = tuple(model.parameters())   # whose hooks each call's program key reads
         self.compile_stats: list[CompileStats] = []   # per compiled program: seconds per phase (compile_stats.py)
         self._user_hooks: list = []          # zerocc/user_views.py, installed at the first compile
         self._hardware: HardwareProfile | None = None   # _hardware_profile: measured (or read) when first needed
@@ -358,7 +406,8 @@ class CompiledStep:
 
     def _cache_key(self, batch, layout: BatchLayout) -> CacheKey:
         return CacheKey(input_signature(batch, layout), self.state.state_key(),
-                        hyperparameter_signature(self.optimizer), autocast_state(), training_modes(self._modules))
+                        hyperparameter_signature(self.optimizer), autocast_state(), training_modes(self._modules),
+                        hook_ids(self._modules, self._parameters, frozenset(h.id for h in self._user_hooks)))
 
     def _program_for(self, batch, layout) -> CacheEntry:
         key = self._cache_key(batch, layout)
@@ -412,6 +461,8 @@ class CompiledStep:
         layout = layout or BatchLayout(len(batch))   # all positional
         state = self.state
         device = self._device_budget()   # every rank, every compile: it is agreed across ranks
+        if not state.started:   # before tracing: stage 3 left another step's parameters released in the module
+            _refuse_tensors_another_step_trains(self)
         if self.disk_cache is not None and key is not None:
             fingerprint = disk_cache.fingerprint(self, key, state.released_shapes, state.plan)
             made = self._load_from_disk(fingerprint, batch, device)
@@ -429,6 +480,7 @@ class CompiledStep:
             program = Program.from_graph(compiled.gm, self.arenas)
         program.guards = captured.guards
         if not state.started:
+            _refuse_tensors_another_step_trains(self, captured)
             state.captured = captured
             state.plan = compiled.ctx.shard_plan
             with compiled.stats.timed(compile_stats.SLOTS):

@@ -80,6 +80,7 @@ class Captured:
     new_state_keys: list[tuple[str, ...]] = dataclasses.field(default_factory=list)
     guards: tuple[DataGuard, ...] = ()  # branches decided on the batch's values, re-checked before every step
     stats: CompileStats = dataclasses.field(default_factory=lambda: CompileStats("capture"))   # seconds per part
+    written_buffers: tuple[str, ...] = ()   # buffers the step writes (BatchNorm's running statistics), by name
 
 
 def named_tensors(model: nn.Module, kind: str) -> list[tuple[tuple[str, ...], torch.Tensor]]:
@@ -377,6 +378,8 @@ def trace_step(
         if grad is not None:   # one node can be the gradient of several (an LSTM's two biases)
             grad.meta[g.GRAD_OF] = grad.meta.get(g.GRAD_OF, ()) + (i,)
     flat_states = [d[k] for d, keys in zip(new_state_dicts, new_state_keys) for k in keys]
+    written_buffers = tuple(info.name for info, new, old in zip(buffer_infos, new_buffer_nodes,
+                                                                g.placeholders(gm, g.ROLE_BUFFER)) if new is not old)
     output = g.output_node(gm)
     output.args = ([loss_node, *new_param_nodes, *new_buffer_nodes, *flat_states],)
     gm.meta[g.OUTPUT_SLOTS] = (
@@ -394,7 +397,7 @@ def trace_step(
     gm.recompile()
     stats.add(compile_stats.CAPTURE_REST, time.perf_counter() - started - stats.total)
     return Captured(gm, param_infos, frozen_infos, buffer_infos, state_keys, len(optimizer.param_groups),
-                    len(inputs), new_state_keys, tuple(recorder.guards), stats)
+                    len(inputs), new_state_keys, tuple(recorder.guards), stats, written_buffers)
 
 
 def _data_dependent_error(where: str | None, why: str) -> CaptureError:

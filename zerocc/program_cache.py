@@ -39,6 +39,7 @@ class CacheKey:
     hyperparameters: tuple    # optimizer_step.hyperparameter_signature: values baked into the graph
     autocast: tuple = ()      # autocast.autocast_state() at the call: the casts traced into forward and loss
     training: tuple = ()      # training_modes(model) at the call: dropout and batch norm are traced per mode
+    hooks: tuple = ()         # hook_ids(model) at the call: the hooks on its modules and parameters are traced
 
 
 @dataclasses.dataclass
@@ -55,6 +56,22 @@ class CacheEntry:
 def training_modes(modules: Sequence[torch.nn.Module]) -> tuple[bool, ...]:
     """Each module's ``training`` flag (the model's ``modules()``, listed once): a mode switch gets its own program."""
     return tuple(module.training for module in modules)
+
+
+def hook_ids(modules: Sequence[torch.nn.Module], parameters: Sequence[torch.Tensor], own: frozenset) -> tuple:
+    """The ids of the hooks registered on the model's modules and parameters, but for zerocc's ``own``.
+
+    Hooks are traced into the program (``zerocc/user_tooling.py``): one registered or removed between steps
+    gets its own program, as a mode switch does, where a program traced without it would silently skip it.
+    """
+    on_modules = tuple((index, ids) for index, module in enumerate(modules)
+                       for hooks in (module._forward_pre_hooks, module._forward_hooks, module._backward_pre_hooks,
+                                     module._backward_hooks)
+                       if hooks and (ids := tuple(key for key in hooks if key not in own)))
+    on_parameters = tuple((index, tuple(hooks)) for index, parameter in enumerate(parameters)
+                          for hooks in (parameter._backward_hooks, getattr(parameter, "_post_accumulate_grad_hooks", None))
+                          if hooks)
+    return on_modules, on_parameters
 
 
 def input_signature(batch, layout: BatchLayout) -> tuple:

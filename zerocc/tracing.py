@@ -303,7 +303,8 @@ class _VisibleMutations(fx.Interpreter):
 
     ``native_batch_norm`` updates its running statistics in place although its
     schema does not say so; replayed as ``batch_norm_with_stats`` plus an
-    explicit ``copy_``, functionalization sees the update and returns it.
+    explicit ``copy_``, functionalization sees the update and returns it. In
+    eval mode (``training`` false) it only reads them and stays as it is.
     ``binary_cross_entropy_with_logits`` is replayed under zerocc's name for it, which
     ``torch.func.functionalize`` does not replace with functorch's formula (zerocc/ops.py).
 
@@ -335,7 +336,7 @@ class _VisibleMutations(fx.Interpreter):
         return result
 
     def call_function(self, target, args, kwargs):
-        if target is aten.native_batch_norm.default and args[3] is not None and args[4] is not None:
+        if target is aten.native_batch_norm.default and args[3] is not None and args[4] is not None and args[5]:
             input, weight, bias, running_mean, running_var, training, momentum, eps = args
             out, save_mean, save_invstd, new_mean, new_var = batch_norm_with_stats(
                 input, weight, bias, running_mean, running_var, training, momentum, eps
