@@ -143,7 +143,7 @@ def test_plan_refuses_bad_settings():
                     example_inputs=batches("mlp", 1, 2)[0])
     with pytest.raises(zerocc.ConfigError, match=r"grad_accumulation=3 does not divide the batch along dim 0"):
         zerocc.plan(model, optimizer, grad_accumulation=3, example_inputs=batches("mlp", 1, 2)[0])
-    with pytest.raises(zerocc.ConfigError, match=r"clip_grad_norm must be a positive finite number"):
+    with pytest.raises(zerocc.ConfigError, match=r"clip_grad_norm must be a positive number"):
         zerocc.plan(model, optimizer, clip_grad_norm=-1.0, example_inputs=batches("mlp", 1, 2)[0])
     with pytest.raises(zerocc.ConfigError, match=r"zerocc.plan does not take group=: a plan runs no collective"):
         zerocc.plan(model, optimizer, group=None, example_inputs=batches("mlp", 1, 2)[0])

@@ -124,6 +124,20 @@ def test_clipping_and_accumulation_together_bit_for_bit():
     assert_same_state(step, reference)
 
 
+@pytest.mark.parametrize("stage", [0, 3])
+def test_an_infinite_clip_reports_the_norm_and_trains_as_eager(stage):
+    """clip_grad_norm=inf, as with clip_grad_norm_(..., inf): the gradient norm to log, the gradients unchanged."""
+    reference, _, loss_fn = build("gpt")
+    reference_optimizer = adamw(reference)
+    model, _, _ = build("gpt")
+    step = zerocc.compile(model, adamw(model), stage=stage, loss_fn=loss_fn, clip_grad_norm=math.inf)
+    for batch in batches("gpt", 3, 8):
+        expected, norm = eager_accumulated_step(reference, reference_optimizer, loss_fn, batch, 1, clip=math.inf)
+        assert torch.equal(step(*batch), expected)
+        assert torch.equal(step.last_grad_norm, norm) and 0 < norm < math.inf
+    assert_same_state(step, reference)
+
+
 def test_without_clipping_there_is_no_norm_and_no_pass():
     model, _, loss_fn = build("mlp")
     step = zerocc.compile(model, adamw(model), loss_fn=loss_fn)

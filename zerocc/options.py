@@ -189,9 +189,10 @@ def check_clipping(max_norm, norm_type) -> tuple[float, float] | None:
     """``(max_norm, norm_type)`` for the clip_gradients pass, or None when no clipping was asked for."""
     if max_norm is None:
         return None
-    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0 or math.isinf(max_norm):
-        raise ConfigError(f"clip_grad_norm must be a positive finite number (the largest global gradient norm "
-                          f"allowed), got {max_norm!r}; leave it None not to clip")
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
+        raise ConfigError(f"clip_grad_norm must be a positive number (the largest global gradient norm allowed; "
+                          f"float('inf') computes the norm, step.last_grad_norm, without clipping), got "
+                          f"{max_norm!r}; leave it None not to clip")
     if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)) or not norm_type > 0:
         raise ConfigError(f"clip_norm_type must be a positive number or float('inf'), got {norm_type!r} "
                           "(2.0 is the Euclidean norm clip_grad_norm_ uses by default)")
