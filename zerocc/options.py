@@ -10,7 +10,6 @@ the options to build the pipeline.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Callable, Sequence
 
 import torch
