@@ -160,7 +160,20 @@ def test_bad_arguments_to_compile():
 def test_loss_fn_returning_a_tensor():
     model = MLP()
     step = zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=lambda out, target: out - target)
-    with pytest.raises(zerocc.CaptureError, match=r"loss_fn returned a tensor of shape \(4, 5\), not a scalar tensor"):
+    with pytest.raises(zerocc.CaptureError, match=r"loss_fn \(.*test_errors.py:\d+\) returned a tensor of shape "
+                       r"\(4, 5\), not a scalar tensor; reduce it"):
+        step(*batches("mlp", 1, 4)[0])
+
+
+def test_loss_fn_returning_the_loss_and_metrics_is_refused_naming_it():
+    def loss_and_metrics(out, target):
+        loss = F.mse_loss(out, target)
+        return loss, {"mae": (out - target).abs().mean()}
+    model = MLP()
+    step = zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=loss_and_metrics)
+    line = loss_and_metrics.__code__.co_firstlineno
+    with pytest.raises(zerocc.CaptureError, match=rf"loss_fn \(.*test_errors.py:{line}\) returned tuple, not a "
+                       r"scalar tensor; the step returns the loss alone: return it alone"):
         step(*batches("mlp", 1, 4)[0])
 
 

@@ -99,7 +99,11 @@ def extract_loss(output: Any, targets: Sequence[Any], loss_fn: Callable | None) 
         if isinstance(loss, torch.Tensor) and loss.dim() == 0:
             return loss
         got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
-        raise CaptureError(f"loss_fn returned {got}, not a scalar tensor; reduce it (e.g. with .mean())")
+        items = loss.values() if isinstance(loss, dict) else loss if isinstance(loss, (tuple, list)) else ()
+        hint = ("; the step returns the loss alone: return it alone, and compute metrics from the step's loss or "
+                "with step.eval_forward(...)" if any(isinstance(i, torch.Tensor) and i.dim() == 0 for i in items)
+                else "; reduce it (e.g. with .mean())")
+        raise CaptureError(f"loss_fn ({_defined_at(loss_fn)}) returned {got}, not a scalar tensor{hint}")
     if isinstance(output, dict) and "loss" in output:
         output = output["loss"]
     elif not isinstance(output, torch.Tensor) and isinstance(getattr(output, "loss", None), torch.Tensor):
@@ -116,6 +120,14 @@ def extract_loss(output: Any, targets: Sequence[Any], loss_fn: Callable | None) 
         "pass loss_fn=... to zerocc.compile (it is called as loss_fn(output, *targets), the targets being the "
         "last num_targets arguments of the step)"
     )
+
+
+def _defined_at(function: Callable) -> str:
+    """Where ``function`` is defined, as file:line (its name when Python does not say)."""
+    code = getattr(getattr(function, "func", function), "__code__", None)   # functools.partial: its function
+    if code is None:
+        return getattr(function, "__qualname__", type(function).__name__)
+    return f"{code.co_filename}:{code.co_firstlineno}"
 
 
 def check_micro_batches(inputs: Sequence[Any], count: int, layout: BatchLayout) -> None:
