@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 import zerocc
 from tests import distributed
 from tests.models import eager_step
-from tests.reference import adamw
+from tests.reference import adamw, eager_accumulated_step
 
 STAGES = (0, 1, 2, 3)
 
@@ -76,6 +76,36 @@ def test_zero_dim_optimizer_state_from_eager_steps_is_picked_up():
     step = zerocc.compile(model, optimizer, stage=3, loss_fn=loss_fn)
     for batch in data[2:]:
         assert torch.equal(step(*batch), eager_step(reference, reference_optimizer, loss_fn, batch))
+    for key, value in reference.state_dict().items():
+        assert torch.equal(step.full_state_dict()[key], value), key
+
+
+class ScaledInput(nn.Module):
+    """The 0-dim parameter used first: its gradient piece comes before the linear layer's in the bucket."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor(0.5))
+        self.linear = nn.Linear(12, 5)
+
+    def forward(self, x):
+        return self.linear(x * self.scale)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_zero_dim_parameter_with_clipping_and_accumulation_bit_for_bit(stage):
+    """Clipping used to fail to compile (a node used before its definition) when a 0-dim parameter was not
+    the last piece of its bucket: the clipped gradient was placed after shard's 0-dim view that reads it."""
+    torch.manual_seed(0)
+    reference = ScaledInput()
+    reference_optimizer = adamw(reference)
+    torch.manual_seed(0)
+    model = ScaledInput()
+    step = zerocc.compile(model, adamw(model), stage=stage, loss_fn=loss_fn, grad_accumulation=2, clip_grad_norm=0.5)
+    for batch in batches(3, 8):
+        expected, norm = eager_accumulated_step(reference, reference_optimizer, loss_fn, batch, 2, clip=0.5)
+        assert torch.equal(step(*batch), expected)
+        assert torch.equal(step.last_grad_norm, norm)
     for key, value in reference.state_dict().items():
         assert torch.equal(step.full_state_dict()[key], value), key
 
