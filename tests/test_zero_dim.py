@@ -110,6 +110,61 @@ def test_zero_dim_parameter_with_clipping_and_accumulation_bit_for_bit(stage):
         assert torch.equal(step.full_state_dict()[key], value), key
 
 
+def scaled_input_step(stage, seed):
+    torch.manual_seed(seed)
+    model = ScaledInput()
+    return zerocc.compile(model, adamw(model), stage=stage, loss_fn=loss_fn)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+@pytest.mark.parametrize("stage", [0, 3])
+def test_checkpoints_of_a_zero_dim_parameter_load_before_and_after_the_first_call_and_export(tmp_path, stage):
+    """A 0-dim parameter used to be saved 0-dim before the first call and as 1 element after it: a
+    checkpoint then failed to load into a fresh step (CheckpointException: size mismatch), and to export."""
+    data = batches(3, 8)
+    original = scaled_input_step(stage, 0)
+    zerocc.save_checkpoint(original, tmp_path / "initial")
+    original(*data[0])
+    zerocc.save_checkpoint(original, tmp_path / "trained")
+    expected = [original(*batch) for batch in data[1:]]
+
+    fresh = scaled_input_step(stage, 7)   # loaded before its first call
+    zerocc.load_checkpoint(fresh, tmp_path / "trained")
+    assert all(torch.equal(fresh(*batch), loss) for batch, loss in zip(data[1:], expected))
+
+    ran = scaled_input_step(stage, 7)     # a checkpoint saved before the first call, loaded after it
+    ran(*data[2])
+    zerocc.load_checkpoint(ran, tmp_path / "initial")
+    for batch in data[:2]:
+        ran(*batch)
+    assert torch.equal(ran(*data[2]), expected[-1])
+
+    zerocc.export_full_state_dict(str(tmp_path / "trained"), str(tmp_path / "model.safetensors"))
+    exported = zerocc.state_dict.read_safetensors(str(tmp_path / "model.safetensors"))
+    plain = ScaledInput()
+    plain.load_state_dict(exported)
+    assert exported["scale"].shape == ()
+
+
+def _save_on_two_ranks(rank, world_size, folder):
+    step = scaled_input_step(3, 0)
+    for batch in batches(2, 8):
+        step(*(t[rank * 4:(rank + 1) * 4] for t in batch))
+    zerocc.save_checkpoint(step, folder)
+    return step.full_state_dict()
+
+
+@pytest.mark.multirank
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_a_zero_dim_parameter_sharded_on_two_ranks_resumes_on_one(tmp_path):
+    saved = distributed.run(_save_on_two_ranks, 2, str(tmp_path / "ckpt"))[0]
+    resumed = scaled_input_step(1, 7)
+    zerocc.load_checkpoint(resumed, tmp_path / "ckpt")   # before the first call
+    for key, value in resumed.model.state_dict().items():
+        assert torch.equal(value, saved[key]), key
+    resumed(*batches(1, 8)[0])
+
+
 def tiny_clip():
     transformers = pytest.importorskip("transformers")
     text = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
