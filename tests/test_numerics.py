@@ -347,6 +347,24 @@ def test_batch_norm_over_a_transposed_sequence_trains_bit_for_bit(stage, memory_
         assert torch.equal(step.full_state_dict()[key], value), key
 
 
+@pytest.mark.parametrize("stage", [0, 3])
+def test_eval_forward_of_a_linear_layer_over_a_transposed_tensor_equals_eager(stage):
+    """``matmul`` folds a strided 3-d input into one ``mm`` when the weight requires grad, and runs ``bmm``
+    otherwise: eval_forward traced over the step's buckets, which do not, and differed from eager by rounding."""
+    torch.manual_seed(0)
+    reference = SequenceBatchNorm()
+    torch.manual_seed(0)
+    model = SequenceBatchNorm()
+    step = zerocc.compile(model, adamw(model), stage=stage, loss_fn=torch.nn.functional.mse_loss)
+    step(torch.randn(4, 6, 8), torch.randn(4, 1))
+    reference.load_state_dict(step.full_state_dict())
+    reference.eval()
+    x = torch.randn(4, 6, 8)
+    assert torch.equal(step.eval_forward(x), reference(x))
+    with torch.no_grad():
+        assert torch.equal(step.eval_forward(x), reference(x))
+
+
 class _SpectralFilter(torch.nn.Module):
     """A complex parameter: a learned filter applied in the frequency domain (torch.fft)."""
 
