@@ -314,6 +314,57 @@ def test_dropout_on_a_transposed_tensor_draws_eagers_mask(architecture, stage):
         assert torch.equal(step.full_state_dict()[key], value), key
 
 
+class SequenceBatchNorm(torch.nn.Module):
+    """BatchNorm1d over a sequence's features (conformer, wav2vec2-style): normalized transposed, then a linear layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear, self.norm, self.head = torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 1)
+
+    def forward(self, x):   # x: (batch, length, 8)
+        return self.head(self.norm(self.linear(x).transpose(1, 2)).transpose(1, 2)).mean(1)
+
+
+@pytest.mark.parametrize("memory_pools", [False, True], ids=["plain", "pools"])
+@pytest.mark.parametrize("stage", [0, 3])
+def test_batch_norm_over_a_transposed_sequence_trains_bit_for_bit(stage, memory_pools):
+    """The CPU batch norm kernel's output is contiguous where its meta kernel kept the transposed input's strides:
+    the trace recorded F.linear's view of a contiguous tensor, and every call failed with "view size is not
+    compatible with input tensor's size and stride" (eager copies the strided tensor and multiplies)."""
+    torch.manual_seed(0)
+    reference = SequenceBatchNorm()
+    torch.manual_seed(0)
+    model = SequenceBatchNorm()
+    reference_optimizer = adamw(reference)
+    step = zerocc.compile(model, adamw(model), stage=stage, loss_fn=torch.nn.functional.mse_loss,
+                          memory_pools=memory_pools)
+    generator = torch.Generator().manual_seed(1)
+    for number in range(3):
+        batch = (torch.randn(4, 6, 8, generator=generator), torch.randn(4, 1, generator=generator))
+        expected = eager_step(reference, reference_optimizer, torch.nn.functional.mse_loss, batch)
+        assert torch.equal(step(*batch), expected), number
+    for key, value in reference.state_dict().items():
+        assert torch.equal(step.full_state_dict()[key], value), key
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_eval_forward_of_a_linear_layer_over_a_transposed_tensor_equals_eager(stage):
+    """``matmul`` folds a strided 3-d input into one ``mm`` when the weight requires grad, and runs ``bmm``
+    otherwise: eval_forward traced over the step's buckets, which do not, and differed from eager by rounding."""
+    torch.manual_seed(0)
+    reference = SequenceBatchNorm()
+    torch.manual_seed(0)
+    model = SequenceBatchNorm()
+    step = zerocc.compile(model, adamw(model), stage=stage, loss_fn=torch.nn.functional.mse_loss)
+    step(torch.randn(4, 6, 8), torch.randn(4, 1))
+    reference.load_state_dict(step.full_state_dict())
+    reference.eval()
+    x = torch.randn(4, 6, 8)
+    assert torch.equal(step.eval_forward(x), reference(x))
+    with torch.no_grad():
+        assert torch.equal(step.eval_forward(x), reference(x))
+
+
 class _SpectralFilter(torch.nn.Module):
     """A complex parameter: a learned filter applied in the frequency domain (torch.fft)."""
 

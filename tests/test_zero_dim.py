@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 import zerocc
 from tests import distributed
 from tests.models import eager_step
-from tests.reference import adamw
+from tests.reference import adamw, eager_accumulated_step
 
 STAGES = (0, 1, 2, 3)
 
@@ -78,6 +78,91 @@ def test_zero_dim_optimizer_state_from_eager_steps_is_picked_up():
         assert torch.equal(step(*batch), eager_step(reference, reference_optimizer, loss_fn, batch))
     for key, value in reference.state_dict().items():
         assert torch.equal(step.full_state_dict()[key], value), key
+
+
+class ScaledInput(nn.Module):
+    """The 0-dim parameter used first: its gradient piece comes before the linear layer's in the bucket."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor(0.5))
+        self.linear = nn.Linear(12, 5)
+
+    def forward(self, x):
+        return self.linear(x * self.scale)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_zero_dim_parameter_with_clipping_and_accumulation_bit_for_bit(stage):
+    """Clipping used to fail to compile (a node used before its definition) when a 0-dim parameter was not
+    the last piece of its bucket: the clipped gradient was placed after shard's 0-dim view that reads it."""
+    torch.manual_seed(0)
+    reference = ScaledInput()
+    reference_optimizer = adamw(reference)
+    torch.manual_seed(0)
+    model = ScaledInput()
+    step = zerocc.compile(model, adamw(model), stage=stage, loss_fn=loss_fn, grad_accumulation=2, clip_grad_norm=0.5)
+    for batch in batches(3, 8):
+        expected, norm = eager_accumulated_step(reference, reference_optimizer, loss_fn, batch, 2, clip=0.5)
+        assert torch.equal(step(*batch), expected)
+        assert torch.equal(step.last_grad_norm, norm)
+    for key, value in reference.state_dict().items():
+        assert torch.equal(step.full_state_dict()[key], value), key
+
+
+def scaled_input_step(stage, seed):
+    torch.manual_seed(seed)
+    model = ScaledInput()
+    return zerocc.compile(model, adamw(model), stage=stage, loss_fn=loss_fn)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+@pytest.mark.parametrize("stage", [0, 3])
+def test_checkpoints_of_a_zero_dim_parameter_load_before_and_after_the_first_call_and_export(tmp_path, stage):
+    """A 0-dim parameter used to be saved 0-dim before the first call and as 1 element after it: a
+    checkpoint then failed to load into a fresh step (CheckpointException: size mismatch), and to export."""
+    data = batches(3, 8)
+    original = scaled_input_step(stage, 0)
+    zerocc.save_checkpoint(original, tmp_path / "initial")
+    original(*data[0])
+    zerocc.save_checkpoint(original, tmp_path / "trained")
+    expected = [original(*batch) for batch in data[1:]]
+
+    fresh = scaled_input_step(stage, 7)   # loaded before its first call
+    zerocc.load_checkpoint(fresh, tmp_path / "trained")
+    assert all(torch.equal(fresh(*batch), loss) for batch, loss in zip(data[1:], expected))
+
+    ran = scaled_input_step(stage, 7)     # a checkpoint saved before the first call, loaded after it
+    ran(*data[2])
+    zerocc.load_checkpoint(ran, tmp_path / "initial")
+    for batch in data[:2]:
+        ran(*batch)
+    assert torch.equal(ran(*data[2]), expected[-1])
+
+    zerocc.export_full_state_dict(str(tmp_path / "trained"), str(tmp_path / "model.safetensors"))
+    exported = zerocc.state_dict.read_safetensors(str(tmp_path / "model.safetensors"))
+    plain = ScaledInput()
+    plain.load_state_dict(exported)
+    assert exported["scale"].shape == ()
+
+
+def _save_on_two_ranks(rank, world_size, folder):
+    step = scaled_input_step(3, 0)
+    for batch in batches(2, 8):
+        step(*(t[rank * 4:(rank + 1) * 4] for t in batch))
+    zerocc.save_checkpoint(step, folder)
+    return step.full_state_dict()
+
+
+@pytest.mark.multirank
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_a_zero_dim_parameter_sharded_on_two_ranks_resumes_on_one(tmp_path):
+    saved = distributed.run(_save_on_two_ranks, 2, str(tmp_path / "ckpt"))[0]
+    resumed = scaled_input_step(1, 7)
+    zerocc.load_checkpoint(resumed, tmp_path / "ckpt")   # before the first call
+    for key, value in resumed.model.state_dict().items():
+        assert torch.equal(value, saved[key]), key
+    resumed(*batches(1, 8)[0])
 
 
 def tiny_clip():

@@ -83,6 +83,16 @@ def eval_forward(step, inputs: tuple, keyword_inputs: dict | None = None) -> Any
         return program.run(step.state.slots, batch)
 
 
+def _trained(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` requiring grad, as a trained parameter does, and so every view of it, under no_grad too.
+
+    Eager's ops read it: ``matmul`` of a strided 3-d input (``F.linear`` after a transpose) folds the batch
+    into one ``mm`` when the weight requires grad and runs ``bmm`` when not, which rounds otherwise.
+    """
+    with torch.no_grad():
+        return tensor.detach().requires_grad_()
+
+
 def _compile(step, batch: list, layout: BatchLayout, autocast: tuple = ()) -> EvalProgram:
     plan, captured, model = step.state.plan, step.state.captured, step.model
     in_plan = {segment.param for bucket in plan.buckets for segment in bucket.segments}
@@ -93,10 +103,13 @@ def _compile(step, batch: list, layout: BatchLayout, autocast: tuple = ()) -> Ev
 
     def forward(buckets, tensors, batch):
         by_name = dict(zip([i.name for i in loose + captured.frozen + captured.buffers], tensors))
+        for info in loose:
+            by_name[info.name] = _trained(by_name[info.name])
         for bucket, flat, gather in zip(plan.buckets, buckets, gathered):
             full = flat
             if gather:   # this rank's shard -> the whole bucket, as the training step's forward gathers it
                 full = c10d.wait_tensor(c10d.all_gather_into_tensor(flat, plan.world_size, step.ranks.group_name))
+            full = _trained(full)
             for segment in bucket.segments:
                 info = captured.params[segment.param]
                 by_name[info.name] = full[segment.offset:segment.offset + segment.numel].view(info.shape)

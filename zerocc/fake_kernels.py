@@ -8,6 +8,8 @@ eager PyTorch runs. Two kinds of op need help here:
   values (CTC loss: its log alpha is 2 x the longest target + 1 wide). Their
   fake kernel returns that size as an unbacked symbol, as ``nonzero`` does in
   torch: the graph then holds one program for every batch.
+- Ops whose meta kernel lays its output out otherwise than the CPU kernel does (batch norm: see
+  ``ZeroccFakeTensorMode``): the trace would record ops that are right for the meta layout only.
 - Ops whose meta kernel refuses what the CPU kernel runs. ``aten._grouped_mm``
   (the grouped GEMM of transformers' mixture-of-experts layers) is one: its
   meta kernel implements the CUDA kernel's checks and demands bf16, while the
@@ -22,7 +24,11 @@ eager PyTorch runs. Two kinds of op need help here:
 from __future__ import annotations
 
 import torch
+from torch._prims_common import suggest_memory_format
 from torch._subclasses.fake_impls import op_implementations_dict
+from torch._subclasses.fake_tensor import FakeTensorMode, _BypassDispatchCache
+
+from . import ops  # noqa: F401  (defines zerocc::batch_norm_with_stats)
 
 aten = torch.ops.aten
 
@@ -118,3 +124,41 @@ def _ctc_loss_backward(grad, log_probs, targets, input_lengths, target_lengths, 
                        zero_infinity=False):
     """The gradient of CTC loss with respect to ``log_probs``: its shape."""
     return torch.empty_like(log_probs)
+
+
+# Batch norms, by the position of the input whose layout the CPU kernel gives its first output
+# (``at::empty_like(input, input.suggest_memory_format())``): the normalized input, or its gradient.
+_BATCH_NORM_INPUT = {
+    aten.native_batch_norm.default: 0,
+    aten._native_batch_norm_legit_no_training.default: 0,
+    aten.native_batch_norm_backward.default: 1,
+    torch.ops.zerocc.batch_norm_with_stats.default: 0,
+}
+
+
+class ZeroccFakeTensorMode(FakeTensorMode):
+    """The fake mode capture traces in: batch norms on CPU lay out their first output as the CPU kernel does.
+
+    Their meta kernels keep the strides of the input (or of the incoming gradient); the CPU kernels return a
+    contiguous tensor unless the input is channels-last. On a transposed input (``bn(x.transpose(1, 2))``, a
+    BatchNorm1d over a sequence's features) the trace then saw a contiguous result after transposing back, and
+    recorded ``F.linear``'s view of it where eager meets a strided tensor and copies: the compiled step failed
+    with "view size is not compatible with input tensor's size and stride". These ops bypass torch's fake
+    tensor cache, which every fake mode of the process shares: other fake modes keep PyTorch's layouts.
+    """
+
+    def _cache_key(self, state, func, args, kwargs):
+        if func in _BATCH_NORM_INPUT:
+            raise _BypassDispatchCache("zerocc: batch norm laid out as its CPU kernel")
+        return super()._cache_key(state, func, args, kwargs)
+
+    def _dispatch_impl(self, func, types, args, kwargs):
+        result = super()._dispatch_impl(func, types, args, kwargs)
+        position = _BATCH_NORM_INPUT.get(func)
+        if position is None or args[position].device.type != "cpu":
+            return result
+        input = args[position]
+        layout = torch.contiguous_format if input.is_contiguous() else suggest_memory_format(input)
+        first, *rest = result
+        with self:
+            return (torch.empty_like(first, memory_format=layout), *rest)

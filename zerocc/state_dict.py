@@ -7,7 +7,9 @@ Format, independent of world size and stage. Every tensor is flattened to
 1-D and keyed by the parameter's fully qualified name (fqn, its first name
 when weights are tied):
 
-    model/<fqn>              parameter, frozen parameter or buffer, flat
+    model/<fqn>              parameter, frozen parameter or buffer, flat (a 0-dim
+                             parameter too, as 1 element: at stage 3 it is a piece of
+                             one rank's shard; a 0-dim buffer stays 0-dim)
     optim/<fqn>/<key>        optimizer-state tensor (``exp_avg``), flat; a
                              0-dim one (Adam's ``step``) stays 0-dim
     zerocc/steps             how many steps the compiled step has run
@@ -44,6 +46,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
@@ -99,7 +102,7 @@ def _parts_before_compile(step) -> dict[str, _Part]:
     parts = {}
     for kind in ("param", "buffer"):
         for names, tensor in named_tensors(step.model, kind):
-            parts[model_key(names[0])] = _whole(model_key(names[0]), tensor.detach())
+            parts[model_key(names[0])] = (_flat if kind == "param" else _whole)(model_key(names[0]), tensor.detach())
             for key, value in step.optimizer.state.get(tensor, {}).items() if kind == "param" else ():
                 if isinstance(value, torch.Tensor):
                     parts[optim_key(names[0], key)] = _whole(optim_key(names[0], key), value.detach())
@@ -118,6 +121,11 @@ def _parts_before_compile(step) -> dict[str, _Part]:
 def _whole(key: str, tensor: torch.Tensor) -> _Part:
     if tensor.dim() == 0:
         return _Part(key, 1, True, [(0, tensor)], None)
+    return _flat(key, tensor)
+
+
+def _flat(key: str, tensor: torch.Tensor) -> _Part:
+    """A tensor held whole, as a flat entry even when it is 0-dim (a parameter, saved flat at every stage)."""
     return _Part(key, tensor.numel(), False, [(0, tensor.reshape(-1))], None)
 
 
@@ -131,7 +139,7 @@ def _parts_of_slots(step) -> dict[str, _Part]:
     for index, info in enumerate(captured.params):
         key = model_key(info.name)
         if index not in bucketed:
-            parts[key] = _whole(key, slots[decisions.param_slot(info.name)])
+            parts[key] = _flat(key, slots[decisions.param_slot(info.name)])
             continue
         bucket, segment = bucketed[index]
         flat = slots[decisions.bucket_slot(bucket.index)]
@@ -162,7 +170,7 @@ def _parts_of_slots(step) -> dict[str, _Part]:
             key = optim_key(owner, state)
             parts[key] = _whole(key, value)
     for info in captured.frozen:
-        parts[model_key(info.name)] = _whole(model_key(info.name), slots[decisions.frozen_slot(info.name)])
+        parts[model_key(info.name)] = _flat(model_key(info.name), slots[decisions.frozen_slot(info.name)])
     for info in captured.buffers:
         parts[model_key(info.name)] = _whole(model_key(info.name), slots[decisions.buffer_slot(info.name)])
     return parts
@@ -489,6 +497,8 @@ def load_checkpoint(step, path: str) -> None:
     for key, entry in saved.items():
         if key not in state and not step.state.started and key.startswith("optim/"):
             state[key] = torch.empty(entry.size, dtype=entry.properties.dtype)
+        elif _one_element_of_another_shape(state.get(key), entry):   # a 0-dim parameter in older checkpoints
+            state[key] = state[key].view(entry.size)
     if not step.state.started:   # before the first step, optimizer state the checkpoint lacks starts afresh
         state = {k: v for k, v in state.items() if k in saved or not k.startswith("optim/")}
     groups_saved = PARAM_GROUPS_KEY in saved
@@ -507,6 +517,12 @@ def load_checkpoint(step, path: str) -> None:
     except CheckpointException as error:   # a BaseException: ``except Exception`` would not see it
         raise CheckpointError(f"loading {path} failed: {_first_line(error)}") from error
     load_state_dict(step, state)
+
+
+def _one_element_of_another_shape(value, saved) -> bool:
+    """Whether ``value`` is a plain one-element tensor saved as 0-dim where it is flat, or the other way round."""
+    return (isinstance(value, torch.Tensor) and not isinstance(value, ShardedTensor) and value.numel() == 1
+            and isinstance(saved, TensorStorageMetadata) and _numel(saved.size) == 1 and value.shape != saved.size)
 
 
 # -- one file for plain PyTorch ----------------------------------------------------
@@ -530,6 +546,7 @@ def export_full_state_dict(checkpoint_dir: str, out_path: str) -> dict:
     with open(os.path.join(checkpoint_dir, META_FILE)) as handle:
         meta = json.load(handle)
     reader = dcp.FileSystemReader(checkpoint_dir)
+    saved = reader.read_metadata().state_dict_metadata
     header, offset = {}, 0
     for name, _, shape, dtype in meta["model"]:
         size = _numel(shape) * getattr(torch, dtype).itemsize
@@ -543,8 +560,8 @@ def export_full_state_dict(checkpoint_dir: str, out_path: str) -> dict:
         with open(partial, "wb") as out:
             out.write(struct.pack("<Q", len(encoded)) + encoded)
             for name, key, shape, dtype in meta["model"]:
-                # a 0-dim tensor (BatchNorm's num_batches_tracked) is saved 0-dim, every other one flat
-                tensor = torch.empty(shape if not shape else [_numel(shape)], dtype=getattr(torch, dtype))
+                # read as saved: flat, or 0-dim (BatchNorm's num_batches_tracked; a 0-dim parameter in older checkpoints)
+                tensor = torch.empty(saved[key].size, dtype=getattr(torch, dtype))
                 try:
                     dcp.load({key: tensor}, storage_reader=reader, no_dist=True)
                 except CheckpointException as error:

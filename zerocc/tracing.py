@@ -90,7 +90,8 @@ def make_fake_mode() -> FakeTensorMode:
     Its ShapeEnv decides branches on batch values while capture records data
     guards (``zerocc/data_guards.py``); otherwise it is torch's own.
     """
-    fake_mode = FakeTensorMode(shape_env=GuardedShapeEnv(allow_scalar_outputs=True), allow_non_fake_inputs=True)
+    fake_mode = fake_kernels.ZeroccFakeTensorMode(shape_env=GuardedShapeEnv(allow_scalar_outputs=True),
+                                                 allow_non_fake_inputs=True)
     fake_kernels.register()
     fake_kernels.mark_zerocc_fake_mode(fake_mode)
     return fake_mode

@@ -49,14 +49,17 @@ def clip_gradients(gm: fx.GraphModule, ctx: CompileContext, *, max_norm: float, 
     slices = {(_reduced_bucket(node, markers), node.args[2]): node for node in graph.nodes
               if node.op == "call_function" and node.target is aten.slice.Tensor
               and node.meta.get(g.PHASE) == g.OPTIMIZER and _reduced_bucket(node, markers) is not None}
-    pieces = []   # (param, offset in param, slice node, shape to view it as)
+    pieces = []   # (param, offset in param, node the optimizer reads, shape to view it as)
     for bucket, _, piece in plan.owned_pieces():
         node = slices[(bucket.index, piece.shard_offset)]
         info = ctx.captured.params[piece.param]
+        if not info.shape:   # a 0-dim parameter: the optimizer reads shard's 0-dim view of the slice
+            (node,) = node.users
         shape = list(info.shape) if piece.numel == info.numel else [piece.numel]
         pieces.append((piece.param, piece.param_offset, node, shape))
     pieces.sort(key=lambda item: item[:2])   # the user's parameter order, as clip_grad_norm_(model.parameters())
     across_ranks = ctx.stage != 0 and ctx.world_size > 1
+    read_as = [node.meta[g.VAL] for _, _, node, _ in pieces]   # each clipped piece replaces a node of its shape
 
     def clip(grads):
         grads = [grad.view(shape) for grad, (*_, shape) in zip(grads, pieces)]
@@ -69,10 +72,10 @@ def clip_gradients(gm: fx.GraphModule, ctx: CompileContext, *, max_norm: float, 
         # torch.nn.utils.clip_grads_with_norm_, line for line (it reads p.grad, which these pieces are)
         clip_coef = max_norm / (total + 1e-6)
         clip_coef_clamped = torch.clamp(clip_coef, max=1.0)
-        return total, [(grad * clip_coef_clamped).reshape(-1) for grad in grads]
+        return total, [(grad * clip_coef_clamped).reshape(read.shape) for grad, read in zip(grads, read_as)]
 
     with ctx.fake_mode:
-        fakes = [torch.empty_like(node.meta[g.VAL]) for _, _, node, _ in pieces]
+        fakes = [torch.empty_like(value) for value in read_as]
     sub, _ = trace_functional(lambda grads: clip(grads), (fakes,), ctx.fake_mode)
 
     anchor = max((node for _, _, node, _ in pieces), key=g.topological_index(gm).get, default=None)
