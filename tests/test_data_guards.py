@@ -82,6 +82,26 @@ def test_a_branch_on_batch_values_that_changes_the_computation_compiles_each_sid
         assert torch.equal(parameter, expected)
 
 
+def test_batches_alternating_between_the_sides_of_a_branch_compile_each_side_once():
+    """Each side's program is kept beside the other's for the same batch shapes: the sides alternate, no recompile."""
+    torch.manual_seed(0)
+    model = ScaledWhenFlagged()
+    reference = copy.deepcopy(model)
+    step = zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=0.1), stage=3)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.1)
+    generator = torch.Generator().manual_seed(1)
+    for index in range(6):
+        batch = (torch.randn(4, 12, generator=generator), torch.tensor([0, index % 2, 0, 0]))
+        assert torch.equal(step(*batch), eager(reference, reference_optimizer, *batch))
+        if index == 1:
+            compile_seconds = step.compile_seconds
+    assert len(step.compile_stats) == 2   # one compile per side
+    assert step.compile_seconds == compile_seconds
+    assert len(step.cache.programs()) == 2
+    for parameter, expected in zip(step.full_state_dict().values(), reference.state_dict().values()):
+        assert torch.equal(parameter, expected)
+
+
 def tiny_wav2vec2_for_ctc():
     transformers = pytest.importorskip("transformers")
     config = transformers.Wav2Vec2Config(

@@ -22,8 +22,9 @@ read a scalar to the host). When a later batch takes the other side, the
 step traces again on that batch: if the other side raises (the validation
 case), the trace raises the user's own exception, before any state was
 touched, and the program compiled before is kept for the next good batch;
-if it does not raise, the new trace is the program for that side (a
-recompile). A condition that reads parameters or activations cannot be
+if it does not raise, the new trace is the program for that side, kept
+beside the first side's (``ProgramCache``, ``zerocc/program_cache.py``: one
+program per side a batch took, for the same shapes). A condition that reads parameters or activations cannot be
 decided before the step runs, so it still fails as data-dependent control
 flow, naming the user's line; so does a decided value that ends up in a
 tensor's shape (the pipeline plans static shapes only).
