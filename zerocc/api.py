@@ -272,11 +272,12 @@ class CompiledStep:
             check_requires_grad_unchanged(state.requires_grad, self.model)
         with self._undone_if_first_call_fails(), \
                 failures.collective_failures(self.ranks, state.steps + 1, self.options.timeout):
-            # every call: a rank whose batch changed shape would compile while the others run a cached program
-            failures.check_batches_agree(self.ranks, agreement_lines(batch, layout))
             key = self._cache_key(batch, layout)
             entry = self.cache.lookup(key, batch)   # checks the program's data guards on this rank's batch
-            if entry is None:
+            # every call: a rank whose batch changed shape, or took another side of a branch on batch values
+            # (zerocc/data_guards.py), would compile while the others run a cached program; one all-reduce checks
+            # the shapes and tells every rank whether any rank missed its cache: then every rank compiles
+            if failures.check_batches_agree(self.ranks, agreement_lines(batch, layout), missed=entry is None):
                 entry = self._compile_for(key, batch, layout)   # compiling compares the program across ranks
             self.cache.use(key, entry)
             if state.param_groups is None:
@@ -365,7 +366,11 @@ class CompiledStep:
                         hyperparameter_signature(self.optimizer), autocast_state(), training_modes(self._modules))
 
     def _compile_for(self, key: CacheKey, batch, layout) -> CacheEntry:
-        """Compile the program for ``key`` and ``batch``'s side of its data guards, and keep it."""
+        """Compile the program for ``key`` and ``batch``'s side of its data guards, and keep it.
+
+        With several ranks, every rank compiles when any missed its cache (its own batch: a rank whose batch
+        took the side it had compiled compiles that side again), so that the compiles' collectives meet.
+        """
         self.cache.check_static_shapes(key.signature)
         self._say_which_settings_changed(key)
         started = time.perf_counter()
