@@ -8,12 +8,14 @@ eager's order. Skipped when transformers is not installed (it is in the
 """
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import zerocc
-from tests.reference import train_eagerly
+from tests.reference import mixed_eager_step, train_eagerly
 
 transformers = pytest.importorskip("transformers")
 
@@ -117,7 +119,7 @@ def keyword_batches(name, generator):
     return dict(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids, use_cache=False)
 
 
-@pytest.mark.parametrize("name", ["gpt2", "t5"])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "t5"])
 def test_a_keyword_batch_trains_bit_for_bit_and_evaluates(name):
     reference = build(name)
     reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3)
@@ -167,3 +169,72 @@ def test_plan_takes_a_keyword_batch_and_plans_what_the_compiled_step_runs():
     for batch in batches:   # the second call compiles the steady state, which the planner plans
         step(**batch)
     assert planned.memory_plan.live_peak_bytes == step.report()["live_peak_bytes"]
+
+
+def mask_batches(masks, generator, steps=4):
+    """(ids, attention_mask, labels) per step: an all-ones mask (a tokenizer's unpadded batch), one padded row, or
+    the two by turns."""
+    batches = []
+    for number in range(steps):
+        ids = torch.randint(0, VOCAB, (4, 16), generator=generator)
+        mask = torch.ones_like(ids)
+        if masks == "padded" or masks == "alternating" and number % 2:
+            mask[1, 12:] = 0
+        batches.append((ids, mask, ids))
+    return batches
+
+
+@pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name, masks", [("llama", "all ones"), ("llama", "padded"), ("llama", "alternating"),
+                                         ("bert", "alternating")])
+def test_an_attention_mask_trains_bit_for_bit_whether_eager_drops_it_or_not(name, masks, param_dtype):
+    """Eager's mask helpers (transformers/masking_utils.py) drop an all-ones mask (SDPA's is_causal instead), which
+    rounds otherwise than the masked kernel (bf16); the branch is decided on the batch (zerocc/data_guards.py):
+    the compiled step takes eager's side, and a padded batch compiles the other side once."""
+    _, _, loss_fn = MODELS[name]
+    reference = build(name)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    model = build(name)
+    step = zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-3), stage=3, loss_fn=loss_fn,
+                          param_dtype=param_dtype)
+    for number, batch in enumerate(mask_batches(masks, torch.Generator().manual_seed(1))):
+        torch.manual_seed(100 + number)
+        expected = mixed_eager_step(reference, reference_optimizer, loss_fn, batch, param_dtype)
+        torch.manual_seed(100 + number)
+        assert torch.equal(step(*batch), expected), number
+    for key, value in reference.state_dict().items():
+        assert torch.equal(step.full_state_dict()[key], value), key
+    assert len(step.compile_stats) == (2 if masks == "alternating" else 1)   # each side compiled once
+
+
+def eager_keyword_step(master, optimizer, batch, dtype):
+    """One eager step of a model that computes its loss from a keyword batch, on a copy of its parameters cast
+    to ``dtype`` (buffers as they are), fp32 gradients to the masters."""
+    low = copy.deepcopy(master)
+    for param in low.parameters():
+        param.data = param.data.to(dtype)
+    loss = low(**batch).loss
+    loss.backward()
+    for param, computed in zip(master.parameters(), low.parameters()):
+        param.grad = computed.grad.to(param.dtype)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
+@pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_llama_without_a_mask_and_with_gradient_checkpointing_trains_bit_for_bit(param_dtype):
+    """use_cache=False and no attention_mask (what activation_checkpointing_enable sets): eager's mask helpers skip
+    the causal mask there too."""
+    reference, model = build("llama"), build("llama")
+    for each in (reference, model):
+        each.activation_checkpointing_enable()   # gradient_checkpointing_enable, renamed
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    step = zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-3), stage=3, param_dtype=param_dtype)
+    generator = torch.Generator().manual_seed(1)
+    for number in range(3):
+        ids = torch.randint(0, VOCAB, (4, 16), generator=generator)
+        batch = dict(input_ids=ids, labels=ids, use_cache=False)
+        assert torch.equal(step(**batch), eager_keyword_step(reference, reference_optimizer, batch, param_dtype)), number
+    for key, value in reference.state_dict().items():
+        assert torch.equal(step.full_state_dict()[key], value), key

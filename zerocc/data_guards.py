@@ -34,13 +34,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import sys
 import traceback
 from typing import Any, Sequence
 
 import sympy
 import torch
 import torch.fx as fx
-from torch.fx.experimental.proxy_tensor import get_proxy_mode
+from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, ShapeEnv
 from torch.utils._python_dispatch import _disable_current_modes
 
@@ -105,6 +106,15 @@ class GuardRecorder:
         self.guards.append(DataGuard(guard_graph, batch_indices, symbols, condition, taken,
                                      user_frame_of_stack() or "(no user frame found)"))
         return taken
+
+    def can_decide_on(self, tensor: torch.Tensor) -> bool:
+        """Whether a branch on ``tensor``'s values can be decided: it is computed from the real batch alone."""
+        mode = get_proxy_mode()
+        slot = get_proxy_slot(tensor, mode.tracer, None) if mode is not None else None
+        if slot is None:
+            return False
+        guard_graph, batch_indices = self._graph_over_batch(mode.tracer.root, mode.tracer.graph, [slot.proxy.node])
+        return guard_graph is not None and all(_is_real(self.batch[i]) for i in batch_indices)
 
     def _graph_over_batch(self, root, graph: fx.Graph, outputs: list[fx.Node]):
         """A copy of ``outputs``' ancestors whose placeholders are batch entries; (None, ()) if any is not."""
@@ -171,14 +181,42 @@ class GuardedShapeEnv(ShapeEnv):
 
 @contextlib.contextmanager
 def recording(fake_mode, recorder: GuardRecorder):
-    """Decide data-dependent branches with ``recorder`` while tracing under ``fake_mode``."""
+    """Decide data-dependent branches with ``recorder`` while tracing under ``fake_mode``, transformers' attention
+    mask shortcuts among them (``_masks_decided_on_the_batch``)."""
     shape_env = fake_mode.shape_env
     assert isinstance(shape_env, GuardedShapeEnv), "make the fake mode with tracing.make_fake_mode"
     shape_env.recorder = recorder
     try:
-        yield recorder
+        with _masks_decided_on_the_batch(recorder):
+            yield recorder
     finally:
         shape_env.recorder = None
+
+
+@contextlib.contextmanager
+def _masks_decided_on_the_batch(recorder: GuardRecorder):
+    """transformers' mask helpers take eager's shortcut on a batch value (no causal mask when the attention mask is all
+    ones: SDPA's ``is_causal`` instead) unless ``is_tracing(mask)``, which a fake tensor is: the traced step ran the
+    masked kernel, which rounds otherwise (in bf16, weights apart within a step). While capture records guards,
+    ``transformers.masking_utils`` sees a fake computed from the real batch alone as no trace, so its branch
+    becomes a data guard and the program computes what eager computes; a batch on the other side compiles that side.
+    """
+    masking = sys.modules.get("transformers.masking_utils")
+    original = getattr(masking, "is_tracing", None)
+    if original is None:
+        yield
+        return
+
+    def is_tracing(tensor=None):
+        if isinstance(tensor, torch.Tensor) and recorder.can_decide_on(tensor):
+            return original()   # torch.compile or torch.jit around the model still count
+        return original(tensor)
+
+    masking.is_tracing = is_tracing
+    try:
+        yield
+    finally:
+        masking.is_tracing = original
 
 
 def user_frame_of_stack() -> str | None:
