@@ -103,8 +103,10 @@ class GuardRecorder:
         if decided not in (sympy.true, sympy.false):
             return None
         taken = bool(decided)
-        self.guards.append(DataGuard(guard_graph, batch_indices, symbols, condition, taken,
-                                     user_frame_of_stack() or "(no user frame found)"))
+        if batch_indices:   # one read of no batch entry (transformers' packed-sequence check on its own arange) is
+            # the same every step: checking it again would cost a host read per step for nothing
+            self.guards.append(DataGuard(guard_graph, batch_indices, symbols, condition, taken,
+                                         user_frame_of_stack() or "(no user frame found)"))
         return taken
 
     def can_decide_on(self, tensor: torch.Tensor) -> bool:
