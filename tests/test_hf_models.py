@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import zerocc
+from tests import distributed
 from tests.reference import mixed_eager_step, train_eagerly
 
 transformers = pytest.importorskip("transformers")
@@ -240,3 +241,38 @@ def test_llama_without_a_mask_and_with_gradient_checkpointing_trains_bit_for_bit
     for key, value in reference.state_dict().items():
         assert torch.equal(step.full_state_dict()[key], value), key
     assert step.cache.last.program.guards == ()
+
+
+def _llama_with_masks_on_ranks(rank, world_size):
+    """Each rank's batches, all-ones masks but a padded row on rank 1 at step 1 and on rank 0 at step 3; the
+    hand-written bf16 reference (fp32 gradients summed across ranks) and the compiled step."""
+    generator = torch.Generator().manual_seed(1)
+    data = []
+    for number in range(4):
+        ids = torch.randint(0, VOCAB, (4 * world_size, 16), generator=generator).chunk(world_size)[rank]
+        mask = torch.ones_like(ids)
+        if (number, rank) in ((1, 1), (3, 0)):
+            mask[1, 12:] = 0
+        data.append((ids, mask, ids))
+    reference = build("llama")
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    expected = [mixed_eager_step(reference, reference_optimizer, causal_lm_loss, batch, torch.bfloat16,
+                                 world_size=world_size) for batch in data]
+    model = build("llama")
+    step = zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-3), stage=3, loss_fn=causal_lm_loss,
+                          param_dtype=torch.bfloat16, reduce_dtype=torch.float32, timeout=60)
+    losses = [step(*batch) for batch in data]
+    return expected, losses, reference.state_dict(), step.full_state_dict(), len(step.compile_stats)
+
+
+@pytest.mark.multirank
+def test_llama_with_a_padded_batch_on_one_rank_trains_as_the_reference_on_two_ranks():
+    """The mask shortcut is decided per rank's batch: a rank whose batch is padded takes the masked side while the
+    other takes eager's shortcut, and every rank compiles when one's side has no program yet."""
+    for rank, (expected, losses, expected_state, state, compiles) in enumerate(
+            distributed.run(_llama_with_masks_on_ranks, 2, timeout=300)):
+        torch.testing.assert_close(torch.stack(losses), torch.stack(expected), rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"rank {rank} losses: {m}")
+        for key, value in expected_state.items():
+            torch.testing.assert_close(state[key], value, rtol=1e-4, atol=1e-5, msg=lambda m: f"rank {rank} {key}: {m}")
+        assert compiles == 3   # the first batch, and each step one rank's batch took the other side (both ranks)
