@@ -9,6 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import zerocc
+from tests import distributed
 from tests.reference import eager
 
 
@@ -80,6 +81,58 @@ def test_a_branch_on_batch_values_that_changes_the_computation_compiles_each_sid
         assert torch.equal(step(*batch), eager(reference, reference_optimizer, *batch))
     for parameter, expected in zip(step.full_state_dict().values(), reference.state_dict().values()):
         assert torch.equal(parameter, expected)
+
+
+def test_batches_alternating_between_the_sides_of_a_branch_compile_each_side_once():
+    """Each side's program is kept beside the other's for the same batch shapes: the sides alternate, no recompile."""
+    torch.manual_seed(0)
+    model = ScaledWhenFlagged()
+    reference = copy.deepcopy(model)
+    step = zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=0.1), stage=3)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.1)
+    generator = torch.Generator().manual_seed(1)
+    for index in range(6):
+        batch = (torch.randn(4, 12, generator=generator), torch.tensor([0, index % 2, 0, 0]))
+        assert torch.equal(step(*batch), eager(reference, reference_optimizer, *batch))
+        if index == 1:
+            compile_seconds = step.compile_seconds
+    assert len(step.compile_stats) == 2   # one compile per side
+    assert step.compile_seconds == compile_seconds
+    assert len(step.cache.programs()) == 2
+    for parameter, expected in zip(step.full_state_dict().values(), reference.state_dict().values()):
+        assert torch.equal(parameter, expected)
+
+
+def _one_rank_takes_the_other_side(rank, world_size):
+    from torch.nn.parallel import DistributedDataParallel
+    generator = torch.Generator().manual_seed(1)
+    flagged = {2: 1, 4: 0}   # step -> the one rank whose batch takes the other side there
+    data = []
+    for index in range(6):
+        x = torch.randn(4 * world_size, 12, generator=generator).chunk(world_size)[rank]
+        data.append((x, torch.tensor([0, int(flagged.get(index) == rank), 0, 0])))
+    torch.manual_seed(0)
+    model = ScaledWhenFlagged()
+    reference = copy.deepcopy(model)
+    ddp = DistributedDataParallel(reference)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.1)
+    expected = [eager(ddp, reference_optimizer, *batch) for batch in data]
+    step = zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=0.1), stage=3, timeout=60)
+    losses = [step(*batch) for batch in data]
+    return losses, expected, step.full_state_dict(), reference.state_dict(), len(step.compile_stats)
+
+
+@pytest.mark.multirank
+def test_a_branch_taking_another_side_on_one_rank_compiles_on_every_rank_and_trains_as_ddp():
+    """A rank that misses its cache alone would compile while the others run their program: the compile's
+    collectives would wait for them until the timeout. Every rank learns of the miss in the call's batch check."""
+    for rank, (losses, expected, state, expected_state, compiles) in enumerate(
+            distributed.run(_one_rank_takes_the_other_side, 2, timeout=300)):
+        torch.testing.assert_close(torch.stack(losses), torch.stack(expected), rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"rank {rank} losses: {m}")
+        for name, value in expected_state.items():
+            torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank} {name}: {m}")
+        assert compiles == 3   # the first batch, and the two steps one rank's batch took the other side (both ranks)
 
 
 def tiny_wav2vec2_for_ctc():

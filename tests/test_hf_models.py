@@ -8,12 +8,15 @@ eager's order. Skipped when transformers is not installed (it is in the
 """
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import zerocc
-from tests.reference import train_eagerly
+from tests import distributed
+from tests.reference import mixed_eager_step, train_eagerly
 
 transformers = pytest.importorskip("transformers")
 
@@ -117,7 +120,7 @@ def keyword_batches(name, generator):
     return dict(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids, use_cache=False)
 
 
-@pytest.mark.parametrize("name", ["gpt2", "t5"])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "t5"])
 def test_a_keyword_batch_trains_bit_for_bit_and_evaluates(name):
     reference = build(name)
     reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3)
@@ -167,3 +170,109 @@ def test_plan_takes_a_keyword_batch_and_plans_what_the_compiled_step_runs():
     for batch in batches:   # the second call compiles the steady state, which the planner plans
         step(**batch)
     assert planned.memory_plan.live_peak_bytes == step.report()["live_peak_bytes"]
+
+
+def mask_batches(masks, generator, steps=4):
+    """(ids, attention_mask, labels) per step: an all-ones mask (a tokenizer's unpadded batch), one padded row, or
+    the two by turns."""
+    batches = []
+    for number in range(steps):
+        ids = torch.randint(0, VOCAB, (4, 16), generator=generator)
+        mask = torch.ones_like(ids)
+        if masks == "padded" or masks == "alternating" and number % 2:
+            mask[1, 12:] = 0
+        batches.append((ids, mask, ids))
+    return batches
+
+
+@pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name, masks", [("llama", "all ones"), ("llama", "padded"), ("llama", "alternating"),
+                                         ("bert", "alternating")])
+def test_an_attention_mask_trains_bit_for_bit_whether_eager_drops_it_or_not(name, masks, param_dtype):
+    """Eager's mask helpers (transformers/masking_utils.py) drop an all-ones mask (SDPA's is_causal instead), which
+    rounds otherwise than the masked kernel (bf16); the branch is decided on the batch (zerocc/data_guards.py):
+    the compiled step takes eager's side, and a padded batch compiles the other side once."""
+    _, _, loss_fn = MODELS[name]
+    reference = build(name)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    model = build(name)
+    step = zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-3), stage=3, loss_fn=loss_fn,
+                          param_dtype=param_dtype)
+    for number, batch in enumerate(mask_batches(masks, torch.Generator().manual_seed(1))):
+        torch.manual_seed(100 + number)
+        expected = mixed_eager_step(reference, reference_optimizer, loss_fn, batch, param_dtype)
+        torch.manual_seed(100 + number)
+        assert torch.equal(step(*batch), expected), number
+    for key, value in reference.state_dict().items():
+        assert torch.equal(step.full_state_dict()[key], value), key
+    assert len(step.compile_stats) == (2 if masks == "alternating" else 1)   # each side compiled once
+
+
+def eager_keyword_step(master, optimizer, batch, dtype):
+    """One eager step of a model that computes its loss from a keyword batch, on a copy of its parameters cast
+    to ``dtype`` (buffers as they are), fp32 gradients to the masters."""
+    low = copy.deepcopy(master)
+    for param in low.parameters():
+        param.data = param.data.to(dtype)
+    loss = low(**batch).loss
+    loss.backward()
+    for param, computed in zip(master.parameters(), low.parameters()):
+        param.grad = computed.grad.to(param.dtype)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
+@pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_llama_without_a_mask_and_with_gradient_checkpointing_trains_bit_for_bit(param_dtype):
+    """use_cache=False and no attention_mask (what activation_checkpointing_enable sets): eager's mask helpers skip
+    the causal mask there too; deciding whether the positions are packed sequences needs no guard (the positions
+    are the model's own arange, the same every step)."""
+    reference, model = build("llama"), build("llama")
+    for each in (reference, model):
+        each.activation_checkpointing_enable()   # gradient_checkpointing_enable, renamed
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    step = zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-3), stage=3, param_dtype=param_dtype)
+    generator = torch.Generator().manual_seed(1)
+    for number in range(3):
+        ids = torch.randint(0, VOCAB, (4, 16), generator=generator)
+        batch = dict(input_ids=ids, labels=ids, use_cache=False)
+        assert torch.equal(step(**batch), eager_keyword_step(reference, reference_optimizer, batch, param_dtype)), number
+    for key, value in reference.state_dict().items():
+        assert torch.equal(step.full_state_dict()[key], value), key
+    assert step.cache.last.program.guards == ()
+
+
+def _llama_with_masks_on_ranks(rank, world_size):
+    """Each rank's batches, all-ones masks but a padded row on rank 1 at step 1 and on rank 0 at step 3; the
+    hand-written bf16 reference (fp32 gradients summed across ranks) and the compiled step."""
+    generator = torch.Generator().manual_seed(1)
+    data = []
+    for number in range(4):
+        ids = torch.randint(0, VOCAB, (4 * world_size, 16), generator=generator).chunk(world_size)[rank]
+        mask = torch.ones_like(ids)
+        if (number, rank) in ((1, 1), (3, 0)):
+            mask[1, 12:] = 0
+        data.append((ids, mask, ids))
+    reference = build("llama")
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    expected = [mixed_eager_step(reference, reference_optimizer, causal_lm_loss, batch, torch.bfloat16,
+                                 world_size=world_size) for batch in data]
+    model = build("llama")
+    step = zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-3), stage=3, loss_fn=causal_lm_loss,
+                          param_dtype=torch.bfloat16, reduce_dtype=torch.float32, timeout=60)
+    losses = [step(*batch) for batch in data]
+    return expected, losses, reference.state_dict(), step.full_state_dict(), len(step.compile_stats)
+
+
+@pytest.mark.multirank
+def test_llama_with_a_padded_batch_on_one_rank_trains_as_the_reference_on_two_ranks():
+    """The mask shortcut is decided per rank's batch: a rank whose batch is padded takes the masked side while the
+    other takes eager's shortcut, and every rank compiles when one's side has no program yet."""
+    for rank, (expected, losses, expected_state, state, compiles) in enumerate(
+            distributed.run(_llama_with_masks_on_ranks, 2, timeout=300)):
+        torch.testing.assert_close(torch.stack(losses), torch.stack(expected), rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"rank {rank} losses: {m}")
+        for key, value in expected_state.items():
+            torch.testing.assert_close(state[key], value, rtol=1e-4, atol=1e-5, msg=lambda m: f"rank {rank} {key}: {m}")
+        assert compiles == 3   # the first batch, and each step one rank's batch took the other side (both ranks)

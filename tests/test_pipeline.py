@@ -59,7 +59,7 @@ def test_the_program_holds_only_the_constants_it_reads(stage, monkeypatch):
     model = MLP()
     step = zerocc.compile(model, torch.optim.Adam(model.parameters(), lr=1e-2), stage=stage, loss_fn=F.mse_loss)
     step(*batches("mlp", 1, 4)[0])
-    for program in [entry.program for entry in step.cache.entries.values()]:
+    for program in [entry.program for entry in step.cache.programs()]:
         read = {node.target for node in program.gm.graph.nodes if node.op == "get_attr"}
         held = {name for name, _ in program.gm.named_buffers()}
         assert read and held == read

@@ -320,9 +320,14 @@ class CompiledStep:
             check_requires_grad_unchanged(state.requires_grad, self.model)
         with self._undone_if_first_call_fails(), \
                 failures.collective_failures(self.ranks, state.steps + 1, self.options.timeout):
-            # every call: a rank whose batch changed shape would compile while the others run a cached program
-            failures.check_batches_agree(self.ranks, agreement_lines(batch, layout))
-            entry = self._program_for(batch, layout)   # compiling compares the program across ranks
+            key = self._cache_key(batch, layout)
+            entry = self.cache.lookup(key, batch)   # checks the program's data guards on this rank's batch
+            # every call: a rank whose batch changed shape, or took another side of a branch on batch values
+            # (zerocc/data_guards.py), would compile while the others run a cached program; one all-reduce checks
+            # the shapes and tells every rank whether any rank missed its cache: then every rank compiles
+            if failures.check_batches_agree(self.ranks, agreement_lines(batch, layout), missed=entry is None):
+                entry = self._compile_for(key, batch, layout)   # compiling compares the program across ranks
+            self.cache.use(key, entry)
             if state.param_groups is None:
                 state.param_groups = param_groups_of(self.optimizer)   # what the buckets are laid out for
                 state.requires_grad = requires_grad_of(self.model)   # what is trained, what is kept frozen
@@ -392,7 +397,7 @@ class CompiledStep:
             for slot in created:
                 del slots[slot]
             # the next step is a first step again: the same program
-            self.cache.entries[self._cache_key(batch, layout)] = entry
+            self.cache.add(self._cache_key(batch, layout), entry, batch)
 
     @property
     def loss_scale(self) -> float | None:
@@ -409,24 +414,25 @@ class CompiledStep:
                         hyperparameter_signature(self.optimizer), autocast_state(), training_modes(self._modules),
                         hook_ids(self._modules, self._parameters, frozenset(h.id for h in self._user_hooks)))
 
-    def _program_for(self, batch, layout) -> CacheEntry:
-        key = self._cache_key(batch, layout)
-        found = self.cache.lookup(key, batch)
-        if found is None:
-            self.cache.check_static_shapes(key.signature)
-            self._say_which_settings_changed(key)
-            started = time.perf_counter()
-            # the user's MemTracker, profilers, global hooks (zerocc/user_tooling.py)
-            with suspended_user_tooling(), fewer_collections(), outside_autocast():
-                found = self._compile(batch, layout, autocast=key.autocast, key=key)
-            self.compile_seconds += time.perf_counter() - started
-            self.cache.entries[key] = found
-            if key.state == INITIAL_STATE and (self.state.state_key() or found.reads_initial_state):
-                # traced with existing state (a checkpoint loaded before the first call, or the optimizer's initial
-                # state the step made): it is the steady state's program
-                self.cache.entries[dataclasses.replace(key, state=self.state.state_key())] = found
-            self.cache.evict_beyond_limit(key.signature)
-        self.cache.use(key, found)
+    def _compile_for(self, key: CacheKey, batch, layout) -> CacheEntry:
+        """Compile the program for ``key`` and ``batch``'s side of its data guards, and keep it.
+
+        With several ranks, every rank compiles when any missed its cache (its own batch: a rank whose batch
+        took the side it had compiled compiles that side again), so that the compiles' collectives meet.
+        """
+        self.cache.check_static_shapes(key.signature)
+        self._say_which_settings_changed(key)
+        started = time.perf_counter()
+        # the user's MemTracker, profilers, global hooks (zerocc/user_tooling.py)
+        with suspended_user_tooling(), fewer_collections(), outside_autocast():
+            found = self._compile(batch, layout, autocast=key.autocast, key=key)
+        self.compile_seconds += time.perf_counter() - started
+        self.cache.add(key, found, batch)
+        if key.state == INITIAL_STATE and (self.state.state_key() or found.reads_initial_state):
+            # traced with existing state (a checkpoint loaded before the first call, or the optimizer's initial
+            # state the step made): it is the steady state's program
+            self.cache.add(dataclasses.replace(key, state=self.state.state_key()), found, batch)
+        self.cache.evict_beyond_limit(key.signature, keep=found)
         return found
 
     def _say_which_settings_changed(self, key: CacheKey) -> None:

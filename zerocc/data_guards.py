@@ -22,8 +22,9 @@ read a scalar to the host). When a later batch takes the other side, the
 step traces again on that batch: if the other side raises (the validation
 case), the trace raises the user's own exception, before any state was
 touched, and the program compiled before is kept for the next good batch;
-if it does not raise, the new trace is the program for that side (a
-recompile). A condition that reads parameters or activations cannot be
+if it does not raise, the new trace is the program for that side, kept
+beside the first side's (``ProgramCache``, ``zerocc/program_cache.py``: one
+program per side a batch took, for the same shapes). A condition that reads parameters or activations cannot be
 decided before the step runs, so it still fails as data-dependent control
 flow, naming the user's line; so does a decided value that ends up in a
 tensor's shape (the pipeline plans static shapes only).
@@ -33,13 +34,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import sys
 import traceback
 from typing import Any, Sequence
 
 import sympy
 import torch
 import torch.fx as fx
-from torch.fx.experimental.proxy_tensor import get_proxy_mode
+from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, ShapeEnv
 from torch.utils._python_dispatch import _disable_current_modes
 
@@ -101,9 +103,20 @@ class GuardRecorder:
         if decided not in (sympy.true, sympy.false):
             return None
         taken = bool(decided)
-        self.guards.append(DataGuard(guard_graph, batch_indices, symbols, condition, taken,
-                                     user_frame_of_stack() or "(no user frame found)"))
+        if batch_indices:   # one read of no batch entry (transformers' packed-sequence check on its own arange) is
+            # the same every step: checking it again would cost a host read per step for nothing
+            self.guards.append(DataGuard(guard_graph, batch_indices, symbols, condition, taken,
+                                         user_frame_of_stack() or "(no user frame found)"))
         return taken
+
+    def can_decide_on(self, tensor: torch.Tensor) -> bool:
+        """Whether a branch on ``tensor``'s values can be decided: it is computed from the real batch alone."""
+        mode = get_proxy_mode()
+        slot = get_proxy_slot(tensor, mode.tracer, None) if mode is not None else None
+        if slot is None:
+            return False
+        guard_graph, batch_indices = self._graph_over_batch(mode.tracer.root, mode.tracer.graph, [slot.proxy.node])
+        return guard_graph is not None and all(_is_real(self.batch[i]) for i in batch_indices)
 
     def _graph_over_batch(self, root, graph: fx.Graph, outputs: list[fx.Node]):
         """A copy of ``outputs``' ancestors whose placeholders are batch entries; (None, ()) if any is not."""
@@ -170,14 +183,42 @@ class GuardedShapeEnv(ShapeEnv):
 
 @contextlib.contextmanager
 def recording(fake_mode, recorder: GuardRecorder):
-    """Decide data-dependent branches with ``recorder`` while tracing under ``fake_mode``."""
+    """Decide data-dependent branches with ``recorder`` while tracing under ``fake_mode``, transformers' attention
+    mask shortcuts among them (``_masks_decided_on_the_batch``)."""
     shape_env = fake_mode.shape_env
     assert isinstance(shape_env, GuardedShapeEnv), "make the fake mode with tracing.make_fake_mode"
     shape_env.recorder = recorder
     try:
-        yield recorder
+        with _masks_decided_on_the_batch(recorder):
+            yield recorder
     finally:
         shape_env.recorder = None
+
+
+@contextlib.contextmanager
+def _masks_decided_on_the_batch(recorder: GuardRecorder):
+    """transformers' mask helpers take eager's shortcut on a batch value (no causal mask when the attention mask is all
+    ones: SDPA's ``is_causal`` instead) unless ``is_tracing(mask)``, which a fake tensor is: the traced step ran the
+    masked kernel, which rounds otherwise (in bf16, weights apart within a step). While capture records guards,
+    ``transformers.masking_utils`` sees a fake computed from the real batch alone as no trace, so its branch
+    becomes a data guard and the program computes what eager computes; a batch on the other side compiles that side.
+    """
+    masking = sys.modules.get("transformers.masking_utils")
+    original = getattr(masking, "is_tracing", None)
+    if original is None:
+        yield
+        return
+
+    def is_tracing(tensor=None):
+        if isinstance(tensor, torch.Tensor) and recorder.can_decide_on(tensor):
+            return original()   # torch.compile or torch.jit around the model still count
+        return original(tensor)
+
+    masking.is_tracing = is_tracing
+    try:
+        yield
+    finally:
+        masking.is_tracing = original
 
 
 def user_frame_of_stack() -> str | None:

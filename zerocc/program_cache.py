@@ -7,9 +7,10 @@ caller's ``torch.autocast`` state (``zerocc/autocast.py``) and which modules
 are in training mode (``model.train()``/``model.eval()``: dropout, batch norm). Each
 ``CacheEntry`` holds the program, the decisions the passes made (``ctx``),
 the graph after every pass, and the peak of live bytes its first run
-measured. At most ``max_programs`` distinct programs are kept (the least
-recently used is dropped with a warning); ``static_shapes`` makes a new
-batch signature an error instead.
+measured. A key keeps one program per side of its data guards
+(``zerocc/data_guards.py``) that a batch took. At most ``max_programs``
+distinct programs are kept (the least recently used is dropped with a
+warning); ``static_shapes`` makes a new batch signature an error instead.
 """
 from __future__ import annotations
 
@@ -107,30 +108,45 @@ def describe_signature(signature: tuple) -> str:
 
 
 class ProgramCache:
-    """Entries by key, least recently used first; ``last`` is the entry the last call ran."""
+    """Programs by key, keys least recently used first; ``last`` is the entry the last call ran.
+
+    A key holds one program per side of its data guards (``zerocc/data_guards.py``) that a batch took: a branch on
+    batch values whose sides both train (no side raises) compiles each side once, and batches alternating between
+    them run the two programs, most recently used last in the key's list.
+    """
 
     def __init__(self, max_programs: int, static_shapes: bool):
         self.max_programs = max_programs
         self.static_shapes = static_shapes
-        self.entries: collections.OrderedDict[CacheKey, CacheEntry] = collections.OrderedDict()
+        self.entries: collections.OrderedDict[CacheKey, list[CacheEntry]] = collections.OrderedDict()
         self.last: CacheEntry | None = None
 
     def lookup(self, key: CacheKey, batch) -> CacheEntry | None:
-        """The entry compiled for ``key`` whose data guards hold on ``batch`` (zerocc/data_guards.py), or None."""
-        found = self.entries.get(key)
-        if found is not None and not all_hold(found.program.guards, batch):
-            return None   # the batch takes another side of a branch decided on values: trace it again
-        return found
+        """The entry compiled for ``key`` whose data guards hold on ``batch`` (zerocc/data_guards.py), or None:
+        the batch takes a side of a branch decided on values that no program was traced on yet."""
+        for entry in reversed(self.entries.get(key, ())):
+            if all_hold(entry.program.guards, batch):
+                return entry
+        return None
+
+    def add(self, key: CacheKey, entry: CacheEntry, batch) -> None:
+        """Keep ``entry`` for ``key`` and the side of the data guards ``batch`` takes, in place of the entry
+        ``batch`` found there before, if any."""
+        kept = self.entries.setdefault(key, [])
+        kept[:] = [e for e in kept if e is not entry and not all_hold(e.program.guards, batch)]
+        kept.append(entry)
+        self.entries.move_to_end(key)
 
     def use(self, key: CacheKey, entry: CacheEntry) -> None:
-        """``entry`` runs for ``key`` now: most recently used, and the last one run."""
-        self.entries[key] = entry
+        """``entry`` (kept for ``key``) runs now: most recently used, and the last one run."""
+        kept = self.entries[key]
+        kept[:] = [e for e in kept if e is not entry] + [entry]
         self.entries.move_to_end(key)
         self.last = entry
 
     def programs(self) -> list[CacheEntry]:
-        """Every distinct entry (one program may be kept under several keys)."""
-        return list({id(entry.program): entry for entry in self.entries.values()}.values())
+        """Every distinct entry (one program may be kept under several keys; a key may keep several)."""
+        return list({id(entry.program): entry for kept in self.entries.values() for entry in kept}.values())
 
     def check_static_shapes(self, signature: tuple) -> None:
         """static_shapes=True: a batch unlike the one compiled is an error, not a new program."""
@@ -142,12 +158,16 @@ class ProgramCache:
                 "shape (the last batch of an epoch: drop_last=True), or compile with static_shapes=False to compile "
                 "a program per shape")
 
-    def evict_beyond_limit(self, signature: tuple) -> None:
-        """Keep at most ``max_programs`` programs, dropping the least recently used with a warning."""
+    def evict_beyond_limit(self, signature: tuple, keep: CacheEntry) -> None:
+        """Keep at most ``max_programs`` programs, ``keep`` (the one just compiled) among them, dropping the least
+        recently used with a warning (the least recently used of the least recently used key's)."""
         while len(self.programs()) > self.max_programs:
-            old_key, old = next(iter(self.entries.items()))
-            for key in [k for k, entry in self.entries.items() if entry.program is old.program]:
-                del self.entries[key]
+            old_key, old = next((key, entry) for key, kept in self.entries.items() for entry in kept
+                                if entry.program is not keep.program)
+            for key in list(self.entries):
+                self.entries[key] = [entry for entry in self.entries[key] if entry.program is not old.program]
+                if not self.entries[key]:
+                    del self.entries[key]
             warnings.warn(
                 f"zerocc: more than max_programs={self.max_programs} compiled programs (a new batch of "
                 f"{describe_signature(signature)}); dropped the least recently used, compiled for "

@@ -188,25 +188,28 @@ def smallest_over_ranks(ranks: Ranks, value: int | None) -> int | None:
     return None if smallest.item() == unknown else int(smallest.item())
 
 
-def check_batches_agree(ranks: Ranks, lines: list[str]) -> None:
-    """Raise ``RankMismatchError`` on every rank if any rank's batch (``lines``: shapes and dtypes) differs.
+def check_batches_agree(ranks: Ranks, lines: list[str], missed: bool = False) -> bool:
+    """Raise ``RankMismatchError`` on every rank if any rank's batch (``lines``: shapes and dtypes) differs;
+    return whether any rank ``missed`` (found no program for its batch: every rank must then compile).
 
-    Costs one all-reduce of two int64 per call: the maximum of each rank's
+    Costs one all-reduce of three int64 per call: the maximum of each rank's
     digest and of its negation are equal and opposite only if every rank
-    has the same digest. Only then, on the failing path, are the lines gathered.
+    has the same digest; the maximum of the flags says whether any rank missed
+    (a branch on batch values, ``zerocc/data_guards.py``, may take another side on
+    one rank only). Only on the failing path are the lines gathered.
     The all-reduce is control traffic, not the step's: it runs with the
     user's dispatch modes off, so a collective counter (``runtime/comm_counter.py``)
     or a memory tracker sees the step's own collectives only.
     """
     if ranks.group is None:
-        return
+        return missed
     digest = int.from_bytes(hashlib.sha256("\n".join(lines).encode()).digest()[:7], "big")   # fits an int64
-    extremes = torch.tensor([digest, -digest], dtype=torch.int64, device=_control_device(ranks))
+    extremes = torch.tensor([digest, -digest, int(missed)], dtype=torch.int64, device=_control_device(ranks))
     with _disable_current_modes():
         dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=ranks.group)
-    highest, negated_lowest = extremes.tolist()
+    highest, negated_lowest, anyone_missed = extremes.tolist()
     if highest == digest == -negated_lowest:
-        return
+        return bool(anyone_missed)
     gathered = [None] * ranks.world_size
     dist.all_gather_object(gathered, lines, group=ranks.group)
     differing = [rank for rank, other in enumerate(gathered) if other != gathered[0]]
