@@ -61,10 +61,5 @@ _INTERESTING = {"all_gather_into_tensor", "all_gather_by_send_recv", "reduce_sca
 
 def _alive_at_live_peak(memory_plan) -> str:
     """The roles alive where the plan's live bytes peak, largest first."""
-    live = memory_plan.live_bytes_by_role()
-    totals = live.total()
-    if not totals:
-        return "nothing"
-    at = max(range(len(totals)), key=totals.__getitem__)
-    alive = sorted(((values[at], role) for role, values in live.by_role.items() if values[at]), reverse=True)
-    return ", ".join(f"{role} {human(nbytes)}" for nbytes, role in alive) or "nothing"
+    alive = sorted(memory_plan.alive_at_live_peak(), key=lambda item: -item[1])
+    return ", ".join(f"{role} {human(nbytes)}" for role, nbytes in alive) or "nothing"

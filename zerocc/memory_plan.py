@@ -195,6 +195,15 @@ class MemoryPlan:
             deltas.pop()
         return LiveBytes(by_role)
 
+    def alive_at_live_peak(self) -> tuple[tuple[str, int], ...]:
+        """(role, bytes) of what is alive where the live bytes peak (``live_peak_bytes``), roles with none left out."""
+        live = self.live_bytes_by_role()
+        totals = live.total()
+        if not totals:
+            return ()
+        at = max(range(len(totals)), key=totals.__getitem__)
+        return tuple((role, values[at]) for role, values in live.by_role.items() if values[at])
+
     # -- reading it ------------------------------------------------------------------
     def summary(self) -> str:
         """One line per pool and one for the whole plan."""

@@ -384,13 +384,9 @@ def _measure(gm: fx.GraphModule, ctx: CompileContext, recompute: set[fx.Node] | 
                                   memory_plan=None)
     ctx.rest_of_pipeline(copy, scratch)
     plan = scratch.memory_plan
-    live = plan.live_bytes_by_role()
-    totals = live.total()
-    at = max(range(len(totals)), key=totals.__getitem__)
     peak = plan.planned_peak_bytes if memory_pools else plan.live_peak_bytes
     step = predict(copy, ctx.world_size, profile)
-    return _Peak(peak, tuple((role, values[at]) for role, values in live.by_role.items() if values[at]),
-                 step.seconds, step.moved_bytes)
+    return _Peak(peak, plan.alive_at_live_peak(), step.seconds, step.moved_bytes)
 
 
 def _gathers_in_backward(ctx: CompileContext) -> bool:
