@@ -57,9 +57,6 @@ from ..context import CompileContext
 from ..graph import wait_of
 from ..decisions import UNBOUNDED_PREFETCH, Schedule, ScheduledCollective
 
-# The bound on bytes in flight (and kept from forward) when a memory budget bounds the peak instead.
-UNBOUNDED = UNBOUNDED_PREFETCH
-
 KIND = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
         "all_to_all_single": "reduce_scatter",   # a reduce-scatter on gloo (passes/scatter_by_all_to_all.py)
         "all_gather_by_send_recv": "all_gather",  # an all-gather on gloo (passes/gather_by_send_recv.py)
@@ -76,7 +73,7 @@ def schedule(gm: fx.GraphModule, ctx: CompileContext, *, prefetch_bytes: int,
     if unbounded is None:
         unbounded = ctx.remat_plan is not None and ctx.remat_plan.unbounded_schedule
     if unbounded:
-        prefetch_bytes = UNBOUNDED
+        prefetch_bytes = UNBOUNDED_PREFETCH   # a memory budget bounds the peak instead
     keep_bytes = prefetch_bytes + (ctx.remat_plan.keep_extra_bytes if ctx.remat_plan is not None and not unbounded
                                    else 0)
     graph = gm.graph
