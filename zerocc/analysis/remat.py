@@ -150,7 +150,7 @@ class Recomputation:
         self._flops: dict[fx.Node, int] = {}
         self.forward_flops = sum(self.flops(n) for n in self.forward if n.op == "call_function")
         self.candidates = [n for n in self.read_by_backward if n in self.recomputable and not is_alias(n)]
-        self._network = self._build_network()
+        self._cuts = self._build_network()
 
     def _in_forward(self, node: fx.Node) -> bool:
         return node in self.region
@@ -197,7 +197,8 @@ class Recomputation:
     # -- the network and its cuts --------------------------------------------------------------
 
     def _build_network(self) -> min_cut.Solver:
-        """The split-node network, prices left out (``cut`` sets the ``source -> in`` arcs' capacities)."""
+        """The split-node network, prices left out (``cut`` sets the ``source -> in`` arcs' capacities), and the
+        solver of its cuts."""
         network = min_cut.Network()
         network.vertex("source")
         network.vertex("sink")
@@ -250,9 +251,9 @@ class Recomputation:
                 price = expensive_price if expensive else cheap_price
                 capacities[self._priced[node]] = round(price * cost * _UNITS_PER_BYTE)
         if expensive_price is None:
-            sink_side = self._network.solve(capacities, family="expensive banned", key=cheap_price)
+            sink_side = self._cuts.solve(capacities, family="expensive banned", key=cheap_price)
         else:
-            sink_side = self._network.solve(capacities, family=("cheap at", cheap_price), key=expensive_price)
+            sink_side = self._cuts.solve(capacities, family=("cheap at", cheap_price), key=expensive_price)
         recompute = frozenset(n for n in self.recomputable if (n, "in") in sink_side)
         kept = sum(float(nbytes) for node, nbytes in self._stored.items()
                    if (node, "in") not in sink_side and (node, "out") in sink_side)
