@@ -221,23 +221,27 @@ def _refuse_tensors_another_step_trains(step: "CompiledStep", captured: Captured
     """
     others = {id(other): other for ref in list(_OWNERS.values())
               if (other := ref()) is not None and other is not step and other.state.started}
-    if captured is None:
+    if captured is None:   # before tracing: the parameters each step trains
+        kind, tensors, verb = "parameter", "param", "trains"
         optimized = {id(p) for group in step.optimizer.param_groups for p in group["params"]}
         ours = {id(t): (names[0], t.requires_grad and id(t) in optimized)
-                for names, t in named_tensors(step.model, "param")}
-    else:
+                for names, t in named_tensors(step.model, tensors)}
+
+        def held_by(other) -> set[str]:
+            return {info.name for info in other.state.captured.params}
+    else:   # after tracing: the buffers each step writes
+        kind, tensors, verb = "buffer", "buffer", "writes"
         written = set(captured.written_buffers)
-        ours = {id(t): (names[0], names[0] in written) for names, t in named_tensors(step.model, "buffer")}
-    kind = "parameter" if captured is None else "buffer"
+        ours = {id(t): (names[0], names[0] in written) for names, t in named_tensors(step.model, tensors)}
+
+        def held_by(other) -> set[str]:
+            return set(other.state.captured.written_buffers)
     for other in others.values():
-        held = {info.name for info in other.state.captured.params} if captured is None \
-            else set(other.state.captured.written_buffers)
-        theirs = {id(t): (names[0], names[0] in held)
-                  for names, t in named_tensors(other.model, "param" if captured is None else "buffer")}
+        held = held_by(other)
+        theirs = {id(t): (names[0], names[0] in held) for names, t in named_tensors(other.model, tensors)}
         shared = [(ours[i], theirs[i]) for i in ours.keys() & theirs.keys() if ours[i][1] or theirs[i][1]]
         if not shared:
             continue
-        verb = "trains" if captured is None else "writes"
         lines = "\n".join(f"  - {kind} {mine!r}: this step {verb if here else 'reads'} it, the other step "
                            f"{verb if there else 'reads'} it (as {other_name!r})"
                            for (mine, here), (other_name, there) in sorted(shared)[:8])
