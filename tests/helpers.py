@@ -91,3 +91,12 @@ def read_whole(path) -> dict[str, torch.Tensor]:
              if isinstance(entry, TensorStorageMetadata)}   # the optimizer's param_groups are Python values
     dcp.load(state, checkpoint_id=path, no_dist=True)
     return state
+
+
+def assert_rank_matches_reference(rank, losses, expected, state, expected_state, *, state_rtol, state_atol):
+    """One rank's losses (within 1e-5) and state (within the given tolerances) against the reference's, by name."""
+    torch.testing.assert_close(torch.stack(losses), torch.stack(expected), rtol=1e-5, atol=1e-6,
+                               msg=lambda m: f"rank {rank} losses: {m}")
+    for name, value in expected_state.items():
+        torch.testing.assert_close(state[name], value, rtol=state_rtol, atol=state_atol,
+                                   msg=lambda m: f"rank {rank} {name}: {m}")

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 import zerocc
 from tests import distributed
+from tests.helpers import assert_rank_matches_reference
 from tests.reference import eager
 
 
@@ -128,10 +129,7 @@ def test_a_branch_taking_another_side_on_one_rank_compiles_on_every_rank_and_tra
     collectives would wait for them until the timeout. Every rank learns of the miss in the call's batch check."""
     for rank, (losses, expected, state, expected_state, compiles) in enumerate(
             distributed.run(_one_rank_takes_the_other_side, 2, timeout=300)):
-        torch.testing.assert_close(torch.stack(losses), torch.stack(expected), rtol=1e-5, atol=1e-6,
-                                   msg=lambda m: f"rank {rank} losses: {m}")
-        for name, value in expected_state.items():
-            torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank} {name}: {m}")
+        assert_rank_matches_reference(rank, losses, expected, state, expected_state, state_rtol=1e-5, state_atol=1e-6)
         assert compiles == 3   # the first batch, and the two steps one rank's batch took the other side (both ranks)
 
 

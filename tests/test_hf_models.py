@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 import zerocc
 from tests import distributed
+from tests.helpers import assert_rank_matches_reference
 from tests.reference import mixed_eager_step, train_eagerly
 
 transformers = pytest.importorskip("transformers")
@@ -271,8 +272,5 @@ def test_llama_with_a_padded_batch_on_one_rank_trains_as_the_reference_on_two_ra
     other takes eager's shortcut, and every rank compiles when one's side has no program yet."""
     for rank, (expected, losses, expected_state, state, compiles) in enumerate(
             distributed.run(_llama_with_masks_on_ranks, 2, timeout=300)):
-        torch.testing.assert_close(torch.stack(losses), torch.stack(expected), rtol=1e-5, atol=1e-6,
-                                   msg=lambda m: f"rank {rank} losses: {m}")
-        for key, value in expected_state.items():
-            torch.testing.assert_close(state[key], value, rtol=1e-4, atol=1e-5, msg=lambda m: f"rank {rank} {key}: {m}")
+        assert_rank_matches_reference(rank, losses, expected, state, expected_state, state_rtol=1e-4, state_atol=1e-5)
         assert compiles == 3   # the first batch, and each step one rank's batch took the other side (both ranks)
