@@ -184,6 +184,16 @@ def test_more_targets_than_arguments():
         step(*batches("mlp", 1, 4)[0])
 
 
+def test_a_model_short_of_arguments_says_how_the_step_split_them():
+    """A batch missing its target: the model gets none of the step's one argument, and the error says so."""
+    model = MLP()
+    step = zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=F.mse_loss)
+    with pytest.raises(zerocc.CaptureError, match=r"missing 1 required positional argument.*the step passed its first "
+                                                  r"0 positional argument\(s\) to the model and the last 1 to loss_fn "
+                                                  r"as targets: give compile num_targets="):
+        step(batches("mlp", 1, 4)[0][0])
+
+
 def test_optimizer_that_needs_a_closure():
     model = MLP()
     step = zerocc.compile(model, torch.optim.LBFGS(model.parameters()), loss_fn=F.mse_loss)

@@ -138,6 +138,33 @@ def test_an_infinite_clip_reports_the_norm_and_trains_as_eager(stage):
     assert_same_state(step, reference)
 
 
+@pytest.mark.parametrize("stage", [0, 3])
+def test_the_loss_functions_signature_says_how_many_arguments_are_targets(stage):
+    """``loss_fn(output)`` takes no target and ``loss_fn(output, y, weight)`` two: the step splits its
+    arguments so, as the eager loop ``loss_fn(model(x), ...)`` does, without ``num_targets``."""
+    def output_alone(output):
+        return output.square().mean()
+
+    def weighted(output, y, weight):
+        return ((output - y).square() * weight).mean()
+
+    for loss_fn, extra in ((output_alone, ()), (weighted, (torch.randn(4, 1), torch.rand(4, 1)))):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+        reference = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+        reference.load_state_dict(model.state_dict())
+        reference_optimizer = sgd(reference)
+        step = zerocc.compile(model, sgd(model), stage=stage, loss_fn=loss_fn)
+        for _ in range(3):
+            x = torch.randn(4, 8)
+            expected = loss_fn(reference(x), *extra)
+            reference_optimizer.zero_grad()
+            expected.backward()
+            reference_optimizer.step()
+            assert torch.equal(step(x, *extra), expected.detach())
+        assert_same_state(step, reference)
+
+
 def test_without_clipping_there_is_no_norm_and_no_pass():
     model, _, loss_fn = build("mlp")
     step = zerocc.compile(model, adamw(model), loss_fn=loss_fn)

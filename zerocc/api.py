@@ -90,7 +90,8 @@ def compile(
     output if it is a scalar tensor, its ``loss`` entry (Hugging Face style,
     e.g. ``step(input_ids=ids, labels=ids)``), or
     ``loss_fn(model(*inputs[:-num_targets], **keyword_inputs), *inputs[-num_targets:])``:
-    the targets are the last positional arguments, keyword arguments go to the model.
+    the targets are the last positional arguments, keyword arguments go to the model; without
+    ``num_targets``, as many as ``loss_fn`` requires after the output (``zerocc/options.py``'s ``targets_of``).
     Gradients are averaged over the ranks of ``group`` (default: the default
     process group, initialized from torchrun's environment if needed; world
     size 1 without one). ``prefetch_bytes`` bounds the gathered parameter

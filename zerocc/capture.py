@@ -122,6 +122,14 @@ def extract_loss(output: Any, targets: Sequence[Any], loss_fn: Callable | None) 
     )
 
 
+def _split_hint(error: Exception, num_model_inputs: int, num_targets: int) -> str:
+    """For a call given the wrong arguments: how the step split its positional arguments."""
+    if not (isinstance(error, TypeError) and "argument" in str(error)):
+        return ""
+    return (f" (the step passed its first {num_model_inputs} positional argument(s) to the model and the last "
+            f"{num_targets} to loss_fn as targets: give compile num_targets= to split them otherwise)")
+
+
 def _defined_at(function: Callable) -> str:
     """Where ``function`` is defined, as file:line (its name when Python does not say)."""
     code = getattr(getattr(function, "func", function), "__code__", None)   # functools.partial: its function
@@ -364,7 +372,7 @@ def trace_step(
             raise
         where = user_frame(error.__traceback__) or "(no user frame found)"
         raise CaptureError(f"tracing the training step failed at {where}: {type(error).__name__}: {error}"
-                           f"{_fake_value_hint(error)}") from error
+                           f"{_fake_value_hint(error)}{_split_hint(error, num_model_inputs, num_targets)}") from error
 
     _refuse_writes_to_parameters(gm, leaves, param_infos, frozen_infos)
     _refuse_writes_to_the_batch(gm, leaves, layout)

@@ -10,6 +10,7 @@ the options to build the pipeline.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Any, Callable, Sequence
 
 import torch
@@ -93,7 +94,7 @@ class CompileOptions:
         clip = check_clipping(clip_grad_norm, clip_norm_type)
         check_max_programs(max_programs)
         return cls(stage=stage, loss_fn=loss_fn,
-                   num_targets=(1 if loss_fn is not None else 0) if num_targets is None else num_targets,
+                   num_targets=targets_of(loss_fn) if num_targets is None else num_targets,
                    bucket_bytes=bucket_bytes, prefetch_bytes=prefetch_bytes, disable=tuple(disable),
                    verify=verify, dump_dir=dump_dir, grad_accumulation=grad_accumulation, clip=clip,
                    memory_budget=memory_budget,
@@ -124,6 +125,29 @@ class CompileOptions:
                               memory_budget=self.memory_budget, device_budget=self.device_budget,
                               mixed_precision=self.precision is not None,
                               memory_pools=self.memory_pools, hardware=self.hardware)
+
+
+def targets_of(loss_fn: Callable | None) -> int:
+    """How many of the step's last positional arguments are the loss's targets, when ``num_targets`` is not given.
+
+    ``loss_fn(output, *targets)``: its required positional parameters after
+    the output (``nn.CrossEntropyLoss()`` and ``F.mse_loss`` take one target;
+    ``lambda out, y, w: ...`` two), none when it takes the output alone
+    (``lambda out: out.sum()``), and one where its signature cannot say
+    (``*args``, a builtin).
+    """
+    if loss_fn is None:
+        return 0
+    try:
+        parameters = inspect.signature(loss_fn).parameters.values()
+    except (TypeError, ValueError):
+        return 1
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if any(p.kind is p.VAR_POSITIONAL for p in parameters) or not positional:
+        return 1
+    if len(positional) == 1:
+        return 0
+    return max(1, sum(p.default is p.empty for p in positional) - 1)
 
 
 def check_stage(stage) -> None:
