@@ -6,8 +6,11 @@ import copy
 
 import pytest
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
 import zerocc
+from tests import distributed
+from tests.helpers import assert_rank_matches_reference
 from tests.models import batches, build, eager_step
 from tests.reference import adamw
 
@@ -57,18 +60,111 @@ def test_model_and_optimizer_views_stay_current(stage):
         optimizer.load_state_dict(expected)
 
 
+def assert_handed_back(model, optimizer, reference, reference_optimizer):
+    """The module and optimizer hold what eager's do, bit for bit, and neither is hooked any more."""
+    for key, value in reference.state_dict().items():
+        assert torch.equal(model.state_dict()[key], value), key
+    for param, expected in zip(optimizer.param_groups[0]["params"], reference_optimizer.param_groups[0]["params"]):
+        assert optimizer.state[param].keys() == reference_optimizer.state[expected].keys()
+        for key, value in reference_optimizer.state[expected].items():
+            assert torch.equal(optimizer.state[param][key], value), key
+    assert optimizer.state_dict()["param_groups"] == reference_optimizer.state_dict()["param_groups"]
+
+
+@pytest.mark.parametrize("stages", [(3, 1, 0), (0, 2, 3), (1, 3, 3)])
+def test_compiling_again_takes_the_model_over_and_trains_on_as_eager(stages):
+    """A notebook cell run again, other options: the earlier step hands the model and optimizer back (BatchNorm's
+    statistics and Adam's moments included) and refuses further calls; the new step continues bit for bit."""
+    model, _, loss_fn = build("cnn")
+    optimizer = adamw(model)
+    reference, _, _ = build("cnn")
+    reference_optimizer = adamw(reference)
+    data = batches("cnn", 6, 8)
+    steps = []
+    for number, stage in enumerate(stages):
+        steps.append(zerocc.compile(model, optimizer, stage=stage, loss_fn=loss_fn))
+        for batch in data[2 * number: 2 * number + 2]:
+            assert torch.equal(steps[-1](*batch), eager_step(reference, reference_optimizer, loss_fn, batch))
+    with pytest.raises(zerocc.ConfigError, match=r"this compiled step was closed .* Call the step zerocc.compile "
+                                                 r"returned last"):
+        steps[0](*data[0])
+    assert steps[-1].steps == 2
+    steps[-1].close()
+    assert_handed_back(model, optimizer, reference, reference_optimizer)
+    model(data[0][0])   # the eager model runs again: no hook refuses it
+
+
 @pytest.mark.parametrize("stage", [0, 3])
-def test_a_second_compile_on_the_same_model_is_refused(stage):
+def test_a_step_deleted_by_the_user_is_taken_over_by_the_next_compile(stage):
+    """``del step`` leaves the state with the step the model's hooks keep alive: the next compile gets it back."""
     model, _, loss_fn = build("mlp")
     optimizer = adamw(model)
+    reference, _, _ = build("mlp")
+    reference_optimizer = adamw(reference)
+    data = batches("mlp", 4, 8)
     step = zerocc.compile(model, optimizer, stage=stage, loss_fn=loss_fn)
-    step(*batches("mlp", 1, 8)[0])
-    with pytest.raises(zerocc.ConfigError, match=r"this model is already trained by a compiled step .*"
-                                                 r"zerocc.save_checkpoint\(first_step, path\)"):
-        zerocc.compile(model, optimizer, stage=stage, loss_fn=loss_fn)
-    other, _, _ = build("mlp")
-    with pytest.raises(zerocc.ConfigError, match="this optimizer is already trained by a compiled step"):
-        zerocc.compile(other, optimizer, stage=stage, loss_fn=loss_fn)
+    for batch in data[:2]:
+        step(*batch)
+        eager_step(reference, reference_optimizer, loss_fn, batch)
+    del step
+    step = zerocc.compile(model, optimizer, stage=stage, loss_fn=loss_fn)
+    for batch in data[2:]:
+        assert torch.equal(step(*batch), eager_step(reference, reference_optimizer, loss_fn, batch))
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_unfreezing_then_compiling_again_trains_as_eager(stage):
+    """Progressive unfreezing: the first layer frozen for two steps, then trained in a param group of its own."""
+    def frozen_first(model):
+        first = next(m for m in model.modules() if list(m.parameters(recurse=False)))
+        first.requires_grad_(False)
+        return first, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+
+    model, _, loss_fn = build("mlp")
+    reference, _, _ = build("mlp")
+    (first, optimizer), (reference_first, reference_optimizer) = frozen_first(model), frozen_first(reference)
+    data = batches("mlp", 4, 8)
+    step = zerocc.compile(model, optimizer, stage=stage, loss_fn=loss_fn)
+    for batch in data[:2]:
+        assert torch.equal(step(*batch), eager_step(reference, reference_optimizer, loss_fn, batch))
+    for layer, opt in ((first, optimizer), (reference_first, reference_optimizer)):
+        layer.requires_grad_(True)
+        opt.add_param_group({"params": list(layer.parameters()), "lr": 1e-3})
+    step = zerocc.compile(model, optimizer, stage=stage, loss_fn=loss_fn)
+    for batch in data[2:]:
+        assert torch.equal(step(*batch), eager_step(reference, reference_optimizer, loss_fn, batch))
+    full = step.full_state_dict()
+    for key, value in reference.state_dict().items():
+        assert torch.equal(full[key], value), key
+
+
+def _compiled_again_against_ddp(rank, world_size):
+    """Two steps at stage 3 (small buckets: parameters split across ranks), then the model compiled again at
+    stage 1 for two more, and closed: per rank, the losses and state beside DDP's, and what the optimizer holds."""
+    data = [tuple(t[rank * 8:(rank + 1) * 8] for t in batch) for batch in batches("gpt", 4, 8 * world_size)]
+    reference, _, loss_fn = build("gpt")
+    reference_optimizer = adamw(reference)
+    ddp = DistributedDataParallel(reference)
+    expected = [eager_step(ddp, reference_optimizer, loss_fn, batch) for batch in data]
+    model, _, _ = build("gpt")
+    optimizer = adamw(model)
+    step = zerocc.compile(model, optimizer, stage=3, loss_fn=loss_fn, bucket_bytes=16384)
+    losses = [step(*batch) for batch in data[:2]]
+    step = zerocc.compile(model, optimizer, stage=1, loss_fn=loss_fn, bucket_bytes=16384)
+    losses += [step(*batch) for batch in data[2:]]
+    step.close()
+    moments = {name: optimizer.state[p]["exp_avg"] for name, p in model.named_parameters()}
+    expected_moments = {name: reference_optimizer.state[p]["exp_avg"] for name, p in reference.named_parameters()}
+    return losses, expected, model.state_dict(), reference.state_dict(), moments, expected_moments
+
+
+@pytest.mark.multirank
+def test_compiling_again_on_two_ranks_continues_as_ddp():
+    for rank, (losses, expected, state, expected_state, moments, expected_moments) in enumerate(
+            distributed.run(_compiled_again_against_ddp, 2)):
+        assert_rank_matches_reference(rank, losses, expected, state, expected_state, state_rtol=1e-4, state_atol=1e-5)
+        assert_rank_matches_reference(rank, losses, expected, moments, expected_moments, state_rtol=1e-4,
+                                      state_atol=1e-6)
 
 
 @pytest.mark.parametrize("stage", [2, 3])

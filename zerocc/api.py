@@ -179,8 +179,8 @@ def compile(
         param_dtype=param_dtype, reduce_dtype=reduce_dtype, loss_scale=loss_scale,
         cast_forward_inputs=cast_forward_inputs, memory_pools=memory_pools,
         gather_per_micro_batch=gather_per_micro_batch, cache_dir=cache_dir)
-    _refuse_a_second_step(model, optimizer)
     options.passes()   # unknown or essential names in ``disable`` fail here, before any tracing
+    _close_earlier_steps(model, optimizer)
     return CompiledStep(model, optimizer, options, group)
 
 
@@ -188,22 +188,18 @@ def compile(
 _OWNERS: "weakref.WeakKeyDictionary[Any, weakref.ref]" = weakref.WeakKeyDictionary()
 
 
-def _refuse_a_second_step(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """A model or optimizer whose state a compiled step already holds cannot start a second step over it.
+def _close_earlier_steps(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """A model or optimizer a started step holds is handed back by that step before a new one compiles it.
 
-    The first step owns the parameters (released at stage 3) and the
-    optimizer's state (sharded): a second step would start from the stale
-    copies the user's objects still have, silently restarting Adam's moments.
+    The earlier step owns the parameters (released at stage 3) and the
+    optimizer's state (sharded); closing it writes them back whole, so the new
+    step starts where training is (new options, a notebook cell run again,
+    parameters unfrozen), and the earlier step refuses further calls.
     """
-    for thing, what in ((model, "model"), (optimizer, "optimizer")):
+    for thing in (model, optimizer):
         owner = _OWNERS.get(thing)
-        if owner is not None and owner() is not None:
-            raise ConfigError(
-                f"this {what} is already trained by a compiled step (stage {owner().stage}, {owner().steps} steps "
-                "run): its parameters and optimizer state live in that step now, and a second compile would start "
-                "from stale copies. Keep calling the first step; to change compile options, "
-                "zerocc.save_checkpoint(first_step, path), build a new model and optimizer, compile them, and "
-                "zerocc.load_checkpoint(new_step, path)")
+        if owner is not None and (step := owner()) is not None:
+            step.close()
 
 
 def _refuse_tensors_another_step_trains(step: "CompiledStep", captured: Captured | None = None) -> None:
@@ -286,6 +282,7 @@ class CompiledStep:
         self.compile_stats: list[CompileStats] = []   # per compiled program: seconds per phase (compile_stats.py)
         self._user_hooks: list = []          # zerocc/user_views.py, installed at the first compile
         self._hardware: HardwareProfile | None = None   # _hardware_profile: measured (or read) when first needed
+        self.closed = False   # close(): the model and optimizer were handed back
         if self.ranks.world_size > 1:
             self._sync_initial_state()
 
@@ -308,6 +305,7 @@ class CompiledStep:
 
     # -- the step ----------------------------------------------------------------
     def __call__(self, *inputs, **keyword_inputs):
+        self._check_open()
         if torch.is_inference_mode_enabled():
             raise ConfigError("the training step was called under torch.inference_mode(), where no gradient can be "
                               "computed (eager's loss.backward() fails there too): call it outside inference_mode; "
@@ -671,15 +669,18 @@ class CompiledStep:
         Ready for ``dcp.save``, and, before or after the first call, for
         ``dcp.load`` then ``load_state_dict`` (it names every entry to read).
         """
+        self._check_open()
         return state_dict_module.state_dict(self)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a state dict from ``state_dict()`` that ``dcp.load`` filled (any world size or stage saved it)."""
+        self._check_open()
         state_dict_module.load_state_dict(self, state_dict)
 
     # -- reading it back --------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Unsharded parameters and buffers, keyed as ``model.state_dict()`` (a collective at stage 3)."""
+        self._check_open()
         state = self.state
         if not state.started:
             return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
@@ -708,7 +709,42 @@ class CompiledStep:
         ``writeback`` the module's parameter values go back into the step on
         exit, so edits there train on; ``writeback=False`` drops them.
         """
+        self._check_open()
         return user_views.full_model(self, writeback)
+
+    def close(self) -> None:
+        """Hand the model and optimizer back, trained: the step cannot be called afterwards.
+
+        The module holds its whole parameters and buffers again, the optimizer
+        its state in ``optimizer.state`` as eager keeps it (a collective at
+        stages 1-3 over several ranks: every rank calls it), and the hooks the
+        step put on them are removed. ``zerocc.compile`` over a model or
+        optimizer a started step holds closes that step first, so compiling
+        again (other options, newly unfrozen parameters) continues training
+        from here. A dynamic loss scale is not handed back: a new step starts
+        its own.
+        """
+        if self.closed:
+            return
+        if self.state.started:
+            user_views.hand_back(self, state_dict_module.gathered_optimizer_state(self))
+        for handle in self._user_hooks:
+            handle.remove()
+        self._user_hooks = []
+        for thing in (self.model, self.optimizer):
+            if (owner := _OWNERS.get(thing)) is not None and owner() is self:
+                del _OWNERS[thing]
+        self.state.reset()
+        self.cache.clear()
+        self.eval_programs.clear()
+        self.closed = True
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise ConfigError(
+                "this compiled step was closed (step.close(), or a later zerocc.compile over its model or "
+                "optimizer, which closes it): the model and optimizer were handed back with the state it had "
+                "trained. Call the step zerocc.compile returned last")
 
     @property
     def passes(self) -> list[str]:
@@ -725,6 +761,7 @@ class CompiledStep:
 
     def eval_forward(self, *inputs, **keyword_inputs):
         """The model's output on ``inputs`` in eval mode: forward only, no gradient, no update (``zerocc/eval.py``)."""
+        self._check_open()
         from .eval import eval_forward
         return eval_forward(self, inputs, keyword_inputs)
 

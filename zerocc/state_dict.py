@@ -262,6 +262,41 @@ def whole_optimizer_state(step) -> dict[str, dict[str, torch.Tensor]]:
     return {fqn: dict(sorted(entries.items())) for fqn, entries in result.items()}
 
 
+def gathered_optimizer_state(step) -> dict[str, dict[str, torch.Tensor]]:
+    """Per parameter fqn, its whole optimizer state shaped like it, on every rank (a collective at stages 1-3).
+
+    What ``CompiledStep.close`` hands back to ``optimizer.state``. Each piece
+    is broadcast from the rank that owns it, copied as it is (no sum over
+    ranks, which would turn a -0.0 into 0.0); an entry every holder keeps
+    whole (a scalar, a parameter outside the buckets) from its first holder.
+    """
+    ranks = step.ranks
+    if ranks.world_size == 1 or step.stage == 0:   # every rank holds all of it
+        return whole_optimizer_state(step)
+    parts = {key: part for key, part in _parts(step).items() if key.startswith("optim/")}
+    mine = {key: (part.numel, part.scalar, part.owners, part.local[0][1].dtype) for key, part in parts.items()}
+    held: list = [None] * ranks.world_size
+    dist.all_gather_object(held, mine, group=ranks.group)
+    device = next(iter(step.state.slots.values())).device
+    shapes = {info.name: info.shape for info in step.state.captured.params}
+    result: dict[str, dict[str, torch.Tensor]] = {}
+    for key in sorted(set().union(*held)):
+        holders = [rank for rank in range(ranks.world_size) if key in held[rank]]
+        numel, scalar, owners, dtype = held[holders[0]][key]
+        part = parts.get(key)
+        value = torch.zeros((), dtype=dtype, device=device) if scalar else \
+            torch.zeros(numel, dtype=dtype, device=device)
+        for offset, piece in part.local if part is not None else ():   # this rank's pieces, then everyone's
+            value.reshape(-1)[offset: offset + piece.numel()].copy_(piece.reshape(-1))
+        pieces = [(holders[0], 0, numel)] if owners is None or scalar else owners
+        for rank, offset, count in pieces:
+            box = value.reshape(-1)[offset: offset + count]
+            dist.broadcast(box, src=dist.get_global_rank(ranks.group, rank), group=ranks.group)
+        _, fqn, name = key.split("/", 2)
+        result.setdefault(fqn, {})[name] = value if scalar else value.reshape(shapes[fqn])
+    return {fqn: dict(sorted(entries.items())) for fqn, entries in result.items()}
+
+
 def _sharded(part: _Part, ranks) -> ShardedTensor:
     like = part.local[0][1] if part.local else part.like
 

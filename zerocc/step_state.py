@@ -98,8 +98,9 @@ def check_param_groups_unchanged(compiled_for: tuple[tuple[int, ...], ...], opti
         f"group(s) of {', '.join(str(len(g)) for g in compiled_for)} tensors, it now has {len(now)} of "
         f"{', '.join(str(len(g)) for g in now)}): the step laid out its buckets and sharded optimizer state for "
         "the first ones. Add every param group before the first step; to train other parameters later (e.g. "
-        "unfreezing), save a checkpoint, build a new optimizer over all of them and compile a new step. To "
-        "keep a parameter frozen for a while, give it lr=0 in its own group from the start")
+        "unfreezing), compile the model and optimizer again after adding them: zerocc.compile(model, optimizer, "
+        "...) takes them over from this step, trained as they are. To keep a parameter frozen for a while, give "
+        "it lr=0 in its own group from the start")
 
 
 def requires_grad_of(model: torch.nn.Module) -> tuple[tuple[torch.nn.Parameter, bool], ...]:
@@ -123,4 +124,5 @@ def check_requires_grad_unchanged(compiled_for: tuple[tuple[torch.nn.Parameter, 
         f"{', '.join(changed[:4])}{', ...' if len(changed) > 4 else ''}. The step trains the parameters that "
         "required grad at its first call and would go on training them (eager would skip a frozen one). To "
         "freeze a parameter for a while, put it in its own param group from the start and set that group's lr "
-        "to 0; to change which parameters train, save a checkpoint, build a new optimizer and compile a new step")
+        "to 0; to change which parameters train, compile the model and optimizer again (after add_param_group for "
+        "newly trained ones): zerocc.compile(model, optimizer, ...) takes them over from this step, trained as they are")

@@ -174,3 +174,23 @@ def release_model_parameters(step) -> None:
         state.released_shapes[info.name] = info.shape
         param.data = torch.empty(0, dtype=param.dtype, device=param.device)
     point_module_at_slots(step)
+
+
+def hand_back(step, optimizer_state: dict[str, dict[str, torch.Tensor]]) -> None:
+    """``CompiledStep.close``: the module holds the trained parameters and buffers whole, as copies (none a
+    view of the step's slots or pools), and the optimizer ``optimizer_state`` (whole, by parameter fqn)."""
+    full = step.full_state_dict()   # parameters, frozen ones and persistent buffers; a collective at stage 3
+    state = step.state
+    for info in state.captured.buffers:   # a non-persistent buffer is not in the state dict
+        full.setdefault(info.name, state.slots[decisions.buffer_slot(info.name)].clone())
+    params = {}
+    for kind in ("param", "buffer"):
+        for names, tensor in named_tensors(step.model, kind):
+            if names[0] in full:
+                tensor.data = full[names[0]]
+            if kind == "param":
+                params[names[0]] = tensor
+    state.released_shapes = {}
+    step.optimizer.state.clear()
+    for fqn, entries in optimizer_state.items():
+        step.optimizer.state[params[fqn]] = entries
