@@ -317,6 +317,37 @@ def test_new_shapes_train_exactly():
     assert_same_state(step, reference)
 
 
+def test_a_default_dtype_set_between_steps_gets_its_own_program():
+    """A factory in forward (``torch.ones``) makes the default dtype: float64 after ``torch.set_default_dtype``,
+    which promotes the loss; the step traced under float32 must not keep running that program."""
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(8, 1)
+
+        def forward(self, x):
+            return (self.linear(x) * torch.ones(x.shape[0], 1)).square().mean()
+
+    torch.manual_seed(0)
+    model, reference = Scaled(), Scaled()
+    reference.load_state_dict(model.state_dict())
+    reference_optimizer = sgd(reference)
+    step = zerocc.compile(model, sgd(model), stage=0)
+    try:
+        for dtype in (torch.float32, torch.float64, torch.float32):
+            torch.set_default_dtype(dtype)
+            x = torch.randn(4, 8, dtype=torch.float32)
+            expected = reference(x)
+            reference_optimizer.zero_grad()
+            expected.backward()
+            reference_optimizer.step()
+            got = step(x)
+            assert got.dtype == expected.dtype == dtype and torch.equal(got, expected.detach())
+    finally:
+        torch.set_default_dtype(torch.float32)
+    assert_same_state(step, reference)
+
+
 def test_static_shapes_refuses_a_new_shape():
     model, _, loss_fn = build("mlp")
     step = zerocc.compile(model, adamw(model), loss_fn=loss_fn, static_shapes=True)

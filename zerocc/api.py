@@ -415,7 +415,8 @@ class CompiledStep:
     def _cache_key(self, batch, layout: BatchLayout) -> CacheKey:
         return CacheKey(input_signature(batch, layout), self.state.state_key(),
                         hyperparameter_signature(self.optimizer), autocast_state(), training_modes(self._modules),
-                        hook_ids(self._modules, self._parameters, frozenset(h.id for h in self._user_hooks)))
+                        hook_ids(self._modules, self._parameters, frozenset(h.id for h in self._user_hooks)),
+                        torch.get_default_dtype())
 
     def _compile_for(self, key: CacheKey, batch, layout) -> CacheEntry:
         """Compile the program for ``key`` and ``batch``'s side of its data guards, and keep it.

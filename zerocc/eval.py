@@ -65,7 +65,7 @@ def eval_forward(step, inputs: tuple, keyword_inputs: dict | None = None) -> Any
             "the model itself: its parameters are intact until then)")
     check_batch(batch, layout, step.state.first_batch, where="eval_forward")
     autocast = autocast_state()   # the casts are traced into the program: its own program per state
-    signature = (input_signature(batch, layout), autocast)
+    signature = (input_signature(batch, layout), autocast, torch.get_default_dtype())   # factories read it
     programs = step.eval_programs
     program = programs.get(signature)
     if program is None:

@@ -41,6 +41,7 @@ class CacheKey:
     autocast: tuple = ()      # autocast.autocast_state() at the call: the casts traced into forward and loss
     training: tuple = ()      # training_modes(model) at the call: dropout and batch norm are traced per mode
     hooks: tuple = ()         # hook_ids(model) at the call: the hooks on its modules and parameters are traced
+    default_dtype: torch.dtype | None = None   # torch.get_default_dtype() at the call: factories in forward read it
 
 
 @dataclasses.dataclass
