@@ -62,10 +62,38 @@ def _different_batch_shapes(rank, world_size):
 @pytest.mark.multirank
 def test_different_shapes_on_one_rank_fail_at_compile_naming_the_rank():
     for message in distributed.run(_different_batch_shapes, 2):
-        # found by the check every call makes (failures.check_batches_agree), before compiling
+        # found by the check every call makes (failures.check_calls_agree), before compiling
         assert "ranks [1] were called with a batch of other shapes than rank 0's in this call" in message
         assert "rank 1: input 0: float32[6, 12]" in message
         assert "rank 0: input 0: float32[4, 12]" in message
+
+
+def _one_rank_evaluates_or_saves(rank, world_size, call, folder):
+    """Rank 0 evaluates (or saves, or reads the full state) under `if rank == 0:` while rank 1 trains on: at stage 3
+    each of those gathers, and its collectives would pair with the step's. No timeout: nothing may hang."""
+    model, _, loss_fn = build("mlp")
+    step = zerocc.compile(model, adamw(model), stage=3, loss_fn=loss_fn)
+    data = batches("mlp", 2, 4, seed=rank)
+    step(*data[0])
+    try:
+        if rank == 0:
+            {"eval": lambda: step.eval_forward(data[1][0]), "save": lambda: zerocc.save_checkpoint(step, folder),
+             "full": step.full_state_dict}[call]()
+        step(*data[1])
+    except zerocc.RankMismatchError as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("call,name", [("eval", "step.eval_forward"), ("save", "zerocc.save_checkpoint"),
+                                       ("full", "step.full_state_dict")])
+def test_a_collective_called_on_one_rank_only_fails_on_every_rank_naming_the_calls(call, name, tmp_path):
+    for message in distributed.run(_one_rank_evaluates_or_saves, 2, call, str(tmp_path / "ckpt"), timeout=120):
+        assert "the ranks met in different calls" in message
+        assert f"  - rank 0: {name}\n  - rank 1: the training step\n" in message
+        assert f"fix: {name} runs collectives here: call it on every rank at the same point" in message
+        assert "not under `if rank == 0:`" in message
 
 
 def _different_code(rank, world_size):

@@ -328,7 +328,8 @@ class CompiledStep:
             # every call: a rank whose batch changed shape, or took another side of a branch on batch values
             # (zerocc/data_guards.py), would compile while the others run a cached program; one all-reduce checks
             # the shapes and tells every rank whether any rank missed its cache: then every rank compiles
-            if failures.check_batches_agree(self.ranks, agreement_lines(batch, layout), missed=entry is None):
+            if failures.check_calls_agree(self.ranks, failures.TRAINING_STEP, agreement_lines(batch, layout),
+                                          missed=entry is None):
                 entry = self._compile_for(key, batch, layout)   # compiling compares the program across ranks
             self.cache.use(key, entry)
             if state.param_groups is None:
@@ -685,6 +686,8 @@ class CompiledStep:
         state = self.state
         if not state.started:
             return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        if self._gathers:
+            failures.meet(self.ranks, "step.full_state_dict", self.steps, self.timeout)
         with state.reading_keys_only():   # zerocc/user_views.py: the keys only, the values come from the slots
             keys = list(self.model.state_dict().keys())
         buckets = slot_store.full_buckets(state.plan, state.slots, self.ranks.group)
@@ -711,6 +714,8 @@ class CompiledStep:
         exit, so edits there train on; ``writeback=False`` drops them.
         """
         self._check_open()
+        if self._gathers:
+            failures.meet(self.ranks, "step.full_model", self.steps, self.timeout)
         return user_views.full_model(self, writeback)
 
     def close(self) -> None:
@@ -728,6 +733,8 @@ class CompiledStep:
         if self.closed:
             return
         if self.state.started:
+            if self.ranks.world_size > 1 and (self.stage > 0 or self._gathers):
+                failures.meet(self.ranks, "step.close", self.steps, self.timeout)
             user_views.hand_back(self, state_dict_module.gathered_optimizer_state(self))
         for handle in self._user_hooks:
             handle.remove()
@@ -739,6 +746,12 @@ class CompiledStep:
         self.cache.clear()
         self.eval_programs.clear()
         self.closed = True
+
+    @property
+    def _gathers(self) -> bool:
+        """Whether reading the whole parameters is a collective: some bucket's masters are sharded across ranks."""
+        plan = self.state.plan
+        return self.state.started and self.ranks.world_size > 1 and any(plan.holds_shard(b) for b in plan.buckets)
 
     def _check_open(self) -> None:
         if self.closed:

@@ -54,7 +54,7 @@ from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetada
 from . import decisions
 from .capture import named_tensors
 from .optimizer_step import initial_state_layout
-from .runtime import slots as slot_store
+from .runtime import failures, slots as slot_store
 from .errors import CheckpointError, ConfigError
 
 META_FILE = "zerocc.json"
@@ -402,6 +402,7 @@ def save_checkpoint(step, path: str) -> str:
     """Save ``step``'s sharded state to ``path`` (a symlink to a complete version directory); returns the version."""
     path = os.path.abspath(path)
     ranks = step.ranks
+    failures.meet(ranks, "zerocc.save_checkpoint", step.steps, step.timeout)   # every rank saves, or all fail
     version = None
     if ranks.rank == 0:
         if os.path.exists(path) and not os.path.islink(path):
@@ -526,6 +527,7 @@ def load_checkpoint(step, path: str) -> None:
     if not os.path.exists(os.path.join(path, META_FILE)):
         raise ConfigError(f"{path} is not a complete zerocc checkpoint (no {META_FILE})")
     _check_shapes(step, path)
+    failures.meet(step.ranks, "zerocc.load_checkpoint", step.steps, step.timeout)   # every rank loads, or all fail
     reader = dcp.FileSystemReader(path)
     saved = reader.read_metadata().state_dict_metadata
     state = state_dict(step)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import hashlib
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -188,35 +189,70 @@ def smallest_over_ranks(ranks: Ranks, value: int | None) -> int | None:
     return None if smallest.item() == unknown else int(smallest.item())
 
 
-def check_batches_agree(ranks: Ranks, lines: list[str], missed: bool = False) -> bool:
-    """Raise ``RankMismatchError`` on every rank if any rank's batch (``lines``: shapes and dtypes) differs;
-    return whether any rank ``missed`` (found no program for its batch: every rank must then compile).
+# What a rank can be calling when it meets the others in check_calls_agree, each with its code: every call that
+# runs collectives starts there, so a rank calling another one (an evaluation or a save under `if rank == 0:`)
+# fails on every rank, naming what each called, instead of pairing its collectives with the wrong ones and hanging
+TRAINING_STEP = "the training step"
+CALLS = (TRAINING_STEP, "step.eval_forward", "step.full_state_dict", "step.full_model", "zerocc.save_checkpoint",
+         "zerocc.load_checkpoint", "step.close")
 
-    Costs one all-reduce of three int64 per call: the maximum of each rank's
-    digest and of its negation are equal and opposite only if every rank
-    has the same digest; the maximum of the flags says whether any rank missed
-    (a branch on batch values, ``zerocc/data_guards.py``, may take another side on
-    one rank only). Only on the failing path are the lines gathered.
-    The all-reduce is control traffic, not the step's: it runs with the
-    user's dispatch modes off, so a collective counter (``runtime/comm_counter.py``)
-    or a memory tracker sees the step's own collectives only.
+
+def check_calls_agree(ranks: Ranks, call: str, lines: Sequence[str] = (), missed: bool = False) -> bool:
+    """Raise ``RankMismatchError`` on every rank if the ranks are not all making the same ``call`` (one of
+    ``CALLS``), or if any rank's batch (``lines``: shapes and dtypes) differs; return whether any rank
+    ``missed`` (found no program for its batch: every rank must then compile).
+
+    Costs one all-reduce of five int64 per call: the maximum of each rank's
+    code and digest and of their negations are equal and opposite only if
+    every rank has the same; the maximum of the flags says whether any rank
+    missed (a branch on batch values, ``zerocc/data_guards.py``, may take
+    another side on one rank only). Only on the failing path are the calls
+    and lines gathered. The all-reduce is control traffic, not the step's:
+    it runs with the user's dispatch modes off, so a collective counter
+    (``runtime/comm_counter.py``) or a memory tracker sees the step's own
+    collectives only.
     """
     if ranks.group is None:
         return missed
+    code = CALLS.index(call) + 1
     digest = int.from_bytes(hashlib.sha256("\n".join(lines).encode()).digest()[:7], "big")   # fits an int64
-    extremes = torch.tensor([digest, -digest, int(missed)], dtype=torch.int64, device=_control_device(ranks))
+    extremes = torch.tensor([code, -code, digest, -digest, int(missed)], dtype=torch.int64,
+                            device=_control_device(ranks))
     with _disable_current_modes():
         dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=ranks.group)
-    highest, negated_lowest, anyone_missed = extremes.tolist()
-    if highest == digest == -negated_lowest:
+    highest_code, negated_lowest_code, highest, negated_lowest, anyone_missed = extremes.tolist()
+    if highest_code == code == -negated_lowest_code and highest == digest == -negated_lowest:
         return bool(anyone_missed)
     gathered = [None] * ranks.world_size
-    dist.all_gather_object(gathered, lines, group=ranks.group)
-    differing = [rank for rank, other in enumerate(gathered) if other != gathered[0]]
-    details = [f"  - rank {rank}: {'; '.join(gathered[rank])}" for rank in [0, *differing[:3]]]
+    dist.all_gather_object(gathered, (call, list(lines)), group=ranks.group)
+    calls = [other_call for other_call, _ in gathered]
+    if len(set(calls)) > 1:
+        by_call: dict[str, list[int]] = {}
+        for rank, other_call in enumerate(calls):
+            by_call.setdefault(other_call, []).append(rank)
+        details = [f"  - rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {c}" for c, r in by_call.items()]
+        collective = sorted({c for c in calls if c != TRAINING_STEP})
+        raise RankMismatchError(
+            "the ranks met in different calls; their collectives would pair with each other's and hang or mix "
+            "unrelated data:\n" + "\n".join(details) + "\n"
+            f"  fix: {' and '.join(collective)} run{'s' if len(collective) == 1 else ''} collectives here: call "
+            f"{'it' if len(collective) == 1 else 'them'} on every rank at the same point of the script, not under "
+            "`if rank == 0:` (print or save on one rank only what every rank computed)."
+        )
+    differing = [rank for rank, (_, other) in enumerate(gathered) if other != gathered[0][1]]
+    details = [f"  - rank {rank}: {'; '.join(gathered[rank][1])}" for rank in [0, *differing[:3]]]
     raise RankMismatchError(
         f"ranks {differing} were called with a batch of other shapes than rank 0's in this call; the ranks' "
         "programs would not match and the step would hang:\n" + "\n".join(details) + "\n"
         "  fix: give every rank a batch of the same shapes at every call (the same batch size per rank: "
         "drop_last=True or pad a short last batch; the same sequence length: pad to a fixed length)."
     )
+
+
+def meet(ranks: Ranks, call: str, step_number: int, timeout: float | None) -> None:
+    """Before ``call`` (one of ``CALLS``) runs its collectives: every rank makes the same call here, or every rank
+    fails naming what each called; a rank that never comes is a ``RankFailureError`` after ``timeout``."""
+    if ranks.group is None:
+        return
+    with collective_failures(ranks, step_number, timeout, call=call):
+        check_calls_agree(ranks, call)
