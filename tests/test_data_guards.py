@@ -104,6 +104,33 @@ def test_batches_alternating_between_the_sides_of_a_branch_compile_each_side_onc
         assert torch.equal(parameter, expected)
 
 
+@pytest.mark.parametrize("stage", [0, 3])
+def test_eval_forward_decides_the_branch_on_each_batch_as_the_training_step_does(stage):
+    """Evaluation takes eager's side of a branch on batch values (it failed to trace before), one program per side."""
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(12, 5)
+
+        def forward(self, x, flags):
+            y = self.linear(x)
+            return y * 2 if flags.any() else y
+
+    torch.manual_seed(0)
+    model = Scaled()
+    reference = copy.deepcopy(model)
+    step = zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), stage=stage,
+                          loss_fn=lambda y: y.square().mean())
+    generator = torch.Generator().manual_seed(1)
+    step(torch.randn(4, 12, generator=generator), torch.tensor([0, 1, 0, 0]))
+    reference.load_state_dict(step.full_state_dict())
+    for flags in ([0, 0, 0, 0], [0, 1, 0, 0], [0, 0, 0, 0], [1, 1, 1, 1]):
+        batch = (torch.randn(4, 12, generator=generator), torch.tensor(flags))
+        with torch.no_grad():
+            assert torch.equal(step.eval_forward(*batch), reference(*batch)), flags
+    assert [len(kept) for kept in step.eval_programs.values()] == [2]   # one per side, each compiled once
+
+
 def _one_rank_takes_the_other_side(rank, world_size):
     from torch.nn.parallel import DistributedDataParallel
     generator = torch.Generator().manual_seed(1)

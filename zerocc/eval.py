@@ -25,6 +25,7 @@ import torch.utils._pytree as pytree
 from . import decisions
 from .autocast import autocast_as, autocast_state, outside_autocast
 from .batch import BatchLayout, check_batch
+from .data_guards import GuardRecorder, all_hold, recording
 from .program_cache import input_signature
 from .errors import CaptureError, ConfigError, RecompileWarning, ZeroccError, note_failing_node, user_frame
 from .runtime import failures
@@ -40,6 +41,7 @@ class EvalProgram:
     gm: fx.GraphModule
     slots: list[str | None]        # per placeholder: the slot it reads, None for a batch leaf
     output_spec: pytree.TreeSpec
+    guards: tuple = ()             # data guards (zerocc/data_guards.py): the batches this program is for
 
     def run(self, slots: dict[str, torch.Tensor], batch: list) -> Any:
         leaves = iter(pytree.tree_leaves(list(batch)))
@@ -67,18 +69,17 @@ def eval_forward(step, inputs: tuple, keyword_inputs: dict | None = None) -> Any
     autocast = autocast_state()   # the casts are traced into the program: its own program per state
     signature = (input_signature(batch, layout), autocast, torch.get_default_dtype())   # factories read it
     programs = step.eval_programs
-    program = programs.get(signature)
+    kept = programs.pop(signature, [])   # one program per side of the data guards its trace decided
+    program = next((p for p in reversed(kept) if all_hold(p.guards, batch)), None)
     if program is None:
         program = _compile(step, batch, layout, autocast)
-        programs[signature] = program
-        if len(programs) > step.max_programs:
-            dropped = next(iter(programs))
-            del programs[dropped]
-            warnings.warn(f"zerocc: more than max_programs={step.max_programs} eval_forward programs; dropped "
-                          "the least recently used. Pad evaluation batches to a few shapes", RecompileWarning,
-                          stacklevel=3)
-    else:
-        programs[signature] = programs.pop(signature)   # most recently used last
+    programs[signature] = [p for p in kept if p is not program] + [program]   # most recently used last
+    if len(programs) > step.max_programs:
+        dropped = next(iter(programs))
+        del programs[dropped]
+        warnings.warn(f"zerocc: more than max_programs={step.max_programs} eval_forward programs; dropped "
+                      "the least recently used. Pad evaluation batches to a few shapes", RecompileWarning,
+                      stacklevel=3)
     if step._gathers:   # the program gathers the shards: every rank must be here (runtime/failures.py)
         failures.meet(step.ranks, "step.eval_forward", step.steps, step.timeout)
     with torch.no_grad(), failures.collective_failures(step.ranks, step.steps, step.timeout, call="eval_forward"):
@@ -132,8 +133,12 @@ def _compile(step, batch: list, layout: BatchLayout, autocast: tuple = ()) -> Ev
     arguments = fakeify(fake_mode, (values[:len(plan.buckets)], values[len(plan.buckets):], list(batch)))
     modes = {module: module.training for module in model.modules()}
     model.eval()
+    # branches on batch values (transformers' all-ones attention mask) are decided on the real batch, as the
+    # training step decides them, and kept as the program's guards
+    recorder = GuardRecorder(batch, {len(slots) + index: index for index in range(len(batch))})
     try:
-        with suspended_user_tooling(), outside_autocast(), no_traced_values_left(model):   # user_tooling, autocast
+        with suspended_user_tooling(), outside_autocast(), no_traced_values_left(model), \
+                recording(fake_mode, recorder):   # user_tooling, autocast, data_guards
             gm, spec = trace_functional(forward, arguments, fake_mode)
     except ZeroccError:
         raise
@@ -144,4 +149,4 @@ def _compile(step, batch: list, layout: BatchLayout, autocast: tuple = ()) -> Ev
         for module, training in modes.items():
             module.training = training
     batch_leaves = len(pytree.tree_leaves(list(batch)))
-    return EvalProgram(gm, slots + [None] * batch_leaves, spec)
+    return EvalProgram(gm, slots + [None] * batch_leaves, spec, tuple(recorder.guards))
