@@ -7,6 +7,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import zerocc
+from tests import distributed
 from tests.models import BooleanMask, MLP, batches
 
 
@@ -409,3 +410,29 @@ def test_a_model_writing_into_its_batch_in_place_is_refused(stage):
                                                   r".*test_errors.py:\d+: x.mul_\(0.5\).*argument 1 by index_put_ "
                                                   r".*labels\[labels < 0\] = 0.*fix: compute a new tensor"):
         step(x, labels)
+
+
+def test_a_model_wrapped_for_data_parallelism_is_refused_with_the_module_to_pass():
+    model = nn.DataParallel(MLP())
+    with pytest.raises(zerocc.ConfigError, match=r"the model is wrapped in DataParallel: zerocc does the data "
+                                                 r"parallelism itself .* Pass the module inside \(model.module\)"):
+        zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=F.mse_loss)
+
+
+def _wrapped_by_ddp_or_fully_shard(rank, world_size):
+    from torch.distributed.fsdp import fully_shard
+    messages = []
+    for wrap in (torch.nn.parallel.DistributedDataParallel, fully_shard):
+        model = wrap(MLP())
+        try:
+            zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=F.mse_loss)
+        except zerocc.ConfigError as error:
+            messages.append(str(error))
+    return messages
+
+
+def test_a_model_under_ddp_or_fully_shard_is_refused_before_tracing_its_collectives():
+    """DDP's forward would be traced with its buffer broadcasts; FSDP2's DTensors fail deep inside tracing."""
+    ddp, fsdp = distributed.run(_wrapped_by_ddp_or_fully_shard, 1)[0]
+    assert "the model is wrapped in DistributedDataParallel" in ddp and "(model.module)" in ddp
+    assert fsdp.startswith("the model's parameters are DTensors (") and "before fully_shard" in fsdp

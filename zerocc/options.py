@@ -162,6 +162,29 @@ def check_model_and_optimizer(model, optimizer) -> None:
         raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ConfigError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    check_not_parallelized(model)
+
+
+def check_not_parallelized(model: nn.Module) -> None:
+    """A model already wrapped for data parallelism (DDP, DataParallel, FSDP) or sharded into DTensors: zerocc is
+    the data parallelism, and tracing the wrapper would trace its collectives (or fail on DTensors) too."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.tensor import DTensor
+    wrappers = (nn.parallel.DistributedDataParallel, nn.DataParallel, FullyShardedDataParallel)
+    for name, module in model.named_modules():
+        if isinstance(module, wrappers):
+            where = f"the model{f' (its submodule {name!r})' if name else ''}"
+            raise ConfigError(
+                f"{where} is wrapped in {type(module).__name__}: zerocc does the data parallelism itself (stage 0 "
+                "is DDP's), and would trace the wrapper's own communication. Pass the module inside "
+                f"(model.{name + '.' if name else ''}module) to zerocc.compile, and build the optimizer over its "
+                "parameters")
+    distributed = [name for name, param in model.named_parameters() if isinstance(param, DTensor)]
+    if distributed:
+        raise ConfigError(
+            f"the model's parameters are DTensors ({', '.join(distributed[:3])}{', ...' if len(distributed) > 3 else ''}"
+            "): FSDP2's fully_shard or tensor parallelism already sharded them. zerocc shards plain tensors itself: "
+            "pass the model as built, before fully_shard or parallelize_module")
 
 
 def check_not_meta(model: nn.Module) -> None:
