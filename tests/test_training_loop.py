@@ -11,6 +11,7 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 import zerocc
@@ -163,6 +164,29 @@ def test_the_loss_functions_signature_says_how_many_arguments_are_targets(stage)
             reference_optimizer.step()
             assert torch.equal(step(x, *extra), expected.detach())
         assert_same_state(step, reference)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_loss_of_one_element_shaped_1_trains_as_eager(stage):
+    """``loss.view(1)`` (what some models return): eager's ``loss.backward()`` takes it, so does the step."""
+    def loss_fn(output, y):
+        return F.mse_loss(output, y).view(1)
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    reference = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    reference.load_state_dict(model.state_dict())
+    reference_optimizer = sgd(reference)
+    step = zerocc.compile(model, sgd(model), stage=stage, loss_fn=loss_fn)
+    for _ in range(3):
+        x, y = torch.randn(4, 8), torch.randn(4, 1)
+        expected = loss_fn(reference(x), y)
+        reference_optimizer.zero_grad()
+        expected.backward()
+        reference_optimizer.step()
+        got = step(x, y)
+        assert got.shape == (1,) and torch.equal(got, expected.detach())
+    assert_same_state(step, reference)
 
 
 def test_without_clipping_there_is_no_norm_and_no_pass():

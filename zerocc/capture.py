@@ -96,7 +96,7 @@ def extract_loss(output: Any, targets: Sequence[Any], loss_fn: Callable | None) 
     """The scalar loss: ``loss_fn(output, *targets)``, the output itself, or its ``loss`` entry."""
     if loss_fn is not None:
         loss = loss_fn(output, *targets)
-        if isinstance(loss, torch.Tensor) and loss.dim() == 0:
+        if _one_number(loss):
             return loss
         got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
         items = loss.values() if isinstance(loss, dict) else loss if isinstance(loss, (tuple, list)) else ()
@@ -108,7 +108,7 @@ def extract_loss(output: Any, targets: Sequence[Any], loss_fn: Callable | None) 
         output = output["loss"]
     elif not isinstance(output, torch.Tensor) and isinstance(getattr(output, "loss", None), torch.Tensor):
         output = output.loss
-    if isinstance(output, torch.Tensor) and output.dim() == 0:
+    if _one_number(output):
         return output
     got = f"a tensor of shape {tuple(output.shape)}" if isinstance(output, torch.Tensor) else type(output).__name__
     scalars = [i for i, item in enumerate(output) if isinstance(item, torch.Tensor) and item.dim() == 0] \
@@ -128,6 +128,12 @@ def _split_hint(error: Exception, num_model_inputs: int, num_targets: int) -> st
         return ""
     return (f" (the step passed its first {num_model_inputs} positional argument(s) to the model and the last "
             f"{num_targets} to loss_fn as targets: give compile num_targets= to split them otherwise)")
+
+
+def _one_number(loss: Any) -> bool:
+    """A loss eager's ``loss.backward()`` takes: a tensor of one element (0-dim, or shaped ``(1,)`` as some
+    models return it); the step returns it in its own shape."""
+    return isinstance(loss, torch.Tensor) and loss.numel() == 1
 
 
 def _defined_at(function: Callable) -> str:
