@@ -180,26 +180,32 @@ def compile(
         cast_forward_inputs=cast_forward_inputs, memory_pools=memory_pools,
         gather_per_micro_batch=gather_per_micro_batch, cache_dir=cache_dir)
     options.passes()   # unknown or essential names in ``disable`` fail here, before any tracing
-    _close_earlier_steps(model, optimizer)
-    return CompiledStep(model, optimizer, options, group)
+    steps_run = _close_earlier_steps(model, optimizer)
+    step = CompiledStep(model, optimizer, options, group)
+    step.steps = steps_run   # counted on from the step it took over from (checkpoints save the count)
+    return step
 
 
 # The step that holds a model's (and its optimizer's) state, once its first call has moved it into slots.
 _OWNERS: "weakref.WeakKeyDictionary[Any, weakref.ref]" = weakref.WeakKeyDictionary()
 
 
-def _close_earlier_steps(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+def _close_earlier_steps(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
     """A model or optimizer a started step holds is handed back by that step before a new one compiles it.
 
     The earlier step owns the parameters (released at stage 3) and the
     optimizer's state (sharded); closing it writes them back whole, so the new
     step starts where training is (new options, a notebook cell run again,
-    parameters unfrozen), and the earlier step refuses further calls.
+    parameters unfrozen), and the earlier step refuses further calls. Returns the steps the model's earlier
+    step had run (0 if none).
     """
+    steps_run = 0
     for thing in (model, optimizer):
         owner = _OWNERS.get(thing)
         if owner is not None and (step := owner()) is not None:
+            steps_run = max(steps_run, step.steps)
             step.close()
+    return steps_run
 
 
 def _refuse_tensors_another_step_trains(step: "CompiledStep", captured: Captured | None = None) -> None:
