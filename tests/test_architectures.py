@@ -113,3 +113,4 @@ def test_a_custom_op_stays_one_opaque_node_in_every_graph():
     graph = str(step.graph("insert_collectives"))
     assert "torch.ops.zerocc_tests.scaled_tanh.default(" in graph
     assert graph.count("torch.ops.zerocc_tests.scaled_tanh.default(") == 1   # forward only; backward is its own
+
