@@ -177,6 +177,76 @@ class FrozenAndCustom(nn.Module):
         return F.mse_loss(self.head(h), y)
 
 
+class SlidingWindows(nn.Module):
+    """Longformer's overlapping chunks: ``as_strided`` windows of an activation and of a parameter.
+
+    The windows' backward (``as_strided_backward``) and a window taken with an explicit storage offset (one
+    ahead of the parameter's start, one reaching back from a slice to its base) read through ``as_strided``
+    with offsets counted from the storage's start, while zerocc moves the tensors (arenas, buckets).
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(8, 16)
+        self.positions = nn.Parameter(torch.randn(48))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x, y):
+        h = self.embed(x)                                                               # (b, 8, 16)
+        b = h.shape[0]
+        windows = h.as_strided((b, 3, 4, 16), (h.stride(0), 2 * h.stride(1), h.stride(1), 1))   # overlapping by 2 rows
+        ahead = self.positions.as_strided((4, 16), (6, 1), 8)                           # from element 8 on
+        first_rows = h[:, 4:].as_strided((b, 16), (h.stride(0), 1), 0)                  # row 0, reached from row 4
+        scores = (windows * ahead).sum((1, 2)) + first_rows
+        return F.mse_loss(self.head(torch.tanh(scores)), y)
+
+
+class _Reversible(torch.autograd.Function):
+    """Reformer's reversible layers (RevNet): forward keeps no activations; backward recomputes each half of
+    the block from its output and calls ``backward()`` on it, which accumulates the parameters' gradients into
+    ``.grad`` instead of returning them."""
+
+    @staticmethod
+    def forward(ctx, x1, x2, f, g):
+        y1 = x1 + f(x2)
+        y2 = x2 + g(y1)
+        ctx.save_for_backward(y1, y2)
+        ctx.f, ctx.g = f, g
+        return y1, y2
+
+    @staticmethod
+    def backward(ctx, dy1, dy2):
+        y1, y2 = ctx.saved_tensors
+        with torch.enable_grad():
+            y1 = y1.detach().requires_grad_(True)
+            g_y1 = ctx.g(y1)
+            g_y1.backward(dy2)
+        with torch.no_grad():
+            x2 = y2 - g_y1
+            dx1 = dy1 + y1.grad
+        with torch.enable_grad():
+            x2 = x2.detach().requires_grad_(True)
+            ctx.f(x2).backward(dx1)
+        return dx1, dy2 + x2.grad, None, None
+
+
+class Reversible(nn.Module):
+    """Two reversible blocks between an embedding and a head that autograd differentiates as usual."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(12, 16)
+        self.blocks = nn.ModuleList(nn.ModuleList([nn.Sequential(nn.Linear(8, 8), nn.Tanh()),
+                                                   nn.Sequential(nn.Linear(8, 8), nn.Tanh())]) for _ in range(2))
+        self.head = nn.Linear(16, 5)
+
+    def forward(self, x, y):
+        x1, x2 = self.embed(x).chunk(2, dim=-1)
+        for f, g in self.blocks:
+            x1, x2 = _Reversible.apply(x1, x2, f, g)
+        return F.mse_loss(self.head(torch.cat([x1, x2], -1)), y)
+
+
 def _images(g, b):
     return torch.randn(b, 3, 16, 16, generator=g), torch.randint(0, 10, (b,), generator=g)
 
@@ -195,6 +265,8 @@ ARCHITECTURES = {
     "gnn": (MessagePassing, _graph),
     "encoder_decoder": (EncoderDecoder, lambda g, b: (torch.randint(0, 32, (b, 7), generator=g), torch.randint(0, 32, (b, 6), generator=g))),
     "frozen_custom": (FrozenAndCustom, lambda g, b: (torch.randn(b, 12, generator=g), torch.randn(b, 5, generator=g))),
+    "windows": (SlidingWindows, lambda g, b: (torch.randn(b, 8, 8, generator=g), torch.randn(b, 4, generator=g))),
+    "reversible": (Reversible, lambda g, b: (torch.randn(b, 12, generator=g), torch.randn(b, 5, generator=g))),
 }
 
 

@@ -113,3 +113,26 @@ def test_a_custom_op_stays_one_opaque_node_in_every_graph():
     graph = str(step.graph("insert_collectives"))
     assert "torch.ops.zerocc_tests.scaled_tanh.default(" in graph
     assert graph.count("torch.ops.zerocc_tests.scaled_tanh.default(") == 1   # forward only; backward is its own
+
+
+def test_reversible_layers_accumulate_micro_batches_bit_for_bit():
+    """Each micro-batch's gradients that the layers' own backward() writes into .grad are taken before the next."""
+    from tests.reference import eager_accumulated_step
+    reference = build_architecture("reversible")
+    reference_optimizer = two_groups(reference)
+    model = build_architecture("reversible")
+    step = zerocc.compile(model, two_groups(model), stage=2, grad_accumulation=2, clip_grad_norm=1.0)
+    for batch in architecture_batches("reversible", 3, 4):
+        expected, _ = eager_accumulated_step(reference, reference_optimizer, None, batch, 2, clip=1.0)
+        assert torch.equal(step(*batch), expected)
+    full = step.full_state_dict()
+    for key, value in reference.state_dict().items():
+        assert torch.equal(full[key], value), key
+
+
+def test_reversible_layers_with_param_dtype_are_refused_naming_the_parameters():
+    model = build_architecture("reversible")
+    step = zerocc.compile(model, two_groups(model), stage=3, param_dtype=torch.bfloat16)
+    with pytest.raises(zerocc.CaptureError, match=r"backward\(\) inside the model's own backward .* gradients of "
+                                                  r"blocks\.0\.0\.0\.weight.*compile without param_dtype"):
+        step(*architecture_batches("reversible", 1, 4)[0])

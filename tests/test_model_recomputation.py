@@ -148,6 +148,38 @@ def test_a_recomputation_that_draws_other_random_numbers_is_refused_naming_both_
         step(*batches(1)[0])
 
 
+class Reseeds(nn.Module):
+    """Reformer's pattern: a seed drawn in forward (``torch.seed()``), set again to recompute with the same masks."""
+
+    def __init__(self, p):
+        super().__init__()
+        self.inner, self.linear, self.p = nn.Linear(8, 8), nn.Linear(8, 1), p
+
+    def forward(self, x, y):
+        seed = torch.seed()
+        h = F.dropout(self.inner(x), self.p)
+        torch.manual_seed(seed)
+        again = F.dropout(self.inner(x), self.p)   # eager: the same mask as h
+        return F.mse_loss(self.linear(h * again), y)
+
+
+def test_a_step_that_reseeds_the_generator_and_then_draws_is_refused_naming_both_lines():
+    """The program draws from the generator as it runs; before this refusal the two masks differed, silently."""
+    model = Reseeds(0.5)
+    step = zerocc.compile(model, adamw(model), stage=0)
+    with pytest.raises(zerocc.CaptureError, match=r"(?s)reseeds the random generator at .*test_model_recomputation\.py:"
+                                                  r"\d+: seed = torch\.seed\(\) and then draws with aten\.bernoulli.*"
+                                                  r"h = F\.dropout.*dropout probability 0"):
+        step(*batches(1)[0])
+    for function in (torch.manual_seed, torch.seed, torch.random.manual_seed, torch.random.seed):   # torch's own again
+        assert "traced_recomputation" not in function.__qualname__
+
+
+def test_a_step_that_reseeds_the_generator_but_draws_nothing_trains_bit_for_bit():
+    """Reformer with dropout 0 calls torch.seed() and torch.manual_seed() in every training forward."""
+    assert_trains_like_eager(lambda: Reseeds(0.0), 3, batches())
+
+
 def gpt2(transformers):   # dropout 0.1 in embeddings, attention and residuals (GPT2Config's defaults)
     return transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64,
                                                                 n_positions=32))

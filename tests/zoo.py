@@ -175,6 +175,16 @@ def _zoo() -> dict[str, Architecture]:
                              _masked_tokens),
         "roberta": Architecture("masked LM", _seeded(lambda: _t("RobertaForMaskedLM")(_t("RobertaConfig")(
             **dict(_ENCODER, max_position_embeddings=80)))), _masked_tokens),
+        # Longformer's sliding-window attention takes overlapping chunks with as_strided (zerocc/tracing.py)
+        "longformer": Architecture("masked LM", _seeded(lambda: _t("LongformerForMaskedLM")(_t("LongformerConfig")(
+            **dict(_ENCODER, max_position_embeddings=80), attention_window=4))), _masked_tokens),
+        # reversible layers: backward recomputes each layer and calls backward() on it, writing .grad (capture.py);
+        # dropout 0: its layers reseed the generator (torch.seed()) in every training forward, refused before a draw
+        "reformer": _causal(_t("ReformerConfig"), _t("ReformerModelWithLMHead"), vocab_size=VOCAB, hidden_size=32,
+                            num_attention_heads=2, attention_head_size=8, feed_forward_size=64,
+                            attn_layers=["local", "local"], axial_pos_shape=[4, 4], axial_pos_embds_dim=[16, 16],
+                            max_position_embeddings=TOKENS[1], is_decoder=True, local_attn_chunk_length=4,
+                            hidden_dropout_prob=0.0, local_attention_probs_dropout_prob=0.0),
         "deberta_v2": Architecture("masked LM", _seeded(lambda: _t("DebertaV2ForMaskedLM")(_t("DebertaV2Config")(
             **_ENCODER, position_buckets=16, max_relative_positions=32))), _masked_tokens),
         "resnet": Architecture("vision CNN", _seeded(lambda: _t("ResNetForImageClassification")(_t("ResNetConfig")(

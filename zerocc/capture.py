@@ -337,6 +337,7 @@ def trace_step(
                         loss = loss / grad_accumulation
                     differentiated = loss * loss_scale[0] if loss_scale else loss
                     micro_grads = torch.autograd.grad(differentiated, computed, allow_unused=True)
+                    micro_grads = _plus_gradients_written_into_grad(micro_grads, computed, params, param_infos, precision)
                 if precision is not None:
                     micro_grads = mixed.master_grads(micro_grads, params)
                 # as AccumulateGrad does into .grad: the running sum, then this micro-batch's gradient
@@ -424,6 +425,36 @@ def trace_step(
     stats.add(compile_stats.CAPTURE_REST, time.perf_counter() - started - stats.total)
     return Captured(gm, param_infos, frozen_infos, buffer_infos, state_keys, len(optimizer.param_groups),
                     len(inputs), new_state_keys, tuple(recorder.guards), stats, written_buffers)
+
+
+def _plus_gradients_written_into_grad(grads, computed, params, param_infos, precision) -> tuple:
+    """Add what a ``backward()`` inside the model's own backward accumulated into ``.grad`` of the parameters.
+
+    A custom ``autograd.Function`` may compute its parameters' gradients itself: Reformer's reversible layers
+    recompute each layer in ``backward`` and call ``output.backward(grad)`` there, which accumulates into
+    ``param.grad`` and returns nothing for the parameters. Eager's ``loss.backward()`` ends with those in
+    ``.grad`` beside what the graph gave; ``torch.autograd.grad`` returns only the latter. Each traced
+    parameter's ``.grad`` is taken (and cleared, for the next micro-batch) and added, as ``AccumulateGrad``
+    adds into ``.grad``: the two terms sum alike in either order.
+    """
+    if precision is not None:
+        written = [info.name for info, master in zip(param_infos, params) if master.grad is not None]
+        if written:
+            raise CaptureError(
+                f"a backward() inside the model's own backward (a custom autograd.Function, as Reformer's reversible "
+                f"layers) wrote the gradients of {', '.join(written[:3])}{' ...' if len(written) > 3 else ''} into "
+                ".grad; with param_dtype they would accumulate in fp32 through the cast instead of in param_dtype "
+                "as in eager: compile without param_dtype (torch.autocast computes such a model in bf16 with fp32 "
+                "parameters)")
+        return grads
+    summed = []
+    for grad, leaf in zip(grads, computed):
+        written = leaf.grad
+        if written is not None:
+            leaf.grad = None
+            grad = written if grad is None else grad + written
+        summed.append(grad)
+    return tuple(summed)
 
 
 def _data_dependent_error(where: str | None, why: str) -> CaptureError:

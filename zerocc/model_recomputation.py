@@ -67,11 +67,19 @@ class _Sequence(TorchDispatchMode):
         super().__init__()
         self.draws: list[_Draw] = []
         self.position = 0
+        self.reseeded: str | None = None   # where the model called torch.manual_seed / torch.seed, if it did
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if not draws_random_numbers(func, args, kwargs):
             return func(*args, **kwargs)
+        if self.reseeded is not None:
+            raise CaptureError(
+                f"the step reseeds the random generator at {self.reseeded} and then draws with {func} at {_where()}: "
+                f"the compiled program draws from the generator as the step runs and cannot reseed it in the "
+                f"middle of a step, so these random numbers would not be eager's (and a backward that reseeds to "
+                f"recompute its forward, as Reformer's reversible layers do, would not see the forward's dropout "
+                f"masks). Seed before calling the step, or draw nothing after the seed (dropout probability 0)")
         written = _written(func, args, kwargs)
         if self.position == len(self.draws):   # a new draw: run it, keep a copy for a rewind to replay
             result = func(*args, **kwargs)
@@ -108,7 +116,10 @@ def _where() -> str:
 
 @contextlib.contextmanager
 def traced_recomputation():
-    """Refuse reentrant checkpointing; trace ``get_rng_state``/``set_rng_state`` as positions among the random ops."""
+    """Refuse reentrant checkpointing; trace ``get_rng_state``/``set_rng_state`` as positions among the random ops.
+
+    A ``torch.manual_seed`` or ``torch.seed`` in the step is refused at the first random op drawn after it.
+    """
     sequence = _Sequence()
     saved: dict[int, tuple[torch.Tensor, int]] = {}   # id of a state handed out -> (the state, its position)
     entered = []
@@ -135,8 +146,22 @@ def traced_recomputation():
             return original(state, *args, **kwargs)
         return set_rng_state
 
+    def reseeder(original):
+        def reseed(*args, **kwargs):
+            if not entered:
+                sequence.__enter__()
+                entered.append(sequence)
+            sequence.reseeded = sequence.reseeded or _where()
+            return original(*args, **kwargs)
+        return reseed
+
     for (module, name), original in originals.items():
         setattr(module, name, getter(original) if name.startswith("get") else setter(original))
+    # torch.manual_seed / torch.seed inside the step: allowed while nothing draws after them (_Sequence)
+    reseeding = {(module, name): getattr(module, name) for module in (torch, torch.random) for name in ("manual_seed", "seed")}
+    for (module, name), original in reseeding.items():
+        setattr(module, name, reseeder(original))
+    originals.update(reseeding)
     reentrant = checkpointing.CheckpointFunction.__dict__.get("apply")   # None: Function's classmethod, inherited
     checkpointing.CheckpointFunction.apply = _refuse_reentrant
     try:

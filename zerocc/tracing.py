@@ -30,6 +30,7 @@ from . import compile_stats, fake_kernels
 from . import graph as g
 from .compile_stats import CompileStats
 from .data_guards import GuardedShapeEnv
+from .errors import CaptureError, user_line_of_node
 from .ops import batch_norm_with_stats, bernoulli_in_layout, binary_cross_entropy_with_logits
 
 aten = torch.ops.aten
@@ -169,6 +170,7 @@ def trace_functional(fn: Callable[..., Any], args: tuple, fake_mode: FakeTensorM
             torch._dynamo.config.patch(error_on_nested_fx_trace=False):
         first = make_fx(flat_fn, record_stack_traces=True)(*flat_args)
     if _is_functional(first):   # nothing to remove: the replay would rebuild the same graph (half the cost)
+        _storage_offsets_relative_to_their_tensor(first)
         _remove_profiler_nodes(first)
         first.graph.eliminate_dead_code()
         first.recompile()
@@ -184,6 +186,7 @@ def trace_functional(fn: Callable[..., Any], args: tuple, fake_mode: FakeTensorM
     gm.meta[g.WRITTEN_INPUTS] = written_inputs(first)
     gm.meta[g.WRITTEN_CONSTANTS] = written_constants(first)
     _draw_masks_in_layout(gm, fake_mode)
+    _storage_offsets_relative_to_their_tensor(gm)
     _remove_trailing_input_copies(gm)
     _remove_profiler_nodes(gm)
     gm.graph.eliminate_dead_code()
@@ -275,6 +278,53 @@ def _draw_masks_in_layout(gm: fx.GraphModule, fake_mode: FakeTensorMode) -> None
             node.target = bernoulli_in_layout
             with fake_mode:
                 node.meta[g.VAL] = torch.empty_like(like)
+
+
+def _storage_offsets_relative_to_their_tensor(gm: fx.GraphModule) -> None:
+    """``as_strided(x, size, stride, offset)`` with ``offset`` x's own storage offset -> ``as_strided(x, size, stride)``.
+
+    ``as_strided`` counts an explicit storage offset from the start of x's storage, not from x. Autograd
+    (``as_strided_backward``, the backward of overlapping windows such as Longformer's chunks) and
+    functionalization's view replays write the offset x had while tracing, usually 0. The passes then move
+    x: ``place_buffers`` writes it into an arena at some offset, ``shard`` makes a parameter a slice of its
+    bucket, and the runtime passes batches that are views. With the offset traced, the view read another
+    tensor's memory (wrong gradients, or an overlap error in a later ``out=`` kernel); without it, as_strided
+    takes x's own offset, the same view of x wherever x lies. An offset ahead of x's becomes a flat view of x
+    sliced there; one before x's start counts from the tensor x is a view of, and is refused if none is in
+    the graph (what lies before a placeholder at run time is not what lay there while tracing).
+    """
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not aten.as_strided.default or len(node.args) < 4:
+            continue
+        x, size, stride, offset = node.args[:4]
+        value = x.meta.get(g.VAL) if isinstance(x, fx.Node) else None
+        if not isinstance(value, torch.Tensor) or type(offset) is not int or type(value.storage_offset()) is not int:
+            continue
+        delta = offset - value.storage_offset()
+        while delta < 0 and _is_view_of_its_first_argument(x):   # reaching before x: count from x's base instead
+            x = x.args[0]
+            value = x.meta[g.VAL]
+            delta = offset - value.storage_offset()
+        if delta < 0:
+            where = user_line_of_node(node) or "(no line of yours)"
+            raise CaptureError(f"the step cannot be traced at {where}: as_strided with storage_offset={offset} starts "
+                               f"{-delta} elements before its tensor (storage offset {value.storage_offset()}); zerocc "
+                               "places tensors in its own memory, where what lies before a tensor is not what lay "
+                               "there in eager. Take the view from the tensor you reach into, offset from its start")
+        if delta > 0:   # x's own offset plus delta: a flat view from x's start, sliced at delta
+            with gm.graph.inserting_before(node):
+                flat = gm.graph.call_function(aten.as_strided.default, (x, [delta + 1], [1]))
+                flat.meta.update(node.meta, **{g.VAL: value.as_strided([delta + 1], [1])})
+                x = gm.graph.call_function(aten.slice.Tensor, (flat, 0, delta, delta + 1))
+                x.meta.update(node.meta, **{g.VAL: flat.meta[g.VAL][delta:]})
+        node.args = (x, size, stride)
+
+
+def _is_view_of_its_first_argument(node: fx.Node) -> bool:
+    return (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and node.target.is_view
+            and bool(node.args) and isinstance(node.args[0], fx.Node)
+            and isinstance(node.args[0].meta.get(g.VAL), torch.Tensor)
+            and type(node.args[0].meta[g.VAL].storage_offset()) is int)
 
 
 def _remove_trailing_input_copies(gm: fx.GraphModule) -> None:
