@@ -65,7 +65,8 @@ def eval_forward(step, inputs: tuple, keyword_inputs: dict | None = None) -> Any
             "the model itself: its parameters are intact until then)")
     check_batch(batch, layout, step.state.first_batch, where="eval_forward")
     autocast = autocast_state()   # the casts are traced into the program: its own program per state
-    signature = (input_signature(batch, layout), autocast)
+    # the Python values forward reads are traced as constants (program_cache.python_values)
+    signature = (input_signature(batch, layout), autocast, step.python_values())
     programs = step.eval_programs
     program = programs.get(signature)
     if program is None:
