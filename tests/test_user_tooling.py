@@ -448,3 +448,42 @@ def test_a_number_forward_writes_itself_compiles_once_and_eval_forward_reads_a_c
         model.temperature = reference.temperature = temperature
         with torch.no_grad():
             assert torch.equal(step.eval_forward(x)[0], reference(x)[0])
+
+
+def _to_bf16(tensor):
+    return tensor.to(torch.bfloat16) if tensor.dtype == torch.float32 else tensor
+
+
+def _to_fp32(tensor):
+    return tensor.float() if tensor.dtype == torch.bfloat16 else tensor
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_saved_tensor_hooks_around_some_steps_train_as_eager(stage):
+    """Saved-tensor hooks around the step (here lossy: activations kept in bf16, which changes eager's gradients)
+    are traced into the program; a step called without them after one called with them (or the reverse) ran the
+    first call's program, silently. Each state now gets its own program; ``save_on_cpu`` entered anew around every
+    step reuses one."""
+    model = mlp()
+    reference = copy.deepcopy(model)
+    optimizer, reference_optimizer = (torch.optim.SGD(m.parameters(), lr=0.5) for m in (model, reference))
+    step = zerocc.compile(model, optimizer, stage=stage, loss_fn=F.mse_loss)
+    generator = torch.Generator().manual_seed(1)
+    for index, around in enumerate(["none", "bf16", "bf16", "none", "save_on_cpu", "save_on_cpu"]):
+        def hooks():
+            if around == "bf16":
+                return torch.autograd.graph.saved_tensors_hooks(_to_bf16, _to_fp32)
+            return torch.autograd.graph.save_on_cpu() if around == "save_on_cpu" else contextlib.nullcontext()
+        x, y = torch.randn(4, 12, generator=generator), torch.randn(4, 5, generator=generator)
+        with hooks():
+            loss = step(x, y)
+        reference_optimizer.zero_grad(set_to_none=True)
+        with hooks():
+            expected = F.mse_loss(reference(x), y)
+            expected.backward()
+        reference_optimizer.step()
+        assert torch.equal(loss, expected.detach()), index
+    assert len(step.compile_stats) == 3
+    full = step.full_state_dict()
+    for key, value in reference.state_dict().items():
+        assert torch.equal(full[key], value), key

@@ -51,7 +51,7 @@ from .runtime.program import Program
 from .step_state import (StepState, check_param_groups_unchanged, check_requires_grad_unchanged, param_groups_of,
                          requires_grad_of)
 from .tracing import make_fake_mode
-from .user_tooling import suspended_user_tooling
+from .user_tooling import saved_tensors_hooks_state, suspended_user_tooling
 
 
 def compile(
@@ -420,7 +420,7 @@ class CompiledStep:
         return CacheKey(input_signature(batch, layout), self.state.state_key(),
                         hyperparameter_signature(self.optimizer), autocast_state(), training_modes(self._modules),
                         hook_ids(self._modules, self._parameters, frozenset(h.id for h in self._user_hooks)),
-                        self.python_values())
+                        self.python_values(), saved_tensors_hooks_state())
 
     def python_values(self) -> tuple:
         """The Python values forward and the loss read now, which a trace bakes in (``program_cache.python_values``)."""

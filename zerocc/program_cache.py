@@ -4,8 +4,9 @@ A program is compiled for a ``CacheKey``: the batch's signature (shapes,
 dtypes, devices, Python values), the optimizer state's structure (none yet,
 or the steady state's), the hyper-parameters baked into the graph and the
 caller's ``torch.autocast`` state (``zerocc/autocast.py``), which modules
-are in training mode (``model.train()``/``model.eval()``: dropout, batch norm) and
-the Python values forward and the loss read as constants (``python_values``). Each
+are in training mode (``model.train()``/``model.eval()``: dropout, batch norm),
+the Python values forward and the loss read as constants (``python_values``) and
+the saved-tensor hooks around the call (``user_tooling.saved_tensors_hooks_state``). Each
 ``CacheEntry`` holds the program, the decisions the passes made (``ctx``),
 the graph after every pass, and the peak of live bytes its first run
 measured. A key keeps one program per side of its data guards
@@ -44,6 +45,7 @@ class CacheKey:
     training: tuple = ()      # training_modes(model) at the call: dropout and batch norm are traced per mode
     hooks: tuple = ()         # hook_ids(model) at the call: the hooks on its modules and parameters are traced
     python: tuple = ()        # python_values(...) at the call: numbers and flags traced as constants
+    saved_tensors_hooks: tuple = ()   # user_tooling.saved_tensors_hooks_state() at the call: traced into backward
 
 
 @dataclasses.dataclass
