@@ -373,12 +373,15 @@ class CompiledStep:
             yield
             return
         tensors = [(t, t.data) for t in [*self.model.parameters(), *self.model.buffers()]]
+        grads = [(p, p.grad) for p in self.model.parameters()]
         optimizer_state = dict(self.optimizer.state)
         try:
             yield
         except BaseException:
             for tensor, data in tensors:
                 tensor.data = data
+            for parameter, grad in grads:
+                parameter.grad = grad
             self.optimizer.state.clear()
             self.optimizer.state.update(optimizer_state)
             self.state.reset()
@@ -534,6 +537,9 @@ class CompiledStep:
                                                        fresh_state=fresh)
             state.slots.update(state.initial_scaler)   # created (or loaded from a checkpoint) before the first step
             self.optimizer.state.clear()   # the step owns the (sharded) optimizer state from now on
+            for info in captured.params:   # its gradients live in its buckets: a .grad left by eager steps before
+                # compiling would read as the step's own, and hold a whole copy of the parameter on every rank
+                self.model.get_parameter(info.name).grad = None
             _OWNERS[self.model] = _OWNERS[self.optimizer] = weakref.ref(self)
             self._user_hooks = user_views.install(self)
             user_views.release_model_parameters(self)
