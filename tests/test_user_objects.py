@@ -299,3 +299,23 @@ def test_a_gan_whose_steps_read_frozen_copies_refreshed_in_place_trains_as_eager
         full = step.full_state_dict()
         for key, value in reference.state_dict().items():
             assert torch.equal(full[f"{name}.{key}"], value), key
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_gradients_left_by_eager_steps_before_compiling_are_dropped_and_training_goes_on_as_eager(stage):
+    """An eager warm-up step before compiling left every parameter's ``.grad``: the step never writes it, so a user
+    reading gradients after a compiled step saw the warm-up's as if they were the step's (and every rank kept a
+    whole copy of the parameters in them, at stage 3 too). The first compile now drops them."""
+    model, _, loss_fn = build("mlp")
+    reference = copy.deepcopy(model)
+    optimizer, reference_optimizer = adamw(model), adamw(reference)
+    warm_up, *rest = batches("mlp", 4, 8)
+    for net, opt in ((model, optimizer), (reference, reference_optimizer)):
+        eager_step(net, opt, loss_fn, warm_up)
+    step = zerocc.compile(model, optimizer, stage=stage, loss_fn=loss_fn)
+    for batch in rest:
+        assert torch.equal(step(*batch), eager_step(reference, reference_optimizer, loss_fn, batch))
+        assert all(parameter.grad is None for parameter in model.parameters())
+    full = step.full_state_dict()
+    for key, value in reference.state_dict().items():
+        assert torch.equal(full[key], value), key

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
+import sys
 
 import pytest
 import torch
@@ -339,3 +341,149 @@ def test_a_model_or_block_wrapped_in_torch_compile_is_traced_through_its_own_cod
     reference.eval()
     with torch.no_grad():
         assert torch.equal(step.eval_forward(x), reference(x))
+
+
+
+# A loss weight an outer loop anneals, read by the loss function from its module's globals.
+AUX_WEIGHT = 0.5
+
+
+class Annealed(nn.Module):
+    """Reads Python numbers a training loop changes between steps: dropout's p and a temperature."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(12, 16)
+        self.dropout = nn.Dropout(0.1)
+        self.head = nn.Linear(16, 5)
+        self.temperature = 1.0
+        self.calls = 0   # forward's own counter: the trace writes it, which is no reason to compile again
+
+    def forward(self, x):
+        self.calls += 1
+        hidden = self.dropout(F.gelu(self.linear(x)))
+        return self.head(hidden) / self.temperature, hidden
+
+
+def _loss_with_auxiliary(output, target):
+    logits, hidden = output
+    return F.mse_loss(logits, target) + AUX_WEIGHT * hidden.square().mean()
+
+
+def _weighted_loss():
+    """A loss whose weight is a variable of its closure, and the loop's way to set it."""
+    weight = 1.0
+
+    def loss(output, target):
+        return weight * F.mse_loss(output[0], target)
+
+    def set_weight(value):
+        nonlocal weight
+        weight = value
+    return loss, set_weight
+
+
+class WeightedLoss(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = 1.0
+
+    def forward(self, output, target):
+        return self.weight * F.mse_loss(output[0], target)
+
+
+@pytest.mark.parametrize("changed", ["dropout p", "attribute", "loss global", "loss closure", "loss module"])
+@pytest.mark.parametrize("stage", [0, 3])
+def test_python_numbers_forward_and_the_loss_read_changed_between_steps_train_as_eager(stage, changed, monkeypatch):
+    """A trace bakes the Python numbers forward and the loss read into the program as constants: a loop that
+    annealed dropout's p, a temperature or a loss weight between steps silently trained on with the first value.
+    A changed value now compiles its own program, with a warning naming it."""
+    model = Annealed()
+    reference = copy.deepcopy(model)
+    loss_fn = _loss_with_auxiliary
+    if changed == "loss closure":
+        loss_fn, set_weight = _weighted_loss()
+    elif changed == "loss module":
+        loss_fn = WeightedLoss()
+        set_weight = functools.partial(setattr, loss_fn, "weight")
+    optimizer, reference_optimizer = (torch.optim.AdamW(m.parameters(), lr=0.1) for m in (model, reference))
+    step = zerocc.compile(model, optimizer, stage=stage, loss_fn=loss_fn)
+    generator = torch.Generator().manual_seed(1)
+    for index in range(4):
+        if changed == "dropout p":
+            model.dropout.p = reference.dropout.p = 0.1 * index
+        elif changed == "attribute":
+            model.temperature = reference.temperature = 1.0 + index
+        elif changed == "loss global":
+            monkeypatch.setattr(sys.modules[__name__], "AUX_WEIGHT", 0.5 * index)
+        else:
+            set_weight(1.0 + index)
+        x, y = torch.randn(4, 12, generator=generator), torch.randn(4, 5, generator=generator)
+        torch.manual_seed(index)
+        with pytest.warns(zerocc.RecompileWarning, match="Python values") if index == 1 else contextlib.nullcontext():
+            loss = step(x, y)
+        torch.manual_seed(index)
+        reference_optimizer.zero_grad(set_to_none=True)
+        expected = loss_fn(reference(x), y)
+        expected.backward()
+        reference_optimizer.step()
+        assert torch.equal(loss, expected.detach()), index
+    assert len(step.compile_stats) == 4
+    full = step.full_state_dict()
+    for key, value in reference.state_dict().items():
+        assert torch.equal(full[key], value), key
+
+
+def test_a_number_forward_writes_itself_compiles_once_and_eval_forward_reads_a_changed_one():
+    model = Annealed()
+    reference = copy.deepcopy(model).eval()
+    step = zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), stage=3, loss_fn=_loss_with_auxiliary)
+    x, y = torch.randn(4, 12), torch.randn(4, 5)
+    for _ in range(3):
+        step(x, y)
+    assert len(step.compile_stats) == 1   # forward's counter changed while tracing: not part of the key
+    with step.full_model(writeback=False):
+        reference.load_state_dict(model.state_dict())
+    for temperature in (1.0, 3.0):
+        model.temperature = reference.temperature = temperature
+        with torch.no_grad():
+            assert torch.equal(step.eval_forward(x)[0], reference(x)[0])
+
+
+def _to_bf16(tensor):
+    return tensor.to(torch.bfloat16) if tensor.dtype == torch.float32 else tensor
+
+
+def _to_fp32(tensor):
+    return tensor.float() if tensor.dtype == torch.bfloat16 else tensor
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_saved_tensor_hooks_around_some_steps_train_as_eager(stage):
+    """Saved-tensor hooks around the step (here lossy: activations kept in bf16, which changes eager's gradients)
+    are traced into the program; a step called without them after one called with them (or the reverse) ran the
+    first call's program, silently. Each state now gets its own program; ``save_on_cpu`` entered anew around every
+    step reuses one."""
+    model = mlp()
+    reference = copy.deepcopy(model)
+    optimizer, reference_optimizer = (torch.optim.SGD(m.parameters(), lr=0.5) for m in (model, reference))
+    step = zerocc.compile(model, optimizer, stage=stage, loss_fn=F.mse_loss)
+    generator = torch.Generator().manual_seed(1)
+    for index, around in enumerate(["none", "bf16", "bf16", "none", "save_on_cpu", "save_on_cpu"]):
+        def hooks():
+            if around == "bf16":
+                return torch.autograd.graph.saved_tensors_hooks(_to_bf16, _to_fp32)
+            return torch.autograd.graph.save_on_cpu() if around == "save_on_cpu" else contextlib.nullcontext()
+        x, y = torch.randn(4, 12, generator=generator), torch.randn(4, 5, generator=generator)
+        with hooks():
+            loss = step(x, y)
+        reference_optimizer.zero_grad(set_to_none=True)
+        with hooks():
+            expected = F.mse_loss(reference(x), y)
+            expected.backward()
+        reference_optimizer.step()
+        assert torch.equal(loss, expected.detach()), index
+    assert len(step.compile_stats) == 3
+    full = step.full_state_dict()
+    for key, value in reference.state_dict().items():
+        assert torch.equal(full[key], value), key

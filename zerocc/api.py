@@ -29,7 +29,7 @@ from .analysis.step_time import HardwareProfile, StepTime, predict
 from .data_guards import all_hold
 from .device_budget import DeviceBudget, device_budget
 from .driver import Compiled, fewer_collections, final_peak, run_passes
-from .errors import CompileCacheWarning, ConfigError
+from .errors import CompileCacheWarning, ConfigError, RecompileWarning
 from .hardware import measure_hardware, profile_of
 from .memory_plan import MemoryPlan, memory_plan_entries
 from .optimizer_step import hyperparameter_signature, live_layout, live_settings
@@ -40,8 +40,8 @@ from .pipeline import DEFAULT_PREFETCH_BYTES, GraphSnapshot, dump_dir_of, write_
 from .planning import communication, model_state_bytes
 from .precision import DynamicLossScale
 from .autocast import autocast_state, outside_autocast
-from .program_cache import (INITIAL_STATE, CacheEntry, CacheKey, ProgramCache, hook_ids, input_signature,
-                            training_modes)
+from .program_cache import (INITIAL_STATE, CacheEntry, CacheKey, ProgramCache, changed_python_values, hook_ids,
+                            input_signature, python_sources, python_values, training_modes)
 from .runtime import failures
 from .runtime import slots as slot_store
 from .runtime.arenas import Arenas
@@ -51,7 +51,7 @@ from .runtime.program import Program
 from .step_state import (StepState, check_param_groups_unchanged, check_requires_grad_unchanged, param_groups_of,
                          requires_grad_of)
 from .tracing import make_fake_mode
-from .user_tooling import suspended_user_tooling
+from .user_tooling import saved_tensors_hooks_state, suspended_user_tooling
 
 
 def compile(
@@ -285,6 +285,9 @@ class CompiledStep:
         self._warned_settings = False   # _say_which_settings_changed: once per step
         self._modules = tuple(model.modules())   # whose training flags and hooks each call's program key reads
         self._parameters = tuple(model.parameters())   # whose hooks each call's program key reads
+        self._python_sources = python_sources(model, options.loss_fn)   # where forward and the loss read Python values
+        self._written_python: frozenset = frozenset()   # those forward writes itself (a counter): not in the key
+        self._warned_python = False   # _say_which_python_values_changed: once per step
         self.compile_stats: list[CompileStats] = []   # per compiled program: seconds per phase (compile_stats.py)
         self._user_hooks: list = []          # zerocc/user_views.py, installed at the first compile
         self._hardware: HardwareProfile | None = None   # _hardware_profile: measured (or read) when first needed
@@ -336,7 +339,7 @@ class CompiledStep:
             # the shapes and tells every rank whether any rank missed its cache: then every rank compiles
             if failures.check_calls_agree(self.ranks, failures.TRAINING_STEP, agreement_lines(batch, layout),
                                           missed=entry is None):
-                entry = self._compile_for(key, batch, layout)   # compiling compares the program across ranks
+                key, entry = self._compile_for(key, batch, layout)   # compiling compares the program across ranks
             self.cache.use(key, entry)
             if state.param_groups is None:
                 state.param_groups = param_groups_of(self.optimizer)   # what the buckets are laid out for
@@ -376,12 +379,15 @@ class CompiledStep:
             yield
             return
         tensors = [(t, t.data) for t in [*self.model.parameters(), *self.model.buffers()]]
+        grads = [(p, p.grad) for p in self.model.parameters()]
         optimizer_state = dict(self.optimizer.state)
         try:
             yield
         except BaseException:
             for tensor, data in tensors:
                 tensor.data = data
+            for parameter, grad in grads:
+                parameter.grad = grad
             self.optimizer.state.clear()
             self.optimizer.state.update(optimizer_state)
             self.state.reset()
@@ -423,28 +429,39 @@ class CompiledStep:
         return CacheKey(input_signature(batch, layout), self.state.state_key(),
                         hyperparameter_signature(self.optimizer), autocast_state(), training_modes(self._modules),
                         hook_ids(self._modules, self._parameters, frozenset(h.id for h in self._user_hooks)),
-                        torch.get_default_dtype())
+                        self.python_values(), saved_tensors_hooks_state(), torch.get_default_dtype())
 
-    def _compile_for(self, key: CacheKey, batch, layout) -> CacheEntry:
-        """Compile the program for ``key`` and ``batch``'s side of its data guards, and keep it.
+    def python_values(self) -> tuple:
+        """The Python values forward and the loss read now, which a trace bakes in (``program_cache.python_values``)."""
+        return python_values(self._python_sources, self._written_python)
+
+    def _compile_for(self, key: CacheKey, batch, layout) -> tuple[CacheKey, CacheEntry]:
+        """Compile the program for ``key`` and ``batch``'s side of its data guards, and keep it: the key it is kept
+        under (without the Python values the trace itself changed, ``_written_python``) and the entry.
 
         With several ranks, every rank compiles when any missed its cache (its own batch: a rank whose batch
         took the side it had compiled compiles that side again), so that the compiles' collectives meet.
         """
         self.cache.check_static_shapes(key.signature)
         self._say_which_settings_changed(key)
+        self._say_which_python_values_changed(key)
         started = time.perf_counter()
+        before = python_values(self._python_sources)
         # the user's MemTracker, profilers, global hooks (zerocc/user_tooling.py)
         with suspended_user_tooling(), fewer_collections(), outside_autocast():
             found = self._compile(batch, layout, autocast=key.autocast, key=key)
         self.compile_seconds += time.perf_counter() - started
+        written = {(label, name) for label, name, *_ in set(before) ^ set(python_values(self._python_sources))}
+        if written:   # forward changes them itself (a call counter): keyed on, every call would compile again
+            self._written_python |= written
+            key = dataclasses.replace(key, python=self.python_values())
         self.cache.add(key, found, batch)
         if key.state == INITIAL_STATE and (self.state.state_key() or found.reads_initial_state):
             # traced with existing state (a checkpoint loaded before the first call, or the optimizer's initial
             # state the step made): it is the steady state's program
             self.cache.add(dataclasses.replace(key, state=self.state.state_key()), found, batch)
         self.cache.evict_beyond_limit(key.signature, keep=found)
-        return found
+        return key, found
 
     def _say_which_settings_changed(self, key: CacheKey) -> None:
         """Warn, once per step, when a program is compiled only because optimizer settings changed.
@@ -466,6 +483,27 @@ class CompiledStep:
                     "so a schedule that changes one every step compiles every step (OneCycleLR or CyclicLR: pass "
                     "cycle_momentum=False). Said once per zerocc.compile.", stacklevel=4)
                 self._warned_settings = True
+                return
+
+    def _say_which_python_values_changed(self, key: CacheKey) -> None:
+        """Warn, once per step, when a program is compiled because a Python value forward or the loss reads changed.
+
+        Such values (``program_cache.python_values``: dropout's ``p``, a temperature, a loss weight) are traced
+        into the program as constants, so one that changes every step compiles every step.
+        """
+        if self._warned_python:
+            return
+        for known in list(self.cache.entries):
+            if dataclasses.replace(known, python=key.python) == key and known.python != key.python:
+                changed = changed_python_values(known.python, key.python)
+                warnings.warn(
+                    "zerocc compiles a new program because Python values that forward or the loss read changed ("
+                    + "; ".join(changed[:4]) + "): they are traced into the program as constants, so a value that "
+                    "changes every step compiles every step. Keep such a value in a tensor the program reads, e.g. a "
+                    "buffer (self.register_buffer('weight', torch.tensor(1.0), persistent=False)) that you set with "
+                    "weight.fill_(value) between steps; keep a value forward does not read (a loop's counter) off the "
+                    "model. Said once per zerocc.compile.", RecompileWarning, stacklevel=4)
+                self._warned_python = True
                 return
 
     def _compile(self, batch, layout: BatchLayout | None = None, autocast: tuple = (), key: CacheKey | None = None
@@ -505,6 +543,9 @@ class CompiledStep:
                                                        fresh_state=fresh)
             state.slots.update(state.initial_scaler)   # created (or loaded from a checkpoint) before the first step
             self.optimizer.state.clear()   # the step owns the (sharded) optimizer state from now on
+            for info in captured.params:   # its gradients live in its buckets: a .grad left by eager steps before
+                # compiling would read as the step's own, and hold a whole copy of the parameter on every rank
+                self.model.get_parameter(info.name).grad = None
             _OWNERS[self.model] = _OWNERS[self.optimizer] = weakref.ref(self)
             self._user_hooks = user_views.install(self)
             user_views.release_model_parameters(self)

@@ -195,6 +195,8 @@ def fingerprint(step, key, released_shapes: dict[str, tuple[int, ...]], previous
         ("optimizer settings", _sha(_stable(key.hyperparameters))[:24]),
         ("autocast", _stable(key.autocast)),
         ("training modes", _sha(_stable(key.training))[:24]),
+        ("python values", _sha(_stable(key.python))[:24]),   # numbers forward and the loss read (a loss weight)
+        ("saved-tensor hooks", _stable(key.saved_tensors_hooks)),
         ("earlier buckets", _sha(_stable(previous_plan))[:24]),
     )
     return Fingerprint(parts)

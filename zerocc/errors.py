@@ -34,7 +34,8 @@ class UnsupportedOptimizerError(ZeroccError):
 
 
 class RecompileWarning(UserWarning):
-    """A step compiled more programs (batch shapes) than ``max_programs`` keeps."""
+    """A step compiled more programs (batch shapes) than ``max_programs`` keeps, or compiled again because a
+    Python value its forward or loss reads changed."""
 
 
 class CompileCacheError(ZeroccError):

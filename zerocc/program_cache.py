@@ -3,8 +3,10 @@
 A program is compiled for a ``CacheKey``: the batch's signature (shapes,
 dtypes, devices, Python values), the optimizer state's structure (none yet,
 or the steady state's), the hyper-parameters baked into the graph and the
-caller's ``torch.autocast`` state (``zerocc/autocast.py``) and which modules
-are in training mode (``model.train()``/``model.eval()``: dropout, batch norm). Each
+caller's ``torch.autocast`` state (``zerocc/autocast.py``), which modules
+are in training mode (``model.train()``/``model.eval()``: dropout, batch norm),
+the Python values forward and the loss read as constants (``python_values``) and
+the saved-tensor hooks around the call (``user_tooling.saved_tensors_hooks_state``). Each
 ``CacheEntry`` holds the program, the decisions the passes made (``ctx``),
 the graph after every pass, and the peak of live bytes its first run
 measured. A key keeps one program per side of its data guards
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import warnings
 from typing import Sequence
 
@@ -41,6 +44,8 @@ class CacheKey:
     autocast: tuple = ()      # autocast.autocast_state() at the call: the casts traced into forward and loss
     training: tuple = ()      # training_modes(model) at the call: dropout and batch norm are traced per mode
     hooks: tuple = ()         # hook_ids(model) at the call: the hooks on its modules and parameters are traced
+    python: tuple = ()        # python_values(...) at the call: numbers and flags traced as constants
+    saved_tensors_hooks: tuple = ()   # user_tooling.saved_tensors_hooks_state() at the call: traced into backward
     default_dtype: torch.dtype | None = None   # torch.get_default_dtype() at the call: factories in forward read it
 
 
@@ -74,6 +79,104 @@ def hook_ids(modules: Sequence[torch.nn.Module], parameters: Sequence[torch.Tens
                           for hooks in (parameter._backward_hooks, getattr(parameter, "_post_accumulate_grad_hooks", None))
                           if hooks)
     return on_modules, on_parameters
+
+
+try:   # a schedule computed with numpy gives numpy scalars (np.float64 is a float, np.float32 is not)
+    from numpy import generic as _numpy_scalar
+except ImportError:   # pragma: no cover
+    _numpy_scalar = complex
+_PLAIN = (bool, int, float, complex, str, type(None), _numpy_scalar)
+_MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))   # nn.Module's own bookkeeping (hooks, parameters, training)
+
+
+def _plain(value) -> bool:
+    return isinstance(value, _PLAIN) or type(value) is tuple and all(isinstance(v, _PLAIN) for v in value)
+
+
+def python_sources(model: torch.nn.Module, loss_fn) -> tuple:
+    """Where forward and the loss read Python values a trace bakes in, for ``python_values``: (label, namespace,
+    names) for each of the model's modules' attributes (``names`` None: every one), the module globals each
+    module's ``forward`` names, and ``loss_fn``'s attributes, closure, globals and ``functools.partial`` keywords.
+    A closure's namespace is None and its names (name, cell) pairs. Helpers those functions call are not looked
+    into."""
+    sources, seen = [], set()
+
+    def add_function(label, function):
+        code = getattr(function, "__code__", None)
+        if code is None or id(code) in seen:
+            return
+        seen.add(id(code))
+        sources.append((f"{label} global", function.__globals__, code.co_names))
+        if function.__closure__:
+            sources.append((f"{label} closure", None, tuple(zip(code.co_freevars, function.__closure__))))
+
+    def add_object(label, thing):
+        if isinstance(thing, torch.nn.Module):
+            for name, module in thing.named_modules():
+                where = f"{label}.{name}" if name else label
+                sources.append((where, vars(module), None))
+                add_function(f"{where}.forward", type(module).forward)
+        elif hasattr(thing, "__dict__"):
+            sources.append((label, vars(thing), None))
+
+    def add_callable(label, function):
+        if isinstance(function, functools.partial):
+            sources.append((f"{label} keyword", function.keywords, None))   # the live dict (args are a tuple)
+            add_callable(label, function.func)
+        elif hasattr(function, "__func__"):   # a bound method: its object's attributes and its function
+            add_object(label, function.__self__)
+            add_function(label, function.__func__)
+        elif hasattr(function, "__code__"):
+            add_function(label, function)
+        else:   # a module or another object with __call__
+            add_object(label, function)
+            add_function(label, getattr(type(function).__call__, "__func__", type(function).__call__))
+
+    add_object("model", model)
+    if loss_fn is not None:
+        add_callable("loss_fn", loss_fn)
+    return tuple(sources)
+
+
+def python_values(sources: tuple, skipped: frozenset = frozenset()) -> tuple:
+    """The plain Python values (numbers, strings, flags, tuples of them) forward and the loss may read now.
+
+    A trace bakes them into the program as constants (dropout's ``p``, a temperature, a loss weight a loop
+    anneals): a changed value gets its own program, as a mode switch does, where a program traced with the old
+    one would silently train with it. ``skipped`` are the (label, name) pairs forward itself writes (a call
+    counter), which would otherwise compile every step.
+    """
+    values = []
+    for label, namespace, names in sources:
+        if namespace is None:   # a closure
+            items = _closure_items(names)
+        elif names is None:
+            items = namespace.items()
+        else:
+            items = [(name, namespace[name]) for name in names if name in namespace]
+        for name, value in items:
+            if name not in _MODULE_INTERNALS and _plain(value) and (label, name) not in skipped:
+                values.append((label, name, type(value), value))   # 1 and 1.0 trace differently
+    return tuple(values)
+
+
+def _closure_items(cells) -> list:
+    items = []
+    for name, cell in cells:
+        try:
+            items.append((name, cell.cell_contents))
+        except ValueError:   # a closure variable not assigned yet
+            pass
+    return items
+
+
+def changed_python_values(old: tuple, new: tuple) -> list[str]:
+    """The values that differ between two ``python_values``, as 'model.dropout p: 0.1 -> 0.2'."""
+    before = {(label, name): value for label, name, _, value in old}
+    after = {(label, name): value for label, name, _, value in new}
+    return [f"{label} {name}: {before.get((label, name))!r} -> {after.get((label, name))!r}"
+            for label, name in dict.fromkeys([*before, *after]) if before.get((label, name)) != after.get((label, name))
+            or type(before.get((label, name))) is not type(after.get((label, name)))]
 
 
 def input_signature(batch, layout: BatchLayout) -> tuple:

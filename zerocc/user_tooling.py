@@ -23,7 +23,8 @@ Hooks registered on the user's own modules (``module.register_forward_hook``,
 the model's computation and are traced into the step, so a hook that changes
 an output trains as in eager. They run while tracing, on fake tensors, not
 at every step: a hook that only observes (logs, keeps activations) sees the
-trace, not the steps.
+trace, not the steps. Saved-tensor hooks around the call stay too (they are
+traced into backward); ``saved_tensors_hooks_state`` keys the program on them.
 """
 from __future__ import annotations
 
@@ -79,3 +80,24 @@ def _warn_anomaly_once() -> None:
     warnings.warn("zerocc: torch.autograd anomaly detection is on; it is off while zerocc traces the step, and the "
                   "compiled backward is one program it does not see into: no NaN check runs inside a compiled step. "
                   "To find the op that makes a NaN, run the model eagerly under detect_anomaly", stacklevel=4)
+
+
+def saved_tensors_hooks_state() -> tuple:
+    """The saved-tensor hooks autograd applies at the call (``torch.autograd.graph.saved_tensors_hooks`` or
+    ``save_on_cpu`` around the step), as a key: ``(pack, unpack)`` named by where they are defined, or ().
+
+    A trace runs forward and backward under them, so the program packs and unpacks as they do (a lossy pack, to
+    bf16, changes the gradients as in eager): a program is compiled per pair. By their code, not their identity:
+    a context entered anew around every step (its functions new closures each time) reuses its program.
+    """
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
+    if hooks is None:
+        return ()
+    return tuple(_defined_at(hook) for hook in hooks)
+
+
+def _defined_at(function) -> str:
+    code = getattr(function, "__code__", None) or getattr(type(function).__call__, "__code__", None)
+    if code is None:
+        return type(function).__qualname__
+    return f"{code.co_filename}:{code.co_firstlineno} {code.co_qualname}"
