@@ -306,6 +306,8 @@ def trace_step(
         computed, frozen_computed = params, frozen_params
         if precision is not None:   # forward and backward in param_dtype (zerocc/precision.py)
             computed, frozen_computed, _ = mixed.compute_values(precision, params, frozen_params, ())
+        for value in (*params, *computed):   # the fakes of the real parameters carry their .grad (an eager step
+            value.grad = None                # before compiling): only what the step's own backward writes counts
         for value, hooks in zip(computed, gradient_hooks):   # param.register_hook(fn): fn(grad) as eager's backward
             for hook in hooks:
                 value.register_hook(hook)
