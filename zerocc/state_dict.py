@@ -45,6 +45,7 @@ import struct
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed._shard.metadata import ShardMetadata
@@ -383,7 +384,10 @@ def save_checkpoint(step, path: str) -> str:
     version = _broadcast(version, ranks)
     state = state_dict(step)
     writer = dcp.FileSystemWriter(version, sync_files=True)
-    dcp.save(state, storage_writer=writer, process_group=ranks.group, no_dist=ranks.group is None)
+    # a tensor every rank holds whole is written by rank 0: buffers the step updates (BatchNorm statistics) differ
+    # across ranks until the next step broadcasts rank 0's, and DCP's default writes whichever rank it balances to
+    planner = DefaultSavePlanner(dedup_save_to_lowest_rank=True)
+    dcp.save(state, storage_writer=writer, planner=planner, process_group=ranks.group, no_dist=ranks.group is None)
     _barrier(ranks)   # every rank's files are written and fsynced
     if ranks.rank == 0:
         _write_meta(step, version)
