@@ -194,6 +194,60 @@ def test_reshard_2_to_4_to_1_across_stages(tmp_path):
     assert info["largest_tensor_bytes"] == max(v.numel() * v.element_size() for v in saved.values())
 
 
+class _WithTable(torch.nn.Module):
+    """A table built from the configuration, registered persistent=False (as a RoPE model's inv_freq and cos/sin
+    caches): not in model.state_dict(), so eager's load_state_dict leaves the new model's own table in place."""
+
+    def __init__(self, scale, length):
+        super().__init__()
+        self.linear = torch.nn.Linear(12, 5)
+        self.register_buffer("table", torch.arange(float(length)) * scale, persistent=False)
+
+    def forward(self, x):
+        return self.linear(x) * self.table[:5]
+
+
+def _with_table(scale, length, seed):
+    torch.manual_seed(seed)
+    model = _WithTable(scale, length)
+    return model, adamw(model)
+
+
+def _train_with_table(rank, world_size, stage, path):
+    model, optimizer = _with_table(1.0, 8, 0)
+    step = zerocc.compile(model, optimizer, stage=stage, loss_fn=torch.nn.functional.mse_loss)
+    for batch in batches("mlp", K, 8):
+        step(*batch)
+    zerocc.save_checkpoint(step, path)
+    return step.full_state_dict(), optimizer.state_dict()
+
+
+def _resume_with_another_table(rank, world_size, stage, path, first_call):
+    model, optimizer = _with_table(2.0, 16, 7)   # a longer table of other values: the configuration changed
+    step = zerocc.compile(model, optimizer, stage=stage, loss_fn=torch.nn.functional.mse_loss)
+    if first_call == "after":
+        step(*batches("mlp", 1, 8, seed=9)[0])
+    zerocc.load_checkpoint(step, path)
+    return [step(*batch) for batch in batches("mlp", 2 * K, 8)[K:]]
+
+
+@pytest.mark.parametrize("stage,first_call", [(0, "before"), (3, "before"), (3, "after")])
+def test_a_checkpoint_leaves_buffers_registered_persistent_false_to_the_model(tmp_path, stage, first_call):
+    """They were saved and loaded: a model whose table had another length failed deep in DCP, and one of other
+    values trained silently on the saved table. Resumed in a new process, the step trains as eager does after
+    ``model.load_state_dict`` / ``optimizer.load_state_dict``: with the new model's table."""
+    path = str(tmp_path / "ckpt")
+    (model_state, optimizer_state), = distributed.run(_train_with_table, 1, stage, path)
+    assert "model/table" not in dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    got, = distributed.run(_resume_with_another_table, 1, stage, path, first_call)
+    reference, optimizer = _with_table(2.0, 16, 7)
+    reference.load_state_dict(model_state)
+    optimizer.load_state_dict(optimizer_state)
+    loss_fn = torch.nn.functional.mse_loss
+    expected = [eager_step(reference, optimizer, loss_fn, batch) for batch in batches("mlp", 2 * K, 8)[K:]]
+    assert all(torch.equal(a, b) for a, b in zip(got, expected)), (got, expected)
+
+
 def test_checkpoint_of_another_model_is_refused(tmp_path):
     step = compiled("mlp", 3)
     step(*batches("mlp", 1, 8)[0])

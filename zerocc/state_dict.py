@@ -9,7 +9,8 @@ when weights are tied):
 
     model/<fqn>              parameter, frozen parameter or buffer, flat (a 0-dim
                              parameter too, as 1 element: at stage 3 it is a piece of
-                             one rank's shard; a 0-dim buffer stays 0-dim)
+                             one rank's shard; a 0-dim buffer stays 0-dim). Not a buffer
+                             registered persistent=False: model.state_dict() has none
     optim/<fqn>/<key>        optimizer-state tensor (``exp_avg``), flat; a
                              0-dim one (Adam's ``step``) stays 0-dim
     zerocc/steps             how many steps the compiled step has run
@@ -101,8 +102,11 @@ def _parts_before_compile(step) -> dict[str, _Part]:
     silently left behind (DCP loads only the keys it is given).
     """
     parts = {}
+    unsaved = _non_persistent_buffers(step.model)
     for kind in ("param", "buffer"):
         for names, tensor in named_tensors(step.model, kind):
+            if names[0] in unsaved:
+                continue
             parts[model_key(names[0])] = (_flat if kind == "param" else _whole)(model_key(names[0]), tensor.detach())
             for key, value in step.optimizer.state.get(tensor, {}).items() if kind == "param" else ():
                 if isinstance(value, torch.Tensor):
@@ -172,9 +176,20 @@ def _parts_of_slots(step) -> dict[str, _Part]:
             parts[key] = _whole(key, value)
     for info in captured.frozen:
         parts[model_key(info.name)] = _flat(model_key(info.name), slots[decisions.frozen_slot(info.name)])
+    unsaved = _non_persistent_buffers(step.model)
     for info in captured.buffers:
-        parts[model_key(info.name)] = _whole(model_key(info.name), slots[decisions.buffer_slot(info.name)])
+        if info.name not in unsaved:
+            parts[model_key(info.name)] = _whole(model_key(info.name), slots[decisions.buffer_slot(info.name)])
     return parts
+
+
+def _non_persistent_buffers(model) -> set[str]:
+    """Buffers registered with ``persistent=False`` (under their first name): as ``model.state_dict()`` leaves them out,
+    a checkpoint neither saves nor loads them, so a resumed model keeps its own (a RoPE table built from the config)."""
+    non_persistent = {f"{prefix}.{name}" if prefix else name
+                      for prefix, module in model.named_modules(remove_duplicate=False)
+                      for name in module._non_persistent_buffers_set}
+    return {names[0] for names, _ in named_tensors(model, "buffer") if all(n in non_persistent for n in names)}
 
 
 def _owners(bucket: decisions.Bucket, param: int) -> list[tuple[int, int, int]]:
