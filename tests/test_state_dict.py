@@ -381,6 +381,60 @@ def test_interrupted_save_keeps_the_previous_checkpoint(tmp_path, where):
     assert sorted(os.listdir(tmp_path)) == ["ckpt", "ckpt.v2"]
 
 
+def _saves_that_fail(rank, world_size, folder):
+    """Three saves that fail, each on one rank: a plain directory where the checkpoint goes (rank 0 looks), rank 1's
+    disk full while writing, rank 0's symlink refused while publishing; then training and saving go on."""
+    step = compiled("mlp", 3)
+    data = local_batches("mlp", rank, world_size, 3)
+    step(*data[0])
+    path = os.path.join(folder, "ckpt")
+    zerocc.save_checkpoint(step, path)
+    step(*data[1])
+    os.makedirs(os.path.join(folder, "taken"), exist_ok=True)
+    write_data, publish = dcp.FileSystemWriter.write_data, state_dict._publish
+
+    def disk_full(self, plan, planner):
+        if rank == 1:
+            raise OSError(28, "No space left on device")
+        return write_data(self, plan, planner)
+
+    def link_refused(path, version):
+        raise PermissionError(13, "Permission denied", path)
+    failures = []
+    for where, patch in [("taken", None), ("ckpt", ("write_data", disk_full)), ("ckpt", ("publish", link_refused))]:
+        if patch == ("write_data", disk_full):
+            dcp.FileSystemWriter.write_data = disk_full
+        elif patch is not None and rank == 0:
+            state_dict._publish = link_refused
+        try:
+            zerocc.save_checkpoint(step, os.path.join(folder, where))
+            failures.append(None)
+        except Exception as error:   # a training loop that logs a failed save and goes on
+            failures.append((type(error).__name__, str(error)))
+        dcp.FileSystemWriter.write_data, state_dict._publish = write_data, publish
+    linked = os.readlink(path)
+    step(*data[2])
+    zerocc.save_checkpoint(step, path)
+    return failures, linked, sorted(os.listdir(folder))
+
+
+@pytest.mark.multirank
+def test_a_save_that_fails_on_one_rank_raises_on_every_rank_and_keeps_the_previous_checkpoint(tmp_path):
+    """A save that failed on one rank left the others waiting for it (a path rank 0 refused, or rank 0 failing to
+    publish: until gloo's timeout), or raised DCP's CheckpointException, a BaseException that a training loop's
+    ``except Exception`` does not catch, reading "CheckpointException ranks:dict_keys([1])"."""
+    for failures, linked, listing in distributed.run(_saves_that_fail, 2, str(tmp_path), timeout=180):
+        assert [f and f[0] for f in failures] == ["ConfigError", "CheckpointError", "CheckpointError"], failures
+        assert "taken exists and is not a zerocc checkpoint" in failures[0][1]
+        assert "rank 1: OSError: [Errno 28] No space left on device" in failures[1][1]
+        assert "on rank 0: PermissionError: [Errno 13] Permission denied" in failures[2][1]
+        assert linked == "ckpt.v1"                             # the previous checkpoint, through every failure
+        assert listing == ["ckpt", "ckpt.v2", "taken"]          # the next save removed what the failed ones left
+    resumed = compiled("mlp", 3)
+    zerocc.load_checkpoint(resumed, tmp_path / "ckpt")
+    assert resumed.steps == 3
+
+
 def test_export_holds_one_tensor_at_a_time(tmp_path):
     """By construction: the export reads one entry, writes it, drops it; its largest is one parameter."""
     step = compiled("gpt", 3)

@@ -380,36 +380,66 @@ def _install_optimizer_state(step, state: dict[str, object]) -> None:
 
 # -- save and load with atomic commit ---------------------------------------------
 def save_checkpoint(step, path: str) -> str:
-    """Save ``step``'s sharded state to ``path`` (a symlink to a complete version directory); returns the version."""
+    """Save ``step``'s sharded state to ``path`` (a symlink to a complete version directory); returns the version.
+
+    What rank 0 does alone (choosing the version, publishing it) ends in a broadcast of its outcome, not a
+    barrier: where it fails, every rank raises the same error instead of the others waiting for rank 0.
+    """
     path = os.path.abspath(path)
     ranks = step.ranks
-    version = None
-    if ranks.rank == 0:
-        if os.path.exists(path) and not os.path.islink(path):
-            raise ConfigError(f"{path} exists and is not a zerocc checkpoint (a symlink to a version directory); "
-                              "choose a new path")
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        current = os.path.realpath(path) if os.path.islink(path) else None
-        for stale in _versions(path):      # leftovers of interrupted saves
-            if stale != current:
-                shutil.rmtree(stale, ignore_errors=True)
-        numbers = [int(v.rsplit(".v", 1)[1]) for v in _versions(path)]
-        version = f"{path}.v{max(numbers, default=0) + 1}"
-        os.makedirs(version)
-    version = _broadcast(version, ranks)
+    version = _on_rank_0(ranks, lambda: _new_version(path))
     state = state_dict(step)
     writer = dcp.FileSystemWriter(version, sync_files=True)
     # a tensor every rank holds whole is written by rank 0: buffers the step updates (BatchNorm statistics) differ
     # across ranks until the next step broadcasts rank 0's, and DCP's default writes whichever rank it balances to
     planner = DefaultSavePlanner(dedup_save_to_lowest_rank=True)
-    dcp.save(state, storage_writer=writer, planner=planner, process_group=ranks.group, no_dist=ranks.group is None)
+    try:   # DCP gathers every rank's outcome: where one rank's write fails, every rank raises
+        dcp.save(state, storage_writer=writer, planner=planner, process_group=ranks.group,
+                 no_dist=ranks.group is None)
+    except CheckpointException as error:   # a BaseException: ``except Exception`` in a training loop would not see it
+        raise CheckpointError(f"saving {path} failed: {_first_line(error)}; {path} still holds the previous "
+                              "checkpoint, if any (the next save removes the incomplete version)") from error
     _barrier(ranks)   # every rank's files are written and fsynced
-    if ranks.rank == 0:
+
+    def publish():
         _write_meta(step, version)
         _fsync_tree(version)
         _publish(path, version)
-    _barrier(ranks)
+    _on_rank_0(ranks, publish)
     return version
+
+
+def _new_version(path: str) -> str:
+    """A fresh version directory beside ``path``, after removing the leftovers of interrupted saves."""
+    if os.path.exists(path) and not os.path.islink(path):
+        raise ConfigError(f"{path} exists and is not a zerocc checkpoint (a symlink to a version directory); "
+                          "choose a new path")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    current = os.path.realpath(path) if os.path.islink(path) else None
+    for stale in _versions(path):      # leftovers of interrupted saves
+        if stale != current:
+            shutil.rmtree(stale, ignore_errors=True)
+    numbers = [int(v.rsplit(".v", 1)[1]) for v in _versions(path)]
+    version = f"{path}.v{max(numbers, default=0) + 1}"
+    os.makedirs(version)
+    return version
+
+
+def _on_rank_0(ranks, work):
+    """``work()`` on rank 0, its result broadcast; where it raises, every rank raises (a ConfigError as it is, an
+    OSError as a CheckpointError), rather than the other ranks waiting in a collective rank 0 never reaches."""
+    result, failure = None, None
+    if ranks.rank == 0:
+        try:
+            result = work()
+        except (ConfigError, OSError) as error:
+            failure = (type(error) is ConfigError, str(error) if isinstance(error, ConfigError)
+                       else f"{type(error).__name__}: {error}")
+    result, failure = _broadcast((result, failure), ranks)
+    if failure is not None:
+        refused, message = failure
+        raise ConfigError(message) if refused else CheckpointError(f"saving the checkpoint failed on rank 0: {message}")
+    return result
 
 
 def _versions(path: str) -> list[str]:
@@ -600,6 +630,10 @@ def export_full_state_dict(checkpoint_dir: str, out_path: str) -> dict:
 
 
 def _first_line(error: BaseException) -> str:
+    """What went wrong in one line: for DCP's CheckpointException, each failed rank's own exception."""
+    if isinstance(error, CheckpointException) and error.failures:
+        return "; ".join(f"rank {rank}: {type(failure).__name__}: {failure}"
+                         for rank, (failure, _) in sorted(error.failures.items()))
     text = str(error).strip()
     return text.splitlines()[0] if text else type(error).__name__
 
