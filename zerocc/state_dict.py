@@ -56,7 +56,7 @@ from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetada
 from . import decisions
 from .capture import named_tensors
 from .optimizer_step import initial_state_layout
-from .runtime import slots as slot_store
+from .runtime import failures, slots as slot_store
 from .errors import CheckpointError, ConfigError
 
 META_FILE = "zerocc.json"
@@ -385,7 +385,11 @@ def save_checkpoint(step, path: str) -> str:
     What rank 0 does alone (choosing the version, publishing it) ends in a broadcast of its outcome, not a
     barrier: where it fails, every rank raises the same error instead of the others waiting for rank 0.
     """
-    path = os.path.abspath(path)
+    with failures.collective_failures(step.ranks, step.steps, step.timeout, call="zerocc.save_checkpoint"):
+        return _save(step, os.path.abspath(path))
+
+
+def _save(step, path: str) -> str:
     ranks = step.ranks
     version = _on_rank_0(ranks, lambda: _new_version(path))
     state = state_dict(step)
@@ -536,7 +540,11 @@ def _barrier(ranks) -> None:
 
 def load_checkpoint(step, path: str) -> None:
     """Load a checkpoint saved at any world size and stage into ``step`` (before or after its first call)."""
-    path = os.path.abspath(path)
+    with failures.collective_failures(step.ranks, step.steps, step.timeout, call="zerocc.load_checkpoint"):
+        _load(step, os.path.abspath(path))
+
+
+def _load(step, path: str) -> None:
     if not os.path.exists(os.path.join(path, META_FILE)):
         raise ConfigError(f"{path} is not a complete zerocc checkpoint (no {META_FILE})")
     _check_shapes(step, path)
