@@ -435,6 +435,24 @@ def test_a_save_that_fails_on_one_rank_raises_on_every_rank_and_keeps_the_previo
     assert resumed.steps == 3
 
 
+def test_a_save_over_a_symlink_of_the_users_own_refuses_and_deletes_nothing(tmp_path):
+    """``latest -> run_final`` (a user's own symlink at the path given): the save repointed it at its version and
+    deleted the folder it pointed to, as if it were the previous checkpoint's version."""
+    own = tmp_path / "run_final"
+    own.mkdir()
+    (own / "model.pt").write_text("another run's weights")
+    os.symlink(own, tmp_path / "latest")
+    step = compiled("mlp", 0)
+    step(*batches("mlp", 1, 8)[0])
+    with pytest.raises(zerocc.ConfigError, match=r"latest exists and is not a zerocc checkpoint .* but a symlink to "):
+        zerocc.save_checkpoint(step, tmp_path / "latest")
+    assert (own / "model.pt").read_text() == "another run's weights"
+    assert sorted(os.listdir(tmp_path)) == ["latest", "run_final"] and os.readlink(tmp_path / "latest") == str(own)
+    zerocc.save_checkpoint(step, tmp_path / "ckpt")   # the checkpoint's own symlink, saved over twice
+    zerocc.save_checkpoint(step, tmp_path / "ckpt")
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "ckpt.v2", "latest", "run_final"]
+
+
 def test_export_holds_one_tensor_at_a_time(tmp_path):
     """By construction: the export reads one entry, writes it, drops it; its largest is one parameter."""
     step = compiled("gpt", 3)

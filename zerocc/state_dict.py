@@ -415,9 +415,12 @@ def _save(step, path: str) -> str:
 
 def _new_version(path: str) -> str:
     """A fresh version directory beside ``path``, after removing the leftovers of interrupted saves."""
-    if os.path.exists(path) and not os.path.islink(path):
-        raise ConfigError(f"{path} exists and is not a zerocc checkpoint (a symlink to a version directory); "
-                          "choose a new path")
+    if os.path.lexists(path) and not _is_checkpoint_link(path):
+        what = f"a symlink to {os.readlink(path)}" if os.path.islink(path) else "a directory" if os.path.isdir(path) \
+            else "a file"
+        raise ConfigError(f"{path} exists and is not a zerocc checkpoint (a symlink to a version directory "
+                          f"{os.path.basename(path)}.v<n> beside it) but {what}, which the save would replace and "
+                          "the next one delete; choose a new path")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     current = os.path.realpath(path) if os.path.islink(path) else None
     for stale in _versions(path):      # leftovers of interrupted saves
@@ -452,9 +455,14 @@ def _versions(path: str) -> list[str]:
     return sorted(os.path.join(folder, n) for n in os.listdir(folder) if pattern.match(n))
 
 
+def _is_checkpoint_link(path: str) -> bool:
+    """Whether ``path`` is the symlink a save publishes: to a version directory ``<name>.v<n>`` beside it."""
+    return os.path.islink(path) and re.fullmatch(re.escape(os.path.basename(path)) + r"\.v\d+", os.readlink(path)) is not None
+
+
 def _publish(path: str, version: str) -> None:
     """Point ``path`` at ``version`` with one atomic rename, then drop the previous version."""
-    previous = os.path.realpath(path) if os.path.islink(path) else None
+    previous = os.path.realpath(path) if _is_checkpoint_link(path) else None
     link = f"{path}.link"
     if os.path.lexists(link):
         os.remove(link)
