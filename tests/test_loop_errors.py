@@ -1,6 +1,8 @@
 """The loop around the step: misuse between calls is an error naming the input or object and the fix (issue 20, 7-9)."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn as nn
@@ -237,3 +239,32 @@ def test_eval_forward_on_one_rank_only_says_it_is_collective():
     assert results[1] == "skipped eval_forward"
     assert "rank 0 of 2: a collective of eval_forward after step 1 did not complete within 5 s" in results[0]
     assert "eval_forward is a collective (it gathers the sharded parameters): every rank must call it" in results[0]
+
+
+def _a_loader_one_batch_shorter_on_rank_1(rank, world_size, folder, after):
+    """Rank 1's loader has one batch fewer: it goes on to what follows the loop while rank 0 still trains."""
+    step, _, _ = compiled_mlp(stage=3, timeout=5)
+    try:
+        for x, y in batches("mlp", 3 - rank, 4):
+            step(x, y)
+        if after == "zerocc.save_checkpoint":
+            zerocc.save_checkpoint(step, os.path.join(folder, "ckpt"))
+        else:
+            step.full_state_dict()
+    except zerocc.RankFailureError as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("after", ["zerocc.save_checkpoint", "full_state_dict"])
+def test_a_loader_that_ends_earlier_on_one_rank_fails_on_every_rank_naming_what_each_waited_in(tmp_path, after):
+    """Rank 1 raised gloo's bare "Timed out waiting 5000ms for recv operation" RuntimeError from the call after its
+    loop; rank 0 a RankFailureError from its step (DDP hangs here unless the loop runs under its join())."""
+    results, exit_codes = distributed.run_tolerant(_a_loader_one_batch_shorter_on_rank_1, 2, str(tmp_path), after,
+                                                   limit=150)
+    assert exit_codes == [0, 0], (exit_codes, results)
+    assert "rank 0 of 2: a collective of step 3 did not complete within 5 s" in results[0]
+    assert f"rank 1 of 2: a collective of {after} after step 2 did not complete within 5 s" in results[1]
+    assert "every rank must call it at the same point of the loop" in results[1]
+    assert "its loader ran out of batches first?" in results[1]

@@ -13,7 +13,7 @@ import torch.distributed.checkpoint as dcp
 
 import zerocc
 from tests import distributed
-from tests.models import batches, build
+from tests.models import batches, build, eager_step
 
 K = 2   # steps before and after the save
 
@@ -118,3 +118,52 @@ def test_resume_with_an_lr_scheduler_is_exact(tmp_path, stage):
     for batch, loss in zip(data[K:], expected):
         assert torch.equal(resumed(*batch), loss)
         scheduler.step()
+
+
+# -- BatchNorm statistics across ranks (docs/guide/checkpoints.md) -----------------------
+def _cnn_step(stage, seed):
+    model, _, loss_fn = build("cnn", seed)
+    return zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-2), stage=stage, loss_fn=loss_fn)
+
+
+def _statistics(state):
+    return {k: v for k, v in state.items() if "running" in k}
+
+
+def _cnn_train_save_train(rank, world_size, stage, folder):
+    from torch.nn.parallel import DistributedDataParallel
+    data = [tuple(t.chunk(world_size)[rank] for t in batch) for batch in batches("cnn", 2 * K, 8)]
+    reference, _, loss_fn = build("cnn")
+    ddp, optimizer = DistributedDataParallel(reference), torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    for batch in data[:K]:
+        eager_step(ddp, optimizer, loss_fn, batch)
+    step = _cnn_step(stage, 0)
+    for batch in data[:K]:
+        step(*batch)
+    saved = _statistics(step.full_state_dict())
+    zerocc.save_checkpoint(step, folder)
+    return _statistics(reference.state_dict()), saved, [step(*batch) for batch in data[K:]]
+
+
+def _cnn_resume(rank, world_size, stage, folder):
+    step = _cnn_step(stage, 7)
+    zerocc.load_checkpoint(step, folder)
+    loaded = _statistics(step.full_state_dict())
+    data = [tuple(t.chunk(world_size)[rank] for t in batch) for batch in batches("cnn", 2 * K, 8)]
+    return loaded, [step(*batch) for batch in data[K:]]
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_checkpoint_across_ranks_holds_rank_0s_batchnorm_statistics(tmp_path, stage):
+    """Each rank's BatchNorm statistics follow its own batch until the next step broadcasts rank 0's (as DDP's). The
+    checkpoint holds rank 0's (what a DDP user saves from rank 0, and what every rank trains on next), not whichever
+    rank DCP balanced the write to (rank 1, before); a new process loads them on every rank and trains on exactly."""
+    folder = str(tmp_path / "ckpt")
+    ranks = distributed.run(_cnn_train_save_train, 2, stage, folder)
+    (ddp_rank_0, saved, _), (_, saved_by_rank_1, _) = ranks
+    assert any(not torch.equal(saved[k], saved_by_rank_1[k]) for k in saved)   # the ranks' statistics differ
+    for key, value in ddp_rank_0.items():
+        torch.testing.assert_close(saved[key], value, rtol=1e-5, atol=1e-6)
+    for (loaded, losses), (_, _, expected) in zip(distributed.run(_cnn_resume, 2, stage, folder), ranks):
+        assert [k for k in saved if not torch.equal(loaded[k], saved[k])] == []
+        assert all(torch.equal(a, b) for a, b in zip(losses, expected)), (losses, expected)

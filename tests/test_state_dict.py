@@ -194,6 +194,60 @@ def test_reshard_2_to_4_to_1_across_stages(tmp_path):
     assert info["largest_tensor_bytes"] == max(v.numel() * v.element_size() for v in saved.values())
 
 
+class _WithTable(torch.nn.Module):
+    """A table built from the configuration, registered persistent=False (as a RoPE model's inv_freq and cos/sin
+    caches): not in model.state_dict(), so eager's load_state_dict leaves the new model's own table in place."""
+
+    def __init__(self, scale, length):
+        super().__init__()
+        self.linear = torch.nn.Linear(12, 5)
+        self.register_buffer("table", torch.arange(float(length)) * scale, persistent=False)
+
+    def forward(self, x):
+        return self.linear(x) * self.table[:5]
+
+
+def _with_table(scale, length, seed):
+    torch.manual_seed(seed)
+    model = _WithTable(scale, length)
+    return model, adamw(model)
+
+
+def _train_with_table(rank, world_size, stage, path):
+    model, optimizer = _with_table(1.0, 8, 0)
+    step = zerocc.compile(model, optimizer, stage=stage, loss_fn=torch.nn.functional.mse_loss)
+    for batch in batches("mlp", K, 8):
+        step(*batch)
+    zerocc.save_checkpoint(step, path)
+    return step.full_state_dict(), optimizer.state_dict()
+
+
+def _resume_with_another_table(rank, world_size, stage, path, first_call):
+    model, optimizer = _with_table(2.0, 16, 7)   # a longer table of other values: the configuration changed
+    step = zerocc.compile(model, optimizer, stage=stage, loss_fn=torch.nn.functional.mse_loss)
+    if first_call == "after":
+        step(*batches("mlp", 1, 8, seed=9)[0])
+    zerocc.load_checkpoint(step, path)
+    return [step(*batch) for batch in batches("mlp", 2 * K, 8)[K:]]
+
+
+@pytest.mark.parametrize("stage,first_call", [(0, "before"), (3, "before"), (3, "after")])
+def test_a_checkpoint_leaves_buffers_registered_persistent_false_to_the_model(tmp_path, stage, first_call):
+    """They were saved and loaded: a model whose table had another length failed deep in DCP, and one of other
+    values trained silently on the saved table. Resumed in a new process, the step trains as eager does after
+    ``model.load_state_dict`` / ``optimizer.load_state_dict``: with the new model's table."""
+    path = str(tmp_path / "ckpt")
+    (model_state, optimizer_state), = distributed.run(_train_with_table, 1, stage, path)
+    assert "model/table" not in dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    got, = distributed.run(_resume_with_another_table, 1, stage, path, first_call)
+    reference, optimizer = _with_table(2.0, 16, 7)
+    reference.load_state_dict(model_state)
+    optimizer.load_state_dict(optimizer_state)
+    loss_fn = torch.nn.functional.mse_loss
+    expected = [eager_step(reference, optimizer, loss_fn, batch) for batch in batches("mlp", 2 * K, 8)[K:]]
+    assert all(torch.equal(a, b) for a, b in zip(got, expected)), (got, expected)
+
+
 def test_checkpoint_of_another_model_is_refused(tmp_path):
     step = compiled("mlp", 3)
     step(*batches("mlp", 1, 8)[0])
@@ -325,6 +379,78 @@ def test_interrupted_save_keeps_the_previous_checkpoint(tmp_path, where):
 
     zerocc.save_checkpoint(resumed, path)            # the next save cleans the abandoned version up
     assert sorted(os.listdir(tmp_path)) == ["ckpt", "ckpt.v2"]
+
+
+def _saves_that_fail(rank, world_size, folder):
+    """Three saves that fail, each on one rank: a plain directory where the checkpoint goes (rank 0 looks), rank 1's
+    disk full while writing, rank 0's symlink refused while publishing; then training and saving go on."""
+    step = compiled("mlp", 3)
+    data = local_batches("mlp", rank, world_size, 3)
+    step(*data[0])
+    path = os.path.join(folder, "ckpt")
+    zerocc.save_checkpoint(step, path)
+    step(*data[1])
+    os.makedirs(os.path.join(folder, "taken"), exist_ok=True)
+    write_data, publish = dcp.FileSystemWriter.write_data, state_dict._publish
+
+    def disk_full(self, plan, planner):
+        if rank == 1:
+            raise OSError(28, "No space left on device")
+        return write_data(self, plan, planner)
+
+    def link_refused(path, version):
+        raise PermissionError(13, "Permission denied", path)
+    failures = []
+    for where, patch in [("taken", None), ("ckpt", ("write_data", disk_full)), ("ckpt", ("publish", link_refused))]:
+        if patch == ("write_data", disk_full):
+            dcp.FileSystemWriter.write_data = disk_full
+        elif patch is not None and rank == 0:
+            state_dict._publish = link_refused
+        try:
+            zerocc.save_checkpoint(step, os.path.join(folder, where))
+            failures.append(None)
+        except Exception as error:   # a training loop that logs a failed save and goes on
+            failures.append((type(error).__name__, str(error)))
+        dcp.FileSystemWriter.write_data, state_dict._publish = write_data, publish
+    linked = os.readlink(path)
+    step(*data[2])
+    zerocc.save_checkpoint(step, path)
+    return failures, linked, sorted(os.listdir(folder))
+
+
+@pytest.mark.multirank
+def test_a_save_that_fails_on_one_rank_raises_on_every_rank_and_keeps_the_previous_checkpoint(tmp_path):
+    """A save that failed on one rank left the others waiting for it (a path rank 0 refused, or rank 0 failing to
+    publish: until gloo's timeout), or raised DCP's CheckpointException, a BaseException that a training loop's
+    ``except Exception`` does not catch, reading "CheckpointException ranks:dict_keys([1])"."""
+    for failures, linked, listing in distributed.run(_saves_that_fail, 2, str(tmp_path), timeout=180):
+        assert [f and f[0] for f in failures] == ["ConfigError", "CheckpointError", "CheckpointError"], failures
+        assert "taken exists and is not a zerocc checkpoint" in failures[0][1]
+        assert "rank 1: OSError: [Errno 28] No space left on device" in failures[1][1]
+        assert "on rank 0: PermissionError: [Errno 13] Permission denied" in failures[2][1]
+        assert linked == "ckpt.v1"                             # the previous checkpoint, through every failure
+        assert listing == ["ckpt", "ckpt.v2", "taken"]          # the next save removed what the failed ones left
+    resumed = compiled("mlp", 3)
+    zerocc.load_checkpoint(resumed, tmp_path / "ckpt")
+    assert resumed.steps == 3
+
+
+def test_a_save_over_a_symlink_of_the_users_own_refuses_and_deletes_nothing(tmp_path):
+    """``latest -> run_final`` (a user's own symlink at the path given): the save repointed it at its version and
+    deleted the folder it pointed to, as if it were the previous checkpoint's version."""
+    own = tmp_path / "run_final"
+    own.mkdir()
+    (own / "model.pt").write_text("another run's weights")
+    os.symlink(own, tmp_path / "latest")
+    step = compiled("mlp", 0)
+    step(*batches("mlp", 1, 8)[0])
+    with pytest.raises(zerocc.ConfigError, match=r"latest exists and is not a zerocc checkpoint .* but a symlink to "):
+        zerocc.save_checkpoint(step, tmp_path / "latest")
+    assert (own / "model.pt").read_text() == "another run's weights"
+    assert sorted(os.listdir(tmp_path)) == ["latest", "run_final"] and os.readlink(tmp_path / "latest") == str(own)
+    zerocc.save_checkpoint(step, tmp_path / "ckpt")   # the checkpoint's own symlink, saved over twice
+    zerocc.save_checkpoint(step, tmp_path / "ckpt")
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "ckpt.v2", "latest", "run_final"]
 
 
 def test_export_holds_one_tensor_at_a_time(tmp_path):

@@ -319,3 +319,21 @@ def test_gradients_left_by_eager_steps_before_compiling_are_dropped_and_training
     full = step.full_state_dict()
     for key, value in reference.state_dict().items():
         assert torch.equal(full[key], value), key
+
+
+@pytest.mark.parametrize("stage,param_dtype", [(3, None), (2, torch.bfloat16)])
+def test_model_load_state_dict_on_placeholders_says_to_load_inside_full_model(stage, param_dtype):
+    """Stage 3, and stages 1-2 under param_dtype (fp32 masters sharded), hold placeholders in the module:
+    model.load_state_dict failed with PyTorch's "size mismatch for wte.weight: ... torch.Size([0])"."""
+    model, _, loss_fn = build("gpt")
+    step = zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-2), stage=stage, loss_fn=loss_fn,
+                          param_dtype=param_dtype)
+    step(*batches("gpt", 1, 8)[0])
+    halved = {key: value * 0.5 for key, value in step.full_state_dict().items()}
+    with pytest.raises(zerocc.ConfigError, match=r"model.load_state_dict after compile: .* placeholders.*"
+                                                 r"with step.full_model\(\): model.load_state_dict\(sd\)"):
+        model.load_state_dict(halved)
+    with step.full_model():   # the way it points to: loaded into the step's parameters
+        model.load_state_dict(halved)
+    full = step.full_state_dict()
+    assert all(torch.equal(full[key], halved[key]) for key in halved)

@@ -9,7 +9,8 @@ when weights are tied):
 
     model/<fqn>              parameter, frozen parameter or buffer, flat (a 0-dim
                              parameter too, as 1 element: at stage 3 it is a piece of
-                             one rank's shard; a 0-dim buffer stays 0-dim)
+                             one rank's shard; a 0-dim buffer stays 0-dim). Not a buffer
+                             registered persistent=False: model.state_dict() has none
     optim/<fqn>/<key>        optimizer-state tensor (``exp_avg``), flat; a
                              0-dim one (Adam's ``step``) stays 0-dim
     zerocc/steps             how many steps the compiled step has run
@@ -45,6 +46,7 @@ import struct
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed._shard.metadata import ShardMetadata
@@ -100,8 +102,11 @@ def _parts_before_compile(step) -> dict[str, _Part]:
     silently left behind (DCP loads only the keys it is given).
     """
     parts = {}
+    unsaved = _non_persistent_buffers(step.model)
     for kind in ("param", "buffer"):
         for names, tensor in named_tensors(step.model, kind):
+            if names[0] in unsaved:
+                continue
             parts[model_key(names[0])] = (_flat if kind == "param" else _whole)(model_key(names[0]), tensor.detach())
             for key, value in step.optimizer.state.get(tensor, {}).items() if kind == "param" else ():
                 if isinstance(value, torch.Tensor):
@@ -171,9 +176,20 @@ def _parts_of_slots(step) -> dict[str, _Part]:
             parts[key] = _whole(key, value)
     for info in captured.frozen:
         parts[model_key(info.name)] = _flat(model_key(info.name), slots[decisions.frozen_slot(info.name)])
+    unsaved = _non_persistent_buffers(step.model)
     for info in captured.buffers:
-        parts[model_key(info.name)] = _whole(model_key(info.name), slots[decisions.buffer_slot(info.name)])
+        if info.name not in unsaved:
+            parts[model_key(info.name)] = _whole(model_key(info.name), slots[decisions.buffer_slot(info.name)])
     return parts
+
+
+def _non_persistent_buffers(model) -> set[str]:
+    """Buffers registered with ``persistent=False`` (under their first name): as ``model.state_dict()`` leaves them out,
+    a checkpoint neither saves nor loads them, so a resumed model keeps its own (a RoPE table built from the config)."""
+    non_persistent = {f"{prefix}.{name}" if prefix else name
+                      for prefix, module in model.named_modules(remove_duplicate=False)
+                      for name in module._non_persistent_buffers_set}
+    return {names[0] for names, _ in named_tensors(model, "buffer") if all(n in non_persistent for n in names)}
 
 
 def _owners(bucket: decisions.Bucket, param: int) -> list[tuple[int, int, int]]:
@@ -399,34 +415,74 @@ def _install_optimizer_state(step, state: dict[str, object]) -> None:
 
 # -- save and load with atomic commit ---------------------------------------------
 def save_checkpoint(step, path: str) -> str:
-    """Save ``step``'s sharded state to ``path`` (a symlink to a complete version directory); returns the version."""
-    path = os.path.abspath(path)
+    """Save ``step``'s sharded state to ``path`` (a symlink to a complete version directory); returns the version.
+
+    What rank 0 does alone (choosing the version, publishing it) ends in a broadcast of its outcome, not a
+    barrier: where it fails, every rank raises the same error instead of the others waiting for rank 0.
+    """
+    with failures.collective_failures(step.ranks, step.steps, step.timeout, call="zerocc.save_checkpoint"):
+        return _save(step, os.path.abspath(path))
+
+
+def _save(step, path: str) -> str:
     ranks = step.ranks
     failures.meet(ranks, "zerocc.save_checkpoint", step.steps, step.timeout)   # every rank saves, or all fail
-    version = None
-    if ranks.rank == 0:
-        if os.path.exists(path) and not os.path.islink(path):
-            raise ConfigError(f"{path} exists and is not a zerocc checkpoint (a symlink to a version directory); "
-                              "choose a new path")
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        current = os.path.realpath(path) if os.path.islink(path) else None
-        for stale in _versions(path):      # leftovers of interrupted saves
-            if stale != current:
-                shutil.rmtree(stale, ignore_errors=True)
-        numbers = [int(v.rsplit(".v", 1)[1]) for v in _versions(path)]
-        version = f"{path}.v{max(numbers, default=0) + 1}"
-        os.makedirs(version)
-    version = _broadcast(version, ranks)
+    version = _on_rank_0(ranks, lambda: _new_version(path))
     state = state_dict(step)
     writer = dcp.FileSystemWriter(version, sync_files=True)
-    dcp.save(state, storage_writer=writer, process_group=ranks.group, no_dist=ranks.group is None)
+    # a tensor every rank holds whole is written by rank 0: buffers the step updates (BatchNorm statistics) differ
+    # across ranks until the next step broadcasts rank 0's, and DCP's default writes whichever rank it balances to
+    planner = DefaultSavePlanner(dedup_save_to_lowest_rank=True)
+    try:   # DCP gathers every rank's outcome: where one rank's write fails, every rank raises
+        dcp.save(state, storage_writer=writer, planner=planner, process_group=ranks.group,
+                 no_dist=ranks.group is None)
+    except CheckpointException as error:   # a BaseException: ``except Exception`` in a training loop would not see it
+        raise CheckpointError(f"saving {path} failed: {_first_line(error)}; {path} still holds the previous "
+                              "checkpoint, if any (the next save removes the incomplete version)") from error
     _barrier(ranks)   # every rank's files are written and fsynced
-    if ranks.rank == 0:
+
+    def publish():
         _write_meta(step, version)
         _fsync_tree(version)
         _publish(path, version)
-    _barrier(ranks)
+    _on_rank_0(ranks, publish)
     return version
+
+
+def _new_version(path: str) -> str:
+    """A fresh version directory beside ``path``, after removing the leftovers of interrupted saves."""
+    if os.path.lexists(path) and not _is_checkpoint_link(path):
+        what = f"a symlink to {os.readlink(path)}" if os.path.islink(path) else "a directory" if os.path.isdir(path) \
+            else "a file"
+        raise ConfigError(f"{path} exists and is not a zerocc checkpoint (a symlink to a version directory "
+                          f"{os.path.basename(path)}.v<n> beside it) but {what}, which the save would replace and "
+                          "the next one delete; choose a new path")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    current = os.path.realpath(path) if os.path.islink(path) else None
+    for stale in _versions(path):      # leftovers of interrupted saves
+        if stale != current:
+            shutil.rmtree(stale, ignore_errors=True)
+    numbers = [int(v.rsplit(".v", 1)[1]) for v in _versions(path)]
+    version = f"{path}.v{max(numbers, default=0) + 1}"
+    os.makedirs(version)
+    return version
+
+
+def _on_rank_0(ranks, work):
+    """``work()`` on rank 0, its result broadcast; where it raises, every rank raises (a ConfigError as it is, an
+    OSError as a CheckpointError), rather than the other ranks waiting in a collective rank 0 never reaches."""
+    result, failure = None, None
+    if ranks.rank == 0:
+        try:
+            result = work()
+        except (ConfigError, OSError) as error:
+            failure = (type(error) is ConfigError, str(error) if isinstance(error, ConfigError)
+                       else f"{type(error).__name__}: {error}")
+    result, failure = _broadcast((result, failure), ranks)
+    if failure is not None:
+        refused, message = failure
+        raise ConfigError(message) if refused else CheckpointError(f"saving the checkpoint failed on rank 0: {message}")
+    return result
 
 
 def _versions(path: str) -> list[str]:
@@ -435,9 +491,14 @@ def _versions(path: str) -> list[str]:
     return sorted(os.path.join(folder, n) for n in os.listdir(folder) if pattern.match(n))
 
 
+def _is_checkpoint_link(path: str) -> bool:
+    """Whether ``path`` is the symlink a save publishes: to a version directory ``<name>.v<n>`` beside it."""
+    return os.path.islink(path) and re.fullmatch(re.escape(os.path.basename(path)) + r"\.v\d+", os.readlink(path)) is not None
+
+
 def _publish(path: str, version: str) -> None:
     """Point ``path`` at ``version`` with one atomic rename, then drop the previous version."""
-    previous = os.path.realpath(path) if os.path.islink(path) else None
+    previous = os.path.realpath(path) if _is_checkpoint_link(path) else None
     link = f"{path}.link"
     if os.path.lexists(link):
         os.remove(link)
@@ -523,7 +584,11 @@ def _barrier(ranks) -> None:
 
 def load_checkpoint(step, path: str) -> None:
     """Load a checkpoint saved at any world size and stage into ``step`` (before or after its first call)."""
-    path = os.path.abspath(path)
+    with failures.collective_failures(step.ranks, step.steps, step.timeout, call="zerocc.load_checkpoint"):
+        _load(step, os.path.abspath(path))
+
+
+def _load(step, path: str) -> None:
     if not os.path.exists(os.path.join(path, META_FILE)):
         raise ConfigError(f"{path} is not a complete zerocc checkpoint (no {META_FILE})")
     _check_shapes(step, path)
@@ -618,6 +683,10 @@ def export_full_state_dict(checkpoint_dir: str, out_path: str) -> dict:
 
 
 def _first_line(error: BaseException) -> str:
+    """What went wrong in one line: for DCP's CheckpointException, each failed rank's own exception."""
+    if isinstance(error, CheckpointException) and error.failures:
+        return "; ".join(f"rank {rank}: {type(failure).__name__}: {failure}"
+                         for rank, (failure, _) in sorted(error.failures.items()))
     text = str(error).strip()
     return text.splitlines()[0] if text else type(error).__name__
 

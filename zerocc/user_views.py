@@ -6,7 +6,7 @@ call moves the parameters and optimizer state into its slots
 empty copies (stage 3 releases parameters to shape ``(0,)``; the optimizer's
 ``state`` is cleared). Hooks installed here make them tell the truth:
 
-- ``model(x)`` with released parameters raises, pointing at ``step.full_model()``;
+- ``model(x)`` and ``model.load_state_dict`` with released parameters raise, pointing at ``step.full_model()``;
 - ``model.state_dict()`` holds the current full parameters where this rank
   has them without a collective, else raises, pointing at ``step.full_state_dict()``;
 - ``optimizer.state_dict()`` holds the current state in torch's format where
@@ -35,6 +35,7 @@ def install(step) -> list:
         step.model.register_forward_pre_hook(lambda module, args: _refuse_released_forward(step)),
         step.model.register_state_dict_post_hook(
             lambda module, state, prefix, metadata: _current_model_state(step, state, prefix)),
+        step.model.register_load_state_dict_pre_hook(lambda module, *args: _refuse_released_load(step)),
         step.optimizer.register_state_dict_post_hook(lambda optimizer, state: _current_optimizer_state(step, state)),
         step.optimizer.register_load_state_dict_pre_hook(lambda optimizer, state: _refuse_optimizer_load()),
     ]
@@ -58,6 +59,15 @@ def _refuse_released_forward(step) -> None:
             f"the model's parameters are sharded across the compiled step (stage {step.stage}): the module holds "
             "empty placeholders. To run the eager model, wrap the call in `with step.full_model(): model(x)` "
             "(`writeback=False` to discard changes); to evaluate, use step.eval_forward(x)")
+
+
+def _refuse_released_load(step) -> None:
+    if _released(step):
+        raise ConfigError(
+            f"model.load_state_dict after compile: the model's parameters are sharded across the compiled step "
+            f"(stage {step.stage}): the module holds empty placeholders, which PyTorch reports as a size mismatch. "
+            "Load inside `with step.full_model(): model.load_state_dict(sd)` (written back into the step on exit), "
+            "or load a checkpoint with zerocc.load_checkpoint / step.load_state_dict")
 
 
 def _current_model_state(step, state: dict, prefix: str) -> None:

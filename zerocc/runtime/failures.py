@@ -69,9 +69,9 @@ def collective_failures(ranks: Ranks, step_number: int, timeout: float | None, c
             raise
         within = f"within {timeout:g} s " if timeout is not None else ""
         what = f"{call} after step {step_number}" if call else f"step {step_number}"
-        why = (f"{call} is a collective (it gathers the sharded parameters): every rank must call it at the same "
-               "point of the loop, with batches of the same shapes; another rank probably did not call it, or "
-               "died." if call else
+        why = (f"{call} is a collective{_COLLECTIVE_BECAUSE.get(call, '')}: every rank must call it at the same "
+               "point of the loop, with batches of the same shapes; another rank probably did not call it (its "
+               "loader ran out of batches first?), or died." if call else
                "another rank probably died, hung, or is running a different step (different batch shapes "
                "or code on different ranks).")
         raise RankFailureError(
@@ -82,6 +82,11 @@ def collective_failures(ranks: Ranks, step_number: int, timeout: float | None, c
             "checkpoint (zerocc.load_checkpoint). compile(..., timeout=seconds) bounds how long ranks wait."
         ) from error
 
+
+_COLLECTIVE_BECAUSE = {"eval_forward": " (it gathers the sharded parameters)",
+                       "full_state_dict": " (it gathers the sharded parameters)",
+                       "zerocc.save_checkpoint": " (every rank writes its shards)",
+                       "zerocc.load_checkpoint": " (every rank reads its shards)"}
 
 _MARKERS = ("gloo", "nccl", "timed out", "timeout", "connection", "closed", "peer", "socket", "broken pipe",
             "collective", "process group", "store")
