@@ -737,7 +737,7 @@ class CompiledStep:
             failures.meet(self.ranks, "step.full_state_dict", self.steps, self.timeout)
         with state.reading_keys_only():   # zerocc/user_views.py: the keys only, the values come from the slots
             keys = list(self.model.state_dict().keys())
-        with failures.collective_failures(self.ranks, self.steps, self.timeout, call="full_state_dict"):
+        with failures.collective_failures(self.ranks, self.steps, self.timeout, call="step.full_state_dict"):
             buckets = slot_store.full_buckets(state.plan, state.slots, self.ranks.group)
         views = slot_store.parameter_views(state.plan, state.captured, buckets)
         by_name: dict[str, torch.Tensor] = {}

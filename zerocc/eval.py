@@ -84,7 +84,7 @@ def eval_forward(step, inputs: tuple, keyword_inputs: dict | None = None) -> Any
                       stacklevel=3)
     if step._gathers:   # the program gathers the shards: every rank must be here (runtime/failures.py)
         failures.meet(step.ranks, "step.eval_forward", step.steps, step.timeout)
-    with torch.no_grad(), failures.collective_failures(step.ranks, step.steps, step.timeout, call="eval_forward"):
+    with torch.no_grad(), failures.collective_failures(step.ranks, step.steps, step.timeout, call="step.eval_forward"):
         return program.run(step.state.slots, batch)
 
 

@@ -83,8 +83,10 @@ def collective_failures(ranks: Ranks, step_number: int, timeout: float | None, c
         ) from error
 
 
-_COLLECTIVE_BECAUSE = {"eval_forward": " (it gathers the sharded parameters)",
-                       "full_state_dict": " (it gathers the sharded parameters)",
+_COLLECTIVE_BECAUSE = {"step.eval_forward": " (it gathers the sharded parameters)",
+                       "step.full_state_dict": " (it gathers the sharded parameters)",
+                       "step.full_model": " (it gathers the sharded parameters)",
+                       "step.close": " (it gathers the sharded parameters and optimizer state)",
                        "zerocc.save_checkpoint": " (every rank writes its shards)",
                        "zerocc.load_checkpoint": " (every rank reads its shards)"}
 
@@ -242,7 +244,9 @@ def check_calls_agree(ranks: Ranks, call: str, lines: Sequence[str] = (), missed
             "unrelated data:\n" + "\n".join(details) + "\n"
             f"  fix: {' and '.join(collective)} run{'s' if len(collective) == 1 else ''} collectives here: call "
             f"{'it' if len(collective) == 1 else 'them'} on every rank at the same point of the script, not under "
-            "`if rank == 0:` (print or save on one rank only what every rank computed)."
+            "`if rank == 0:` (print or save on one rank only what every rank computed); if a rank's loader ran "
+            "out of batches first, give every rank the same number of batches (DistributedSampler pads; "
+            "drop_last=True)."
         )
     differing = [rank for rank, (_, other) in enumerate(gathered) if other != gathered[0][1]]
     details = [f"  - rank {rank}: {'; '.join(gathered[rank][1])}" for rank in [0, *differing[:3]]]
