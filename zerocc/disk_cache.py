@@ -20,9 +20,10 @@ The fingerprint is what decides a program without tracing it:
 - the world size and this rank; the batch's signature, the optimizer
   state's structure, the caller's autocast and the modules' training modes
   (``program_cache.CacheKey``);
-- the content of every source file whose code made an op of the step (from
-  the stack traces the tracer kept), of the model's module classes and of
-  the optimizer's class: editing the model's ``forward`` misses.
+- the content of every source file whose code was on the stack inside the
+  step when an op was traced (``tracing.recording_source_files``: helpers in
+  other files too), of the model's module classes and of the optimizer's
+  class: editing the model's ``forward``, or a helper it calls, misses.
 
 What it cannot see is state read by the traced code that none of these
 holds (a module-level flag in a file that made no op): clear the folder
