@@ -20,6 +20,8 @@ TINY = ["plan", "--model", "tests.models:TinyGPT", "--inputs", "long:2x16", "lon
     (["--model-kwargs", '{"no_such_keyword": 2}'], r"--model 'tests.models:TinyGPT' with --model-kwargs .*"
                                                    r"unexpected keyword argument 'no_such_keyword'"),
     (["--inputs", "long:2xa"], r"--inputs 'long:2xa': the shape must be sizes joined by x, e.g. long:8x1024"),
+    (["--inputs", "idx=long:2x16", "long:2x16"], r"--inputs 'long:2x16': a positional input after a keyword one"),
+    (["--inputs", "2x=long:2x16"], r"--inputs '2x=long:2x16': expected name=dtype:shape with a new keyword name"),
     (["--inputs", "bfloat17:2x16"], r"--inputs 'bfloat17:2x16': unknown dtype 'bfloat17'; .* or bf16, fp16, fp32"),
     (["--world-size", "eight"], r"--world-size 'eight': expected positive ints, comma-separated"),
     (["--world-size", "0"], r"--world-size '0': expected positive ints"),
@@ -55,3 +57,27 @@ def test_the_table_unit_fits_a_small_model(capsys):
 def test_the_table_unit_fits_a_large_model():
     text = table([(3, 1024, 2 * 10 ** 9, 10 ** 9, 12 * 10 ** 9, 15 * 10 ** 9, 4 * 10 ** 9)], 10 ** 9, "bfloat16")
     assert "(GB = 1e9 bytes)" in text and "15.000" in text
+
+
+HUGGING_FACE_FACTORY = """
+import transformers
+
+
+def llama():
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=128))
+"""
+
+
+def test_keyword_inputs_plan_a_hugging_face_model_that_returns_its_loss(capsys, tmp_path):
+    """A causal LM takes its batch by keyword (labels is not its second parameter): with positional inputs
+    only, the CLI could not plan one (the labels went in as the attention mask, and no loss came back)."""
+    pytest.importorskip("transformers")
+    (tmp_path / "factory.py").write_text(HUGGING_FACE_FACTORY)
+    assert main(["plan", "--model", f"{tmp_path / 'factory.py'}:llama", "--inputs", "input_ids=long:2x16",
+                 "labels=long:2x16", "--world-size", "1,2", "--plot", ""]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line.strip().startswith("3 ")]
+    assert [row[1] for row in rows] == ["1", "2"], out
+    assert float(rows[1][5]) == pytest.approx(float(rows[0][5]) / 2, rel=0.01)   # stage 3 halves model states

@@ -152,6 +152,41 @@ def test_an_edited_model_source_misses_and_names_the_file(tmp_path):
     assert torch.equal(step(*batch), expected) and step.report()["compile_cache"] == "loaded"
 
 
+HELPER_SOURCE = '''
+import torch
+
+
+def activation(x):
+    return torch.relu(x)
+'''
+
+
+def test_an_edited_helper_module_the_model_calls_misses_and_names_the_file(tmp_path, monkeypatch):
+    """make_fx keeps only ``forward`` frames in a node's stack trace: the ops of a helper function in another
+    file (an activation, an attention function, a library's loss) named only the model's file, so editing the
+    helper loaded the old program and trained the old model."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "small_helper.py").write_text(HELPER_SOURCE)
+    model_source = tmp_path / "small_model_with_helper.py"
+    model_source.write_text(MODEL_SOURCE.replace("import torch\n", "import torch\nfrom small_helper import activation\n")
+                            .replace("torch.relu(", "activation("))
+
+    def step_and_eager():
+        for name in ("small_helper", "small_model_with_helper"):
+            sys.modules.pop(name, None)
+        return _small_step_and_eager(_import(model_source, "small_model_with_helper"), tmp_path / "cache")
+
+    step, batch, expected = step_and_eager()
+    assert torch.equal(step(*batch), expected)
+    (tmp_path / "small_helper.py").write_text(HELPER_SOURCE.replace("torch.relu", "torch.tanh"))
+    step, batch, expected = step_and_eager()
+    with pytest.warns(CompileCacheWarning, match="source changed: .*small_helper.py"):
+        loss = step(*batch)
+    assert torch.equal(loss, expected)   # the edited helper's numbers, not the stored program's
+    step, batch, expected = step_and_eager()
+    assert torch.equal(step(*batch), expected) and step.report()["compile_cache"] == "loaded"
+
+
 def test_an_unreadable_entry_is_compiled_again_and_replaced(tmp_path):
     data = batches("gpt", 1, 8)
     _compiled(tmp_path)(*data[0])

@@ -241,3 +241,19 @@ def test_plan_of_a_meta_model_reports_the_planned_peaks_of_the_cpu_model():
     assert not meta["memory_pools"]   # no arena on meta
     assert meta["planned_peak_bytes"] >= meta["live_peak_bytes"]
     assert abs(meta["planned_peak_bytes"] / cpu["planned_peak_bytes"] - 1) < 0.05
+
+
+def test_plan_of_a_mixture_of_experts_built_on_the_meta_device():
+    """Hugging Face's Mixtral runs its experts through ``aten._grouped_mm``, whose meta kernel demands bf16: a
+    float32 MoE built on the meta device (what planning a large one takes) failed to trace. It plans as on CPU."""
+    pytest.importorskip("transformers")
+    from tests.zoo import ZOO, batches as zoo_batches
+    reports = {}
+    for device in ("cpu", "meta"):
+        with torch.device(device):
+            model = ZOO["mixtral"].build()
+        batch = {key: value.to(device) for key, value in zoo_batches("mixtral", 1)[0].items()}
+        reports[device] = zerocc.plan(model, torch.optim.AdamW(model.parameters(), lr=1e-3), stage=3, world_size=2,
+                                      example_keyword_inputs=batch).report()
+    assert reports["meta"]["model_state_bytes_per_rank"] == reports["cpu"]["model_state_bytes_per_rank"]
+    assert reports["meta"]["comm_bytes_per_step"] == reports["cpu"]["comm_bytes_per_step"]

@@ -6,9 +6,12 @@
 
 The factory (``module:callable``) is called under ``torch.device("meta")``
 (``--device`` changes that) and returns the model, or ``(model,
-example_inputs)``. Inputs given with ``--inputs`` are ``dtype:shape``
-(``long:8x1024``; ``bf16``, ``fp16``, ``fp32`` and torch's own names such as
-``bfloat16``, ``half``, ``long`` are dtypes), built on the model's device.
+example_inputs)`` (a tuple, or a dict of keyword inputs). Inputs given with
+``--inputs`` are ``dtype:shape`` (``long:8x1024``; ``bf16``, ``fp16``, ``fp32``
+and torch's own names such as ``bfloat16``, ``half``, ``long`` are dtypes),
+built on the model's device; ``name=dtype:shape`` passes one by keyword, as a
+Hugging Face model takes its batch (``input_ids=long:1x1024
+labels=long:1x1024``: the model returns its loss).
 
 Mistakes in the arguments (a factory that does not import, bad JSON, a bad
 shape, world size or dtype, a plot folder that does not exist) are one line
@@ -48,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
                                    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     planning.add_argument("--model", required=True, help="module:factory returning a model or (model, inputs)")
     planning.add_argument("--model-kwargs", default="{}", help="JSON keyword arguments for the factory")
-    planning.add_argument("--inputs", nargs="*", default=[], help="example inputs as dtype:shape, e.g. long:1x1024")
+    planning.add_argument("--inputs", nargs="*", default=[], help="example inputs as dtype:shape (long:1x1024), or name=dtype:shape by keyword")
     planning.add_argument("--world-size", default="1024", help="one or more, comma-separated")
     planning.add_argument("--stage", default="3", help="one or more of 0,1,2,3, comma-separated")
     planning.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZERS))
@@ -117,6 +120,24 @@ def parse_input(text: str, device) -> torch.Tensor:
     return torch.zeros(sizes, dtype=dtype, device=device)
 
 
+def parse_inputs(texts: list[str], device) -> tuple[tuple, dict]:
+    """``--inputs``: positional ``dtype:shape`` first, then keyword ``name=dtype:shape``, as in a call."""
+    positional, keywords = [], {}
+    for text in texts:
+        name, equals, spec = text.rpartition("=")
+        if not equals:
+            if keywords:
+                raise UsageError(f"--inputs {text!r}: a positional input after a keyword one; give the "
+                                 "dtype:shape ones first")
+            positional.append(parse_input(text, device))
+        elif not name.isidentifier() or name in keywords:
+            raise UsageError(f"--inputs {text!r}: expected name=dtype:shape with a new keyword name, e.g. "
+                             "input_ids=long:1x1024")
+        else:
+            keywords[name] = parse_input(spec, device)
+    return tuple(positional), keywords
+
+
 def parse_ints(text: str, option: str, allowed=None) -> list[int]:
     """'1,8,64' -> [1, 8, 64]; anything else is a one-line usage error."""
     try:
@@ -163,14 +184,18 @@ def plan_command(args) -> int:
         except TypeError as error:   # most often keyword arguments the factory does not take
             raise UsageError(f"--model {args.model!r} with --model-kwargs {args.model_kwargs!r}: {error}") from error
     model, inputs = (built if isinstance(built, tuple) else (built, None))
-    if inputs is None:
+    keyword_inputs = {}
+    if isinstance(inputs, dict):
+        inputs, keyword_inputs = (), inputs
+    elif inputs is None:
         if not args.inputs:
             raise UsageError("give the example inputs with --inputs dtype:shape ... (or return them from the factory)")
-        inputs = tuple(parse_input(text, args.device) for text in args.inputs)
+        inputs, keyword_inputs = parse_inputs(args.inputs, args.device)
     param_count = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     say(f"built {type(model).__name__} with {param_count:,} parameters on {args.device}")
     optimizer = OPTIMIZERS[args.optimizer](model.parameters(), args.lr)
-    planner = Planner(model, optimizer, example_inputs=inputs, accounting_dtype=param_dtype,
+    planner = Planner(model, optimizer, example_inputs=inputs, example_keyword_inputs=keyword_inputs,
+                      accounting_dtype=param_dtype,
                       bucket_bytes=int(args.bucket_mb * 1024 * 1024), progress=say)
     rows, reports = [], []
     for stage in stages:

@@ -20,9 +20,10 @@ The fingerprint is what decides a program without tracing it:
 - the world size and this rank; the batch's signature, the optimizer
   state's structure, the caller's autocast and the modules' training modes
   (``program_cache.CacheKey``);
-- the content of every source file whose code made an op of the step (from
-  the stack traces the tracer kept), of the model's module classes and of
-  the optimizer's class: editing the model's ``forward`` misses.
+- the content of every source file whose code was on the stack inside the
+  step when an op was traced (``tracing.recording_source_files``: helpers in
+  other files too), of the model's module classes and of the optimizer's
+  class: editing the model's ``forward``, or a helper it calls, misses.
 
 What it cannot see is state read by the traced code that none of these
 holds (a module-level flag in a file that made no op): clear the folder
@@ -44,6 +45,7 @@ import json
 import os
 import re
 import sys
+import sysconfig
 import tempfile
 import time
 import warnings
@@ -52,6 +54,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from . import graph as g
 from . import graph_pickle
 from .errors import CompileCacheError, CompileCacheWarning, ConfigError
 
@@ -69,6 +72,7 @@ _PER_PROCESS_ATTRIBUTES = frozenset({"_original_object_hash"})
 _FILE_IN_TRACE = re.compile(r'File "([^"]+)", line \d+')
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
+_PYTHON_DIR = os.path.abspath(sysconfig.get_paths()["stdlib"])   # its version is a part
 
 
 def cache_dir_of(setting: str | os.PathLike | None) -> str | None:
@@ -203,9 +207,11 @@ def fingerprint(step, key, released_shapes: dict[str, tuple[int, ...]], previous
 
 
 def source_files(captured, step) -> dict[str, str]:
-    """Every file whose code the traced step ran, by path, with its content's digest (zerocc's and torch's own
-    files are covered by their version parts)."""
-    paths = set()
+    """Every file whose code the traced step ran, by path, with its content's digest (zerocc's, torch's and
+    Python's own files are covered by their version parts): the files on the stack while an op was traced
+    (``tracing.recording_source_files``: helpers outside any ``forward`` too), those named in the nodes' stack
+    traces, the model's module classes', the optimizer's, the loss function's and the passes'."""
+    paths = set(captured.gm.meta.get(g.SOURCE_FILES, ()))
     for node in captured.gm.graph.nodes:
         trace = node.meta.get("stack_trace")
         if trace:
@@ -222,12 +228,19 @@ def source_files(captured, step) -> dict[str, str]:
     found = {}
     for path in sorted(p for p in paths if p):
         path = os.path.abspath(path)
-        if path.startswith(_PACKAGE_DIR + os.sep) or path.startswith(_TORCH_DIR + os.sep):
+        if path.startswith((_PACKAGE_DIR + os.sep, _TORCH_DIR + os.sep)) or _in_python_itself(path):
             continue
         digest = _file_digest(path)
         if digest is not None:
             found[path] = digest
     return found
+
+
+def _in_python_itself(path: str) -> bool:
+    """Python's standard library (its version is a part), not the packages installed beside it."""
+    if not path.startswith(_PYTHON_DIR + os.sep):
+        return False
+    return not {"site-packages", "dist-packages"} & set(path[len(_PYTHON_DIR):].split(os.sep))
 
 
 def _file_digest(path: str) -> str | None:
@@ -280,9 +293,10 @@ class DiskCache:
     def _read_json(path: str) -> dict | None:
         try:
             with open(path) as file:
-                return json.load(file)
+                index = json.load(file)
         except (OSError, ValueError):
             return None
+        return index if isinstance(index, dict) and isinstance(index.get("sources", {}), dict) else None
 
     def load(self, digest: str, objects: dict[str, Any], fake_mode) -> dict | None:
         """The stored compile, or None (with a warning) if the file cannot be read. Its ``history`` (the

@@ -18,7 +18,8 @@ eager PyTorch runs. Two kinds of op need help here:
   zerocc makes (``tracing.make_fake_mode`` marks them with
   ``mark_zerocc_fake_mode``), so other users of fake tensors in the same
   process (``torch.compile``) see PyTorch's behaviour unchanged; every other
-  case falls through to PyTorch's own kernel.
+  case falls through to PyTorch's own kernel. It serves the meta device as well:
+  ``zerocc.plan`` of a model built there plans what the CPU step runs.
 """
 
 from __future__ import annotations
@@ -54,7 +55,9 @@ def _grouped_mm_cpu(fake_mode, func, mat_a, mat_b, offs=None, bias=None, out_dty
     ``offs[-1]`` are left unwritten by the kernel; transformers' offsets
     always end at the row count.
     """
-    if not getattr(fake_mode, _ZEROCC_FAKE_MODE, False) or mat_a.device.type != "cpu":
+    # on the meta device too: zerocc.plan traces a model built there as the CPU step would run it (the meta
+    # kernel's bf16-only check refused every float32 mixture of experts)
+    if not getattr(fake_mode, _ZEROCC_FAKE_MODE, False) or mat_a.device.type not in ("cpu", "meta"):
         return NotImplemented
     torch._check(mat_a.dtype == mat_b.dtype,
                  lambda: f"expected m1 and m2 to have the same dtype, but got: {mat_a.dtype} != {mat_b.dtype}")

@@ -32,6 +32,7 @@ STATE_KEY = "zerocc_state_key"  # optimizer-state placeholders: the key in the o
 STACK_TRACE = "stack_trace"   # the user's frames where make_fx recorded the node (torch.fx's own key)
 WRITTEN_INPUTS = "zerocc_written_inputs"  # gm.meta (tracing): {placeholder position: the first node writing it in place}
 WRITTEN_CONSTANTS = "zerocc_written_constants"  # gm.meta (tracing): {id of a tensor constant: the first node writing it}
+SOURCE_FILES = "zerocc_source_files"  # gm.meta (tracing): every file whose code was running when an op was traced
 TRACING_META = (WRITTEN_INPUTS, WRITTEN_CONSTANTS)   # gm.meta capture reads and nothing after: nodes of another graph
 
 # placeholder roles

@@ -68,6 +68,35 @@ _EAGER_COMPOSITES = [
 
 
 @contextlib.contextmanager
+def recording_source_files(files: set[str]):
+    """Add to ``files`` the file of every frame inside the traced function when an op is recorded.
+
+    make_fx keeps only ``forward`` frames in a node's stack trace: a helper function in another file (an
+    activation, an attention function, Hugging Face's loss) is on the stack while its ops are traced but in
+    no trace. The compile cache on disk (``zerocc/disk_cache.py``) must see those files: an edit to one
+    changes the program. Frames up to ``trace_functional``'s ``flat_fn`` (the script calling the step) are not
+    part of what is traced.
+    """
+    from torch.fx.proxy import TracerBase
+    original = TracerBase._filter_traceback_frames
+
+    def filter_and_record(tracer, summary):
+        inside = False
+        for frame in summary:
+            if inside:
+                files.add(frame.filename)
+            elif frame.name == "flat_fn" and frame.filename == __file__:
+                inside = True
+        return original(tracer, summary)
+
+    TracerBase._filter_traceback_frames = filter_and_record
+    try:
+        yield files
+    finally:
+        TracerBase._filter_traceback_frames = original
+
+
+@contextlib.contextmanager
 def eager_composites():
     """Trace these ops through their C++ composite kernels, as eager PyTorch runs them."""
     from torch._C import DispatchKey
@@ -167,8 +196,9 @@ def trace_functional(fn: Callable[..., Any], args: tuple, fake_mode: FakeTensorM
     # and the step's Python is made once, when it first runs
     # a module the user wrapped in torch.compile runs its own code inside the trace (dynamo inlines it)
     with stats.timed(compile_stats.TRACE), fake_mode, eager_composites(), _use_lazy_graph_module(True), \
-            torch._dynamo.config.patch(error_on_nested_fx_trace=False):
+            torch._dynamo.config.patch(error_on_nested_fx_trace=False), recording_source_files(set()) as files:
         first = make_fx(flat_fn, record_stack_traces=True)(*flat_args)
+    first.meta[g.SOURCE_FILES] = frozenset(files)
     if _is_functional(first):   # nothing to remove: the replay would rebuild the same graph (half the cost)
         _storage_offsets_relative_to_their_tensor(first)
         _remove_profiler_nodes(first)
@@ -185,6 +215,7 @@ def trace_functional(fn: Callable[..., Any], args: tuple, fake_mode: FakeTensorM
         gm = make_fx(torch.func.functionalize(replay, remove="mutations"))(*detached)
     gm.meta[g.WRITTEN_INPUTS] = written_inputs(first)
     gm.meta[g.WRITTEN_CONSTANTS] = written_constants(first)
+    gm.meta[g.SOURCE_FILES] = first.meta[g.SOURCE_FILES]
     _draw_masks_in_layout(gm, fake_mode)
     _storage_offsets_relative_to_their_tensor(gm)
     _remove_trailing_input_copies(gm)
