@@ -195,6 +195,12 @@ class HandWrittenMoE(torch.nn.Module):
         self.route = getattr(self, route)
         self.experts = experts
 
+    def float32_router(self, x, gates, chosen):
+        """Routers kept in float32 by converting the module every step (Switch Transformers' router does)."""
+        self.router = self.router.to(torch.float32)
+        self.router.to(x.device)
+        return self.where_loop(x, gates, chosen)
+
     def expert(self, e, x):
         return torch.nn.functional.silu(x @ self.w1[e]) @ self.w2[e]
 
@@ -243,3 +249,20 @@ def test_data_dependent_expert_sizes_under_a_memory_budget(deterministic):
     step = train_hand_written("where_loop", memory_budget=10**9)
     assert step.remat_plan is not None
     assert step.predicted_step_time("h100-sxm-bf16").seconds > 0
+
+
+def test_a_module_converted_to_its_own_dtype_in_forward_trains_as_eager(deterministic):
+    """``module.to(dtype)`` in forward, a no-op in eager, failed while tracing: "_apply(): Couldn't swap Linear.weight"."""
+    step = train_hand_written("float32_router")
+    assert torch.isfinite(step.eval_forward(torch.zeros(2, 8, dtype=torch.long), torch.zeros(2, 8, dtype=torch.long)))
+
+
+def test_a_module_conversion_that_changes_a_parameter_is_refused_naming_the_line():
+    """With bf16 compute the router's float32 conversion would replace the parameter the program holds."""
+    torch.manual_seed(0)
+    model = HandWrittenMoE("float32_router")
+    step = zerocc.compile(model, torch.optim.AdamW(model.parameters()), param_dtype=torch.bfloat16)
+    ids = torch.zeros(2, 8, dtype=torch.long)
+    with pytest.raises(zerocc.CaptureError, match=r"(?s)converts a module's parameters or buffers at .*test_moe.py:\d+: "
+                       r"self.router = self.router.to\(torch.float32\).*fix: convert the model once before"):
+        step(ids, ids)

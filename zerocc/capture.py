@@ -41,7 +41,8 @@ from .errors import CaptureError, ConfigError, ZeroccError, raised_by_user_code,
 from .optimizer_step import REPLICATE_IF_ELEMENTWISE, check_elementwise, splice_update
 from . import precision as mixed
 from .model_recomputation import traced_recomputation
-from .tracing import fakeify, no_traced_values_left, record_source_lines_of, trace_functional
+from .tracing import (fakeify, module_conversions_as_eager, no_traced_values_left, record_source_lines_of,
+                      trace_functional)
 from .user_tooling import suspended_user_tooling
 
 
@@ -351,7 +352,8 @@ def trace_step(
                                       if role == g.ROLE_INPUT})
     attributes = tensor_attributes(model)
     try:
-        with recording(fake_mode, recorder), _restored(attributes), no_traced_values_left(model):
+        with recording(fake_mode, recorder), _restored(attributes), no_traced_values_left(model), \
+                module_conversions_as_eager():
             gm, out_spec = trace_functional(whole_step, fake_args, fake_mode, stats)
     except (GuardOnDataDependentSymNode, DynamicOutputShapeException, DataDependentOutputException) as error:
         raise _data_dependent_error(user_frame(error.__traceback__), type(error).__name__) from error

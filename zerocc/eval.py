@@ -28,7 +28,7 @@ from .batch import BatchLayout, check_batch
 from .program_cache import input_signature
 from .errors import CaptureError, ConfigError, RecompileWarning, ZeroccError, note_failing_node, user_frame
 from .runtime import failures
-from .tracing import fakeify, make_fake_mode, no_traced_values_left, trace_functional
+from .tracing import fakeify, make_fake_mode, module_conversions_as_eager, no_traced_values_left, trace_functional
 from .user_tooling import suspended_user_tooling
 
 c10d = torch.ops._c10d_functional
@@ -131,7 +131,8 @@ def _compile(step, batch: list, layout: BatchLayout, autocast: tuple = ()) -> Ev
     modes = {module: module.training for module in model.modules()}
     model.eval()
     try:
-        with suspended_user_tooling(), outside_autocast(), no_traced_values_left(model):   # user_tooling, autocast
+        with suspended_user_tooling(), outside_autocast(), no_traced_values_left(model), \
+                module_conversions_as_eager():   # user_tooling, autocast, as eager's module.to
             gm, spec = trace_functional(forward, arguments, fake_mode)
     except ZeroccError:
         raise

@@ -119,6 +119,39 @@ def no_traced_values_left(model: torch.nn.Module):
                         delattr(module, name)
 
 
+@contextlib.contextmanager
+def module_conversions_as_eager():
+    """``module.to(x.device)``, ``module.float()`` in forward convert nothing in eager when the module already is so.
+
+    Models call them every step (Switch Transformers' router: ``self.classifier = self.classifier.to(self.dtype)``).
+    While tracing, the module holds the trace's fake tensors, which torch's ``Module._apply`` swaps instead of
+    leaving alone, and fails. Here a conversion that returns every parameter and buffer unchanged returns the
+    module, as eager does; one that would change a tensor (its dtype or device) is refused, naming the line: it
+    would replace the parameter, which the program owns.
+    """
+    apply = torch.nn.Module._apply
+
+    def converted_as_eager(module, fn, recurse=True):
+        tensors = [*module.parameters(recurse=recurse), *module.buffers(recurse=recurse)]
+        with torch.no_grad():
+            changed = [t for t in tensors if fn(t) is not t]
+        if not changed:
+            return module
+        from .errors import CaptureError, user_frame_here
+        raise CaptureError(
+            f"the step converts a module's parameters or buffers at {user_frame_here() or '(no user frame found)'}\n"
+            f"  why: the conversion changes a {changed[0].dtype} tensor on {changed[0].device}, which would replace a "
+            "parameter the compiled step holds\n"
+            "  fix: convert the model once before zerocc.compile (model.to(dtype)), or convert tensors, not the module "
+            "(F.linear(x.float(), linear.weight.float()))")
+
+    torch.nn.Module._apply = converted_as_eager
+    try:
+        yield
+    finally:
+        torch.nn.Module._apply = apply
+
+
 def empty_fake(fake_mode: FakeTensorMode, shape, stride, dtype: torch.dtype, device) -> FakeTensor:
     """A new fake tensor of this layout: what ``torch.empty_strided`` under ``fake_mode`` makes, at a tenth of its cost.
 
