@@ -194,6 +194,10 @@ class HandWrittenMoE(torch.nn.Module):
         self.head = torch.nn.Linear(width, vocab)
         self.route = getattr(self, route)
         self.experts = experts
+        self.aux_free = aux_free
+        if aux_free:   # DeepSeek-V3's auxiliary-loss-free balancing: a bias on the scores that choose the experts
+            self.register_buffer("expert_bias", torch.zeros(experts))
+            self.register_buffer("tokens_per_expert", torch.zeros(experts))
 
     def float32_router(self, x, gates, chosen):
         """Routers kept in float32 by converting the module every step (Switch Transformers' router does)."""
@@ -215,10 +219,22 @@ class HandWrittenMoE(torch.nn.Module):
     def forward(self, ids, labels):
         h = self.embedding(ids)
         x = self.norm(h).flatten(0, 1)
-        gates, chosen = self.router(x).softmax(-1).topk(2, dim=-1)
+        scores = self.router(x).softmax(-1)
+        if self.aux_free:
+            chosen = (scores + self.expert_bias).topk(2, dim=-1).indices
+            gates = scores.gather(-1, chosen)
+            with torch.no_grad():   # torchtitan counts in forward and balances in an optimizer pre-step hook
+                self.tokens_per_expert += torch.histc(chosen.float(), bins=self.experts, min=0, max=self.experts - 1)
+        else:
+            gates, chosen = scores.topk(2, dim=-1)
         gates = gates / gates.sum(-1, keepdim=True)
         h = h + self.route(x, gates, chosen).view_as(h)
         return torch.nn.functional.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())
+
+
+def token_pairs(steps, seed=1):
+    generator = torch.Generator().manual_seed(seed)
+    return [(ids, ids.roll(1, 1)) for ids in (torch.randint(0, 64, (4, 8), generator=generator) for _ in range(steps))]
 
 
 def train_hand_written(route, steps=3, stage=3, **options):
@@ -229,10 +245,7 @@ def train_hand_written(route, steps=3, stage=3, **options):
     reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     step = zerocc.compile(model, optimizer, stage=stage, **options)
-    generator = torch.Generator().manual_seed(1)
-    for number in range(steps):
-        ids = torch.randint(0, 64, (4, 8), generator=generator)
-        batch = (ids, ids.roll(1, 1))
+    for number, batch in enumerate(token_pairs(steps)):
         expected = eager(reference, reference_optimizer, *batch)
         assert torch.equal(step(*batch), expected), number
     for key, value in reference.state_dict().items():
@@ -266,3 +279,35 @@ def test_a_module_conversion_that_changes_a_parameter_is_refused_naming_the_line
     with pytest.raises(zerocc.CaptureError, match=r"(?s)converts a module's parameters or buffers at .*test_moe.py:\d+: "
                        r"self.router = self.router.to\(torch.float32\).*fix: convert the model once before"):
         step(ids, ids)
+
+
+def balance_experts(model):
+    """torchtitan's expert-bias update: experts that got fewer tokens than the mean are favoured next step."""
+    with torch.no_grad():
+        model.expert_bias += 1e-2 * torch.sign(model.tokens_per_expert.mean() - model.tokens_per_expert)
+        model.tokens_per_expert.zero_()
+
+
+def test_an_optimizer_step_hook_is_refused_and_the_update_between_steps_trains_as_eager(deterministic):
+    """The compiled step traces the optimizer's update on a copy, which copy.copy leaves without the optimizer's
+    hooks: torchtitan's load balancing in a pre-step hook silently never ran (losses drifted from eager)."""
+    torch.manual_seed(0)
+    reference = HandWrittenMoE("where_loop", aux_free=True)
+    model = copy.deepcopy(reference)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    reference_optimizer.register_step_pre_hook(lambda optimizer, args, kwargs: balance_experts(reference))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    hook = optimizer.register_step_pre_hook(lambda optimizer, args, kwargs: balance_experts(model))
+    step = zerocc.compile(model, optimizer)
+    batches = token_pairs(4)
+    with pytest.raises(zerocc.ConfigError, match=r"(?s)the optimizer has 1 step hook\(s\).*<lambda> \(.*test_moe.py:\d+\)"
+                                                 r".*fix: remove the hook and do its work between steps"):
+        step(*batches[0])
+    hook.remove()
+    for number, batch in enumerate(batches):
+        expected = eager(reference, reference_optimizer, *batch)
+        assert torch.equal(step(*batch), expected), number
+        balance_experts(model)   # the model's buffers are the step's: the next step routes with this bias
+    assert torch.equal(model.expert_bias, reference.expert_bias) and model.expert_bias.abs().sum() > 0
+    for key, value in reference.state_dict().items():
+        assert torch.equal(model.state_dict()[key], value), key
