@@ -178,12 +178,19 @@ def fakeify(fake_mode: FakeTensorMode, tree: Any) -> Any:
 
 
 def trace_functional(fn: Callable[..., Any], args: tuple, fake_mode: FakeTensorMode,
-                     stats: CompileStats | None = None) -> tuple[fx.GraphModule, pytree.TreeSpec]:
+                     stats: CompileStats | None = None,
+                     check_written_constants: Callable[[dict[int, fx.Node]], None] | None = None,
+                     ) -> tuple[fx.GraphModule, pytree.TreeSpec]:
     """Trace ``fn(*args)`` into a flat functional graph; returns it and the output tree spec.
 
     The graph's placeholders are ``pytree.tree_leaves(args)`` in order; its
     output is the flat list of ``fn``'s output leaves. ``stats`` gets the
     seconds of the trace and of the functionalizing replay.
+    ``check_written_constants`` is called with the tensor constants the
+    first trace writes in place (``written_constants``), before the replay:
+    a write that reads a traced value would fail there inside
+    functionalization ("mutating a non-functional tensor with a functional
+    tensor"), so the caller refuses it first, naming the tensor.
     """
     stats = stats if stats is not None else CompileStats("trace")
     flat_args, in_spec = pytree.tree_flatten(args)
@@ -201,6 +208,8 @@ def trace_functional(fn: Callable[..., Any], args: tuple, fake_mode: FakeTensorM
     with stats.timed(compile_stats.TRACE), fake_mode, eager_composites(), _use_lazy_graph_module(True), \
             torch._dynamo.config.patch(error_on_nested_fx_trace=False):
         first = make_fx(flat_fn, record_stack_traces=True)(*flat_args)
+    if check_written_constants is not None:
+        check_written_constants(written_constants(first))
     if _is_functional(first):   # nothing to remove: the replay would rebuild the same graph (half the cost)
         _remove_profiler_nodes(first)
         first.graph.eliminate_dead_code()
