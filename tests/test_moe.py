@@ -24,10 +24,11 @@ import torch
 
 import zerocc
 from tests import distributed
-from tests.reference import eager, train_eagerly
+from tests.helpers import assert_rank_matches_reference
+from tests.reference import eager, eager_accumulated_step, train_eagerly
 
 transformers = pytest.importorskip("transformers")
-from tests.zoo import MIXTURES_OF_EXPERTS, TOKENS, VOCAB  # noqa: E402  (needs transformers; the zoo trains every MoE model)
+from tests.zoo import MIXTURES_OF_EXPERTS, MORE_MIXTURES_OF_EXPERTS, TOKENS, VOCAB  # noqa: E402  (needs transformers; the zoo trains every MoE model)
 
 
 @pytest.fixture
@@ -40,7 +41,7 @@ def deterministic():
 
 def build(name, **options):
     torch.manual_seed(0)
-    return MIXTURES_OF_EXPERTS[name](**options)
+    return {**MIXTURES_OF_EXPERTS, **MORE_MIXTURES_OF_EXPERTS}[name](**options)
 
 
 def token_batches(steps, rows=TOKENS[0], seed=1):
@@ -94,6 +95,12 @@ def test_mixtral_grouped_mm_equals_eager_at_every_stage(stage, deterministic):
     graph = str(step.graph("capture"))
     assert graph.count("torch.ops.aten._grouped_mm.default(") == 6   # 2 forward, 4 backward (input and weight grads)
     assert len(step.cache.programs()) == 1   # one program for every routing, the first step's included
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(MORE_MIXTURES_OF_EXPERTS))
+def test_more_mixture_of_experts_architectures_equal_eager(name, deterministic):
+    train_and_compare(name, stage=3)
 
 
 @pytest.mark.slow
@@ -311,3 +318,31 @@ def test_an_optimizer_step_hook_is_refused_and_the_update_between_steps_trains_a
     assert torch.equal(model.expert_bias, reference.expert_bias) and model.expert_bias.abs().sum() > 0
     for key, value in reference.state_dict().items():
         assert torch.equal(model.state_dict()[key], value), key
+
+
+def _hand_written_on_ranks(rank, world_size, batches):
+    torch.use_deterministic_algorithms(True)
+    torch.manual_seed(0)
+    model = HandWrittenMoE("where_loop")
+    step = zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-2), stage=3, grad_accumulation=2,
+                          clip_grad_norm=0.5)
+    losses = [step(*(t.chunk(world_size)[rank] for t in batch)) for batch in batches]
+    return losses, step.full_state_dict()
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+def test_two_ranks_whose_experts_get_different_token_counts_match_one_process(deterministic):
+    """Each rank's tensors sized by its routing differ in size from the other's and from step to step."""
+    batches = token_pairs(3)
+    torch.manual_seed(0)
+    reference = HandWrittenMoE("where_loop")
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    expected = []
+    for batch in batches:
+        loss, _ = eager_accumulated_step(reference, optimizer, None, batch, 4, clip=0.5)   # 2 ranks x 2 micro-batches
+        expected.append(loss)
+    results = distributed.run(_hand_written_on_ranks, 2, batches)
+    for rank, (losses, state) in enumerate(results):
+        assert_rank_matches_reference(rank, [(a + b) / 2 for a, b in zip(results[0][0], results[1][0])], expected,
+                                      state, reference.state_dict(), state_rtol=1e-4, state_atol=1e-5)
