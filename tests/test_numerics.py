@@ -11,6 +11,7 @@ for bit.
 """
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -341,6 +342,44 @@ def test_batch_norm_over_a_transposed_sequence_trains_bit_for_bit(stage, memory_
     generator = torch.Generator().manual_seed(1)
     for number in range(3):
         batch = (torch.randn(4, 6, 8, generator=generator), torch.randn(4, 1, generator=generator))
+        expected = eager_step(reference, reference_optimizer, torch.nn.functional.mse_loss, batch)
+        assert torch.equal(step(*batch), expected), number
+    for key, value in reference.state_dict().items():
+        assert torch.equal(step.full_state_dict()[key], value), key
+
+
+class GatedDecay(torch.nn.Module):
+    """Qwen3-Next's gated delta rule, reduced: a softplus gate per head whose gradient arrives transposed."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj, self.dt_bias = torch.nn.Linear(8, 8), torch.nn.Parameter(torch.ones(4))
+        self.activation = torch.nn.Hardswish()
+
+    def forward(self, x):   # x: (batch, length, 8)
+        batch, length, _ = x.shape
+        b, a = self.proj(x).view(batch, length, 2, 4).split(2, dim=3)
+        decay = torch.nn.functional.softplus(a.reshape(batch, length, 4) + self.dt_bias)
+        gate = self.activation(b.reshape(batch, length, 4))
+        return (decay * gate).transpose(1, 2).contiguous().cumsum(-1).mean((1, 2))   # heads first, as the kernel
+
+
+@pytest.mark.parametrize("memory_pools", [False, True], ids=["plain", "pools"])
+@pytest.mark.parametrize("stage", [0, 3])
+def test_activation_gradients_arriving_transposed_train_bit_for_bit(stage, memory_pools):
+    """softplus_backward's (and hardswish_backward's, ...) fake kernel laid its result out like its second input, the
+    CPU kernel like its first (the transposed gradient): without memory pools every call failed with "view size is
+    not compatible with input tensor's size and stride"; with them, placed in the traced layout, the gradient of
+    dt_bias was summed in another order than eager's (Qwen3-Next's, off by an ulp)."""
+    torch.manual_seed(0)
+    reference = GatedDecay()
+    model = copy.deepcopy(reference)
+    reference_optimizer = adamw(reference)
+    step = zerocc.compile(model, adamw(model), stage=stage, loss_fn=torch.nn.functional.mse_loss,
+                          memory_pools=memory_pools)
+    generator = torch.Generator().manual_seed(1)
+    for number in range(3):
+        batch = (torch.randn(4, 6, 8, generator=generator), torch.randn(4, generator=generator))
         expected = eager_step(reference, reference_optimizer, torch.nn.functional.mse_loss, batch)
         assert torch.equal(step(*batch), expected), number
     for key, value in reference.state_dict().items():

@@ -81,6 +81,50 @@ def test_a_tensor_attribute_written_in_forward_is_refused_naming_it_and_left_as_
     assert torch.equal(model.counter, torch.zeros(())) and torch.equal(model.scale, torch.tensor(2.0))
 
 
+ROUTED = torch.zeros(5)   # a module-level tally, as some MoE code keeps its experts' loads
+
+
+class CountingRoutes(nn.Module):
+    """Counts how many rows pick each output (an MoE's tokens per expert) into a tensor that is not a buffer."""
+
+    def __init__(self, into_global):
+        super().__init__()
+        self.linear = nn.Linear(12, 5)
+        self.routed = torch.zeros(5)
+        self.into_global = into_global
+
+    def forward(self, x):
+        y = self.linear(x)
+        with torch.no_grad():
+            counts = torch.bincount(y.argmax(-1), minlength=5).float()
+            if self.into_global:
+                ROUTED.add_(counts)
+            else:
+                self.routed += counts
+        return y.square().mean()
+
+
+def test_an_attribute_written_with_a_computed_value_is_refused_naming_it():
+    """Written with a value the step computes, the attribute failed inside functionalization instead: "(no user
+    frame found): RuntimeError: false INTERNAL ASSERT FAILED ... mutating a non-functional tensor"."""
+    model = CountingRoutes(into_global=False)
+    step = zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(zerocc.CaptureError, match=r"(?s)neither parameters nor buffers:\n  - 'routed' by add_ at "
+                       r".*test_user_tooling.py:\d+: self.routed \+= counts\n.*self.register_buffer\('routed'"):
+        step(torch.randn(8, 12))
+    assert torch.equal(model.routed, torch.zeros(5))
+
+
+def test_a_global_tensor_written_in_forward_is_refused_naming_the_line():
+    """Not the model's: failed as the attribute did, or, written with a constant, was silently written only while
+    tracing."""
+    model = CountingRoutes(into_global=True)
+    step = zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(zerocc.CaptureError, match=r"(?s)writes in place into tensors that are not the model's.*\n"
+                       r"  - written by add_ at .*test_user_tooling.py:\d+: ROUTED.add_\(counts\)\n.*fix: keep it in a buffer"):
+        step(torch.randn(8, 12))
+
+
 @pytest.mark.parametrize("stage", [0, 3])
 def test_the_counter_as_a_buffer_counts_like_eager(stage):
     torch.manual_seed(0)

@@ -48,8 +48,8 @@ from .runtime.arenas import Arenas
 from .runtime.memory import LiveBytesTracker
 from .runtime.process_group import Ranks, resolve
 from .runtime.program import Program
-from .step_state import (StepState, check_param_groups_unchanged, check_requires_grad_unchanged, param_groups_of,
-                         requires_grad_of)
+from .step_state import (StepState, check_no_optimizer_step_hooks, check_param_groups_unchanged,
+                         check_requires_grad_unchanged, param_groups_of, requires_grad_of)
 from .tracing import make_fake_mode
 from .user_tooling import saved_tensors_hooks_state, suspended_user_tooling
 
@@ -327,6 +327,7 @@ class CompiledStep:
         batch = layout.flatten(inputs, keyword_inputs)   # zerocc/batch.py: the program reads one flat list
         state = self.state
         check_batch(batch, layout, state.first_batch)   # dtypes, devices, requires_grad: before any program runs
+        check_no_optimizer_step_hooks(self.optimizer)
         if state.param_groups is not None:
             check_param_groups_unchanged(state.param_groups, self.optimizer)
             check_requires_grad_unchanged(state.requires_grad, self.model)

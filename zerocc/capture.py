@@ -41,7 +41,8 @@ from .errors import CaptureError, ConfigError, ZeroccError, raised_by_user_code,
 from .optimizer_step import REPLICATE_IF_ELEMENTWISE, check_elementwise, splice_update
 from . import precision as mixed
 from .model_recomputation import traced_recomputation
-from .tracing import fakeify, no_traced_values_left, record_source_lines_of, trace_functional
+from .tracing import (fakeify, module_conversions_as_eager, no_traced_values_left, record_source_lines_of,
+                      trace_functional)
 from .user_tooling import suspended_user_tooling
 
 
@@ -368,8 +369,10 @@ def trace_step(
                                       if role == g.ROLE_INPUT})
     attributes = tensor_attributes(model)
     try:
-        with recording(fake_mode, recorder), _restored(attributes), no_traced_values_left(model):
-            gm, out_spec = trace_functional(whole_step, fake_args, fake_mode, stats)
+        with recording(fake_mode, recorder), _restored(attributes), no_traced_values_left(model), \
+                module_conversions_as_eager():
+            gm, out_spec = trace_functional(whole_step, fake_args, fake_mode, stats,
+                                            lambda written: _refuse_writes_to_constants(written, attributes))
     except (GuardOnDataDependentSymNode, DynamicOutputShapeException, DataDependentOutputException) as error:
         raise _data_dependent_error(user_frame(error.__traceback__), type(error).__name__) from error
     except ZeroccError:
@@ -385,7 +388,6 @@ def trace_step(
 
     _refuse_writes_to_parameters(gm, leaves, param_infos, frozen_infos)
     _refuse_writes_to_the_batch(gm, leaves, layout)
-    _refuse_writes_to_tensor_attributes(gm, attributes)
     _tag_placeholders(gm, leaves, param_infos, frozen_infos, buffer_infos, state_keys)
     if precision is not None:
         mixed.tag_parameter_casts(gm)
@@ -561,15 +563,19 @@ def _restored(attributes: dict[int, tuple[str, torch.Tensor]]):
                     tensor.copy_(value)
 
 
-def _refuse_writes_to_tensor_attributes(gm, attributes) -> None:
-    """A tensor attribute that is not a buffer, written in place inside the step: its new value would be lost."""
+def _refuse_writes_to_constants(written: dict[int, fx.Node], attributes) -> None:
+    """A tensor the step writes in place that is none of its inputs (a tensor attribute that is no buffer, a
+    global tensor): a constant of the traced program, whose new value would be lost."""
     from .errors import user_line_of_node
-    written = [(attributes[key][0], node) for key, node in gm.meta.get(g.WRITTEN_CONSTANTS, {}).items()
-               if key in attributes]
-    if written:
-        problems = [f"  - {name!r} by {g.short_name(node.target)} at {user_line_of_node(node) or '(no user frame found)'}"
-                    for name, node in written]
-        name = written[0][0].rsplit(".", 1)[-1]
+    if not written:
+        return
+
+    def where(node):
+        return f"by {g.short_name(node.target)} at {user_line_of_node(node) or '(no user frame found)'}"
+    on_the_model = [(attributes[key][0], node) for key, node in written.items() if key in attributes]
+    if on_the_model:
+        problems = [f"  - {name!r} {where(node)}" for name, node in on_the_model]
+        name = on_the_model[0][0].rsplit(".", 1)[-1]
         raise CaptureError(
             "the model writes in place into tensor attributes that are neither parameters nor buffers:\n"
             + "\n".join(problems) + "\n"
@@ -578,6 +584,14 @@ def _refuse_writes_to_tensor_attributes(gm, attributes) -> None:
             "repeated.\n"
             f"  fix: register it as a buffer in the module's __init__, e.g. self.register_buffer({name!r}, "
             "torch.zeros(())) (persistent=False keeps it out of state_dict); the step then carries it.")
+    problems = [f"  - written {where(node)}" for node in written.values()]
+    raise CaptureError(
+        "the step writes in place into tensors that are not the model's (a global tensor, or one a closure holds):\n"
+        + "\n".join(problems) + "\n"
+        "  why: the compiled step carries only parameters, buffers and optimizer state from one step to the next; "
+        "any other tensor is a constant of the traced program, so its updates would be lost or repeated.\n"
+        "  fix: keep it in a buffer of a module of the model (self.register_buffer(name, tensor, persistent=False)); "
+        "the step then carries it, and you read it from the model after each step.")
 
 
 def _placeholder_layout(fake_args, settings_layout) -> list[tuple[str, int, str]]:

@@ -29,7 +29,7 @@ from .data_guards import GuardRecorder, all_hold, recording
 from .program_cache import input_signature
 from .errors import CaptureError, ConfigError, RecompileWarning, ZeroccError, note_failing_node, user_frame
 from .runtime import failures
-from .tracing import fakeify, make_fake_mode, no_traced_values_left, trace_functional
+from .tracing import fakeify, make_fake_mode, module_conversions_as_eager, no_traced_values_left, trace_functional
 from .user_tooling import suspended_user_tooling
 
 c10d = torch.ops._c10d_functional
@@ -140,7 +140,8 @@ def _compile(step, batch: list, layout: BatchLayout, autocast: tuple = ()) -> Ev
     recorder = GuardRecorder(batch, {len(slots) + index: index for index in range(len(batch))})
     try:
         with suspended_user_tooling(), outside_autocast(), no_traced_values_left(model), \
-                recording(fake_mode, recorder):   # user_tooling, autocast, data_guards
+                recording(fake_mode, recorder), module_conversions_as_eager():   # user_tooling, autocast,
+                # data_guards, and module.to as eager
             gm, spec = trace_functional(forward, arguments, fake_mode)
     except ZeroccError:
         raise

@@ -25,7 +25,7 @@ eager PyTorch runs. Two kinds of op need help here:
 from __future__ import annotations
 
 import torch
-from torch._prims_common import suggest_memory_format
+from torch._prims_common import compute_elementwise_output_strides, make_contiguous_strides_for, suggest_memory_format
 from torch._subclasses.fake_impls import op_implementations_dict
 from torch._subclasses.fake_tensor import FakeTensorMode, _BypassDispatchCache
 
@@ -139,24 +139,55 @@ _BATCH_NORM_INPUT = {
 }
 
 
-class ZeroccFakeTensorMode(FakeTensorMode):
-    """The fake mode capture traces in: batch norms on CPU lay out their first output as the CPU kernel does.
+# Elementwise ops whose Python decomposition (what fake and meta tensors run) lays its result out otherwise than the
+# CPU kernel when the inputs' layouts differ (a gradient arriving transposed): TensorIterator's layout of these
+# arguments, in this order, or a contiguous result. Found by comparing every layout of two or three inputs.
+_CONTIGUOUS = ()
+_CPU_ELEMENTWISE_LAYOUT = {
+    aten.softplus_backward.default: (0, 1),
+    aten.elu_backward.default: (0, 5),
+    aten.hardtanh_backward.default: (0, 1),
+    aten.hardsigmoid_backward.default: (0, 1),
+    aten.hardswish_backward.default: (0, 1),
+    aten.logit_backward.default: (0, 1),
+    aten.copysign.Tensor: (0, 1),
+    aten.xlogy.Tensor: (0, 1),
+    aten.binary_cross_entropy_backward.default: (1, 0, 2, 3),
+    aten.mse_loss_backward.default: _CONTIGUOUS,
+    aten.smooth_l1_loss_backward.default: _CONTIGUOUS,
+    aten.huber_loss_backward.default: _CONTIGUOUS,
+}
 
-    Their meta kernels keep the strides of the input (or of the incoming gradient); the CPU kernels return a
-    contiguous tensor unless the input is channels-last. On a transposed input (``bn(x.transpose(1, 2))``, a
-    BatchNorm1d over a sequence's features) the trace then saw a contiguous result after transposing back, and
+
+class ZeroccFakeTensorMode(FakeTensorMode):
+    """The fake mode capture traces in: ops on CPU lay out their outputs as their CPU kernels do.
+
+    Batch norms: their meta kernels keep the strides of the input (or of the incoming gradient); the CPU kernels
+    return a contiguous tensor unless the input is channels-last. On a transposed input (``bn(x.transpose(1, 2))``,
+    a BatchNorm1d over a sequence's features) the trace then saw a contiguous result after transposing back, and
     recorded ``F.linear``'s view of it where eager meets a strided tensor and copies: the compiled step failed
-    with "view size is not compatible with input tensor's size and stride". These ops bypass torch's fake
-    tensor cache, which every fake mode of the process shares: other fake modes keep PyTorch's layouts.
+    with "view size is not compatible with input tensor's size and stride". The elementwise ops of
+    ``_CPU_ELEMENTWISE_LAYOUT`` likewise: Qwen3-Next's ``softplus(a + dt_bias)``, whose gradient arrives
+    transposed, failed so without memory pools, and with them (which place each result in the layout traced)
+    summed the gradient of ``dt_bias`` in another order than eager, off by an ulp. These ops bypass torch's
+    fake tensor cache, which every fake mode of the process shares: other fake modes keep PyTorch's layouts.
     """
 
     def _cache_key(self, state, func, args, kwargs):
-        if func in _BATCH_NORM_INPUT:
-            raise _BypassDispatchCache("zerocc: batch norm laid out as its CPU kernel")
+        if func in _BATCH_NORM_INPUT or func in _CPU_ELEMENTWISE_LAYOUT:
+            raise _BypassDispatchCache("zerocc: laid out as its CPU kernel")
         return super()._cache_key(state, func, args, kwargs)
 
     def _dispatch_impl(self, func, types, args, kwargs):
         result = super()._dispatch_impl(func, types, args, kwargs)
+        if func in _CPU_ELEMENTWISE_LAYOUT and result.device.type == "cpu":
+            order = _CPU_ELEMENTWISE_LAYOUT[func]
+            inputs = [args[i] for i in order if i < len(args) and isinstance(args[i], torch.Tensor)]
+            strides = compute_elementwise_output_strides(*inputs) if order else make_contiguous_strides_for(result.shape)
+            if tuple(result.stride()) == tuple(strides):
+                return result
+            with self:
+                return torch.empty_strided(result.shape, strides, dtype=result.dtype, device=result.device)
         position = _BATCH_NORM_INPUT.get(func)
         if position is None or args[position].device.type != "cpu":
             return result

@@ -10,6 +10,7 @@ from typing import Iterable
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -114,6 +115,21 @@ def tensor_meta(node: fx.Node) -> torch.Tensor | None:
 def nbytes(node: fx.Node) -> int:
     value = tensor_meta(node)
     return 0 if value is None else value.numel() * value.element_size()
+
+
+def is_data_dependent(value) -> bool:
+    """Is ``value`` a tensor whose size depends on the data (boolean-mask indexing, ``nonzero``, ``.tolist()`` sizes)?
+
+    Its size is an unbacked symbol, known only when the step runs: the memory plan leaves it unplanned, and the
+    cost model counts it as no bytes and no work.
+    """
+    return isinstance(value, torch.Tensor) and not all(is_concrete_int(x) for x in (*value.shape, *value.stride()))
+
+
+def known_bytes(value) -> int:
+    """Bytes of the tensors in ``value`` (one, or a tuple of them), those whose size depends on the data left out."""
+    values = value if isinstance(value, (tuple, list)) else (value,)
+    return sum(v.numel() * v.element_size() for v in values if isinstance(v, torch.Tensor) and not is_data_dependent(v))
 
 
 def ancestors(roots: Iterable[fx.Node]) -> set[fx.Node]:

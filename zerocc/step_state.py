@@ -11,6 +11,7 @@ groups) and the batch checks' reference (the first batch).
 from __future__ import annotations
 
 import contextlib
+import inspect
 from typing import Iterator
 
 import torch
@@ -101,6 +102,32 @@ def check_param_groups_unchanged(compiled_for: tuple[tuple[int, ...], ...], opti
         "unfreezing), compile the model and optimizer again after adding them: zerocc.compile(model, optimizer, "
         "...) takes them over from this step, trained as they are. To keep a parameter frozen for a while, give "
         "it lr=0 in its own group from the start")
+
+
+def check_no_optimizer_step_hooks(optimizer: torch.optim.Optimizer) -> None:
+    """Hooks registered on the optimizer (``register_step_pre_hook`` / ``register_step_post_hook``) are refused.
+
+    Eager runs them around every ``optimizer.step()``; the compiled step traces the optimizer's update on a copy
+    of the optimizer, which (as ``copy.copy`` of any optimizer does) leaves them out, so they never ran: an
+    MoE's load balancing that updates a bias buffer in a pre-step hook (torchtitan's) or clipping in a hook
+    silently did nothing. Checked at every call (two dict lookups): a hook added after compiling is refused too.
+    """
+    hooks = [*optimizer._optimizer_step_pre_hooks.values(), *optimizer._optimizer_step_post_hooks.values()]
+    if not hooks:
+        return
+
+    def where(hook) -> str:
+        code = getattr(inspect.unwrap(hook), "__code__", None)
+        defined = f" ({code.co_filename}:{code.co_firstlineno})" if code is not None else ""
+        return f"{getattr(hook, '__qualname__', repr(hook))}{defined}"
+    raise ConfigError(
+        f"the optimizer has {len(hooks)} step hook(s) (register_step_pre_hook / register_step_post_hook): "
+        f"{', '.join(where(h) for h in hooks)}\n"
+        "  why: the compiled step runs the optimizer's traced update, not optimizer.step(), so such a hook would "
+        "not run at each step as it does in eager.\n"
+        "  fix: remove the hook and do its work between steps, after `loss = step(...)` returns (the model's "
+        "buffers are then the step's own: an MoE's expert-bias update written there is what the next step "
+        "reads); for gradient clipping pass clip_grad_norm= to zerocc.compile.")
 
 
 def requires_grad_of(model: torch.nn.Module) -> tuple[tuple[torch.nn.Parameter, bool], ...]:

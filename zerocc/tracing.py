@@ -149,6 +149,39 @@ def no_traced_values_left(model: torch.nn.Module):
                         delattr(module, name)
 
 
+@contextlib.contextmanager
+def module_conversions_as_eager():
+    """``module.to(x.device)``, ``module.float()`` in forward convert nothing in eager when the module already is so.
+
+    Models call them every step (Switch Transformers' router: ``self.classifier = self.classifier.to(self.dtype)``).
+    While tracing, the module holds the trace's fake tensors, which torch's ``Module._apply`` swaps instead of
+    leaving alone, and fails. Here a conversion that returns every parameter and buffer unchanged returns the
+    module, as eager does; one that would change a tensor (its dtype or device) is refused, naming the line: it
+    would replace the parameter, which the program owns.
+    """
+    apply = torch.nn.Module._apply
+
+    def converted_as_eager(module, fn, recurse=True):
+        tensors = [*module.parameters(recurse=recurse), *module.buffers(recurse=recurse)]
+        with torch.no_grad():
+            changed = [t for t in tensors if fn(t) is not t]
+        if not changed:
+            return module
+        from .errors import CaptureError, user_frame_here
+        raise CaptureError(
+            f"the step converts a module's parameters or buffers at {user_frame_here() or '(no user frame found)'}\n"
+            f"  why: the conversion changes a {changed[0].dtype} tensor on {changed[0].device}, which would replace a "
+            "parameter the compiled step holds\n"
+            "  fix: convert the model once before zerocc.compile (model.to(dtype)), or convert tensors, not the module "
+            "(F.linear(x.float(), linear.weight.float()))")
+
+    torch.nn.Module._apply = converted_as_eager
+    try:
+        yield
+    finally:
+        torch.nn.Module._apply = apply
+
+
 def empty_fake(fake_mode: FakeTensorMode, shape, stride, dtype: torch.dtype, device) -> FakeTensor:
     """A new fake tensor of this layout: what ``torch.empty_strided`` under ``fake_mode`` makes, at a tenth of its cost.
 
@@ -175,12 +208,19 @@ def fakeify(fake_mode: FakeTensorMode, tree: Any) -> Any:
 
 
 def trace_functional(fn: Callable[..., Any], args: tuple, fake_mode: FakeTensorMode,
-                     stats: CompileStats | None = None) -> tuple[fx.GraphModule, pytree.TreeSpec]:
+                     stats: CompileStats | None = None,
+                     check_written_constants: Callable[[dict[int, fx.Node]], None] | None = None,
+                     ) -> tuple[fx.GraphModule, pytree.TreeSpec]:
     """Trace ``fn(*args)`` into a flat functional graph; returns it and the output tree spec.
 
     The graph's placeholders are ``pytree.tree_leaves(args)`` in order; its
     output is the flat list of ``fn``'s output leaves. ``stats`` gets the
     seconds of the trace and of the functionalizing replay.
+    ``check_written_constants`` is called with the tensor constants the
+    first trace writes in place (``written_constants``), before the replay:
+    a write that reads a traced value would fail there inside
+    functionalization ("mutating a non-functional tensor with a functional
+    tensor"), so the caller refuses it first, naming the tensor.
     """
     stats = stats if stats is not None else CompileStats("trace")
     flat_args, in_spec = pytree.tree_flatten(args)
@@ -199,6 +239,8 @@ def trace_functional(fn: Callable[..., Any], args: tuple, fake_mode: FakeTensorM
             torch._dynamo.config.patch(error_on_nested_fx_trace=False), recording_source_files(set()) as files:
         first = make_fx(flat_fn, record_stack_traces=True)(*flat_args)
     first.meta[g.SOURCE_FILES] = frozenset(files)
+    if check_written_constants is not None:
+        check_written_constants(written_constants(first))
     if _is_functional(first):   # nothing to remove: the replay would rebuild the same graph (half the cost)
         _storage_offsets_relative_to_their_tensor(first)
         _remove_profiler_nodes(first)

@@ -19,12 +19,14 @@ its real ops and memory. A global hook is taken to be a tool that observes
 changed outputs would be left out of the compiled step.
 
 Hooks registered on the user's own modules (``module.register_forward_hook``,
-``register_forward_pre_hook``) and optimizer instances stay: they are part of
-the model's computation and are traced into the step, so a hook that changes
-an output trains as in eager. They run while tracing, on fake tensors, not
-at every step: a hook that only observes (logs, keeps activations) sees the
-trace, not the steps. Saved-tensor hooks around the call stay too (they are
-traced into backward); ``saved_tensors_hooks_state`` keys the program on them.
+``register_forward_pre_hook``) stay: they are part of the model's computation
+and are traced into the step, so a hook that changes an output trains as in
+eager. They run while tracing, on fake tensors, not at every step: a hook
+that only observes (logs, keeps activations) sees the trace, not the steps.
+Saved-tensor hooks around the call stay too (they are traced into backward);
+``saved_tensors_hooks_state`` keys the program on them. Step hooks registered
+on the optimizer instance are refused at every call
+(``step_state.check_no_optimizer_step_hooks``): the traced update would not run them.
 """
 from __future__ import annotations
 

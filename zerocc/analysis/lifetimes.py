@@ -21,7 +21,6 @@ import operator
 
 import torch
 import torch.fx as fx
-from torch.fx.experimental.symbolic_shapes import is_concrete_int
 import torch.utils._pytree as pytree
 
 from .. import graph as g
@@ -83,7 +82,7 @@ def lifetimes_and_unplanned(gm: fx.GraphModule):
         value = _value_of(node, index)
         role = _role(node, index, key in updated)
         name = node.name if index is None else f"{node.name}[{index}]"
-        if _data_dependent(value):
+        if g.is_data_dependent(value):
             size = "x".join(str(s) for s in value.shape) or "1"
             unplanned.append(Unplanned(name, role, None, start[key], end[key],
                                        f"size depends on the data ({size} elements)"))
@@ -135,17 +134,9 @@ def _value_of(node: fx.Node, index: int | None):
     return value
 
 
-def _data_dependent(value) -> bool:
-    """Is ``value`` a tensor whose size depends on the data (boolean-mask indexing, ``nonzero``)?
-
-    Such a tensor cannot be placed ahead of time: the plan lists it as unplanned.
-    """
-    return isinstance(value, torch.Tensor) and not all(is_concrete_int(x) for x in (*value.shape, *value.stride()))
-
-
 def _storage_bytes(value) -> int:
     """Bytes of the storage a fresh ``value`` needs (its strides may skip elements); 0 if it is no tensor."""
-    if not isinstance(value, torch.Tensor) or _data_dependent(value):
+    if not isinstance(value, torch.Tensor) or g.is_data_dependent(value):
         return 0
     if value.numel() == 0:
         return 0

@@ -116,8 +116,7 @@ def is_backward(node: fx.Node, region: set[fx.Node]) -> bool:
 
 
 def storage_bytes(value) -> int:
-    values = value if isinstance(value, (tuple, list)) else (value,)
-    return sum(v.numel() * v.element_size() for v in values if isinstance(v, torch.Tensor))
+    return g.known_bytes(value)
 
 
 def _is_tensor_value(value) -> bool:
@@ -180,7 +179,10 @@ class Recomputation:
             return False
         if node.target._schema.is_mutable or node.is_impure():
             return False
-        return _is_tensor_value(node.meta.get(g.VAL))
+        value = node.meta.get(g.VAL)
+        if any(g.is_data_dependent(v) for v in (value if isinstance(value, (tuple, list)) else (value,))):
+            return False   # sized by the data: unplanned, so recomputing it frees nothing the plan sees
+        return _is_tensor_value(value)
 
     def flops(self, node: fx.Node) -> int:
         """FLOPs of matmuls, convolutions and attention (the flop counter's formulas); elements written otherwise."""
@@ -347,4 +349,5 @@ def flops_of(node: fx.Node) -> int:
     if target is operator.getitem:
         return 0
     values = value if isinstance(value, (tuple, list)) else (value,)
-    return sum(int(v.numel()) for v in values if isinstance(v, torch.Tensor))
+    # a size the data decides (a boolean mask's rows, an expert's tokens) is unknown here: counted as no work
+    return sum(int(v.numel()) for v in values if isinstance(v, torch.Tensor) and not g.is_data_dependent(v))

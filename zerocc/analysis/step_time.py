@@ -30,7 +30,6 @@ from __future__ import annotations
 import dataclasses
 import operator
 
-import torch
 import torch.fx as fx
 
 from .. import graph as g
@@ -132,6 +131,4 @@ def moved_bytes(node: fx.Node, world_size: int) -> float:
 
 
 def _bytes(node: fx.Node) -> int:
-    value = node.meta.get(g.VAL)
-    values = value if isinstance(value, (tuple, list)) else (value,)
-    return sum(v.numel() * v.element_size() for v in values if isinstance(v, torch.Tensor))
+    return g.known_bytes(node.meta.get(g.VAL))
