@@ -7,6 +7,8 @@ compiles its own program, as eager would compute otherwise (``zerocc/autocast.py
 """
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
@@ -111,3 +113,59 @@ def _under_autocast_per_rank(rank, world_size):
 @pytest.mark.multirank
 def test_a_step_under_autocast_sharded_across_ranks_matches_ddp():
     assert_ranks_match_ddp(distributed.run(_under_autocast_per_rank, 2))
+
+
+class TiedLM(nn.Module):
+    """Embedding, LayerNorm, a head tied to the embedding, logits upcast with ``.float()`` before the loss."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embedding = nn.Embedding(40, 16)
+        self.norm = nn.LayerNorm(16)
+        self.fc = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 40, bias=False)
+        self.head.weight = self.embedding.weight
+
+    def forward(self, ids):
+        return self.head(self.norm(F.gelu(self.fc(self.embedding(ids))))).float().flatten(0, 1)
+
+
+def token_loss(logits, targets):
+    return F.cross_entropy(logits, targets.flatten())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16-loss-scale"])
+@pytest.mark.parametrize("stage", [0, 3])
+def test_param_dtype_under_the_callers_autocast_trains_as_eager_does_both(stage, dtype):
+    """The guide says the two combine: eager with parameters cast to param_dtype, forward and loss under autocast,
+    fp32 gradients to the masters (GradScaler for fp16, whose first step overflows here and is skipped)."""
+    reference, model = TiedLM(), TiedLM()
+    reference_optimizer = adamw(reference)
+    scaling = zerocc.DynamicLossScale(init_scale=2.0 ** 15, growth_interval=1) if dtype is torch.float16 else None
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 15, growth_interval=1, enabled=scaling is not None)
+    step = zerocc.compile(model, adamw(model), stage=stage, loss_fn=token_loss, param_dtype=dtype, loss_scale=scaling)
+    generator = torch.Generator().manual_seed(1)
+    scales = []
+    for _ in range(4):
+        ids, targets = torch.randint(0, 40, (4, 8), generator=generator), torch.randint(0, 40, (4, 8), generator=generator)
+        low = copy.deepcopy(reference)     # keeps the head tied
+        for param in low.parameters():
+            param.data = param.data.to(dtype)
+        with torch.autocast("cpu", dtype=dtype):
+            expected = token_loss(low(ids), targets)
+        scaler.scale(expected).backward()
+        for param, computed in zip(reference.parameters(), low.parameters()):
+            param.grad = computed.grad.to(param.dtype)
+        scaler.step(reference_optimizer)
+        scaler.update()
+        reference_optimizer.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=dtype):
+            assert torch.equal(step(ids, targets), expected.detach())
+        assert step.loss_scale == (scaler.get_scale() if scaling else None)
+        scales.append(step.loss_scale)
+    if scaling is not None:   # an overflow was skipped (the scale halved), and a good step grew it
+        assert 2.0 ** 14 in scales and max(scales) > 2.0 ** 15, scales
+    full = step.full_state_dict()
+    for key, value in reference.state_dict().items():
+        assert full[key].dtype == torch.float32 and torch.equal(full[key], value), key

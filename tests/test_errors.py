@@ -436,3 +436,23 @@ def test_a_model_under_ddp_or_fully_shard_is_refused_before_tracing_its_collecti
     ddp, fsdp = distributed.run(_wrapped_by_ddp_or_fully_shard, 1)[0]
     assert "the model is wrapped in DistributedDataParallel" in ddp and "(model.module)" in ddp
     assert fsdp.startswith("the model's parameters are DTensors (") and "before fully_shard" in fsdp
+
+
+class CumulativeNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 8)
+        self.bn = nn.BatchNorm1d(8, momentum=None)
+
+    def forward(self, x):
+        return self.bn(self.fc(x))   # the line the error names
+
+
+def test_batch_norm_with_momentum_none_is_refused_naming_the_fix():
+    """momentum=None divides by num_batches_tracked read as a Python float: the generic 'compute it with tensor
+    ops' advice named a line the user cannot change that way."""
+    model = CumulativeNorm()
+    step = zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=F.mse_loss)
+    with pytest.raises(zerocc.CaptureError, match=r"(?s)test_errors.py:\d+: return self.bn\(self.fc\(x\)\).*"
+                                                  r"BatchNorm with momentum=None.*give the BatchNorm a momentum"):
+        step(torch.randn(4, 4), torch.randn(4, 8))

@@ -265,6 +265,35 @@ def test_the_loss_scale_is_checkpointed(tmp_path):
         assert torch.equal(loaded[key], value), key
 
 
+
+@pytest.mark.parametrize("started", [False, True], ids=["before-first-call", "after-a-call"])
+def test_a_checkpoint_without_a_loss_scale_resumes_under_fp16_scaling_from_the_initial_scale(tmp_path, started):
+    """A bf16 run resumed with param_dtype=float16 and loss_scale (hardware without bf16): the checkpoint has no
+    scale, so the step's starts at init_scale as a new GradScaler would. It was refused as 'saved from a
+    different model or optimizer'."""
+    scaling = zerocc.DynamicLossScale(init_scale=2.0 ** 13, growth_interval=1)
+    data = batches("mlp", 5, 8)
+    reference, _, loss_fn = build("mlp")
+    reference_optimizer = adamw(reference)
+    bf16 = _compiled("mlp", 3, param_dtype=torch.bfloat16)
+    for batch in data[:2]:
+        mixed_eager_step(reference, reference_optimizer, loss_fn, batch, torch.bfloat16)
+        bf16(*batch)
+    zerocc.save_checkpoint(bf16, tmp_path / "ckpt")
+    resumed = _compiled("mlp", 1, param_dtype=torch.float16, reduce_dtype=torch.float32, loss_scale=scaling)
+    if started:   # its scale grew to 2**14: the load starts it afresh all the same
+        resumed(*data[4])
+    zerocc.load_checkpoint(resumed, tmp_path / "ckpt")
+    assert resumed.loss_scale == 2.0 ** 13
+    scaler = torch.amp.GradScaler("cpu", init_scale=scaling.init_scale, growth_interval=scaling.growth_interval)
+    for batch in data[2:4]:
+        expected = mixed_eager_step(reference, reference_optimizer, loss_fn, batch, torch.float16, scaler=scaler)
+        assert torch.equal(resumed(*batch), expected)
+        assert resumed.loss_scale == scaler.get_scale()
+    full = resumed.full_state_dict()
+    for key, value in reference.state_dict().items():
+        assert torch.equal(full[key], value), key
+
 def test_unsupported_precision_settings_are_refused_clearly():
     model, _, loss_fn = build("mlp")
     optimizer = adamw(model)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
+import traceback
 from typing import Any, Callable, Sequence
 
 import torch
@@ -374,6 +375,12 @@ def trace_step(
             gm, out_spec = trace_functional(whole_step, fake_args, fake_mode, stats,
                                             lambda written: _refuse_writes_to_constants(written, attributes))
     except (GuardOnDataDependentSymNode, DynamicOutputShapeException, DataDependentOutputException) as error:
+        if _in_cumulative_batch_norm(error.__traceback__):
+            raise CaptureError(
+                f"the step cannot be traced at {user_frame(error.__traceback__) or '(no user frame found)'}\n"
+                "  why: a BatchNorm with momentum=None (a cumulative average of the batch statistics) divides by "
+                "its num_batches_tracked read as a Python number, another value every step, which one graph cannot "
+                "represent.\n  fix: give the BatchNorm a momentum (0.1 is PyTorch's default)") from error
         raise _data_dependent_error(user_frame(error.__traceback__), type(error).__name__) from error
     except ZeroccError:
         raise
@@ -459,6 +466,15 @@ def _plus_gradients_written_into_grad(grads, computed, params, param_infos, prec
             grad = written if grad is None else grad + written
         summed.append(grad)
     return tuple(summed)
+
+
+def _in_cumulative_batch_norm(tb) -> bool:
+    """Whether the traceback passes through a BatchNorm's forward whose momentum is None."""
+    for frame, _ in traceback.walk_tb(tb):
+        module = frame.f_locals.get("self")
+        if isinstance(module, nn.modules.batchnorm._NormBase) and module.momentum is None:
+            return True
+    return False
 
 
 def _data_dependent_error(where: str | None, why: str) -> CaptureError:

@@ -53,7 +53,7 @@ from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 
-from . import decisions
+from . import decisions, precision as mixed
 from .capture import named_tensors
 from .optimizer_step import initial_state_layout
 from .runtime import failures, slots as slot_store
@@ -362,6 +362,10 @@ def load_state_dict(step, state: dict[str, object]) -> None:
     with torch.no_grad():
         for key in (given & parts.keys()) - optimizer_entries:
             _copy_into(parts[key], _sources(state[key]))
+        if not any(k.startswith(SCALER_PREFIX) for k in given):   # saved without loss scaling: the scale starts afresh
+            scaler = step.scaler_state()
+            for slot, value in mixed.initial_scaler_slots(step.precision, "cpu").items():
+                scaler[slot].copy_(value)
         if step.state.started:   # the param_dtype copies of loaded masters (stages 1-2; a collective)
             slot_store.refresh_compute_copies(step.state.plan, step.state.slots, step.ranks.group)
 
@@ -603,6 +607,8 @@ def _load(step, path: str) -> None:
             state[key] = state[key].view(entry.size)
     if not step.state.started:   # before the first step, optimizer state the checkpoint lacks starts afresh
         state = {k: v for k, v in state.items() if k in saved or not k.startswith("optim/")}
+    # a checkpoint saved without loss scaling (fp32, bf16) lacks the scale: a step with one starts it afresh
+    state = {k: v for k, v in state.items() if k in saved or not k.startswith(SCALER_PREFIX)}
     groups_saved = PARAM_GROUPS_KEY in saved
     if not groups_saved:
         del state[PARAM_GROUPS_KEY]

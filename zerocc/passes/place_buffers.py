@@ -179,9 +179,15 @@ def _updates_in_place(gm: fx.GraphModule, plan: MemoryPlan, nodes: dict[str, fx.
     node allocating a new value writes into the old slot instead when it has
     a backend ``out=`` kernel, the two have the same size, stride and dtype,
     and nothing reads the old value after it (a collective reads until its
-    wait); an elementwise op may be the last reader itself.
+    wait); an elementwise op may be the last reader itself. Nor before the
+    step's last forward or backward node: a buffer updated in forward
+    (BatchNorm's ``num_batches_tracked += 1``) written into its slot there
+    would stay changed when the user's code fails after it on the user's
+    data, and a failed call changes nothing (``release_slots``' release point).
     """
     position = {name: i for i, name in enumerate(plan.positions)}
+    last_forward_or_backward = max((position[n.name] for n in gm.graph.nodes if n.name in position
+                                    and n.meta.get(g.PHASE) in (g.FORWARD, g.BACKWARD)), default=-1)
     slots = {n.meta.get(g.SLOT): n for n in g.placeholders(gm) if n.meta.get(g.SLOT)}
     persistent = {b.name: b for b in plan.pool(PERSISTENT_POOL).buffers} if any(
         p.name == PERSISTENT_POOL for p in plan.pools) else {}
@@ -205,6 +211,8 @@ def _updates_in_place(gm: fx.GraphModule, plan: MemoryPlan, nodes: dict[str, fx.
         readers = [u for name in (old.name, *(old_buffer.aliases if old_buffer else ())) for u in nodes[name].users]
         last_read = max((_read_until(u, position) for u in readers), default=-1)
         here = position[root.name]
+        if here < last_forward_or_backward:
+            continue
         elementwise = torch.Tag.pointwise in getattr(node.target, "tags", ())
         if last_read < here or (last_read == here and elementwise):
             chosen[root.name] = old
