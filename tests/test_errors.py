@@ -431,6 +431,7 @@ def _wrapped_by_ddp_or_fully_shard(rank, world_size):
     return messages
 
 
+@pytest.mark.multirank
 def test_a_model_under_ddp_or_fully_shard_is_refused_before_tracing_its_collectives():
     """DDP's forward would be traced with its buffer broadcasts; FSDP2's DTensors fail deep inside tracing."""
     ddp, fsdp = distributed.run(_wrapped_by_ddp_or_fully_shard, 1)[0]

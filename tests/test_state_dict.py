@@ -231,6 +231,7 @@ def _resume_with_another_table(rank, world_size, stage, path, first_call):
     return [step(*batch) for batch in batches("mlp", 2 * K, 8)[K:]]
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("stage,first_call", [(0, "before"), (3, "before"), (3, "after")])
 def test_a_checkpoint_leaves_buffers_registered_persistent_false_to_the_model(tmp_path, stage, first_call):
     """They were saved and loaded: a model whose table had another length failed deep in DCP, and one of other
