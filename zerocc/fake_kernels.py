@@ -24,7 +24,11 @@ eager PyTorch runs. Two kinds of op need help here:
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+from torch.nn.attention import SDPBackend
+from torch.utils._python_dispatch import _disable_current_modes
 from torch._prims_common import compute_elementwise_output_strides, make_contiguous_strides_for, suggest_memory_format
 from torch._subclasses.fake_impls import op_implementations_dict
 from torch._subclasses.fake_tensor import FakeTensorMode, _BypassDispatchCache
@@ -196,3 +200,45 @@ class ZeroccFakeTensorMode(FakeTensorMode):
         first, *rest = result
         with self:
             return (torch.empty_like(first, memory_format=layout), *rest)
+
+
+@contextlib.contextmanager
+def attention_as_on_cpu():
+    """``F.scaled_dot_product_attention`` on the meta device traced as on the CPU: its fused kernel, not the math.
+
+    PyTorch picks an attention kernel by the query's device, and for ``meta`` it takes the math composite,
+    which keeps the batch x heads x seq x seq weights for backward, where the CPU (and the GPU's flash and
+    memory-efficient kernels) keep a logsumexp per row: a plan of a model built on the meta device
+    (``zerocc.plan``) overstated its peak by the attention weights. Within the block a call on meta tensors
+    that the CPU would run fused (its own choice, asked on empty CPU tensors of the same layout) runs
+    ``_scaled_dot_product_flash_attention_for_cpu``; a boolean mask, dropout, or any other case keeps
+    PyTorch's choice.
+    """
+    original = torch.nn.functional.scaled_dot_product_attention
+
+    def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
+                                     scale=None, enable_gqa=False):
+        if query.device.type == "meta" and _cpu_runs_it_fused(query, key, value, attn_mask, dropout_p, is_causal,
+                                                               scale, enable_gqa):
+            return aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, dropout_p, is_causal,
+                                                                    attn_mask=attn_mask, scale=scale)[0]
+        return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                        scale=scale, enable_gqa=enable_gqa)
+
+    torch.nn.functional.scaled_dot_product_attention = scaled_dot_product_attention
+    try:
+        yield
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = original
+
+
+def _cpu_runs_it_fused(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> bool:
+    if enable_gqa and query.shape[-3] != key.shape[-3] or attn_mask is not None and not attn_mask.is_floating_point():
+        return False   # the composite rewrites these before its kernel: keep PyTorch's own path
+    tensors = (query, key, value, attn_mask)
+    if any(t is not None and not all(isinstance(n, int) for n in (*t.shape, *t.stride())) for t in tensors):
+        return False
+    with _disable_current_modes():
+        empty = [None if t is None else torch.empty_strided(t.shape, t.stride(), dtype=t.dtype) for t in tensors]
+        choice = aten._fused_sdp_choice(*empty[:3], empty[3], dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+    return choice == int(SDPBackend.FLASH_ATTENTION)

@@ -54,6 +54,7 @@ from .memory_plan import memory_plan_entries
 from .options import DEFAULT_BUCKET_BYTES, CompileOptions, check_model_and_optimizer, check_stage
 from . import precision as mixed
 from .pipeline import DEFAULT_PREFETCH_BYTES, GraphSnapshot
+from .fake_kernels import attention_as_on_cpu
 from .tracing import make_fake_mode
 
 # The collectives of a plan name this group; the graph is never run.
@@ -153,11 +154,12 @@ class Planner:
             started = time.perf_counter()
             fake_mode = make_fake_mode()
             state = fake_optimizer_state(self.model, self.optimizer, fake_mode)
-            captured = capture(self.model, self.optimizer, self.example_inputs, layout=self.layout,
-                               loss_fn=self.options.loss_fn,
-                               num_targets=self.options.num_targets, fake_mode=fake_mode, optimizer_state=state,
-                               check_update_elementwise=elementwise_check,
-                               grad_accumulation=self.options.grad_accumulation, precision=self.options.precision)
+            with attention_as_on_cpu():   # a model built on meta: the attention kernel a device runs
+                captured = capture(self.model, self.optimizer, self.example_inputs, layout=self.layout,
+                                   loss_fn=self.options.loss_fn,
+                                   num_targets=self.options.num_targets, fake_mode=fake_mode, optimizer_state=state,
+                                   check_update_elementwise=elementwise_check,
+                                   grad_accumulation=self.options.grad_accumulation, precision=self.options.precision)
             seconds = time.perf_counter() - started
             if self.say:
                 self.say(f"capture: {len(captured.gm.graph.nodes)} nodes, {seconds:.1f} s")
