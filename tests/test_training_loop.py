@@ -6,6 +6,8 @@ DDP (``no_sync`` for accumulation, ``clip_grad_norm_`` on the averaged gradients
 """
 from __future__ import annotations
 
+import copy
+import functools
 import math
 import warnings
 
@@ -164,6 +166,40 @@ def test_the_loss_functions_signature_says_how_many_arguments_are_targets(stage)
             reference_optimizer.step()
             assert torch.equal(step(x, *extra), expected.detach())
         assert_same_state(step, reference)
+
+
+class _OutputAlone(torch.nn.Module):
+    def forward(self, output):
+        return output.square().mean()
+
+
+class _Weighted(torch.nn.Module):
+    def forward(self, output, y, weight, reduction="mean"):
+        return ((output - y).square() * weight).mean()
+
+
+@pytest.mark.parametrize("loss_fn, extra", [
+    (_OutputAlone(), ()),
+    (_Weighted(), (torch.randn(4, 1), torch.rand(4, 1))),
+    (functools.partial(_Weighted(), reduction="sum"), (torch.randn(4, 1), torch.rand(4, 1))),
+], ids=["module-output-alone", "module-two-targets", "partial-of-module"])
+def test_a_loss_modules_forward_says_how_many_arguments_are_targets(loss_fn, extra):
+    """An ``nn.Module`` loss is called through ``Module.__call__(*args, **kwargs)``, whose signature says
+    nothing: its ``forward``'s does (the step took one target for any module, so a loss of the output alone
+    got the model's input and one of two targets left the model a target as its second input)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    reference = copy.deepcopy(model)
+    reference_optimizer = sgd(reference)
+    step = zerocc.compile(model, sgd(model), stage=3, loss_fn=loss_fn)
+    for _ in range(3):
+        x = torch.randn(4, 8)
+        expected = loss_fn(reference(x), *extra)
+        reference_optimizer.zero_grad()
+        expected.backward()
+        reference_optimizer.step()
+        assert torch.equal(step(x, *extra), expected.detach())
+    assert_same_state(step, reference)
 
 
 @pytest.mark.parametrize("stage", [0, 3])

@@ -10,6 +10,7 @@ the options to build the pipeline.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 from typing import Any, Callable, Sequence
 
@@ -134,12 +135,14 @@ def targets_of(loss_fn: Callable | None) -> int:
     the output (``nn.CrossEntropyLoss()`` and ``F.mse_loss`` take one target;
     ``lambda out, y, w: ...`` two), none when it takes the output alone
     (``lambda out: out.sum()``), and one where its signature cannot say
-    (``*args``, a builtin).
+    (``*args``, a builtin). An ``nn.Module`` loss is called through
+    ``Module.__call__(*args, **kwargs)``: its ``forward`` says, as it does
+    under a ``functools.partial``.
     """
     if loss_fn is None:
         return 0
     try:
-        parameters = inspect.signature(loss_fn).parameters.values()
+        parameters = inspect.signature(_called(loss_fn)).parameters.values()
     except (TypeError, ValueError):
         return 1
     positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
@@ -148,6 +151,15 @@ def targets_of(loss_fn: Callable | None) -> int:
     if len(positional) == 1:
         return 0
     return max(1, sum(p.default is p.empty for p in positional) - 1)
+
+
+def _called(loss_fn: Callable) -> Callable:
+    """What calling ``loss_fn`` runs, for its signature: a module's ``forward``, also inside partials."""
+    if isinstance(loss_fn, functools.partial):
+        return functools.partial(_called(loss_fn.func), *loss_fn.args, **loss_fn.keywords)
+    if isinstance(loss_fn, nn.Module):
+        return loss_fn.forward
+    return loss_fn
 
 
 def check_stage(stage) -> None:
