@@ -94,6 +94,32 @@ def test_compiling_again_takes_the_model_over_and_trains_on_as_eager(stages):
     model(data[0][0])   # the eager model runs again: no hook refuses it
 
 
+def test_compiling_again_carries_a_dynamic_loss_scale_on():
+    """fp16 with a loss scale that grows every other step: compiled again half way (another stage), the new step
+    goes on from the earlier one's scale and growth tracker, as one uninterrupted step does, bit for bit."""
+    scaling = zerocc.DynamicLossScale(init_scale=2.0 ** 10, growth_interval=2)
+    data = batches("mlp", 6, 8)
+
+    def run(stages):
+        model, _, loss_fn = build("mlp")
+        optimizer = adamw(model)
+        losses, scales = [], []
+        per_step = len(data) // len(stages)
+        for number, stage in enumerate(stages):
+            step = zerocc.compile(model, optimizer, stage=stage, loss_fn=loss_fn, param_dtype=torch.float16,
+                                  loss_scale=scaling)
+            for batch in data[per_step * number: per_step * (number + 1)]:
+                losses.append(step(*batch))
+                scales.append(step.loss_scale)
+        return losses, scales, step.full_state_dict()
+
+    (losses, scales, state), (expected_losses, expected_scales, expected_state) = run((1, 3)), run((1,))
+    assert expected_scales[-1] > expected_scales[0]   # the scale grew: a restart would show
+    assert scales == expected_scales
+    assert all(torch.equal(a, b) for a, b in zip(losses, expected_losses))
+    assert all(torch.equal(state[key], value) for key, value in expected_state.items())
+
+
 @pytest.mark.parametrize("stage", [0, 3])
 def test_a_step_deleted_by_the_user_is_taken_over_by_the_next_compile(stage):
     """``del step`` leaves the state with the step the model's hooks keep alive: the next compile gets it back."""

@@ -180,9 +180,12 @@ def compile(
         cast_forward_inputs=cast_forward_inputs, memory_pools=memory_pools,
         gather_per_micro_batch=gather_per_micro_batch, cache_dir=cache_dir)
     options.passes()   # unknown or essential names in ``disable`` fail here, before any tracing
-    steps_run = _close_earlier_steps(model, optimizer)
+    steps_run, scaler = _close_earlier_steps(model, optimizer)
     step = CompiledStep(model, optimizer, options, group)
     step.steps = steps_run   # counted on from the step it took over from (checkpoints save the count)
+    for slot, value in scaler.items():   # a dynamic loss scale goes on where both steps scale the loss
+        if slot in step.state.initial_scaler:
+            step.state.initial_scaler[slot].copy_(value)
     return step
 
 
@@ -190,22 +193,23 @@ def compile(
 _OWNERS: "weakref.WeakKeyDictionary[Any, weakref.ref]" = weakref.WeakKeyDictionary()
 
 
-def _close_earlier_steps(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+def _close_earlier_steps(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[int, dict[str, torch.Tensor]]:
     """A model or optimizer a started step holds is handed back by that step before a new one compiles it.
 
     The earlier step owns the parameters (released at stage 3) and the
     optimizer's state (sharded); closing it writes them back whole, so the new
     step starts where training is (new options, a notebook cell run again,
-    parameters unfrozen), and the earlier step refuses further calls. Returns the steps the model's earlier
-    step had run (0 if none).
+    parameters unfrozen), and the earlier step refuses further calls. Returns the steps the earlier step
+    had run (0 if none) and its dynamic loss scale (copies, empty without one).
     """
-    steps_run = 0
+    steps_run, scaler = 0, {}
     for thing in (model, optimizer):
         owner = _OWNERS.get(thing)
         if owner is not None and (step := owner()) is not None:
             steps_run = max(steps_run, step.steps)
+            scaler = {slot: value.clone() for slot, value in step.scaler_state().items()}
             step.close()
-    return steps_run
+    return steps_run, scaler
 
 
 def _refuse_tensors_another_step_trains(step: "CompiledStep", captured: Captured | None = None) -> None:
@@ -776,8 +780,8 @@ class CompiledStep:
         step put on them are removed. ``zerocc.compile`` over a model or
         optimizer a started step holds closes that step first, so compiling
         again (other options, newly unfrozen parameters) continues training
-        from here. A dynamic loss scale is not handed back: a new step starts
-        its own.
+        from here; a dynamic loss scale goes on in a new step that scales the
+        loss too (``step.scaler_state()`` holds it for a GradScaler of your own).
         """
         if self.closed:
             return
