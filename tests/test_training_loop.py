@@ -141,31 +141,31 @@ def test_an_infinite_clip_reports_the_norm_and_trains_as_eager(stage):
     assert_same_state(step, reference)
 
 
-@pytest.mark.parametrize("stage", [0, 3])
-def test_the_loss_functions_signature_says_how_many_arguments_are_targets(stage):
-    """``loss_fn(output)`` takes no target and ``loss_fn(output, y, weight)`` two: the step splits its
-    arguments so, as the eager loop ``loss_fn(model(x), ...)`` does, without ``num_targets``."""
-    def output_alone(output):
-        return output.square().mean()
+def assert_trains_as_eager_with(loss_fn, targets, stage):
+    """Three steps of a small MLP with ``loss_fn`` and no ``num_targets``, the batch ``(x, *targets)``: losses (in
+    their shape) and state equal to the eager loop ``loss_fn(model(x), *targets)``."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    reference = copy.deepcopy(model)
+    reference_optimizer = sgd(reference)
+    step = zerocc.compile(model, sgd(model), stage=stage, loss_fn=loss_fn)
+    for _ in range(3):
+        x = torch.randn(4, 8)
+        expected = loss_fn(reference(x), *targets)
+        reference_optimizer.zero_grad()
+        expected.backward()
+        reference_optimizer.step()
+        got = step(x, *targets)
+        assert got.shape == expected.shape and torch.equal(got, expected.detach())
+    assert_same_state(step, reference)
 
-    def weighted(output, y, weight):
-        return ((output - y).square() * weight).mean()
 
-    for loss_fn, extra in ((output_alone, ()), (weighted, (torch.randn(4, 1), torch.rand(4, 1)))):
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
-        reference = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
-        reference.load_state_dict(model.state_dict())
-        reference_optimizer = sgd(reference)
-        step = zerocc.compile(model, sgd(model), stage=stage, loss_fn=loss_fn)
-        for _ in range(3):
-            x = torch.randn(4, 8)
-            expected = loss_fn(reference(x), *extra)
-            reference_optimizer.zero_grad()
-            expected.backward()
-            reference_optimizer.step()
-            assert torch.equal(step(x, *extra), expected.detach())
-        assert_same_state(step, reference)
+def _output_alone(output):
+    return output.square().mean()
+
+
+def _weighted(output, y, weight):
+    return ((output - y).square() * weight).mean()
 
 
 class _OutputAlone(torch.nn.Module):
@@ -178,28 +178,21 @@ class _Weighted(torch.nn.Module):
         return ((output - y).square() * weight).mean()
 
 
-@pytest.mark.parametrize("loss_fn, extra", [
-    (_OutputAlone(), ()),
-    (_Weighted(), (torch.randn(4, 1), torch.rand(4, 1))),
-    (functools.partial(_Weighted(), reduction="sum"), (torch.randn(4, 1), torch.rand(4, 1))),
-], ids=["module-output-alone", "module-two-targets", "partial-of-module"])
-def test_a_loss_modules_forward_says_how_many_arguments_are_targets(loss_fn, extra):
-    """An ``nn.Module`` loss is called through ``Module.__call__(*args, **kwargs)``, whose signature says
-    nothing: its ``forward``'s does (the step took one target for any module, so a loss of the output alone
-    got the model's input and one of two targets left the model a target as its second input)."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
-    reference = copy.deepcopy(model)
-    reference_optimizer = sgd(reference)
-    step = zerocc.compile(model, sgd(model), stage=3, loss_fn=loss_fn)
-    for _ in range(3):
-        x = torch.randn(4, 8)
-        expected = loss_fn(reference(x), *extra)
-        reference_optimizer.zero_grad()
-        expected.backward()
-        reference_optimizer.step()
-        assert torch.equal(step(x, *extra), expected.detach())
-    assert_same_state(step, reference)
+TWO_TARGETS = (torch.randn(4, 1), torch.rand(4, 1))
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.parametrize("loss_fn, targets", [
+    (_output_alone, ()), (_weighted, TWO_TARGETS),
+    (_OutputAlone(), ()), (_Weighted(), TWO_TARGETS), (functools.partial(_Weighted(), reduction="sum"), TWO_TARGETS),
+], ids=["output-alone", "two-targets", "module-output-alone", "module-two-targets", "partial-of-module"])
+def test_the_loss_functions_signature_says_how_many_arguments_are_targets(loss_fn, targets, stage):
+    """``loss_fn(output)`` takes no target and ``loss_fn(output, y, weight)`` two: the step splits its arguments
+    so, as the eager loop ``loss_fn(model(x), ...)`` does, without ``num_targets``. An ``nn.Module`` loss is called
+    through ``Module.__call__(*args, **kwargs)``, whose signature says nothing: its ``forward``'s does (the step
+    took one target for any module, so a loss of the output alone got the model's input, and one of two targets
+    left the model a target as its second input)."""
+    assert_trains_as_eager_with(loss_fn, targets, stage)
 
 
 @pytest.mark.parametrize("stage", [0, 3])
@@ -208,21 +201,7 @@ def test_a_loss_of_one_element_shaped_1_trains_as_eager(stage):
     def loss_fn(output, y):
         return F.mse_loss(output, y).view(1)
 
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
-    reference = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
-    reference.load_state_dict(model.state_dict())
-    reference_optimizer = sgd(reference)
-    step = zerocc.compile(model, sgd(model), stage=stage, loss_fn=loss_fn)
-    for _ in range(3):
-        x, y = torch.randn(4, 8), torch.randn(4, 1)
-        expected = loss_fn(reference(x), y)
-        reference_optimizer.zero_grad()
-        expected.backward()
-        reference_optimizer.step()
-        got = step(x, y)
-        assert got.shape == (1,) and torch.equal(got, expected.detach())
-    assert_same_state(step, reference)
+    assert_trains_as_eager_with(loss_fn, (torch.randn(4, 1),), stage)
 
 
 def test_without_clipping_there_is_no_norm_and_no_pass():
