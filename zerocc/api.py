@@ -572,7 +572,9 @@ class CompiledStep:
         # before the first step the step makes the optimizer's initial state itself, when it can learn it
         # (zerocc/optimizer_init.py): the first step then runs the steady state's program, one compile for both
         fresh = None
-        if state.state_signature is not None:
+        if state.state_signature is not None and state.state_key():
+            # the optimizer state the slots hold (none after a first step that overflowed under loss scaling:
+            # a program compiled then, for another batch shape or mode, is a first step again)
             fake_mode, captured = trace(self._fake_state)
         elif not state.started and (fresh := self._initial_optimizer_state()) is not None:
             fake_mode, captured = trace(lambda mode: self._fake_initial_state(mode, fresh))
