@@ -152,3 +152,23 @@ def test_report_entries_the_pages_name_exist():
                        loss_fn=lambda out: out.sum(), example_inputs=(torch.randn(2, 4),))
     missing = named - set(plan.report()) - {"measured_peak_bytes", "compile_cache"}
     assert not missing, sorted(missing)
+
+
+def test_dotted_names_and_test_ids_the_pages_name_exist():
+    """`zerocc.x.y` in the pages resolves to a module or attribute; `tests/test_x.py::name` is a test there."""
+    import importlib
+    for page in PAGES:
+        text = page.read_text()
+        for dotted in set(re.findall(r"`(zerocc(?:\.\w+)+)", text)) - {"zerocc.json"}:   # a checkpoint's file
+            parts = dotted.split(".")
+            for end in range(len(parts), 0, -1):
+                try:
+                    value = importlib.import_module(".".join(parts[:end]))
+                except ImportError:
+                    continue
+                for part in parts[end:]:
+                    assert hasattr(value, part), f"{page.relative_to(ROOT)}: {dotted}"
+                    value = getattr(value, part)
+                break
+        for path, name in re.findall(r"(tests/test_\w+\.py)::(\w+)", text):
+            assert f"def {name}(" in (ROOT / path).read_text(), f"{page.relative_to(ROOT)}: {path}::{name}"
