@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python benchmarks/release_slots.py --layers 2 --batch 4 --world-size 2
 
-Prints a markdown table (bytes; the README's "The old state dies at its last use").
+Prints a markdown table (bytes; docs/guide/memory-pools.md, "The old state dies at its last use").
 """
 from __future__ import annotations
 

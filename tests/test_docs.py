@@ -1,4 +1,6 @@
-"""The documented pass order is the compiler's: README, the docs site's pipeline page and design.md against default_pipeline."""
+"""The documentation against the code: the documented pass order is default_pipeline's (README, the pipeline page,
+design.md), and the keywords, step attributes, report entries, CLI flags and environment variables the pages name
+exist."""
 from __future__ import annotations
 
 import pathlib
@@ -55,3 +57,118 @@ def test_every_pass_has_a_page_in_the_site_nav():
     for name in pipeline_names()[1:]:
         assert (ROOT / "docs" / "passes" / f"{name}.md").is_file(), f"no docs/passes/{name}.md"
         assert f"passes/{name}.md" in nav, f"docs/passes/{name}.md is not in mkdocs.yml's nav"
+
+
+# -- what the pages name exists with that name ------------------------------------------------------------------
+
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+
+
+def _calls(text: str, function: str) -> list[str]:
+    """The argument text of every ``function(...)`` call written in ``text`` (parentheses balanced)."""
+    calls = []
+    for match in re.finditer(re.escape(function) + r"\(", text):
+        depth, i = 1, match.end()
+        while depth and i < len(text):
+            depth += {"(": 1, ")": -1}.get(text[i], 0)
+            i += 1
+        calls.append(text[match.end():i - 1])
+    return calls
+
+
+def test_keywords_the_pages_pass_to_compile_and_plan_exist():
+    import inspect
+
+    import zerocc
+    for function, accepted in (("zerocc.compile", set(inspect.signature(zerocc.compile).parameters)),
+                               ("zerocc.plan", set(inspect.signature(zerocc.plan).parameters))):
+        for page in PAGES:
+            for call in _calls(page.read_text(), function):
+                for keyword in re.findall(r"(?<![=\w.])(\w+)=(?!=)", call):
+                    assert keyword in accepted, f"{page.relative_to(ROOT)}: {function}(..., {keyword}=...)"
+
+
+def test_plan_takes_every_keyword_of_compile():
+    """planning.md: zerocc.plan "takes compile's keywords with the same meaning"; those that only concern a running
+    step are accepted and change nothing (cache_dir was refused with a TypeError)."""
+    import inspect
+
+    import torch
+
+    import zerocc
+    from zerocc.planning import RUNTIME_ONLY
+    compile_keywords = set(inspect.signature(zerocc.compile).parameters) - {"model", "optimizer", "group"}
+    plan_keywords = set(inspect.signature(zerocc.plan).parameters) | set(RUNTIME_ONLY)
+    assert compile_keywords <= plan_keywords, sorted(compile_keywords - plan_keywords)
+    model = torch.nn.Linear(4, 1)
+    plan = zerocc.plan(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=lambda out: out.sum(),
+                       example_inputs=(torch.randn(2, 4),), timeout=5, static_shapes=True, max_programs=2,
+                       cache_dir=str(ROOT / "no-such-folder"))
+    assert plan.report()["param_count"] == 5 and not (ROOT / "no-such-folder").exists()
+
+
+def test_step_attributes_the_pages_name_exist():
+    import zerocc
+    for page in PAGES:
+        for name in re.findall(r"\bstep\.(\w+)", page.read_text()):
+            assert hasattr(zerocc.CompiledStep, name), f"{page.relative_to(ROOT)}: step.{name}"
+
+
+def test_cli_flags_the_pages_name_exist(capsys):
+    import pytest
+
+    from zerocc.cli import main
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    flags = set(re.findall(r"(?<![\w-])(--[\w-]+)", capsys.readouterr().out))
+    assert "--world-size" in flags
+    for page in PAGES:
+        for command in re.findall(r"zerocc plan ((?:[^\n]*\\\n)*[^\n]*)", page.read_text()):   # continued lines too
+            for flag in re.findall(r"(?<![\w-])(--[\w-]+)", command):
+                assert flag in flags, f"{page.relative_to(ROOT)}: zerocc plan {flag}"
+
+
+def test_environment_variables_the_pages_name_are_read():
+    source = "".join(path.read_text() for path in [*(ROOT / "zerocc").rglob("*.py"), *(ROOT / "tests").glob("*.py")])
+    for page in PAGES:
+        for name in re.findall(r"\bZEROCC_[A-Z_]*[A-Z]", page.read_text()):
+            assert name in source, f"{page.relative_to(ROOT)}: ${name}"
+
+
+def test_report_entries_the_pages_name_exist():
+    """``report()["key"]`` in the pages, and the peak entries memory-pools.md and planning.md list, are in a compiled
+    step's report and (but for what only a run measures or loads) in a plan's."""
+    import torch
+
+    import zerocc
+    named = {key for page in PAGES for key in re.findall(r'report\(\)\["(\w+)"\]', page.read_text())}
+    named |= {"planned_peak_bytes", "live_peak_bytes", "lower_bound_bytes", "unplanned_bytes", "memory_pools"}
+    model = torch.nn.Linear(4, 1)
+    step = zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=lambda out: out.sum())
+    step(torch.randn(2, 4))
+    assert named <= set(step.report()), sorted(named - set(step.report()))
+    model = torch.nn.Linear(4, 1)
+    plan = zerocc.plan(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                       loss_fn=lambda out: out.sum(), example_inputs=(torch.randn(2, 4),))
+    missing = named - set(plan.report()) - {"measured_peak_bytes", "compile_cache"}
+    assert not missing, sorted(missing)
+
+
+def test_dotted_names_and_test_ids_the_pages_name_exist():
+    """`zerocc.x.y` in the pages resolves to a module or attribute; `tests/test_x.py::name` is a test there."""
+    import importlib
+    for page in PAGES:
+        text = page.read_text()
+        for dotted in set(re.findall(r"`(zerocc(?:\.\w+)+)", text)) - {"zerocc.json"}:   # a checkpoint's file
+            parts = dotted.split(".")
+            for end in range(len(parts), 0, -1):
+                try:
+                    value = importlib.import_module(".".join(parts[:end]))
+                except ImportError:
+                    continue
+                for part in parts[end:]:
+                    assert hasattr(value, part), f"{page.relative_to(ROOT)}: {dotted}"
+                    value = getattr(value, part)
+                break
+        for path, name in re.findall(r"(tests/test_\w+\.py)::(\w+)", text):
+            assert f"def {name}(" in (ROOT / path).read_text(), f"{page.relative_to(ROOT)}: {path}::{name}"

@@ -457,3 +457,12 @@ def test_batch_norm_with_momentum_none_is_refused_naming_the_fix():
     with pytest.raises(zerocc.CaptureError, match=r"(?s)test_errors.py:\d+: return self.bn\(self.fc\(x\)\).*"
                                                   r"BatchNorm with momentum=None.*give the BatchNorm a momentum"):
         step(torch.randn(4, 4), torch.randn(4, 8))
+
+
+def test_batch_norm_with_momentum_none_in_a_sequential_is_named_by_its_place_in_the_model():
+    # no line of the user's runs it (nn.Sequential's forward calls it): the error said "(no user frame found)"
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8, momentum=None))
+    step = zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=F.mse_loss)
+    with pytest.raises(zerocc.CaptureError, match=r"(?s)cannot be traced at model\.1 \(BatchNorm1d\(8, .*momentum=None"
+                                                  r".*give the BatchNorm a momentum"):
+        step(torch.randn(4, 4), torch.randn(4, 8))

@@ -146,6 +146,23 @@ def test_a_keyword_batch_trains_bit_for_bit_and_evaluates(name):
         step.eval_forward(**{**batch, "use_cache": True})
 
 
+def test_use_cache_true_trains_bit_for_bit_on_the_loss_alone():
+    """getting-started.md: the training step keeps only the loss of an output holding a DynamicCache
+    (``use_cache=True``), as eager's ``output.loss.backward()`` does; only eval_forward, which returns the output,
+    refuses it (above)."""
+    reference, model = build("llama"), build("llama")
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    step = zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-3), stage=3)
+    generator = torch.Generator().manual_seed(1)
+    for number in range(2):
+        batch = {**keyword_batches("llama", generator), "use_cache": True}
+        expected = train_eagerly(reference, reference_optimizer, batch, seed=100 + number)
+        torch.manual_seed(100 + number)
+        assert torch.equal(step(**batch), expected), number
+    for key, value in reference.state_dict().items():
+        assert torch.equal(step.full_state_dict()[key], value), key
+
+
 def test_targets_are_the_last_positional_arguments_and_keywords_go_to_the_model():
     reference, model = build("gpt2"), build("gpt2")
     step = zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-3), stage=1, loss_fn=causal_lm_loss)

@@ -49,15 +49,17 @@ def _persistent(step):
     return {k: v.clone() for k, v in step.state.slots.items() if k.startswith(("bucket:", "state:"))}
 
 
-def _fp16_against_grad_scaler(name, stage, scaling, steps):
-    """Per step: (compiled loss, reference loss, compiled scale, reference scale, state equal, skipped exactly)."""
+def _fp16_against_grad_scaler(name, stage, scaling, steps, data=None):
+    """Per step: (compiled loss, reference loss, compiled scale, reference scale, state equal, skipped exactly).
+
+    ``data``: the batches (default: ``steps`` batches of 8)."""
     reference, _, loss_fn = build(name)
     reference_optimizer = adamw(reference)
     scaler = torch.amp.GradScaler("cpu", init_scale=scaling.init_scale, growth_factor=scaling.growth_factor,
                                   backoff_factor=scaling.backoff_factor, growth_interval=scaling.growth_interval)
     step = _compiled(name, stage, param_dtype=torch.float16, reduce_dtype=torch.float32, loss_scale=scaling)
     rows = []
-    for batch in batches(name, steps, 8):
+    for batch in data if data is not None else batches(name, steps, 8):
         before = _persistent(step) if step.state.slots is not None else None
         expected = mixed_eager_step(reference, reference_optimizer, loss_fn, batch, torch.float16, scaler=scaler)
         loss = step(*batch)
@@ -96,6 +98,22 @@ def test_fp16_overflow_on_the_first_step_creates_no_state():
         assert torch.equal(loss, expected) and scale == expected_scale and same
     assert rows[0][5] and rows[0][2] == 2.0 ** 12 and rows[0][7] == []   # skipped: no optimizer state yet
     assert not rows[1][5] and rows[1][7]                                   # the next step creates it
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_fp16_overflow_on_the_first_step_then_a_new_program_trains_like_grad_scaler(stage):
+    # the first step overflows and leaves no optimizer state; the next batch has another shape, so its program is
+    # compiled after the skip: it must be a first step too (it used to be traced over the state the skipped step
+    # would have made, and failed with KeyError 'state:...'), and so must the first shape's program afterwards
+    scaling = zerocc.DynamicLossScale(init_scale=2.0 ** 40, backoff_factor=2.0 ** -28, growth_interval=3)
+    data = batches("mlp", 3, 8)
+    data[1] = tuple(t[:4] for t in data[1])
+    rows = _fp16_against_grad_scaler("mlp", stage, scaling, 3, data)
+    for loss, expected, scale, expected_scale, same, *_ in rows:
+        assert torch.equal(loss, expected) and scale == expected_scale and same
+    assert rows[0][5] and rows[0][7] == []                  # skipped: no optimizer state yet
+    assert not rows[1][5] and rows[1][7]                    # the new shape's first step creates it
+    assert not rows[2][5] and rows[2][7] == rows[1][7]
 
 
 def _train_world_size_n(rank, world_size, name, precision, scaling):

@@ -100,7 +100,7 @@ def compile(
     ranks: a rank that died turns into a ``RankFailureError`` on the others
     instead of a hang. Without it collectives wait as long as the process
     group does (torch.distributed's default: 30 minutes on gloo, 10 on
-    NCCL). Every call also checks, with one all-reduce of two integers, that
+    NCCL). Every call also checks, with one all-reduce of five integers, that
     all ranks' batches have the same shapes (``RankMismatchError`` if not).
 
     ``disable`` drops passes by name (``step.passes`` lists them; passes others
@@ -124,9 +124,9 @@ def compile(
 
     ``memory_budget`` (bytes per rank) bounds the step's peak of live tensor
     bytes (model states, activations, gathered parameters, gradient buckets):
-    the ``place_remat`` pass recomputes in backward the forward values
-    that cost least to recompute per byte until the scheduled step fits; across
-    ranks, when no recomputation fits, it compiles again with ``bucket_bytes``
+    the ``place_remat`` pass measures candidate plans (forward values
+    recomputed in backward, at stage 3 forward gathers kept for backward) and
+    takes the one predicted fastest among those that fit; across ranks, when no recomputation fits, it compiles again with ``bucket_bytes``
     and ``prefetch_bytes`` halved (down to 512 KiB buckets) while that lowers
     the reachable peak, and raises ``MemoryBudgetError`` naming the smallest
     peak it can reach when nothing fits. ``step.remat_plan`` says what it
@@ -150,7 +150,7 @@ def compile(
     (the default, ZeRO-3's memory: no gathered copy outlives its
     micro-batch), or, with ``False``, once for all forwards and once for all
     backwards (K times fewer gathers; both copies alive across the
-    micro-batches: README, "Training-loop features", has the numbers).
+    micro-batches: docs/guide/accumulation-clipping.md has the numbers).
 
     ``memory_pools=True`` allocates each pool of the memory plan once, as an
     arena, and has every op that can write there (through its ``out=``
@@ -576,7 +576,9 @@ class CompiledStep:
         # before the first step the step makes the optimizer's initial state itself, when it can learn it
         # (zerocc/optimizer_init.py): the first step then runs the steady state's program, one compile for both
         fresh = None
-        if state.state_signature is not None:
+        if state.state_signature is not None and state.state_key():
+            # the optimizer state the slots hold (none after a first step that overflowed under loss scaling:
+            # a program compiled then, for another batch shape or mode, is a first step again)
             fake_mode, captured = trace(self._fake_state)
         elif not state.started and (fresh := self._initial_optimizer_state()) is not None:
             fake_mode, captured = trace(lambda mode: self._fake_initial_state(mode, fresh))

@@ -375,9 +375,11 @@ def trace_step(
             gm, out_spec = trace_functional(whole_step, fake_args, fake_mode, stats,
                                             lambda written: _refuse_writes_to_constants(written, attributes))
     except (GuardOnDataDependentSymNode, DynamicOutputShapeException, DataDependentOutputException) as error:
-        if _in_cumulative_batch_norm(error.__traceback__):
+        batch_norm = _cumulative_batch_norm(error.__traceback__, model)
+        if batch_norm is not None:
+            where = user_frame(error.__traceback__)   # none where the BatchNorm sits in an nn.Sequential
             raise CaptureError(
-                f"the step cannot be traced at {user_frame(error.__traceback__) or '(no user frame found)'}\n"
+                f"the step cannot be traced at {batch_norm}{f' (called at {where})' if where else ''}\n"
                 "  why: a BatchNorm with momentum=None (a cumulative average of the batch statistics) divides by "
                 "its num_batches_tracked read as a Python number, another value every step, which one graph cannot "
                 "represent.\n  fix: give the BatchNorm a momentum (0.1 is PyTorch's default)") from error
@@ -468,13 +470,15 @@ def _plus_gradients_written_into_grad(grads, computed, params, param_infos, prec
     return tuple(summed)
 
 
-def _in_cumulative_batch_norm(tb) -> bool:
-    """Whether the traceback passes through a BatchNorm's forward whose momentum is None."""
+def _cumulative_batch_norm(tb, model: nn.Module) -> str | None:
+    """The BatchNorm whose momentum is None that the traceback passes through, named as in the model
+    (``model.1 (BatchNorm1d(4, momentum=None, ...))``), or None."""
     for frame, _ in traceback.walk_tb(tb):
         module = frame.f_locals.get("self")
         if isinstance(module, nn.modules.batchnorm._NormBase) and module.momentum is None:
-            return True
-    return False
+            name = next((name for name, m in model.named_modules() if m is module), None)
+            return f"{'model.' + name if name else 'the model'} ({module})"
+    return None
 
 
 def _data_dependent_error(where: str | None, why: str) -> CaptureError:

@@ -12,8 +12,8 @@ checks: ``param_dtype`` / ``reduce_dtype`` / ``loss_scale`` run the
 ``mixed_precision`` pass, ``grad_accumulation`` traces K micro-batches,
 ``clip_grad_norm`` adds the ``clip_gradients`` pass, ``memory_pools`` the
 ``place_buffers`` pass; the report counts the bytes of the planned graph.
-``timeout``, ``static_shapes`` and ``max_programs`` only concern a running
-step (accepted, no effect on the plan); ``group`` is refused: a plan has a
+``timeout``, ``static_shapes``, ``max_programs`` and ``cache_dir`` only
+concern a running step (accepted, no effect on the plan); ``group`` is refused: a plan has a
 ``world_size`` and no process group.
 
 ``accounting_dtype`` is the ZeRO paper's accounting instead (its Table 1:
@@ -103,7 +103,7 @@ def plan(model: nn.Module, optimizer: torch.optim.Optimizer, stage: int = 3, wor
 
 
 # compile keywords that only concern a running step: a plan accepts them and they change nothing in it
-RUNTIME_ONLY = ("timeout", "static_shapes", "max_programs")
+RUNTIME_ONLY = ("timeout", "static_shapes", "max_programs", "cache_dir")
 
 
 def check_runtime_only(keywords: dict) -> None:

@@ -15,7 +15,7 @@ is written twice and its staging buffer faulted in afresh each step. The
 replacement copies this rank's shard into place and posts one send and one
 receive per peer, receiving into the result's own slice. Measured on this
 machine's gloo, 2 ranks, a 3 MiB bucket (``benchmarks/gloo_collectives.py``):
-about half the CPU time per rank and per call (README, "Overlap").
+about half the CPU time per rank and per call (docs/guide/stages.md, "Overlap").
 
 Numerics: a gather copies bytes; the result is the same bit for bit. Bytes
 sent and received are the same as the ring all-gather's ((N-1)/N of the

@@ -50,7 +50,7 @@ PERSISTENT_POOL = "persistent"
 # The arena each pool's placed buffers go to. One arena for all of them: the roles' peaks come at
 # different times (gathered parameters and activations in forward, gradient buckets in backward), so one
 # shared arena is smaller than one per role; measured on examples/gpt.py (2 layers, stage 3, one rank):
-# 20.97 MB against 27.94 MB (README, "Memory pools"). Map a pool to its own name for an arena per role.
+# 20.97 MB against 27.94 MB (docs/guide/memory-pools.md). Map a pool to its own name for an arena per role.
 ARENA_OF_POOL = {"gathered parameters": "arena", "activations": "arena", "gradient buckets": "arena",
                  "communication": "arena"}
 
