@@ -531,3 +531,75 @@ def test_saved_tensor_hooks_around_some_steps_train_as_eager(stage):
     full = step.full_state_dict()
     for key, value in reference.state_dict().items():
         assert torch.equal(full[key], value), key
+
+
+SHIFT = torch.tensor(0.5)   # a global tensor forward reads: the loop below replaces it
+
+
+class Shifted(nn.Module):
+    """Forward reads a plain tensor attribute and a global tensor; a loss module holds class weights."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(12, 3)
+        self.scale = torch.tensor(2.0)   # a plain attribute, not a buffer
+
+    def forward(self, x):
+        return self.linear(x) * self.scale + SHIFT
+
+
+@pytest.mark.parametrize("replaced", ["loss module's weight", "attribute", "global"])
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_tensor_replaced_between_steps_trains_as_eager(stage, replaced, monkeypatch):
+    """A trace reads the tensor objects it finds (a loss module's class weights, a plain tensor attribute, a global)
+    as constants: `loss_fn.weight = new` between steps trained on with the old tensor. The objects' identities are
+    part of the program's key; writing into the same tensor needs no new program."""
+    torch.manual_seed(0)
+    model = Shifted()
+    reference = copy.deepcopy(model)
+    loss_fn = nn.CrossEntropyLoss(weight=torch.tensor([1.0, 2.0, 3.0]))
+    optimizer, reference_optimizer = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference))
+    step = zerocc.compile(model, optimizer, stage=stage, loss_fn=loss_fn)
+    generator = torch.Generator().manual_seed(1)
+    for index in range(4):
+        if index == 1:   # replaced by another object
+            if replaced == "loss module's weight":
+                loss_fn.weight = torch.tensor([5.0, 1.0, 1.0])
+            elif replaced == "attribute":
+                model.scale = reference.scale = torch.tensor(-1.0)
+            else:
+                monkeypatch.setattr(sys.modules[__name__], "SHIFT", torch.tensor(3.0))
+        if index == 2:   # written in place: the program reads it as it is
+            loss_fn.weight.mul_(2)
+            model.scale.mul_(2)
+            reference.scale.mul_(2)
+        x, y = torch.randn(4, 12, generator=generator), torch.randint(0, 3, (4,), generator=generator)
+        reference_optimizer.zero_grad(set_to_none=True)
+        expected = loss_fn(reference(x), y)
+        expected.backward()
+        reference_optimizer.step()
+        assert torch.equal(step(x, y), expected.detach()), index
+    assert len(step.compile_stats) == 2   # the first program, and the replaced tensor's
+
+
+logits = torch.zeros(())   # a script's global named like an attribute forward reads (outputs.logits)
+
+
+class ReadsAnAttributeNamedLikeAGlobal(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.logits = nn.Linear(12, 3)
+
+    def forward(self, x):
+        return self.logits(x).square().mean()
+
+
+def test_a_scripts_global_named_like_an_attribute_forward_reads_compiles_nothing_new():
+    """Only the globals forward loads count: a loop's `logits = ...` each step is not forward's `self.logits`."""
+    global logits
+    model = ReadsAnAttributeNamedLikeAGlobal()
+    step = zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), stage=0)
+    for _ in range(3):
+        logits = torch.randn(4, 3)
+        step(torch.randn(4, 12))
+    assert len(step.compile_stats) == 1

@@ -41,7 +41,7 @@ from .planning import communication, model_state_bytes
 from .precision import DynamicLossScale
 from .autocast import autocast_state, outside_autocast
 from .program_cache import (INITIAL_STATE, CacheEntry, CacheKey, ProgramCache, changed_python_values, hook_ids,
-                            input_signature, python_sources, python_values, training_modes)
+                            input_signature, python_sources, python_values, tensor_identities, training_modes)
 from .runtime import failures
 from .runtime import slots as slot_store
 from .runtime.arenas import Arenas
@@ -434,7 +434,8 @@ class CompiledStep:
         return CacheKey(input_signature(batch, layout), self.state.state_key(),
                         hyperparameter_signature(self.optimizer), autocast_state(), training_modes(self._modules),
                         hook_ids(self._modules, self._parameters, frozenset(h.id for h in self._user_hooks)),
-                        self.python_values(), saved_tensors_hooks_state(), torch.get_default_dtype())
+                        self.python_values(), saved_tensors_hooks_state(), torch.get_default_dtype(),
+                        tensor_identities(self._python_sources, self._written_python))
 
     def python_values(self) -> tuple:
         """The Python values forward and the loss read now, which a trace bakes in (``program_cache.python_values``)."""
@@ -451,15 +452,17 @@ class CompiledStep:
         self._say_which_settings_changed(key)
         self._say_which_python_values_changed(key)
         started = time.perf_counter()
-        before = python_values(self._python_sources)
+        before = python_values(self._python_sources) + tensor_identities(self._python_sources)
         # the user's MemTracker, profilers, global hooks (zerocc/user_tooling.py)
         with suspended_user_tooling(), fewer_collections(), outside_autocast():
             found = self._compile(batch, layout, autocast=key.autocast, key=key)
         self.compile_seconds += time.perf_counter() - started
-        written = {(label, name) for label, name, *_ in set(before) ^ set(python_values(self._python_sources))}
+        after = python_values(self._python_sources) + tensor_identities(self._python_sources)
+        written = {(label, name) for label, name, *_ in set(before) ^ set(after)}
         if written:   # forward changes them itself (a call counter): keyed on, every call would compile again
             self._written_python |= written
-            key = dataclasses.replace(key, python=self.python_values())
+            key = dataclasses.replace(key, python=self.python_values(),
+                                      tensors=tensor_identities(self._python_sources, self._written_python))
         self.cache.add(key, found, batch)
         if key.state == INITIAL_STATE and (self.state.state_key() or found.reads_initial_state):
             # traced with existing state (a checkpoint loaded before the first call, or the optimizer's initial

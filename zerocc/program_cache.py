@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import dis
 import functools
+import types
 import warnings
 from typing import Sequence
 
@@ -47,6 +49,7 @@ class CacheKey:
     python: tuple = ()        # python_values(...) at the call: numbers and flags traced as constants
     saved_tensors_hooks: tuple = ()   # user_tooling.saved_tensors_hooks_state() at the call: traced into backward
     default_dtype: torch.dtype | None = None   # torch.get_default_dtype() at the call: factories in forward read it
+    tensors: tuple = ()       # tensor_identities(...) at the call: tensor objects traced as constants
 
 
 @dataclasses.dataclass
@@ -106,7 +109,7 @@ def python_sources(model: torch.nn.Module, loss_fn) -> tuple:
         if code is None or id(code) in seen:
             return
         seen.add(id(code))
-        sources.append((f"{label} global", function.__globals__, code.co_names))
+        sources.append((f"{label} global", function.__globals__, _globals_read(code)))
         if function.__closure__:
             sources.append((f"{label} closure", None, tuple(zip(code.co_freevars, function.__closure__))))
 
@@ -131,6 +134,11 @@ def python_sources(model: torch.nn.Module, loss_fn) -> tuple:
         else:   # a module or another object with __call__
             add_object(label, function)
             add_function(label, getattr(type(function).__call__, "__func__", type(function).__call__))
+            if isinstance(function, torch.nn.Module):   # a loss module's tensors (class weights) are not the step's
+                for name, module in function.named_modules():
+                    where = f"{label}.{name}" if name else label
+                    sources.append((f"{where} buffers", module._buffers, None))
+                    sources.append((f"{where} parameters", module._parameters, None))
 
     add_object("model", model)
     if loss_fn is not None:
@@ -158,6 +166,40 @@ def python_values(sources: tuple, skipped: frozenset = frozenset()) -> tuple:
             if name not in _MODULE_INTERNALS and _plain(value) and (label, name) not in skipped:
                 values.append((label, name, type(value), value))   # 1 and 1.0 trace differently
     return tuple(values)
+
+
+def _globals_read(code) -> tuple[str, ...]:
+    """The global names ``code`` loads (and its nested functions and comprehensions do): ``co_names`` also holds
+    every attribute name (``outputs.logits``), which would tie the key to a script's global of that name."""
+    names = {instruction.argval for instruction in dis.get_instructions(code)
+             if instruction.opname in ("LOAD_GLOBAL", "LOAD_NAME")}
+    for constant in code.co_consts:
+        if isinstance(constant, types.CodeType):
+            names.update(_globals_read(constant))
+    return tuple(sorted(names))
+
+
+def tensor_identities(sources: tuple, skipped: frozenset = frozenset()) -> tuple:
+    """The tensors forward and the loss read from those places now (``python_sources``), by identity.
+
+    A trace reads the tensor object it finds there (a loss module's class weights, a plain tensor attribute, a
+    global) as a constant: one replaced by another object (``loss_fn.weight = new``) gets a program of its own,
+    where the program would go on reading the old one. Writing into the same tensor (``weight.mul_(2)``) needs
+    none: the program reads its current values. In the key in memory only (identities mean nothing in another
+    process); ``skipped`` as in ``python_values``.
+    """
+    found = []
+    for label, namespace, names in sources:
+        if namespace is None:
+            items = _closure_items(names)
+        elif names is None:
+            items = namespace.items()
+        else:
+            items = [(name, namespace[name]) for name in names if name in namespace]
+        for name, value in items:
+            if isinstance(value, torch.Tensor) and (label, name) not in skipped:
+                found.append((label, name, id(value)))
+    return tuple(found)
 
 
 def _closure_items(cells) -> list:
