@@ -1,6 +1,11 @@
 """Bad input fails at compile time with a message that says what, where, why and how to fix it."""
 from __future__ import annotations
 
+import copy
+import random
+from random import random as random_by_name
+
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -457,3 +462,66 @@ def test_batch_norm_with_momentum_none_is_refused_naming_the_fix():
     with pytest.raises(zerocc.CaptureError, match=r"(?s)test_errors.py:\d+: return self.bn\(self.fc\(x\)\).*"
                                                   r"BatchNorm with momentum=None.*give the BatchNorm a momentum"):
         step(torch.randn(4, 4), torch.randn(4, 8))
+
+
+class HostRandomDepth(nn.Module):
+    """Stochastic depth and mixup as some recipes write them: Python's and NumPy's global generators in the step."""
+
+    def __init__(self, draw):
+        super().__init__()
+        self.draw = draw
+        self.fc1, self.fc2 = nn.Linear(4, 8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = torch.relu(self.fc1(x))
+        if self.draw == "random":
+            if random.random() < 0.5:   # LayerDrop with Python's random
+                h = h * 0
+        elif self.draw == "numpy":
+            lam = np.random.beta(0.4, 0.4)   # mixup's lambda from NumPy
+            h = lam * h + (1 - lam) * h.flip(0)
+        elif self.draw == "by name":
+            h = h * (2 if random_by_name() < 0.5 else 1)
+        else:   # torch's generator: drawn by the program at every step
+            lam = torch.distributions.Beta(0.4, 0.4).sample()
+            h = lam * h + (1 - lam) * h.flip(0)
+        return self.fc2(h)
+
+
+@pytest.mark.parametrize("draw, named", [("random", r"random.random\(\) at \S*test_errors.py:\d+: if random.random"),
+                                         ("numpy", r"np.random.beta\(\) at \S*test_errors.py:\d+: lam = np.random"),
+                                         ("by name", r"random's global generator .*`from random import random`")],
+                         ids=["random", "numpy", "by-name"])
+def test_python_or_numpy_random_in_the_step_is_refused_naming_it(draw, named):
+    """The trace ran the draw once: the compiled step trained with the first step's number at every step (the
+    losses left eager's from the second step on), silently; transformers' wav2vec2 with mask_time_prob > 0 so."""
+    torch.manual_seed(0)
+    model = HostRandomDepth(draw)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    step = zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), stage=3, loss_fn=F.cross_entropy)
+    with pytest.raises(zerocc.CaptureError, match=rf"(?s){named}.*constant of the compiled program.*torch.rand"):
+        step(torch.randn(4, 4), torch.tensor([0, 1, 2, 0]))
+    assert getattr(random.random, "__self__", None) is random._inst   # the generators are put back
+    assert getattr(np.random.beta, "__self__", None) is np.random.mtrand._rand
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_a_random_number_from_torch_in_the_loss_trains_like_eager():
+    """The way out the refusal names: torch's generator, drawn by the program at every step."""
+    torch.manual_seed(0)
+    model = HostRandomDepth("torch")
+    reference = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    step = zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), stage=3, loss_fn=F.cross_entropy)
+    generator = torch.Generator().manual_seed(1)
+    for seed in range(3):
+        x, y = torch.randn(4, 4, generator=generator), torch.randint(0, 3, (4,), generator=generator)
+        torch.manual_seed(seed)
+        optimizer.zero_grad()
+        expected = F.cross_entropy(reference(x), y)
+        expected.backward()
+        optimizer.step()
+        torch.manual_seed(seed)
+        assert torch.equal(step(x, y), expected.detach())
+    full = step.full_state_dict()
+    assert all(torch.equal(full[k], v) for k, v in reference.state_dict().items())

@@ -41,6 +41,7 @@ from .data_guards import DataGuard, GuardRecorder, recording
 from .errors import CaptureError, ConfigError, ZeroccError, raised_by_user_code, user_frame
 from .optimizer_step import REPLICATE_IF_ELEMENTWISE, check_elementwise, splice_update
 from . import precision as mixed
+from .host_random import refused_host_random
 from .model_recomputation import traced_recomputation
 from .tracing import (fakeify, module_conversions_as_eager, no_traced_values_left, record_source_lines_of,
                       trace_functional)
@@ -321,7 +322,9 @@ def trace_step(
         for info, value in zip(buffer_infos, buffers):
             tensors[info.name] = value
         total, grads = None, None
-        with traced_recomputation():   # the model's checkpointing replays its dropout masks (model_recomputation.py)
+        # the model's checkpointing replays its dropout masks (model_recomputation.py); Python's and NumPy's
+        # generators would be drawn once, into constants (host_random.py)
+        with traced_recomputation(), refused_host_random():
             for micro in micro_batches(batch, grad_accumulation):
                 positional, keyword = layout.split(micro)
                 micro_inputs = tuple(positional[:num_model_inputs])
