@@ -471,6 +471,7 @@ class HostRandomDepth(nn.Module):
         super().__init__()
         self.draw = draw
         self.fc1, self.fc2 = nn.Linear(4, 8), nn.Linear(8, 3)
+        self.rng = np.random.default_rng(0)
 
     def forward(self, x):
         h = torch.relu(self.fc1(x))
@@ -480,6 +481,8 @@ class HostRandomDepth(nn.Module):
         elif self.draw == "numpy":
             lam = np.random.beta(0.4, 0.4)   # mixup's lambda from NumPy
             h = lam * h + (1 - lam) * h.flip(0)
+        elif self.draw == "held":
+            h = h * self.rng.uniform(0.5, 1.5)
         elif self.draw == "by name":
             h = h * (2 if random_by_name() < 0.5 else 1)
         else:   # torch's generator: drawn by the program at every step
@@ -490,8 +493,9 @@ class HostRandomDepth(nn.Module):
 
 @pytest.mark.parametrize("draw, named", [("random", r"random.random\(\) at \S*test_errors.py:\d+: if random.random"),
                                          ("numpy", r"np.random.beta\(\) at \S*test_errors.py:\d+: lam = np.random"),
-                                         ("by name", r"random's global generator .*`from random import random`")],
-                         ids=["random", "numpy", "by-name"])
+                                         ("by name", r"random's global generator .*`from random import random`"),
+                                         ("held", r"the random generator model.rng ")],
+                         ids=["random", "numpy", "by-name", "held"])
 def test_python_or_numpy_random_in_the_step_is_refused_naming_it(draw, named):
     """The trace ran the draw once: the compiled step trained with the first step's number at every step (the
     losses left eager's from the second step on), silently; transformers' wav2vec2 with mask_time_prob > 0 so."""

@@ -324,7 +324,7 @@ def trace_step(
         total, grads = None, None
         # the model's checkpointing replays its dropout masks (model_recomputation.py); Python's and NumPy's
         # generators would be drawn once, into constants (host_random.py)
-        with traced_recomputation(), refused_host_random():
+        with traced_recomputation(), refused_host_random(model, loss_fn):
             for micro in micro_batches(batch, grad_accumulation):
                 positional, keyword = layout.split(micro)
                 micro_inputs = tuple(positional[:num_model_inputs])
