@@ -1,6 +1,8 @@
 """Architectures beyond transformers: each a small model whose step zerocc must compile unchanged."""
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -245,6 +247,68 @@ class Reversible(nn.Module):
         for f, g in self.blocks:
             x1, x2 = _Reversible.apply(x1, x2, f, g)
         return F.mse_loss(self.head(torch.cat([x1, x2], -1)), y)
+
+
+class _ResBlock(nn.Module):
+    def __init__(self, cin, cout, tdim):
+        super().__init__()
+        self.norm1, self.conv1 = nn.GroupNorm(4, cin), nn.Conv2d(cin, cout, 3, padding=1)
+        self.time = nn.Linear(tdim, cout)
+        self.norm2, self.drop, self.conv2 = nn.GroupNorm(4, cout), nn.Dropout(0.1), nn.Conv2d(cout, cout, 3, padding=1)
+        self.skip = nn.Conv2d(cin, cout, 1) if cin != cout else nn.Identity()
+
+    def forward(self, x, emb):
+        h = self.conv1(F.silu(self.norm1(x))) + self.time(F.silu(emb))[:, :, None, None]
+        return self.skip(x) + self.conv2(self.drop(F.silu(self.norm2(h))))
+
+
+class _SpatialAttention(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.norm, self.qkv, self.out = nn.GroupNorm(4, c), nn.Conv2d(c, 3 * c, 1), nn.Conv2d(c, c, 1)
+
+    def forward(self, x):
+        b, c, h, w = x.shape
+        q, k, v = self.qkv(self.norm(x)).reshape(b, 3, c, h * w).unbind(1)
+        weights = torch.einsum("bci,bcj->bij", q, k).mul(c ** -0.5).softmax(-1)
+        return x + self.out(torch.einsum("bij,bcj->bci", weights, v).reshape(b, c, h, w))
+
+
+class DiffusionUNet(nn.Module):
+    """A DDPM step as diffusion code writes it: timesteps and noise drawn in forward, the class label dropped at
+    random for classifier-free guidance, a sinusoidal timestep embedding, GroupNorm, SiLU, attention, skips
+    concatenated, nearest upsampling."""
+
+    def __init__(self, c=8, classes=4, steps=100, p_uncond=0.2):
+        super().__init__()
+        self.c, self.classes, self.steps, self.p_uncond = c, classes, steps, p_uncond
+        self.register_buffer("alpha_bar", torch.cumprod(1 - torch.linspace(1e-4, 0.02, steps), 0), persistent=False)
+        self.time = nn.Sequential(nn.Linear(c, 4 * c), nn.SiLU(), nn.Linear(4 * c, 4 * c))
+        self.label = nn.Embedding(classes + 1, 4 * c)   # the last row: no label
+        self.inp = nn.Conv2d(3, c, 3, padding=1)
+        self.down1, self.down = _ResBlock(c, c, 4 * c), nn.Conv2d(c, c, 3, 2, 1)
+        self.down2, self.attn = _ResBlock(c, 2 * c, 4 * c), _SpatialAttention(2 * c)
+        self.up2, self.up = _ResBlock(4 * c, 2 * c, 4 * c), nn.Conv2d(2 * c, 2 * c, 3, padding=1)
+        self.up1, self.norm, self.out = _ResBlock(3 * c, c, 4 * c), nn.GroupNorm(4, c), nn.Conv2d(c, 3, 3, padding=1)
+
+    def denoise(self, x, t, labels):
+        half = self.c // 2
+        frequencies = torch.exp(-math.log(10000) * torch.arange(half, dtype=torch.float32) / half)
+        angles = t[:, None].float() * frequencies[None]
+        emb = self.time(torch.cat([angles.cos(), angles.sin()], -1).to(x.dtype))
+        drop = torch.rand(labels.shape[0]) < self.p_uncond
+        emb = emb + self.label(torch.where(drop, torch.full_like(labels, self.classes), labels))
+        h1 = self.down1(self.inp(x), emb)
+        h2 = self.attn(self.down2(self.down(h1), emb))
+        h = self.up2(torch.cat([h2, h2], 1), emb)
+        h = self.up1(torch.cat([self.up(F.interpolate(h, scale_factor=2, mode="nearest")), h1], 1), emb)
+        return self.out(F.silu(self.norm(h)))
+
+    def forward(self, images, labels):
+        t = torch.randint(0, self.steps, (images.shape[0],))
+        noise = torch.randn_like(images)
+        a = self.alpha_bar[t][:, None, None, None].to(images.dtype)
+        return F.mse_loss(self.denoise(a.sqrt() * images + (1 - a).sqrt() * noise, t, labels), noise)
 
 
 def _images(g, b):

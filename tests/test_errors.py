@@ -1,6 +1,11 @@
 """Bad input fails at compile time with a message that says what, where, why and how to fix it."""
 from __future__ import annotations
 
+import copy
+import random
+from random import random as random_by_name
+
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -466,3 +471,78 @@ def test_batch_norm_with_momentum_none_in_a_sequential_is_named_by_its_place_in_
     with pytest.raises(zerocc.CaptureError, match=r"(?s)cannot be traced at model\.1 \(BatchNorm1d\(8, .*momentum=None"
                                                   r".*give the BatchNorm a momentum"):
         step(torch.randn(4, 4), torch.randn(4, 8))
+
+
+class HostRandomDepth(nn.Module):
+    """Stochastic depth and mixup as some recipes write them: Python's and NumPy's global generators in the step."""
+
+    def __init__(self, draw):
+        super().__init__()
+        self.draw = draw
+        self.fc1, self.fc2 = nn.Linear(4, 8), nn.Linear(8, 3)
+        self.rng = np.random.default_rng(0)
+
+    def forward(self, x):
+        h = torch.relu(self.fc1(x))
+        if self.draw == "random":
+            if random.random() < 0.5:   # LayerDrop with Python's random
+                h = h * 0
+        elif self.draw == "numpy":
+            lam = np.random.beta(0.4, 0.4)   # mixup's lambda from NumPy
+            h = lam * h + (1 - lam) * h.flip(0)
+        elif self.draw == "held":
+            h = h * self.rng.uniform(0.5, 1.5)
+        elif self.draw == "compared with 0":   # transformers' wav2vec2 adapter with layerdrop=0: always kept
+            if np.random.random() > 0.0:
+                h = h * 2
+        elif self.draw == "reseeded":   # BigBird seeds NumPy before its random attention: the same every step
+            np.random.seed(3)
+            h = h[:, torch.as_tensor(np.random.permutation(8))]
+        elif self.draw == "by name":
+            h = h * random_by_name()
+        else:   # torch's generator: drawn by the program at every step
+            lam = torch.distributions.Beta(0.4, 0.4).sample()
+            h = lam * h + (1 - lam) * h.flip(0)
+        return self.fc2(h)
+
+
+@pytest.mark.parametrize("draw, named", [("random", r"random.random\(\) at \S*test_errors.py:\d+: if random.random"),
+                                         ("numpy", r"np.random.beta\(\) at \S*test_errors.py:\d+: lam = np.random"),
+                                         ("by name", r"random's global generator \(a function imported by name"),
+                                         ("held", r"the random generator model.rng\. ")],
+                         ids=["random", "numpy", "by-name", "held"])
+def test_python_or_numpy_random_in_the_step_is_refused_naming_it(draw, named):
+    """The trace ran the draw once: the compiled step trained with the first step's number at every step (the
+    losses left eager's from the second step on), silently; transformers' wav2vec2 with mask_time_prob > 0 so."""
+    torch.manual_seed(0)
+    model = HostRandomDepth(draw)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    step = zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), stage=3, loss_fn=F.cross_entropy)
+    with pytest.raises(zerocc.CaptureError, match=rf"(?s)depends on them: {named}.*constants of the compiled program.*torch.rand"):
+        step(torch.randn(4, 4), torch.tensor([0, 1, 2, 0]))
+    assert getattr(random.random, "__self__", None) is random._inst   # the generators are put back
+    assert getattr(np.random.beta, "__self__", None) is np.random.mtrand._rand
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("draw", ["torch", "compared with 0", "reseeded"])
+def test_random_numbers_the_program_does_not_depend_on_train_like_eager(draw):
+    """torch's generator (the way out the refusal names), drawn by the program at every step; Python's or NumPy's
+    where traces from other draws give the same program."""
+    torch.manual_seed(0)
+    model = HostRandomDepth(draw)
+    reference = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    step = zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), stage=3, loss_fn=F.cross_entropy)
+    generator = torch.Generator().manual_seed(1)
+    for seed in range(3):
+        x, y = torch.randn(4, 4, generator=generator), torch.randint(0, 3, (4,), generator=generator)
+        torch.manual_seed(seed)
+        optimizer.zero_grad()
+        expected = F.cross_entropy(reference(x), y)
+        expected.backward()
+        optimizer.step()
+        torch.manual_seed(seed)
+        assert torch.equal(step(x, y), expected.detach())
+    full = step.full_state_dict()
+    assert all(torch.equal(full[k], v) for k, v in reference.state_dict().items())

@@ -41,6 +41,7 @@ from .data_guards import DataGuard, GuardRecorder, recording
 from .errors import CaptureError, ConfigError, ZeroccError, raised_by_user_code, user_frame
 from .optimizer_step import REPLICATE_IF_ELEMENTWISE, check_elementwise, splice_update
 from . import precision as mixed
+from .host_random import EXTREMES, HostDraws, same_program
 from .model_recomputation import traced_recomputation
 from .tracing import (fakeify, module_conversions_as_eager, no_traced_values_left, record_source_lines_of,
                       trace_functional)
@@ -321,7 +322,9 @@ def trace_step(
         for info, value in zip(buffer_infos, buffers):
             tensors[info.name] = value
         total, grads = None, None
-        with traced_recomputation():   # the model's checkpointing replays its dropout masks (model_recomputation.py)
+        # the model's checkpointing replays its dropout masks (model_recomputation.py); what Python's and
+        # NumPy's generators give is noted: the trace would keep it as a constant (host_random.py)
+        with traced_recomputation(), host_draws.recording():
             for micro in micro_batches(batch, grad_accumulation):
                 positional, keyword = layout.split(micro)
                 micro_inputs = tuple(positional[:num_model_inputs])
@@ -358,22 +361,36 @@ def trace_step(
         [dict(s) for s in optimizer_state], learning_rates, list(inputs),
         [torch.ones(())] if precision is not None and precision.loss_scale is not None else [],
     )
-    fake_args = fakeify(fake_mode, real_args)
-    with fake_mode:   # parameters released by the runtime: fakes of their true shape
-        for position, (names, tensor) in enumerate(trained):
-            if names[0] in parameter_shapes:
-                fake_args[0][position] = torch.empty(parameter_shapes[names[0]], dtype=tensor.dtype,
-                                                     device=tensor.device).requires_grad_(True)
+
+    def fake_arguments():
+        fake_args = fakeify(fake_mode, real_args)
+        with fake_mode:   # parameters released by the runtime: fakes of their true shape
+            for position, (names, tensor) in enumerate(trained):
+                if names[0] in parameter_shapes:
+                    fake_args[0][position] = torch.empty(parameter_shapes[names[0]], dtype=tensor.dtype,
+                                                         device=tensor.device).requires_grad_(True)
+        return fake_args
+
+    fake_args = fake_arguments()
     leaves = _placeholder_layout(fake_args, settings_layout)
     # branches on batch values are decided on the real batch and kept as guards (zerocc/data_guards.py)
-    recorder = GuardRecorder(inputs, {position: index for position, (role, index, _) in enumerate(leaves)
-                                      if role == g.ROLE_INPUT})
+    input_positions = {position: index for position, (role, index, _) in enumerate(leaves) if role == g.ROLE_INPUT}
+    recorder = GuardRecorder(inputs, input_positions)
     attributes = tensor_attributes(model)
+    host_draws = HostDraws(model, loss_fn)
     try:
         with recording(fake_mode, recorder), _restored(attributes), no_traced_values_left(model), \
                 module_conversions_as_eager():
             gm, out_spec = trace_functional(whole_step, fake_args, fake_mode, stats,
                                             lambda written: _refuse_writes_to_constants(written, attributes))
+        # Python's or NumPy's random numbers: traced again from other ones, is it the same program?
+        for extreme in EXTREMES if host_draws.drew else ():
+            with host_draws.advanced(extreme), recording(fake_mode, GuardRecorder(inputs, input_positions)), \
+                    _restored(attributes), no_traced_values_left(model), module_conversions_as_eager():
+                again, _ = trace_functional(whole_step, fake_arguments(), fake_mode, None,
+                                            lambda written: _refuse_writes_to_constants(written, attributes))
+            if not same_program(gm, again):
+                raise host_draws.error()
     except (GuardOnDataDependentSymNode, DynamicOutputShapeException, DataDependentOutputException) as error:
         batch_norm = _cumulative_batch_norm(error.__traceback__, model)
         if batch_norm is not None:
