@@ -41,7 +41,7 @@ from .planning import communication, model_state_bytes
 from .precision import DynamicLossScale
 from .autocast import autocast_state, outside_autocast
 from .program_cache import (INITIAL_STATE, CacheEntry, CacheKey, ProgramCache, changed_python_values, hook_ids,
-                            input_signature, python_sources, python_values, tensor_identities, training_modes)
+                            input_signature, python_sources, training_modes, values_read)
 from .runtime import failures
 from .runtime import slots as slot_store
 from .runtime.arenas import Arenas
@@ -431,15 +431,16 @@ class CompiledStep:
         return self.state.scaler_state()
 
     def _cache_key(self, batch, layout: BatchLayout) -> CacheKey:
+        python, tensors = self.values_read()
         return CacheKey(input_signature(batch, layout), self.state.state_key(),
                         hyperparameter_signature(self.optimizer), autocast_state(), training_modes(self._modules),
                         hook_ids(self._modules, self._parameters, frozenset(h.id for h in self._user_hooks)),
-                        self.python_values(), saved_tensors_hooks_state(), torch.get_default_dtype(),
-                        tensor_identities(self._python_sources, self._written_python))
+                        python, saved_tensors_hooks_state(), torch.get_default_dtype(), tensors)
 
-    def python_values(self) -> tuple:
-        """The Python values forward and the loss read now, which a trace bakes in (``program_cache.python_values``)."""
-        return python_values(self._python_sources, self._written_python)
+    def values_read(self) -> tuple[tuple, tuple]:
+        """The Python values and tensors forward and the loss read now, which a trace bakes in
+        (``program_cache.values_read``), less those forward writes itself."""
+        return values_read(self._python_sources, self._written_python)
 
     def _compile_for(self, key: CacheKey, batch, layout) -> tuple[CacheKey, CacheEntry]:
         """Compile the program for ``key`` and ``batch``'s side of its data guards, and keep it: the key it is kept
@@ -452,17 +453,17 @@ class CompiledStep:
         self._say_which_settings_changed(key)
         self._say_which_python_values_changed(key)
         started = time.perf_counter()
-        before = python_values(self._python_sources) + tensor_identities(self._python_sources)
+        before = values_read(self._python_sources)
         # the user's MemTracker, profilers, global hooks (zerocc/user_tooling.py)
         with suspended_user_tooling(), fewer_collections(), outside_autocast():
             found = self._compile(batch, layout, autocast=key.autocast, key=key)
         self.compile_seconds += time.perf_counter() - started
-        after = python_values(self._python_sources) + tensor_identities(self._python_sources)
-        written = {(label, name) for label, name, *_ in set(before) ^ set(after)}
+        after = values_read(self._python_sources)
+        written = {(label, name) for label, name, *_ in set(sum(before, ())) ^ set(sum(after, ()))}
         if written:   # forward changes them itself (a call counter): keyed on, every call would compile again
             self._written_python |= written
-            key = dataclasses.replace(key, python=self.python_values(),
-                                      tensors=tensor_identities(self._python_sources, self._written_python))
+            python, tensors = self.values_read()
+            key = dataclasses.replace(key, python=python, tensors=tensors)
         self.cache.add(key, found, batch)
         if key.state == INITIAL_STATE and (self.state.state_key() or found.reads_initial_state):
             # traced with existing state (a checkpoint loaded before the first call, or the optimizer's initial
@@ -496,7 +497,7 @@ class CompiledStep:
     def _say_which_python_values_changed(self, key: CacheKey) -> None:
         """Warn, once per step, when a program is compiled because a Python value forward or the loss reads changed.
 
-        Such values (``program_cache.python_values``: dropout's ``p``, a temperature, a loss weight) are traced
+        Such values (``program_cache.values_read``: dropout's ``p``, a temperature, a loss weight) are traced
         into the program as constants, so one that changes every step compiles every step.
         """
         if self._warned_python:
@@ -747,7 +748,14 @@ class CompiledStep:
             failures.meet(self.ranks, "step.full_state_dict", self.steps, self.timeout)
         with state.reading_keys_only():   # zerocc/user_views.py: the keys only, the values come from the slots
             keys = list(self.model.state_dict().keys())
-        with failures.collective_failures(self.ranks, self.steps, self.timeout, call="step.full_state_dict"):
+        by_name = self._whole_tensors("step.full_state_dict")
+        return {key: by_name[key] for key in keys if key in by_name}
+
+    def _whole_tensors(self, call: str) -> dict[str, torch.Tensor]:
+        """Every parameter, frozen parameter and buffer by each of its names, whole (copies); gathering them is a
+        collective where masters are sharded (``call`` names it in a failure)."""
+        state = self.state
+        with failures.collective_failures(self.ranks, self.steps, self.timeout, call=call):
             buckets = slot_store.full_buckets(state.plan, state.slots, self.ranks.group)
         views = slot_store.parameter_views(state.plan, state.captured, buckets)
         by_name: dict[str, torch.Tensor] = {}
@@ -761,7 +769,7 @@ class CompiledStep:
         for info in state.captured.buffers:
             for name in info.names:
                 by_name[name] = state.slots[decisions.buffer_slot(info.name)].clone()
-        return {key: by_name[key] for key in keys if key in by_name}
+        return by_name
 
     def full_model(self, writeback: bool = True):
         """``with step.full_model(): model(x)``: the whole parameters in the user's module for the block.

@@ -5,7 +5,7 @@ dtypes, devices, Python values), the optimizer state's structure (none yet,
 or the steady state's), the hyper-parameters baked into the graph and the
 caller's ``torch.autocast`` state (``zerocc/autocast.py``), which modules
 are in training mode (``model.train()``/``model.eval()``: dropout, batch norm),
-the Python values forward and the loss read as constants (``python_values``) and
+the Python values and tensors forward and the loss read as constants (``values_read``) and
 the saved-tensor hooks around the call (``user_tooling.saved_tensors_hooks_state``). Each
 ``CacheEntry`` holds the program, the decisions the passes made (``ctx``),
 the graph after every pass, and the peak of live bytes its first run
@@ -46,10 +46,10 @@ class CacheKey:
     autocast: tuple = ()      # autocast.autocast_state() at the call: the casts traced into forward and loss
     training: tuple = ()      # training_modes(model) at the call: dropout and batch norm are traced per mode
     hooks: tuple = ()         # hook_ids(model) at the call: the hooks on its modules and parameters are traced
-    python: tuple = ()        # python_values(...) at the call: numbers and flags traced as constants
+    python: tuple = ()        # values_read(...)[0] at the call: numbers and flags traced as constants
     saved_tensors_hooks: tuple = ()   # user_tooling.saved_tensors_hooks_state() at the call: traced into backward
     default_dtype: torch.dtype | None = None   # torch.get_default_dtype() at the call: factories in forward read it
-    tensors: tuple = ()       # tensor_identities(...) at the call: tensor objects traced as constants
+    tensors: tuple = ()       # values_read(...)[1] at the call: tensor objects traced as constants
 
 
 @dataclasses.dataclass
@@ -97,7 +97,7 @@ def _plain(value) -> bool:
 
 
 def python_sources(model: torch.nn.Module, loss_fn) -> tuple:
-    """Where forward and the loss read Python values a trace bakes in, for ``python_values``: (label, namespace,
+    """Where forward and the loss read Python values a trace bakes in, for ``values_read``: (label, namespace,
     names) for each of the model's modules' attributes (``names`` None: every one), the module globals each
     module's ``forward`` names, and ``loss_fn``'s attributes, closure, globals and ``functools.partial`` keywords.
     A closure's namespace is None and its names (name, cell) pairs. Helpers those functions call are not looked
@@ -146,15 +146,20 @@ def python_sources(model: torch.nn.Module, loss_fn) -> tuple:
     return tuple(sources)
 
 
-def python_values(sources: tuple, skipped: frozenset = frozenset()) -> tuple:
-    """The plain Python values (numbers, strings, flags, tuples of them) forward and the loss may read now.
+def values_read(sources: tuple, skipped: frozenset = frozenset()) -> tuple[tuple, tuple]:
+    """What forward and the loss may read at the places ``python_sources`` lists, now, in one walk over them.
 
-    A trace bakes them into the program as constants (dropout's ``p``, a temperature, a loss weight a loop
-    anneals): a changed value gets its own program, as a mode switch does, where a program traced with the old
-    one would silently train with it. ``skipped`` are the (label, name) pairs forward itself writes (a call
-    counter), which would otherwise compile every step.
+    First the plain Python values (numbers, strings, flags, tuples of them): a trace bakes them into the program
+    as constants (dropout's ``p``, a temperature, a loss weight a loop anneals), so a changed value gets its own
+    program, as a mode switch does, where a program traced with the old one would silently train with it. Then
+    the tensors, by identity: a trace reads the tensor object it finds (a loss module's class weights, a plain
+    tensor attribute, a global) as a constant, so one replaced by another object (``loss_fn.weight = new``) gets
+    a program of its own; writing into the same tensor (``weight.mul_(2)``) needs none, the program reads its
+    current values. Identities mean nothing in another process: the compile cache on disk keys on the values
+    only. ``skipped`` are the (label, name) pairs forward itself writes (a call counter), which would otherwise
+    compile every step.
     """
-    values = []
+    values, tensors = [], []
     for label, namespace, names in sources:
         if namespace is None:   # a closure
             items = _closure_items(names)
@@ -163,9 +168,13 @@ def python_values(sources: tuple, skipped: frozenset = frozenset()) -> tuple:
         else:
             items = [(name, namespace[name]) for name in names if name in namespace]
         for name, value in items:
-            if name not in _MODULE_INTERNALS and _plain(value) and (label, name) not in skipped:
+            if (label, name) in skipped:
+                continue
+            if isinstance(value, torch.Tensor):
+                tensors.append((label, name, id(value)))
+            elif name not in _MODULE_INTERNALS and _plain(value):
                 values.append((label, name, type(value), value))   # 1 and 1.0 trace differently
-    return tuple(values)
+    return tuple(values), tuple(tensors)
 
 
 def _globals_read(code) -> tuple[str, ...]:
@@ -179,29 +188,6 @@ def _globals_read(code) -> tuple[str, ...]:
     return tuple(sorted(names))
 
 
-def tensor_identities(sources: tuple, skipped: frozenset = frozenset()) -> tuple:
-    """The tensors forward and the loss read from those places now (``python_sources``), by identity.
-
-    A trace reads the tensor object it finds there (a loss module's class weights, a plain tensor attribute, a
-    global) as a constant: one replaced by another object (``loss_fn.weight = new``) gets a program of its own,
-    where the program would go on reading the old one. Writing into the same tensor (``weight.mul_(2)``) needs
-    none: the program reads its current values. In the key in memory only (identities mean nothing in another
-    process); ``skipped`` as in ``python_values``.
-    """
-    found = []
-    for label, namespace, names in sources:
-        if namespace is None:
-            items = _closure_items(names)
-        elif names is None:
-            items = namespace.items()
-        else:
-            items = [(name, namespace[name]) for name in names if name in namespace]
-        for name, value in items:
-            if isinstance(value, torch.Tensor) and (label, name) not in skipped:
-                found.append((label, name, id(value)))
-    return tuple(found)
-
-
 def _closure_items(cells) -> list:
     items = []
     for name, cell in cells:
@@ -213,7 +199,7 @@ def _closure_items(cells) -> list:
 
 
 def changed_python_values(old: tuple, new: tuple) -> list[str]:
-    """The values that differ between two ``python_values``, as 'model.dropout p: 0.1 -> 0.2'."""
+    """The values that differ between two ``values_read(...)[0]``, as 'model.dropout p: 0.1 -> 0.2'."""
     before = {(label, name): value for label, name, _, value in old}
     after = {(label, name): value for label, name, _, value in new}
     return [f"{label} {name}: {before.get((label, name))!r} -> {after.get((label, name))!r}"

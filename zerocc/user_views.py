@@ -189,10 +189,7 @@ def release_model_parameters(step) -> None:
 def hand_back(step, optimizer_state: dict[str, dict[str, torch.Tensor]]) -> None:
     """``CompiledStep.close``: the module holds the trained parameters and buffers whole, as copies (none a
     view of the step's slots or pools), and the optimizer ``optimizer_state`` (whole, by parameter fqn)."""
-    full = step.full_state_dict()   # parameters, frozen ones and persistent buffers; a collective at stage 3
-    state = step.state
-    for info in state.captured.buffers:   # a non-persistent buffer is not in the state dict
-        full.setdefault(info.name, state.slots[decisions.buffer_slot(info.name)].clone())
+    full = step._whole_tensors("step.close")   # a collective at stage 3: close has met the other ranks
     params = {}
     for kind in ("param", "buffer"):
         for names, tensor in named_tensors(step.model, kind):
@@ -200,7 +197,7 @@ def hand_back(step, optimizer_state: dict[str, dict[str, torch.Tensor]]) -> None
                 tensor.data = full[names[0]]
             if kind == "param":
                 params[names[0]] = tensor
-    state.released_shapes = {}
+    step.state.released_shapes = {}
     step.optimizer.state.clear()
     for fqn, entries in optimizer_state.items():
         step.optimizer.state[params[fqn]] = entries
