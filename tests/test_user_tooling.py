@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import copy
 import functools
 import sys
@@ -392,8 +393,14 @@ def test_a_model_or_block_wrapped_in_torch_compile_is_traced_through_its_own_cod
 AUX_WEIGHT = 0.5
 
 
+@dataclasses.dataclass
+class Settings:   # a config object a module holds, as Hugging Face's self.config
+    shift: float = 0.0
+
+
 class Annealed(nn.Module):
-    """Reads Python numbers a training loop changes between steps: dropout's p and a temperature."""
+    """Reads Python numbers a training loop changes between steps: dropout's p, a temperature, a config's
+    field and a list's entry."""
 
     def __init__(self):
         super().__init__()
@@ -401,11 +408,13 @@ class Annealed(nn.Module):
         self.dropout = nn.Dropout(0.1)
         self.head = nn.Linear(16, 5)
         self.temperature = 1.0
+        self.settings = Settings()
+        self.widths = [1.0, 2.0]
         self.calls = 0   # forward's own counter: the trace writes it, which is no reason to compile again
 
     def forward(self, x):
         self.calls += 1
-        hidden = self.dropout(F.gelu(self.linear(x)))
+        hidden = self.dropout(F.gelu(self.linear(x))) * self.widths[0] + self.settings.shift
         return self.head(hidden) / self.temperature, hidden
 
 
@@ -436,7 +445,8 @@ class WeightedLoss(nn.Module):
         return self.weight * F.mse_loss(output[0], target)
 
 
-@pytest.mark.parametrize("changed", ["dropout p", "attribute", "loss global", "loss closure", "loss module"])
+@pytest.mark.parametrize("changed", ["dropout p", "attribute", "config", "list", "loss global", "loss closure",
+                                     "loss module"])
 @pytest.mark.parametrize("stage", [0, 3])
 def test_python_numbers_forward_and_the_loss_read_changed_between_steps_train_as_eager(stage, changed, monkeypatch):
     """A trace bakes the Python numbers forward and the loss read into the program as constants: a loop that
@@ -458,6 +468,10 @@ def test_python_numbers_forward_and_the_loss_read_changed_between_steps_train_as
             model.dropout.p = reference.dropout.p = 0.1 * index
         elif changed == "attribute":
             model.temperature = reference.temperature = 1.0 + index
+        elif changed == "config":   # Hugging Face: model.config.use_cache = False, config._attn_implementation
+            model.settings.shift = reference.settings.shift = 0.1 * index
+        elif changed == "list":
+            model.widths[0] = reference.widths[0] = 1.0 + index
         elif changed == "loss global":
             monkeypatch.setattr(sys.modules[__name__], "AUX_WEIGHT", 0.5 * index)
         else:
@@ -580,6 +594,31 @@ def test_a_tensor_replaced_between_steps_trains_as_eager(stage, replaced, monkey
         reference_optimizer.step()
         assert torch.equal(step(x, y), expected.detach()), index
     assert len(step.compile_stats) == 2   # the first program, and the replaced tensor's
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_eval_forward_reads_a_replaced_tensor_and_hooks_added_between_calls(stage):
+    """eval_forward kept one program per batch shape and Python values: a tensor attribute replaced between calls
+    and a forward hook added or removed evaluated with what the first call traced. Its key now holds the
+    tensors' identities and the hooks, as the training step's does."""
+    torch.manual_seed(0)
+    model = Shifted()
+    reference = copy.deepcopy(model)
+    step = zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), stage=stage, loss_fn=lambda out: out.sum())
+    x = torch.randn(4, 12)
+    step(x)
+    with step.full_model(writeback=False):
+        reference.load_state_dict(model.state_dict())
+    reference.eval()
+    with torch.no_grad():
+        assert torch.equal(step.eval_forward(x), reference(x))
+        model.scale = reference.scale = torch.tensor(-1.0)
+        assert torch.equal(step.eval_forward(x), reference(x))
+        handles = [m.linear.register_forward_hook(lambda module, inputs, out: out * 3) for m in (model, reference)]
+        assert torch.equal(step.eval_forward(x), reference(x))
+        for handle in handles:
+            handle.remove()
+        assert torch.equal(step.eval_forward(x), reference(x))
 
 
 logits = torch.zeros(())   # a script's global named like an attribute forward reads (outputs.logits)

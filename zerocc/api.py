@@ -434,8 +434,11 @@ class CompiledStep:
         python, tensors = self.values_read()
         return CacheKey(input_signature(batch, layout), self.state.state_key(),
                         hyperparameter_signature(self.optimizer), autocast_state(), training_modes(self._modules),
-                        hook_ids(self._modules, self._parameters, frozenset(h.id for h in self._user_hooks)),
-                        python, saved_tensors_hooks_state(), torch.get_default_dtype(), tensors)
+                        self.hook_ids(), python, saved_tensors_hooks_state(), torch.get_default_dtype(), tensors)
+
+    def hook_ids(self) -> tuple:
+        """The user's hooks on the model's modules and parameters now (``program_cache.hook_ids``), traced in."""
+        return hook_ids(self._modules, self._parameters, frozenset(h.id for h in self._user_hooks))
 
     def values_read(self) -> tuple[tuple, tuple]:
         """The Python values and tensors forward and the loss read now, which a trace bakes in

@@ -67,9 +67,10 @@ def eval_forward(step, inputs: tuple, keyword_inputs: dict | None = None) -> Any
             "the model itself: its parameters are intact until then)")
     check_batch(batch, layout, step.state.first_batch, where="eval_forward")
     autocast = autocast_state()   # the casts are traced into the program: its own program per state
-    # the Python values forward reads are traced as constants (program_cache.values_read), and factories
-    # read the default dtype
-    signature = (input_signature(batch, layout), autocast, step.values_read()[0], torch.get_default_dtype())
+    # the Python values and tensors forward reads are traced as constants (program_cache.values_read), so are
+    # its hooks, and factories read the default dtype: as the training step's key (CompiledStep._cache_key)
+    signature = (input_signature(batch, layout), autocast, *step.values_read(), step.hook_ids(),
+                 torch.get_default_dtype())
     programs = step.eval_programs
     kept = programs.pop(signature, [])   # one program per side of the data guards its trace decided
     program = next((p for p in reversed(kept) if all_hold(p.guards, batch)), None)

@@ -90,16 +90,29 @@ except ImportError:   # pragma: no cover
     _numpy_scalar = complex
 _PLAIN = (bool, int, float, complex, str, type(None), _numpy_scalar)
 _MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))   # nn.Module's own bookkeeping (hooks, parameters, training)
+# what a settings object keeps of its own identity, which changes in a new process: Hugging Face's GenerationConfig
+# keeps hash(self), a hash of its JSON text with the process's string-hash seed (the cache on disk would miss)
+_IDENTITIES = frozenset({"_original_object_hash"})
 
 
 def _plain(value) -> bool:
-    return isinstance(value, _PLAIN) or type(value) is tuple and all(isinstance(v, _PLAIN) for v in value)
+    return isinstance(value, _PLAIN) or type(value) in (tuple, list) and all(isinstance(v, _PLAIN) for v in value)
+
+
+def _settings_object(value) -> bool:
+    """A settings object a module holds, whose attributes forward may read: a Hugging Face config
+    (``self.config.use_cache``, ``config._attn_implementation``), a dataclass or another ``...Config`` object.
+    Not any object: one the training loop updates (a logger's counter) would compile every step."""
+    return not isinstance(value, type) and hasattr(value, "__dict__") and (dataclasses.is_dataclass(value)
+                                            or any(c.__name__.endswith("Config") for c in type(value).__mro__))
 
 
 def python_sources(model: torch.nn.Module, loss_fn) -> tuple:
     """Where forward and the loss read Python values a trace bakes in, for ``values_read``: (label, namespace,
     names) for each of the model's modules' attributes (``names`` None: every one), the module globals each
-    module's ``forward`` names, and ``loss_fn``'s attributes, closure, globals and ``functools.partial`` keywords.
+    module's ``forward`` names, the attributes of the settings objects the modules hold (a Hugging Face config,
+    a dataclass; listed once however many modules hold it), and ``loss_fn``'s attributes, closure, globals and
+    ``functools.partial`` keywords.
     A closure's namespace is None and its names (name, cell) pairs. Helpers those functions call are not looked
     into."""
     sources, seen = [], set()
@@ -119,6 +132,10 @@ def python_sources(model: torch.nn.Module, loss_fn) -> tuple:
                 where = f"{label}.{name}" if name else label
                 sources.append((where, vars(module), None))
                 add_function(f"{where}.forward", type(module).forward)
+                for attribute, value in vars(module).items():   # a config object forward reads (self.config.x)
+                    if _settings_object(value) and id(value) not in seen:
+                        seen.add(id(value))
+                        sources.append((f"{where}.{attribute}", vars(value), None))
         elif hasattr(thing, "__dict__"):
             sources.append((label, vars(thing), None))
 
@@ -172,8 +189,9 @@ def values_read(sources: tuple, skipped: frozenset = frozenset()) -> tuple[tuple
                 continue
             if isinstance(value, torch.Tensor):
                 tensors.append((label, name, id(value)))
-            elif name not in _MODULE_INTERNALS and _plain(value):
-                values.append((label, name, type(value), value))   # 1 and 1.0 trace differently
+            elif name not in _MODULE_INTERNALS and name not in _IDENTITIES and _plain(value):
+                # 1 and 1.0 trace differently; a list as it is now
+                values.append((label, name, type(value), tuple(value) if type(value) is list else value))
     return tuple(values), tuple(tensors)
 
 
