@@ -259,6 +259,34 @@ def test_checkpoint_of_another_model_is_refused(tmp_path):
         zerocc.load_checkpoint(step, tmp_path / "nowhere")
 
 
+def _load_missing_on_one_rank(rank, world_size, folder):
+    data = local_batches("mlp", rank, world_size, 3)
+    step = compiled("mlp", 3, timeout=60)
+    step(*data[0])
+    zerocc.save_checkpoint(step, os.path.join(folder, "ckpt"))
+    # the folder is on rank 0's disk only (a node-local path)
+    path = os.path.join(folder, "ckpt" if rank == 0 else "elsewhere")
+    try:
+        zerocc.load_checkpoint(step, path)
+    except zerocc.ConfigError as error:
+        refusal = str(error)
+    losses = [step(*batch) for batch in data[1:]]   # nothing was loaded anywhere: the ranks train on together
+    untouched = compiled("mlp", 3)
+    expected = [untouched(*batch) for batch in data][1:]
+    return refusal, [torch.equal(a, b) for a, b in zip(losses, expected)]
+
+
+@pytest.mark.multirank
+def test_a_checkpoint_one_rank_cannot_read_is_refused_on_every_rank(tmp_path):
+    """A checkpoint folder missing on one rank (a node-local disk) was refused on that rank alone; the others waited
+    in the load's collectives until its process ended, or failed with a mismatch of calls where the script caught
+    the error and trained on. Every rank now refuses, naming the rank and why, and training goes on together."""
+    (refusal_0, same_0), (refusal_1, same_1) = distributed.run(_load_missing_on_one_rank, 2, str(tmp_path))
+    assert "not a complete zerocc checkpoint" in refusal_1 and "elsewhere" in refusal_1
+    assert "rank 1: ConfigError" in refusal_0 and "elsewhere" in refusal_0
+    assert same_0 == same_1 == [True, True]   # as a run that never tried to load
+
+
 def test_checkpoint_of_another_optimizer_type_is_refused_before_the_first_call(tmp_path):
     """Before the first call the checkpoint's optimizer state goes in as saved: an AdamW checkpoint loaded into an
     SGD step put AdamW's state and settings (its weight decay among them) into the SGD, which then trained."""

@@ -593,10 +593,15 @@ def load_checkpoint(step, path: str) -> None:
 
 
 def _load(step, path: str) -> None:
-    if not os.path.exists(os.path.join(path, META_FILE)):
-        raise ConfigError(f"{path} is not a complete zerocc checkpoint (no {META_FILE})")
-    _check_shapes(step, path)
+    try:   # what each rank can check alone (a folder on one node's disk only): every rank hears of it below
+        if not os.path.exists(os.path.join(path, META_FILE)):
+            raise ConfigError(f"{path} is not a complete zerocc checkpoint (no {META_FILE})")
+        _check_shapes(step, path)
+        problem = None
+    except Exception as error:
+        problem = error
     failures.meet(step.ranks, "zerocc.load_checkpoint", step.steps, step.timeout)   # every rank loads, or all fail
+    _raise_any_ranks_problem(step.ranks, problem)
     reader = dcp.FileSystemReader(path)
     saved = reader.read_metadata().state_dict_metadata
     state = state_dict(step)
@@ -625,6 +630,24 @@ def _load(step, path: str) -> None:
     except CheckpointException as error:   # a BaseException: ``except Exception`` would not see it
         raise CheckpointError(f"loading {path} failed: {_first_line(error)}") from error
     load_state_dict(step, state)
+
+
+def _raise_any_ranks_problem(ranks, problem: Exception | None) -> None:
+    """Raise ``problem`` on its rank and a ``ConfigError`` naming it on every other: a rank that refused alone
+    left the others waiting in the load's collectives until its process ended (or, where the script caught the
+    error and trained on, failing with a mismatch of calls)."""
+    if ranks.group is not None:
+        every: list = [None] * ranks.world_size
+        dist.all_gather_object(every, None if problem is None else f"{type(problem).__name__}: {problem}",
+                               group=ranks.group)
+    else:
+        every = [None]
+    if problem is not None:
+        raise problem
+    failed = [(rank, message) for rank, message in enumerate(every) if message is not None]
+    if failed:
+        raise ConfigError("the checkpoint cannot be loaded on every rank, so no rank loads it:\n"
+                          + "\n".join(f"  rank {rank}: {message}" for rank, message in failed))
 
 
 def _one_element_of_another_shape(value, saved) -> bool:
