@@ -223,6 +223,16 @@ class HandWrittenMoE(torch.nn.Module):
             out.index_add_(0, token, self.expert(e, x[token]) * gates[token, slot, None])
         return out
 
+    def skipping_empty_experts(self, x, gates, chosen):
+        """The loop as older Mixtral code wrote it: an expert that received no tokens is skipped."""
+        out = torch.zeros_like(x)
+        for e in range(self.experts):
+            token, slot = torch.where(chosen == e)
+            if token.shape[0] == 0:
+                continue
+            out.index_add_(0, token, self.expert(e, x[token]) * gates[token, slot, None])
+        return out
+
     def grouped_mm(self, x, gates, chosen):
         """torchtitan's dispatch: tokens sorted by expert, per-expert counts from torch.bincount, one _grouped_mm."""
         order = chosen.flatten().argsort(stable=True)
@@ -288,6 +298,16 @@ def test_bincount_sized_expert_offsets_under_a_memory_budget(memory_pools, deter
     step = train_hand_written("grouped_mm", memory_budget=10**9, memory_pools=memory_pools)
     assert step.remat_plan is not None and isinstance(step.remat_plan.predicted_seconds, float)
     assert isinstance(step.predicted_step_time("h100-sxm-bf16").seconds, float)
+
+
+def test_skipping_experts_without_tokens_is_refused_saying_to_drop_the_check():
+    """The branch on an expert's token count is a branch on the routing; without it the loop trains (where_loop)."""
+    torch.manual_seed(0)
+    model = HandWrittenMoE("skipping_empty_experts")
+    step = zerocc.compile(model, torch.optim.AdamW(model.parameters()))
+    with pytest.raises(zerocc.CaptureError, match=r"test_moe.py:\d+: if token.shape\[0\] == 0:\n.*\n  note: the branch "
+                                                  r"asks whether a size the data decides is 0 .*: drop the check"):
+        step(*token_pairs(1)[0])
 
 
 def test_a_module_converted_to_its_own_dtype_in_forward_trains_as_eager(deterministic):
