@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -183,3 +184,73 @@ def test_diffusion_unet_drawing_noise_in_the_step_equals_eager_bit_for_bit(dtype
     full = step.full_state_dict()
     for key, value in reference.state_dict().items():
         assert torch.equal(full[key], value), key
+
+
+class ContrastivePairs(torch.nn.Module):
+    """CLIP's loss as users write it: a learnable temperature, every rank's embeddings gathered as negatives."""
+
+    def __init__(self, gather):
+        super().__init__()
+        self.image = torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.GELU(), torch.nn.Linear(16, 8))
+        self.text = torch.nn.EmbeddingBag(32, 8)
+        self.logit_scale = torch.nn.Parameter(torch.tensor(2.6593))
+        self.gather = gather
+
+    def forward(self, images, tokens):
+        import torch.distributed as dist
+        import torch.nn.functional as F
+        image = F.normalize(self.image(images), dim=-1)
+        text = F.normalize(self.text(tokens), dim=-1)
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        if self.gather == "dist.all_gather":   # open_clip's gather_features without gather_with_grad
+            images_all = [torch.zeros_like(image) for _ in range(world_size)]
+            texts_all = [torch.zeros_like(text) for _ in range(world_size)]
+            dist.all_gather(images_all, image)
+            dist.all_gather(texts_all, text)
+            images_all[rank], texts_all[rank] = image, text
+            images_all, texts_all = torch.cat(images_all), torch.cat(texts_all)
+        else:
+            from torch.distributed._functional_collectives import all_gather_tensor_autograd
+            images_all = all_gather_tensor_autograd(image, 0, dist.group.WORLD)
+            texts_all = all_gather_tensor_autograd(text, 0, dist.group.WORLD)
+        labels = torch.arange(image.shape[0]) + rank * image.shape[0]
+        scale = self.logit_scale.exp().clamp(max=100)
+        return (F.cross_entropy(scale * image @ texts_all.t(), labels)
+                + F.cross_entropy(scale * text @ images_all.t(), labels)) / 2
+
+
+def _contrastive(rank, world_size):
+    from torch.nn.parallel import DistributedDataParallel
+    generator = torch.Generator().manual_seed(1)
+    data = [(torch.randn(4 * world_size, 12, generator=generator), torch.randint(0, 32, (4 * world_size, 5), generator=generator))
+            for _ in range(3)]
+    data = [tuple(t.chunk(world_size)[rank] for t in batch) for batch in data]
+    torch.manual_seed(0)
+    model = ContrastivePairs("dist.all_gather")
+    step = zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-2), stage=3)
+    try:
+        step(*data[0])
+    except zerocc.CaptureError as error:
+        refused = str(error)
+    torch.manual_seed(0)
+    reference = ContrastivePairs("functional")
+    model = copy.deepcopy(reference)
+    ddp = DistributedDataParallel(reference)
+    reference_optimizer = two_groups(reference)
+    expected = [eager_step(ddp, reference_optimizer, None, batch) for batch in data]
+    step = zerocc.compile(model, two_groups(model), stage=3, memory_pools=False)
+    got = [step(*batch) for batch in data]
+    return refused, {"functional": (expected, got, dict(reference.state_dict()), step.full_state_dict())}
+
+
+@pytest.mark.multirank
+def test_negatives_gathered_in_forward_need_functional_collectives():
+    """``dist.all_gather`` in forward was traced as an op the program ran without waiting for its result: each rank
+    trained on negatives its output tensors held before (zeros), silently. It is refused naming the line; the
+    functional collectives it names train like DDP."""
+    results = distributed.run(_contrastive, 2)
+    for refused, _ in results:
+        assert re.search(r"calls a torch.distributed collective \(c10d.allgather_.default\) at .*test_architectures.py:"
+                         r"\d+: dist.all_gather\(images_all, image\)\n  why: .*\n  fix: .*all_gather_tensor_autograd",
+                         refused), refused
+    assert_ranks_match_ddp([ddp for _, ddp in results])

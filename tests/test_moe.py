@@ -223,6 +223,25 @@ class HandWrittenMoE(torch.nn.Module):
             out.index_add_(0, token, self.expert(e, x[token]) * gates[token, slot, None])
         return out
 
+    def skipping_empty_experts(self, x, gates, chosen):
+        """The loop as older Mixtral code wrote it: an expert that received no tokens is skipped."""
+        out = torch.zeros_like(x)
+        for e in range(self.experts):
+            token, slot = torch.where(chosen == e)
+            if token.shape[0] == 0:
+                continue
+            out.index_add_(0, token, self.expert(e, x[token]) * gates[token, slot, None])
+        return out
+
+    def grouped_mm(self, x, gates, chosen):
+        """torchtitan's dispatch: tokens sorted by expert, per-expert counts from torch.bincount, one _grouped_mm."""
+        order = chosen.flatten().argsort(stable=True)
+        token = order // chosen.shape[-1]
+        offsets = torch.bincount(chosen.flatten(), minlength=self.experts).cumsum(0).to(torch.int32)
+        hidden = torch.nn.functional.silu(torch._grouped_mm(x[token], self.w1, offs=offsets))
+        out = torch._grouped_mm(hidden, self.w2, offs=offsets) * gates.flatten()[order, None]
+        return torch.zeros_like(x).index_add_(0, token, out)
+
     def forward(self, ids, labels):
         h = self.embedding(ids)
         x = self.norm(h).flatten(0, 1)
@@ -269,6 +288,26 @@ def test_data_dependent_expert_sizes_under_a_memory_budget(deterministic):
     step = train_hand_written("where_loop", memory_budget=10**9)
     assert step.remat_plan is not None
     assert step.predicted_step_time("h100-sxm-bf16").seconds > 0
+
+
+@pytest.mark.parametrize("memory_pools", [True, False])
+def test_bincount_sized_expert_offsets_under_a_memory_budget(memory_pools, deterministic):
+    """bincount's length is a SymInt that _grouped_mm's check makes the number of experts: the bytes the cost model
+    counted stayed SymInts, and place_remat failed formatting its note ("unsupported format string passed to
+    SymFloat.__format__")."""
+    step = train_hand_written("grouped_mm", memory_budget=10**9, memory_pools=memory_pools)
+    assert step.remat_plan is not None and isinstance(step.remat_plan.predicted_seconds, float)
+    assert isinstance(step.predicted_step_time("h100-sxm-bf16").seconds, float)
+
+
+def test_skipping_experts_without_tokens_is_refused_saying_to_drop_the_check():
+    """The branch on an expert's token count is a branch on the routing; without it the loop trains (where_loop)."""
+    torch.manual_seed(0)
+    model = HandWrittenMoE("skipping_empty_experts")
+    step = zerocc.compile(model, torch.optim.AdamW(model.parameters()))
+    with pytest.raises(zerocc.CaptureError, match=r"test_moe.py:\d+: if token.shape\[0\] == 0:\n.*\n  note: the branch "
+                                                  r"asks whether a size the data decides is 0 .*: drop the check"):
+        step(*token_pairs(1)[0])
 
 
 def test_a_module_converted_to_its_own_dtype_in_forward_trains_as_eager(deterministic):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import re
 import time
 import traceback
 from typing import Any, Callable, Sequence
@@ -400,7 +401,7 @@ def trace_step(
                 "  why: a BatchNorm with momentum=None (a cumulative average of the batch statistics) divides by "
                 "its num_batches_tracked read as a Python number, another value every step, which one graph cannot "
                 "represent.\n  fix: give the BatchNorm a momentum (0.1 is PyTorch's default)") from error
-        raise _data_dependent_error(user_frame(error.__traceback__), type(error).__name__) from error
+        raise _data_dependent_error(user_frame(error.__traceback__), type(error).__name__, str(error)) from error
     except ZeroccError:
         raise
     except Exception as error:
@@ -498,12 +499,19 @@ def _cumulative_batch_norm(tb, model: nn.Module) -> str | None:
     return None
 
 
-def _data_dependent_error(where: str | None, why: str) -> CaptureError:
+# torch's message for a branch on whether a size the data decides is zero: ``Eq(u3, 0)``, ``u3 > 0``, ...
+_ZERO_SIZE_BRANCH = re.compile(r"data-dependent expression (Eq\(u\d+, 0\)|Ne\(u\d+, 0\)|u\d+ (> 0|>= 1|< 1|<= 0))[ .]")
+
+
+def _data_dependent_error(where: str | None, why: str, message: str = "") -> CaptureError:
+    empty = ("\n  note: the branch asks whether a size the data decides is 0 (an expert that received no tokens, "
+             "`if tokens.numel() == 0: continue`): drop the check, as the ops after it run on zero rows and add "
+             "nothing; one program then serves every routing." if _ZERO_SIZE_BRANCH.search(message) else "")
     return CaptureError(
         f"the step cannot be traced at {where or '(no user frame found)'}\n"
         f"  why: it depends on the values in a tensor (data-dependent control flow or output shape: {why}), "
         "which one graph cannot represent; only branches on values computed from the batch alone are decided, "
-        "on each real batch (zerocc/data_guards.py; not when planning with meta or fake example inputs).\n"
+        f"on each real batch (zerocc/data_guards.py; not when planning with meta or fake example inputs).{empty}\n"
         "  fix: compute it with tensor ops (torch.where, masking) instead of Python control flow, "
         "or move it out of the model.")
 

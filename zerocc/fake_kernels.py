@@ -34,6 +34,7 @@ from torch._subclasses.fake_impls import op_implementations_dict
 from torch._subclasses.fake_tensor import FakeTensorMode, _BypassDispatchCache
 
 from . import ops  # noqa: F401  (defines zerocc::batch_norm_with_stats)
+from .errors import CaptureError, user_frame_here
 
 aten = torch.ops.aten
 
@@ -182,6 +183,11 @@ class ZeroccFakeTensorMode(FakeTensorMode):
             raise _BypassDispatchCache("zerocc: laid out as its CPU kernel")
         return super()._cache_key(state, func, args, kwargs)
 
+    def dispatch(self, func, types, args=(), kwargs=None):
+        if func.namespace == "c10d":
+            raise _eager_collective_error(func)
+        return super().dispatch(func, types, args, kwargs or {})
+
     def _dispatch_impl(self, func, types, args, kwargs):
         result = super()._dispatch_impl(func, types, args, kwargs)
         if func in _CPU_ELEMENTWISE_LAYOUT and result.device.type == "cpu":
@@ -200,6 +206,19 @@ class ZeroccFakeTensorMode(FakeTensorMode):
         first, *rest = result
         with self:
             return (torch.empty_like(first, memory_format=layout), *rest)
+
+
+def _eager_collective_error(func) -> CaptureError:
+    """A ``torch.distributed`` collective called in the step (CLIP's negatives gathered by ``dist.all_gather``)."""
+    return CaptureError(
+        f"the step calls a torch.distributed collective ({func}) at {user_frame_here() or '(no user frame found)'}\n"
+        "  why: torch.distributed's eager collectives (dist.all_gather, dist.all_reduce, torch.distributed.nn's "
+        "differentiable ones built on them) run on the process group outside the program: the compiled step would "
+        "read their results without waiting for them, and train on what the output tensors held before.\n"
+        "  fix: use the traceable functional collectives, which the program runs and waits on: "
+        "torch.distributed._functional_collectives.all_gather_tensor_autograd(x, 0, group) (gradients flow back "
+        "to each rank's slice, as torch.distributed.nn.all_gather's do) or all_gather_tensor(x.detach(), 0, group) "
+        "(dist.all_gather's: no gradient), all_reduce(x, 'sum', group).")
 
 
 @contextlib.contextmanager

@@ -127,9 +127,14 @@ def is_data_dependent(value) -> bool:
 
 
 def known_bytes(value) -> int:
-    """Bytes of the tensors in ``value`` (one, or a tuple of them), those whose size depends on the data left out."""
+    """Bytes of the tensors in ``value`` (one, or a tuple of them), those whose size depends on the data left out.
+
+    A size may be a SymInt whose expression is a number (``torch.bincount(x, minlength=E)`` traces its length so):
+    ``int`` makes it one, where the product would otherwise stay a SymInt and the cost model's seconds a SymFloat.
+    """
     values = value if isinstance(value, (tuple, list)) else (value,)
-    return sum(v.numel() * v.element_size() for v in values if isinstance(v, torch.Tensor) and not is_data_dependent(v))
+    return sum(int(v.numel()) * v.element_size() for v in values
+               if isinstance(v, torch.Tensor) and not is_data_dependent(v))
 
 
 def ancestors(roots: Iterable[fx.Node]) -> set[fx.Node]:
