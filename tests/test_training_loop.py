@@ -356,6 +356,41 @@ def test_new_shapes_train_exactly():
     assert_same_state(step, reference)
 
 
+class ConvAndPixels(torch.nn.Module):
+    """A convolution (whose kernels round otherwise on a channels-last input) beside a linear layer on the pixels
+    (``reshape`` of a contiguous batch is a view, of a permuted one a copy)."""
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3, padding=1)
+        self.pixels = torch.nn.Linear(3 * 8 * 8, 4)
+
+    def forward(self, x):
+        return self.conv(x).mean((2, 3)) + self.pixels(x.reshape(len(x), -1))
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_batches_laid_out_otherwise_in_memory_train_exactly(stage):
+    """A loader whose batches are sometimes channels-last or transposed (an augmentation): the program traced on the
+    first batch's strides ran on the others, a channels-last convolution rounded otherwise than eager's and a
+    permuted batch failed ('view size is not compatible'). Each layout gets a program, as a shape does."""
+    generator = torch.Generator().manual_seed(1)
+    laid_out = [lambda x: x, lambda x: x.contiguous(memory_format=torch.channels_last),
+                lambda x: x.transpose(2, 3).contiguous().transpose(2, 3), lambda x: x]
+    data = [(lay(torch.randn(6, 3, 8, 8, generator=generator)), torch.randint(0, 4, (6,), generator=generator))
+            for lay in laid_out]
+    torch.manual_seed(0)
+    model = ConvAndPixels()
+    reference = copy.deepcopy(model)
+    reference_optimizer = adamw(reference)
+    step = zerocc.compile(model, adamw(model), stage=stage, loss_fn=F.cross_entropy)
+    for batch in data:
+        assert torch.equal(step(*batch), eager_step(reference, reference_optimizer, F.cross_entropy, batch))
+    assert_same_state(step, reference)
+    assert len(step.cache.programs()) == 3   # one per layout
+    for x, _ in data[1:3]:
+        assert torch.equal(step.eval_forward(x), reference(x))
+
+
 def test_a_default_dtype_set_between_steps_gets_its_own_program():
     """A factory in forward (``torch.ones``) makes the default dtype: float64 after ``torch.set_default_dtype``,
     which promotes the loss; the step traced under float32 must not keep running that program."""

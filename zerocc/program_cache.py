@@ -207,12 +207,30 @@ def changed_python_values(old: tuple, new: tuple) -> list[str]:
             or type(before.get((label, name))) is not type(after.get((label, name)))]
 
 
+def memory_layout(value: torch.Tensor) -> tuple:
+    """How a batch tensor lies in memory, where not contiguous: ``("channels_last",)``, or its strides.
+
+    A program is traced on the first batch's strides, and eager's kernels read them: a convolution of a
+    channels-last batch rounds otherwise, and ``reshape`` is traced as a view where the first batch allowed
+    one (a contiguous batch's, which a permuted batch's ``reshape`` must copy instead: the program failed with
+    "view size is not compatible"). A batch laid out otherwise gets a program of its own. Strides of
+    dimensions of size 1 are left out: no kernel reads them.
+    """
+    if value.is_contiguous():
+        return ()
+    for name, layout in (("channels_last", torch.channels_last), ("channels_last_3d", torch.channels_last_3d)):
+        if value.dim() == (4 if layout is torch.channels_last else 5) and value.is_contiguous(memory_format=layout):
+            return (name,)
+    return (tuple(stride if size > 1 else None for size, stride in zip(value.shape, value.stride())),)
+
+
 def input_signature(batch, layout: BatchLayout) -> tuple:
-    """What a program is compiled for: each entry's shape and dtype (or Python value), keywords by name."""
+    """What a program is compiled for: each entry's shape, dtype and ``memory_layout`` (or Python value),
+    keywords by name."""
     signature = []
     for index, value in enumerate(batch):
         if isinstance(value, torch.Tensor):
-            entry = (tuple(value.shape), value.dtype, str(value.device), value.requires_grad)
+            entry = (tuple(value.shape), value.dtype, str(value.device), value.requires_grad, *memory_layout(value))
         else:
             entry = ("python", type(value).__name__, repr(value))
         if layout.spec is not None:   # containers: each leaf by its name ('argument 0['ids']', 'extra[1]=')
@@ -235,7 +253,8 @@ def describe_signature(signature: tuple) -> str:
         if entry[0] == "python":
             return f"{entry[1]} {entry[2]}"
         shape, dtype = entry[0], str(entry[1]).replace("torch.", "")
-        return f"{shape} {dtype}"
+        laid_out = "" if len(entry) < 5 else f" {entry[4]}" if isinstance(entry[4], str) else f" strides {entry[4]}"
+        return f"{shape} {dtype}{laid_out}"
     return "shapes " + ", ".join(describe(entry) for entry in signature if entry[0] != "structure")
 
 
@@ -287,8 +306,9 @@ class ProgramCache:
             raise ConfigError(
                 f"static_shapes=True, but this batch is {describe_signature(signature)} and the step was compiled "
                 f"for {' and '.join(describe_signature(s) for s in compiled)}; pad or cut the batch to the compiled "
-                "shape (the last batch of an epoch: drop_last=True), or compile with static_shapes=False to compile "
-                "a program per shape")
+                "shape (the last batch of an epoch: drop_last=True) and lay it out as the compiled batch (a "
+                "permuted or channels-last batch: .contiguous(memory_format=...)), or compile with "
+                "static_shapes=False to compile a program per shape and layout")
 
     def evict_beyond_limit(self, signature: tuple, keep: CacheEntry) -> None:
         """Keep at most ``max_programs`` programs, ``keep`` (the one just compiled) among them, dropping the least
