@@ -391,6 +391,39 @@ def test_batches_laid_out_otherwise_in_memory_train_exactly(stage):
         assert torch.equal(step.eval_forward(x), reference(x))
 
 
+class Generator(torch.nn.Module):
+    """A GAN generator's first layers: a linear layer's output viewed as a (contiguous) feature map, convolved."""
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(16, 8 * 4 * 4)
+        self.conv = torch.nn.Conv2d(8, 8, 3, padding=1)
+        self.out = torch.nn.Linear(8, 5)
+
+    def forward(self, z):
+        return self.out(torch.relu(self.conv(self.linear(z).view(len(z), 8, 4, 4))).mean((2, 3)))
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_channels_last_model_trains_exactly_on_contiguous_inputs(stage):
+    """``model.to(memory_format=torch.channels_last)``: eager's convolutions compute in channels-last because the
+    weights are, whatever their input's layout; the step read its parameters as contiguous views of its buckets and
+    rounded otherwise from the first step on. They are read in their own strides, by every program (a second batch
+    size, compiled after stage 3 released the parameters) and by eval_forward."""
+    torch.manual_seed(0)
+    model = Generator().to(memory_format=torch.channels_last)
+    reference = copy.deepcopy(model)
+    reference_optimizer = adamw(reference)
+    step = zerocc.compile(model, adamw(model), stage=stage, loss_fn=F.cross_entropy)
+    generator = torch.Generator().manual_seed(1)
+    for rows in (4, 6, 4):
+        batch = torch.randn(rows, 16, generator=generator), torch.randint(0, 5, (rows,), generator=generator)
+        assert torch.equal(step(*batch), eager_step(reference, reference_optimizer, F.cross_entropy, batch))
+    assert_same_state(step, reference)
+    z = torch.randn(6, 16, generator=generator)
+    with torch.no_grad():
+        assert torch.equal(step.eval_forward(z), reference(z))
+
+
 def test_a_default_dtype_set_between_steps_gets_its_own_program():
     """A factory in forward (``torch.ones``) makes the default dtype: float64 after ``torch.set_default_dtype``,
     which promotes the loss; the step traced under float32 must not keep running that program."""

@@ -23,7 +23,7 @@ from . import precision as mixed   # the step has a ``precision`` property
 from . import state_dict as state_dict_module   # its functions share the methods' names
 from . import user_views
 from .batch import BatchLayout, FirstBatch, agreement_lines, check_batch
-from .capture import Captured, capture, named_tensors, trained_parameters
+from .capture import Captured, capture, named_tensors, parameter_layouts, trained_parameters
 from .compile_stats import CompileStats
 from .analysis.step_time import HardwareProfile, StepTime, predict
 from .data_guards import all_hold
@@ -289,6 +289,8 @@ class CompiledStep:
         self._warned_settings = False   # _say_which_settings_changed: once per step
         self._modules = tuple(model.modules())   # whose training flags and hooks each call's program key reads
         self._parameters = tuple(model.parameters())   # whose hooks each call's program key reads
+        # channels-last parameters, read in their strides by every program (the step keeps them in flat buckets)
+        self._parameter_layouts = parameter_layouts(model)
         self._python_sources = python_sources(model, options.loss_fn)   # where forward and the loss read Python values
         self._written_python: frozenset = frozenset()   # those forward writes itself (a counter): not in the key
         self._warned_python = False   # _say_which_python_values_changed: once per step
@@ -575,6 +577,7 @@ class CompiledStep:
                 self.model, self.optimizer, batch, layout=layout, loss_fn=options.loss_fn,
                 num_targets=options.num_targets, fake_mode=fake_mode, optimizer_state=optimizer_state,
                 check_update_elementwise=options.stage != 0, parameter_shapes=state.released_shapes,
+                parameter_layouts=self._parameter_layouts,
                 grad_accumulation=options.grad_accumulation, precision=options.precision, autocast=autocast)
 
         # before the first step the step makes the optimizer's initial state itself, when it can learn it
