@@ -343,6 +343,27 @@ def test_new_shapes_compile_new_programs_up_to_max_programs():
     assert len(step.cache.programs()) == 2
 
 
+def test_python_values_in_the_batch_that_change_every_batch_are_named_in_the_recompile_warning():
+    """Per-sample file names passed along in the batch (forward ignores them) compile a program per batch: the
+    warning said to pad batches to a few shapes, which all the batches already had."""
+    class Named(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(12, 5)
+
+        def forward(self, x, names):
+            return self.linear(x)
+
+    model = Named()
+    step = zerocc.compile(model, adamw(model), loss_fn=F.mse_loss, max_programs=1)
+    x, y = batches("mlp", 1, 4)[0]
+    step(x, ["a.png", "b.png", "c.png", "d.png"], y)
+    with pytest.warns(zerocc.RecompileWarning, match=r"argument 1\[0\]: str 'e.png'.*Each Python value in the batch "
+                      r"\(a string, a number\) is compiled into the program: pass one that changes every batch \(file "
+                      r"names, sample ids\) outside the step, or as a tensor"):
+        step(x, ["e.png", "f.png", "g.png", "h.png"], y)
+
+
 def test_new_shapes_train_exactly():
     reference, _, loss_fn = build("mlp")
     reference_optimizer = adamw(reference)

@@ -243,6 +243,11 @@ def input_signature(batch, layout: BatchLayout) -> tuple:
     return tuple(signature)
 
 
+def _holds_python_value(entry: tuple) -> bool:
+    """An ``input_signature`` entry of a Python value (not a tensor), a keyword's or a container's leaf too."""
+    return entry[0] == "python" or entry[0] in ("keyword", "leaf") and _holds_python_value(entry[2])
+
+
 def describe_signature(signature: tuple) -> str:
     """A batch signature as a person reads it: 'shapes (8, 12) float32, (8, 5) float32'."""
     def describe(entry):
@@ -324,7 +329,10 @@ class ProgramCache:
                 f"zerocc: more than max_programs={self.max_programs} compiled programs (a new batch of "
                 f"{describe_signature(signature)}); dropped the least recently used, compiled for "
                 f"{describe_signature(old_key.signature)}. Each new shape costs a compilation: pad batches to a few "
-                "shapes, raise max_programs, or set static_shapes=True to make a new shape an error", RecompileWarning,
+                "shapes, raise max_programs, or set static_shapes=True to make a new shape an error"
+                + (". Each Python value in the batch (a string, a number) is compiled into the program: pass one "
+                   "that changes every batch (file names, sample ids) outside the step, or as a tensor"
+                   if any(_holds_python_value(entry) for entry in signature) else ""), RecompileWarning,
                 stacklevel=4)
 
     def clear(self) -> None:
