@@ -82,6 +82,67 @@ def test_freezing_or_unfreezing_after_the_first_step_is_refused_naming_the_param
     step(*data[2])
 
 
+class AuxiliaryHead(nn.Module):
+    """An auxiliary classifier the loop switches on or off between steps (``model.use_aux``)."""
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(12, 16)
+        self.head = nn.Linear(16, 5)
+        self.aux = nn.Linear(16, 5)
+        self.use_aux = True
+
+    def forward(self, x):
+        h = self.body(x)
+        out = self.head(torch.relu(h))
+        if self.use_aux:
+            out = out + 0.3 * self.aux(h)
+        return out
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.parametrize("first", [True, False], ids=["switched_off", "switched_on"])
+def test_a_part_of_the_model_switched_on_or_off_between_steps_is_refused_and_compiling_again_trains_as_eager(
+        stage, first):
+    """Switched on, the head's parameters had no bucket and were silently never trained; switched off, the compile
+    failed inside the shard pass (KeyError). Each is refused, naming the parameters and the flag; compiling again
+    after the switch takes the model over and trains on as eager (which skips a parameter without a gradient)."""
+    torch.manual_seed(0)
+    model = AuxiliaryHead()
+    reference = AuxiliaryHead()
+    reference.load_state_dict(model.state_dict())
+    optimizer, reference_optimizer = adamw(model), adamw(reference)
+    model.use_aux = reference.use_aux = first
+    step = zerocc.compile(model, optimizer, stage=stage, loss_fn=F.cross_entropy)
+    generator = torch.Generator().manual_seed(1)
+    data = [(torch.randn(8, 12, generator=generator), torch.randint(0, 5, (8,), generator=generator))
+            for _ in range(4)]
+
+    def eager(x, y):
+        reference_optimizer.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(reference(x), y)
+        loss.backward()
+        reference_optimizer.step()
+        return loss.detach()
+
+    for batch in data[:2]:
+        assert torch.equal(step(*batch), eager(*batch))
+    before = step.full_state_dict()
+    model.use_aux = reference.use_aux = not first
+    changed = "the loss no longer reaches 'aux.bias', 'aux.weight'" if first else \
+        "it now reaches 'aux.bias', 'aux.weight', which it did not then"
+    with pytest.raises(zerocc.CaptureError, match=rf"trains other parameters than the step's first program: {changed} "
+                       rf"\(changed since then: model use_aux: {first} -> {not first}\).*Compile again after the switch"):
+        step(*data[2])
+    after = step.full_state_dict()
+    assert all(torch.equal(after[key], value) for key, value in before.items())   # the refused call changed nothing
+    step = zerocc.compile(model, optimizer, stage=stage, loss_fn=F.cross_entropy)
+    for batch in data[2:]:
+        assert torch.equal(step(*batch), eager(*batch))
+    step.close()
+    for name, value in reference.state_dict().items():
+        assert torch.equal(model.state_dict()[name], value), name
+
+
 def test_a_training_step_under_inference_mode_is_refused_and_eval_forward_runs_there():
     step, _, _ = compiled_mlp(stage=3)
     data = batches("mlp", 2, 4)

@@ -343,6 +343,27 @@ def test_new_shapes_compile_new_programs_up_to_max_programs():
     assert len(step.cache.programs()) == 2
 
 
+def test_python_values_in_the_batch_that_change_every_batch_are_named_in_the_recompile_warning():
+    """Per-sample file names passed along in the batch (forward ignores them) compile a program per batch: the
+    warning said to pad batches to a few shapes, which all the batches already had."""
+    class Named(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(12, 5)
+
+        def forward(self, x, names):
+            return self.linear(x)
+
+    model = Named()
+    step = zerocc.compile(model, adamw(model), loss_fn=F.mse_loss, max_programs=1)
+    x, y = batches("mlp", 1, 4)[0]
+    step(x, ["a.png", "b.png", "c.png", "d.png"], y)
+    with pytest.warns(zerocc.RecompileWarning, match=r"argument 1\[0\]: str 'e.png'.*Each Python value in the batch "
+                      r"\(a string, a number\) is compiled into the program: pass one that changes every batch \(file "
+                      r"names, sample ids\) outside the step, or as a tensor"):
+        step(x, ["e.png", "f.png", "g.png", "h.png"], y)
+
+
 def test_new_shapes_train_exactly():
     reference, _, loss_fn = build("mlp")
     reference_optimizer = adamw(reference)
@@ -354,6 +375,74 @@ def test_new_shapes_train_exactly():
             batch = batches("mlp", 1, rows, seed=rows)[0]
             assert torch.equal(step(*batch), eager_step(reference, reference_optimizer, loss_fn, batch))
     assert_same_state(step, reference)
+
+
+class ConvAndPixels(torch.nn.Module):
+    """A convolution (whose kernels round otherwise on a channels-last input) beside a linear layer on the pixels
+    (``reshape`` of a contiguous batch is a view, of a permuted one a copy)."""
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3, padding=1)
+        self.pixels = torch.nn.Linear(3 * 8 * 8, 4)
+
+    def forward(self, x):
+        return self.conv(x).mean((2, 3)) + self.pixels(x.reshape(len(x), -1))
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_batches_laid_out_otherwise_in_memory_train_exactly(stage):
+    """A loader whose batches are sometimes channels-last or transposed (an augmentation): the program traced on the
+    first batch's strides ran on the others, a channels-last convolution rounded otherwise than eager's and a
+    permuted batch failed ('view size is not compatible'). Each layout gets a program, as a shape does."""
+    generator = torch.Generator().manual_seed(1)
+    laid_out = [lambda x: x, lambda x: x.contiguous(memory_format=torch.channels_last),
+                lambda x: x.transpose(2, 3).contiguous().transpose(2, 3), lambda x: x]
+    data = [(lay(torch.randn(6, 3, 8, 8, generator=generator)), torch.randint(0, 4, (6,), generator=generator))
+            for lay in laid_out]
+    torch.manual_seed(0)
+    model = ConvAndPixels()
+    reference = copy.deepcopy(model)
+    reference_optimizer = adamw(reference)
+    step = zerocc.compile(model, adamw(model), stage=stage, loss_fn=F.cross_entropy)
+    for batch in data:
+        assert torch.equal(step(*batch), eager_step(reference, reference_optimizer, F.cross_entropy, batch))
+    assert_same_state(step, reference)
+    assert len(step.cache.programs()) == 3   # one per layout
+    for x, _ in data[1:3]:
+        assert torch.equal(step.eval_forward(x), reference(x))
+
+
+class Generator(torch.nn.Module):
+    """A GAN generator's first layers: a linear layer's output viewed as a (contiguous) feature map, convolved."""
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(16, 8 * 4 * 4)
+        self.conv = torch.nn.Conv2d(8, 8, 3, padding=1)
+        self.out = torch.nn.Linear(8, 5)
+
+    def forward(self, z):
+        return self.out(torch.relu(self.conv(self.linear(z).view(len(z), 8, 4, 4))).mean((2, 3)))
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_channels_last_model_trains_exactly_on_contiguous_inputs(stage):
+    """``model.to(memory_format=torch.channels_last)``: eager's convolutions compute in channels-last because the
+    weights are, whatever their input's layout; the step read its parameters as contiguous views of its buckets and
+    rounded otherwise from the first step on. They are read in their own strides, by every program (a second batch
+    size, compiled after stage 3 released the parameters) and by eval_forward."""
+    torch.manual_seed(0)
+    model = Generator().to(memory_format=torch.channels_last)
+    reference = copy.deepcopy(model)
+    reference_optimizer = adamw(reference)
+    step = zerocc.compile(model, adamw(model), stage=stage, loss_fn=F.cross_entropy)
+    generator = torch.Generator().manual_seed(1)
+    for rows in (4, 6, 4):
+        batch = torch.randn(rows, 16, generator=generator), torch.randint(0, 5, (rows,), generator=generator)
+        assert torch.equal(step(*batch), eager_step(reference, reference_optimizer, F.cross_entropy, batch))
+    assert_same_state(step, reference)
+    z = torch.randn(6, 16, generator=generator)
+    with torch.no_grad():
+        assert torch.equal(step.eval_forward(z), reference(z))
 
 
 def test_a_default_dtype_set_between_steps_gets_its_own_program():

@@ -23,13 +23,13 @@ from . import precision as mixed   # the step has a ``precision`` property
 from . import state_dict as state_dict_module   # its functions share the methods' names
 from . import user_views
 from .batch import BatchLayout, FirstBatch, agreement_lines, check_batch
-from .capture import Captured, capture, named_tensors, trained_parameters
+from .capture import Captured, capture, named_tensors, parameter_layouts, trained_parameters
 from .compile_stats import CompileStats
 from .analysis.step_time import HardwareProfile, StepTime, predict
 from .data_guards import all_hold
 from .device_budget import DeviceBudget, device_budget
 from .driver import Compiled, fewer_collections, final_peak, run_passes
-from .errors import CompileCacheWarning, ConfigError, RecompileWarning
+from .errors import CaptureError, CompileCacheWarning, ConfigError, RecompileWarning
 from .hardware import measure_hardware, profile_of
 from .memory_plan import MemoryPlan, memory_plan_entries
 from .optimizer_step import hyperparameter_signature, live_layout, live_settings
@@ -289,6 +289,8 @@ class CompiledStep:
         self._warned_settings = False   # _say_which_settings_changed: once per step
         self._modules = tuple(model.modules())   # whose training flags and hooks each call's program key reads
         self._parameters = tuple(model.parameters())   # whose hooks each call's program key reads
+        # channels-last parameters, read in their strides by every program (the step keeps them in flat buckets)
+        self._parameter_layouts = parameter_layouts(model)
         self._python_sources = python_sources(model, options.loss_fn)   # where forward and the loss read Python values
         self._written_python: frozenset = frozenset()   # those forward writes itself (a counter): not in the key
         self._warned_python = False   # _say_which_python_values_changed: once per step
@@ -566,6 +568,43 @@ class CompiledStep:
         return CacheEntry(program, compiled.ctx, compiled.history, reads_initial_state=fresh is not None,
                           measured_peak_bytes=made.measured_peak_bytes, stored_as=made.stored_as)
 
+    def _refuse_other_trained_parameters(self, captured: Captured) -> None:
+        """Refuse a program whose loss reaches other parameters than the first program's did.
+
+        The buckets and the optimizer state are laid out once, for the parameters the first program trained; a
+        parameter the loss reaches only later had no bucket (the step silently never trained it), and one it no
+        longer reaches had no gradient to put there (the compile failed inside the shard pass). Eager's optimizer
+        skips a parameter without a gradient and starts its state at its first one.
+        """
+        state = self.state
+        if state.plan is None:
+            return
+        planned = {state.captured.params[segment.param].name for bucket in state.plan.buckets
+                   for segment in bucket.segments}
+        reached = {info.name for info, node in zip(captured.params, g.placeholders(captured.gm, g.ROLE_PARAM))
+                   if not node.meta.get(g.UNUSED)}
+        if planned == reached:
+            return
+        changes = []
+        known = next(iter(self.cache.entries), None)
+        if known is not None:
+            changes = changed_python_values(known.python, self.values_read()[0])
+            if known.training != training_modes(self._modules):
+                changes.append("the modules' training modes (model.train()/model.eval())")
+        lost, gained = sorted(planned - reached), sorted(reached - planned)
+        raise CaptureError(
+            "this call's program trains other parameters than the step's first program: "
+            + "; ".join(part for part in (
+                f"the loss no longer reaches {', '.join(map(repr, lost[:6]))}{', ...' if len(lost) > 6 else ''}"
+                if lost else "",
+                f"it now reaches {', '.join(map(repr, gained[:6]))}{', ...' if len(gained) > 6 else ''}, which it did "
+                "not then" if gained else "") if part)
+            + f" (changed since then: {'; '.join(changes[:4]) if changes else 'a branch on the batch or the model'})."
+            " The step lays out its buckets and optimizer state once, for the parameters its first program trained, "
+            "so it cannot follow a part of the model switched on or off between steps (an auxiliary head, a "
+            "warm-up branch). Compile again after the switch: zerocc.compile(model, optimizer, ...) takes the model "
+            "and optimizer over from this step, trained, as eager goes on with them. Nothing was changed")
+
     def _capture_and_run_passes(self, batch, layout: BatchLayout, autocast: tuple,
                                 device: DeviceBudget | None = None) -> "_Made":
         state, options = self.state, self.options
@@ -578,6 +617,7 @@ class CompiledStep:
                 self.model, self.optimizer, batch, layout=layout, loss_fn=options.loss_fn,
                 num_targets=options.num_targets, fake_mode=fake_mode, optimizer_state=optimizer_state,
                 check_update_elementwise=options.stage != 0, parameter_shapes=state.released_shapes,
+                parameter_layouts=self._parameter_layouts,
                 grad_accumulation=options.grad_accumulation, precision=options.precision, autocast=autocast)
 
         # before the first step the step makes the optimizer's initial state itself, when it can learn it
@@ -596,6 +636,7 @@ class CompiledStep:
                 fake_mode, captured = trace(None)
         else:
             fake_mode, captured = trace(None)
+        self._refuse_other_trained_parameters(captured)
         state_signature = _state_signature_of(captured)   # before the passes rewrite the captured graph
         options = dataclasses.replace(options, device_budget=device, hardware=self._hardware_profile)
         compiled = run_passes(captured, fake_mode, options, self.optimizer, world_size=self.ranks.world_size,

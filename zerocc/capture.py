@@ -29,6 +29,7 @@ import torch.fx as fx
 from torch.nn.utils.stateless import _reparametrize_module
 import torch.nn as nn
 from torch._subclasses.fake_tensor import DynamicOutputShapeException, DataDependentOutputException
+from torch._prims_common import is_non_overlapping_and_dense_or_false
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from . import compile_stats
@@ -94,6 +95,25 @@ def named_tensors(model: nn.Module, kind: str) -> list[tuple[tuple[str, ...], to
     for name, tensor in getter(remove_duplicate=False):
         by_id.setdefault(id(tensor), ([], tensor))[0].append(name)
     return [(tuple(names), tensor) for names, tensor in by_id.values()]
+
+
+def parameter_layouts(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    """The strides of the parameters laid out otherwise than contiguously (``model.to(memory_format=
+    torch.channels_last)``), by name: what ``capture(parameter_layouts=...)`` reads them in."""
+    return {name: tuple(param.stride()) for name, param in model.named_parameters()
+            if not param.is_contiguous() and is_non_overlapping_and_dense_or_false(param)}
+
+
+def laid_out(value: torch.Tensor, stride: tuple[int, ...] | None) -> torch.Tensor:
+    """``value`` with ``stride`` (a copy, differentiable), or ``value`` itself where ``stride`` is None.
+
+    The step keeps a parameter in a flat bucket and reads it as a contiguous view; eager's kernels read the
+    parameter's own strides: a convolution whose weight is channels-last computes in channels-last (and rounds
+    otherwise) even on a contiguous input. The copy gives the program's ops the strides eager's see.
+    """
+    if stride is None:
+        return value
+    return torch.empty_strided(value.shape, stride, dtype=value.dtype, device=value.device).copy_(value)
 
 
 def extract_loss(output: Any, targets: Sequence[Any], loss_fn: Callable | None) -> torch.Tensor:
@@ -246,6 +266,7 @@ def trace_step(
     optimizer_state: Sequence[dict[str, torch.Tensor]] | None = None,
     check_update_elementwise: bool = True,
     parameter_shapes: dict[str, tuple[int, ...]] | None = None,
+    parameter_layouts: dict[str, tuple[int, ...]] | None = None,
     grad_accumulation: int = 1,
     precision: mixed.Precision | None = None,
     autocast: tuple = (),
@@ -259,7 +280,9 @@ def trace_step(
     arguments named by ``layout.keywords``; without ``layout``, all positional.
 
     ``parameter_shapes`` gives the true shapes of parameters whose storage the
-    runtime released (stage 3). ``optimizer_state`` gives, per trained parameter, the state tensors to trace
+    runtime released (stage 3). ``parameter_layouts`` gives the strides of parameters the user's model lays
+    out otherwise than contiguously (``parameter_layouts(model)`` before the step took them over): forward and
+    backward read them in those strides, as eager does. ``optimizer_state`` gives, per trained parameter, the state tensors to trace
     with (defaults to ``optimizer.state``); empty dicts mean "first step": the
     optimizer initializes its state inside the graph the way it always does.
     ``grad_accumulation`` (K) splits every batch tensor along dim 0 into K
@@ -279,6 +302,7 @@ def trace_step(
         raise ConfigError("the model has no parameter that both requires grad and is in the optimizer")
     gradient_hooks = _gradient_hooks_of(trained)
     parameter_shapes = parameter_shapes or {}
+    parameter_layouts = parameter_layouts or {}
 
     def shape_of(names, tensor):
         return tuple(parameter_shapes.get(names[0], tensor.shape))
@@ -317,7 +341,7 @@ def trace_step(
                 value.register_hook(hook)
         tensors = {}
         for info, value in zip(param_infos, computed):
-            tensors[info.name] = value
+            tensors[info.name] = laid_out(value, parameter_layouts.get(info.name))
         for info, value in zip(frozen_infos, frozen_computed):
             tensors[info.name] = value
         for info, value in zip(buffer_infos, buffers):

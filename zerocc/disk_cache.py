@@ -167,6 +167,8 @@ def fingerprint(step, key, released_shapes: dict[str, tuple[int, ...]], previous
         f"{'/'.join(names[id(t)])}:{tuple(released_shapes.get(n, t.shape))}:{t.dtype}:{t.device}:{t.requires_grad}:"
         f"{isinstance(t, nn.Parameter)}:{_stable(list((getattr(t, '_backward_hooks', None) or {}).values()))}"
         for n, t in [*model.named_parameters(), *model.named_buffers()])   # register_hook: traced into the step
+    if step._parameter_layouts:   # channels-last parameters: read in their strides (capture.laid_out)
+        tensors += "\nlaid out " + _stable(sorted(step._parameter_layouts.items()))
     index = {id(p): n for n, p in model.named_parameters()}
     # which parameters each group holds; its settings traced into the program are key.hyperparameters (lr and
     # betas are read every step and stay out, so a schedule does not miss)

@@ -23,6 +23,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from . import decisions
+from .capture import laid_out
 from .autocast import autocast_as, autocast_state, outside_autocast
 from .batch import BatchLayout, check_batch
 from .data_guards import GuardRecorder, all_hold, recording
@@ -118,7 +119,9 @@ def _compile(step, batch: list, layout: BatchLayout, autocast: tuple = ()) -> Ev
             full = _trained(full)
             for segment in bucket.segments:
                 info = captured.params[segment.param]
-                by_name[info.name] = full[segment.offset:segment.offset + segment.numel].view(info.shape)
+                # in the model's own strides (channels-last), as the training step reads it (capture.laid_out)
+                by_name[info.name] = laid_out(full[segment.offset:segment.offset + segment.numel].view(info.shape),
+                                               step._parameter_layouts.get(info.name))
         with torch.no_grad(), autocast_as(autocast):
             args, kwargs = layout.split(batch)
             output = torch.func.functional_call(model, by_name, tuple(args), kwargs, tie_weights=True, strict=False)

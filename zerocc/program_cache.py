@@ -225,12 +225,30 @@ def changed_python_values(old: tuple, new: tuple) -> list[str]:
             or type(before.get((label, name))) is not type(after.get((label, name)))]
 
 
+def memory_layout(value: torch.Tensor) -> tuple:
+    """How a batch tensor lies in memory, where not contiguous: ``("channels_last",)``, or its strides.
+
+    A program is traced on the first batch's strides, and eager's kernels read them: a convolution of a
+    channels-last batch rounds otherwise, and ``reshape`` is traced as a view where the first batch allowed
+    one (a contiguous batch's, which a permuted batch's ``reshape`` must copy instead: the program failed with
+    "view size is not compatible"). A batch laid out otherwise gets a program of its own. Strides of
+    dimensions of size 1 are left out: no kernel reads them.
+    """
+    if value.is_contiguous():
+        return ()
+    for name, layout in (("channels_last", torch.channels_last), ("channels_last_3d", torch.channels_last_3d)):
+        if value.dim() == (4 if layout is torch.channels_last else 5) and value.is_contiguous(memory_format=layout):
+            return (name,)
+    return (tuple(stride if size > 1 else None for size, stride in zip(value.shape, value.stride())),)
+
+
 def input_signature(batch, layout: BatchLayout) -> tuple:
-    """What a program is compiled for: each entry's shape and dtype (or Python value), keywords by name."""
+    """What a program is compiled for: each entry's shape, dtype and ``memory_layout`` (or Python value),
+    keywords by name."""
     signature = []
     for index, value in enumerate(batch):
         if isinstance(value, torch.Tensor):
-            entry = (tuple(value.shape), value.dtype, str(value.device), value.requires_grad)
+            entry = (tuple(value.shape), value.dtype, str(value.device), value.requires_grad, *memory_layout(value))
         else:
             entry = ("python", type(value).__name__, repr(value))
         if layout.spec is not None:   # containers: each leaf by its name ('argument 0['ids']', 'extra[1]=')
@@ -243,6 +261,11 @@ def input_signature(batch, layout: BatchLayout) -> tuple:
     return tuple(signature)
 
 
+def _holds_python_value(entry: tuple) -> bool:
+    """An ``input_signature`` entry of a Python value (not a tensor), a keyword's or a container's leaf too."""
+    return entry[0] == "python" or entry[0] in ("keyword", "leaf") and _holds_python_value(entry[2])
+
+
 def describe_signature(signature: tuple) -> str:
     """A batch signature as a person reads it: 'shapes (8, 12) float32, (8, 5) float32'."""
     def describe(entry):
@@ -253,7 +276,8 @@ def describe_signature(signature: tuple) -> str:
         if entry[0] == "python":
             return f"{entry[1]} {entry[2]}"
         shape, dtype = entry[0], str(entry[1]).replace("torch.", "")
-        return f"{shape} {dtype}"
+        laid_out = "" if len(entry) < 5 else f" {entry[4]}" if isinstance(entry[4], str) else f" strides {entry[4]}"
+        return f"{shape} {dtype}{laid_out}"
     return "shapes " + ", ".join(describe(entry) for entry in signature if entry[0] != "structure")
 
 
@@ -305,8 +329,9 @@ class ProgramCache:
             raise ConfigError(
                 f"static_shapes=True, but this batch is {describe_signature(signature)} and the step was compiled "
                 f"for {' and '.join(describe_signature(s) for s in compiled)}; pad or cut the batch to the compiled "
-                "shape (the last batch of an epoch: drop_last=True), or compile with static_shapes=False to compile "
-                "a program per shape")
+                "shape (the last batch of an epoch: drop_last=True) and lay it out as the compiled batch (a "
+                "permuted or channels-last batch: .contiguous(memory_format=...)), or compile with "
+                "static_shapes=False to compile a program per shape and layout")
 
     def evict_beyond_limit(self, signature: tuple, keep: CacheEntry) -> None:
         """Keep at most ``max_programs`` programs, ``keep`` (the one just compiled) among them, dropping the least
@@ -322,7 +347,10 @@ class ProgramCache:
                 f"zerocc: more than max_programs={self.max_programs} compiled programs (a new batch of "
                 f"{describe_signature(signature)}); dropped the least recently used, compiled for "
                 f"{describe_signature(old_key.signature)}. Each new shape costs a compilation: pad batches to a few "
-                "shapes, raise max_programs, or set static_shapes=True to make a new shape an error", RecompileWarning,
+                "shapes, raise max_programs, or set static_shapes=True to make a new shape an error"
+                + (". Each Python value in the batch (a string, a number) is compiled into the program: pass one "
+                   "that changes every batch (file names, sample ids) outside the step, or as a tensor"
+                   if any(_holds_python_value(entry) for entry in signature) else ""), RecompileWarning,
                 stacklevel=4)
 
     def clear(self) -> None:
