@@ -668,7 +668,7 @@ class CompiledStep:
             return None
         cache.last_outcome = "loaded"
         compiled = Compiled(payload["gm"], payload["ctx"], payload["history"], stats)
-        dump_dir = dump_dir_of(self.options.dump_dir)
+        dump_dir = dump_dir_of(self.options.dump_dir, self.ranks.rank, self.ranks.world_size)
         if dump_dir:   # a compile writes them as its passes run
             write_dumps(dump_dir, compiled.history)
         return _Made(payload["captured"], compiled, fresh if payload["reads_initial_state"] else None,
