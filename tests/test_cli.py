@@ -43,7 +43,8 @@ def test_a_bad_argument_is_one_line_and_exit_code_2(arguments, message, capsys, 
 
 def test_dtype_aliases_are_accepted(capsys):
     assert main([*TINY, "--param-dtype", "bf16"]) == 0
-    assert "mixed-precision accounting: bfloat16" in capsys.readouterr().out
+    out = capsys.readouterr().out   # the plans compute in float32: bfloat16 is how the table counts bytes
+    assert "mixed-precision accounting: bfloat16" in out and "bfloat16 accounting:" in out, out
 
 
 def test_the_table_unit_fits_a_small_model(capsys):
@@ -52,6 +53,17 @@ def test_the_table_unit_fits_a_small_model(capsys):
     assert "model states per rank (kB = 1e3 bytes)" in out
     row = next(line for line in out.splitlines() if line.strip().startswith("0 "))
     assert all(cell != "0.000" for cell in row.split()[2:6]), row   # comm/step is 0 at one rank
+
+
+def test_dumps_of_several_plans_are_kept_apart(tmp_path):
+    """--dump-dir with several stages or world sizes wrote every plan's files under the same names: only the
+    last plan's were left."""
+    assert main([*TINY[:-6], "--world-size", "1,2", "--stage", "0,3", "--plot", "", "--dump-dir",
+                 str(tmp_path)]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["stage0_world1", "stage0_world2", "stage3_world1",
+                                                         "stage3_world2"]
+    shard = (tmp_path / "stage3_world2" / "001_shard.py").read_text()
+    assert shard.startswith("# after pass 01 'shard'") and "reduce_gradient" in shard
 
 
 def test_the_table_unit_fits_a_large_model():

@@ -94,8 +94,9 @@ def test_changed_options_miss_and_say_which_part_changed(tmp_path):
     data = batches("gpt", 2, 8)
     _compiled(tmp_path)(*data[0])
     step = _compiled(tmp_path, bucket_bytes=1 << 12)
-    with pytest.warns(CompileCacheWarning, match="changed since the entry for this program: options"):
+    with pytest.warns(CompileCacheWarning, match="changed since the entry for this program: options") as caught:
         loss = step(*data[0])
+    assert [w.filename for w in caught] == [__file__]   # the user's call, not the line that called its function
     assert step.report()["compile_cache"].startswith("miss (changed since the entry for this program: options), then stored")
     assert torch.equal(loss, _eager_losses("gpt", 0, 1, data)[0])
     # the learning rate is read every step: a new one loads the stored program
@@ -194,8 +195,9 @@ def test_an_unreadable_entry_is_compiled_again_and_replaced(tmp_path):
     with open(entry, "r+b") as file:
         file.truncate(1000)
     step = _compiled(tmp_path)
-    with pytest.warns(CompileCacheWarning, match="could not read"):
+    with pytest.warns(CompileCacheWarning, match="could not read") as caught:
         loss = step(*data[0])
+    assert [w.filename for w in caught] == [__file__]
     assert torch.equal(loss, _eager_losses("gpt", 0, 1, data)[0])
     assert step.report()["compile_cache"].startswith("miss (unreadable entry), then stored")
     step = _compiled(tmp_path)

@@ -248,6 +248,22 @@ def test_dump_dir_setting_and_environment_variable(tmp_path, monkeypatch):
     assert len(os.listdir(tmp_path / "env")) == 13   # capture, eleven passes (place_buffers: pools are on by default) and the memory plan
 
 
+def _compile_with_dumps(rank, world_size, folder):
+    step = compiled_mlp(dump_dir=folder)
+    return str(step.graph("place_buffers")) + "\n"
+
+
+@pytest.mark.multirank
+def test_every_rank_dumps_its_own_programs(tmp_path):
+    """torchrun gives every rank the same dump_dir: the ranks wrote the same file names into it, overwriting each
+    other's, and no file said which rank's program it held. Each rank writes into rank<r>/ under it."""
+    programs = distributed.run(_compile_with_dumps, 2, str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == ["rank0", "rank1"]
+    for rank, program in enumerate(programs):
+        assert len(os.listdir(tmp_path / f"rank{rank}")) == 13
+        assert (tmp_path / f"rank{rank}" / "011_place_buffers.py").read_text() == program
+
+
 def test_explain_says_what_the_passes_decided():
     text = planned_gpt().explain()
     assert "stage 3, world size 4, rank 0" in text

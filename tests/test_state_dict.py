@@ -63,6 +63,20 @@ def test_resume_is_exact_world_size_1(tmp_path, stage):
         assert torch.equal(full_a[key], full_b[key]), key
 
 
+def test_a_plain_process_saves_loads_and_exports_without_dcp_warnings(tmp_path):
+    """At world size 1 every save, load and export printed DCP's UserWarning "torch.distributed is disabled,
+    unavailable or uninitialized, assuming the intent is to save in a single process", from inside torch."""
+    import warnings
+    step = compiled("mlp", 3)
+    step(*batches("mlp", 1, 8)[0])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        zerocc.save_checkpoint(step, tmp_path / "ckpt")
+        zerocc.load_checkpoint(step, tmp_path / "ckpt")
+        zerocc.export_full_state_dict(tmp_path / "ckpt", tmp_path / "model.safetensors")
+    assert [str(w.message) for w in caught] == []
+
+
 def test_load_into_a_step_that_already_ran(tmp_path):
     data = batches("mlp", 2 * K, 8)
     original = compiled("mlp", 3)

@@ -29,7 +29,7 @@ from .analysis.step_time import HardwareProfile, StepTime, predict
 from .data_guards import all_hold
 from .device_budget import DeviceBudget, device_budget
 from .driver import Compiled, fewer_collections, final_peak, run_passes
-from .errors import CaptureError, CompileCacheWarning, ConfigError, RecompileWarning
+from .errors import CaptureError, CompileCacheWarning, ConfigError, RecompileWarning, user_stacklevel
 from .hardware import measure_hardware, profile_of
 from .memory_plan import MemoryPlan, memory_plan_entries
 from .optimizer_step import hyperparameter_signature, live_layout, live_settings
@@ -705,11 +705,11 @@ class CompiledStep:
             cache.last_outcome = f"miss ({why})"
             if why.startswith(("changed", "source changed")):
                 warnings.warn(f"zerocc compile cache: compiling, the stored program for {type(self.model).__name__} "
-                              f"does not fit: {why}", CompileCacheWarning, stacklevel=6)
+                              f"does not fit: {why}", CompileCacheWarning, stacklevel=user_stacklevel())
             return None
         cache.last_outcome = "loaded"
         compiled = Compiled(payload["gm"], payload["ctx"], payload["history"], stats)
-        dump_dir = dump_dir_of(self.options.dump_dir)
+        dump_dir = dump_dir_of(self.options.dump_dir, self.ranks.rank, self.ranks.world_size)
         if dump_dir:   # a compile writes them as its passes run
             write_dumps(dump_dir, compiled.history)
         return _Made(payload["captured"], compiled, fresh if payload["reads_initial_state"] else None,

@@ -60,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     planning.add_argument("--bucket-mb", type=float, default=4.0, help="bucket size in MiB")
     planning.add_argument("--device", default="meta", help="device the factory builds the model on")
     planning.add_argument("--plot", default="zerocc_plan.png", help="where to write the plot ('' for none)")
-    planning.add_argument("--dump-dir", default=None, help="write the program after every pass here")
+    planning.add_argument("--dump-dir", default=None, help="write the program after every pass here (with several "
+                          "stages or world sizes, into stage<s>_world<n>/ per plan)")
     planning.add_argument("--explain", action="store_true", help="print what every pass decided, per plan")
     planning.add_argument("--json", default=None, help="write every plan's report here")
     args = parser.parse_args(argv)
@@ -200,7 +201,10 @@ def plan_command(args) -> int:
     rows, reports = [], []
     for stage in stages:
         for world_size in world_sizes:
-            plan = planner.plan(stage, world_size, dump_dir=args.dump_dir)
+            # several configurations: a folder each, or each plan's files would overwrite the one before
+            dump_dir = args.dump_dir and (os.path.join(args.dump_dir, f"stage{stage}_world{world_size}")
+                                          if len(stages) * len(world_sizes) > 1 else args.dump_dir)
+            plan = planner.plan(stage, world_size, dump_dir=dump_dir)
             report = plan.report()
             reports.append(report)
             held = report["model_state_bytes_per_rank"]
@@ -208,7 +212,7 @@ def plan_command(args) -> int:
                          sum(report["comm_bytes_per_step"].values())))
             if args.explain:
                 print(plan.explain() + "\n")
-    print(table(rows, param_count, param_dtype or next(model.parameters()).dtype))
+    print(table(rows, param_count, param_dtype or next(model.parameters()).dtype, accounting=param_dtype is not None))
     print(f"\nplanned {len(rows)} configuration(s) in {time.perf_counter() - started:.1f} s "
           f"({'mixed-precision accounting: ' + str(param_dtype).replace('torch.', '') + ' params/grads, fp32 master + optimizer state' if param_dtype else 'as compiled'})")
     if args.json:
@@ -226,10 +230,11 @@ def unit_for(largest: float) -> tuple[str, float]:
     return next(((name, size) for name, size in UNITS if largest >= size), UNITS[-1])
 
 
-def table(rows, param_count: int, dtype) -> str:
+def table(rows, param_count: int, dtype, accounting: bool = False) -> str:
+    """The per-rank table; ``accounting``: ``--param-dtype`` counts bytes in ``dtype``, the plans compute as built."""
     unit, size = unit_for(max((max(row[2:]) for row in rows), default=0))
     lines = [f"model states per rank ({unit}{f' = 1e{len(str(size)) - 1} bytes' if size > 1 else ''}), {param_count:,} "
-             f"parameters, {str(dtype).replace('torch.', '')} compute:",
+             f"parameters, {str(dtype).replace('torch.', '')} {'accounting' if accounting else 'compute'}:",
              f"{'stage':>5} {'ranks':>6} {'params':>10} {'grads':>10} {'optimizer':>10} {'total':>10} {'comm/step':>10}"]
     for stage, world_size, params, grads, optimizer, total, comm in rows:
         lines.append(f"{stage:>5} {world_size:>6} {params / size:>10.3f} {grads / size:>10.3f} "

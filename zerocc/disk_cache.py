@@ -56,7 +56,7 @@ import torch.nn as nn
 
 from . import graph as g
 from . import graph_pickle
-from .errors import CompileCacheError, CompileCacheWarning, ConfigError
+from .errors import CompileCacheError, CompileCacheWarning, ConfigError, user_stacklevel
 
 CACHE_DIR_VARIABLE = "ZEROCC_CACHE_DIR"
 FORMAT = 1   # bumped when what an entry holds changes shape
@@ -309,7 +309,7 @@ class DiskCache:
                 payload = graph_pickle.loads(file.read(), objects, fake_mode)
         except Exception as error:   # a truncated or foreign file: compile, and write it again
             warnings.warn(f"zerocc compile cache: could not read {path} ({type(error).__name__}: {error}); "
-                          "compiling instead, and replacing it", CompileCacheWarning, stacklevel=6)
+                          "compiling instead, and replacing it", CompileCacheWarning, stacklevel=user_stacklevel())
             return None
         payload["history"] = StoredHistory(self._path(digest, ".history.pkl"), objects, fake_mode)
         return payload
@@ -331,7 +331,7 @@ class DiskCache:
             self._write_index(fingerprint.digest, index)   # last: it marks the entry complete
         except OSError as error:
             warnings.warn(f"zerocc compile cache: could not write to {self.folder} ({error}); the step runs "
-                          "without storing its program", CompileCacheWarning, stacklevel=6)
+                          "without storing its program", CompileCacheWarning, stacklevel=user_stacklevel())
             return f"not stored: {error}"
         return f"stored ({(len(data) + len(history_data)) / 2**20:.1f} MiB)"
 

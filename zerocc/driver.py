@@ -104,8 +104,9 @@ def run_passes(captured: Captured, fake_mode: Any, options: CompileOptions, opti
                              attempt.bucket_bytes, previous_plan=previous_plan, traces=traces, planning=planning,
                              precision=attempt.precision, gather_per_micro_batch=attempt.gather_per_micro_batch)
         try:
-            gm, history = run_pipeline(working.gm, ctx, attempt.passes(), verify=attempt.verify,
-                                       dump_dir=dump_dir_of(attempt.dump_dir), progress=progress, stats=stats)
+            dumps = dump_dir_of(attempt.dump_dir, rank, 1 if planning else world_size)   # a plan is one process
+            gm, history = run_pipeline(working.gm, ctx, attempt.passes(), verify=attempt.verify, dump_dir=dumps,
+                                       progress=progress, stats=stats)
             if device is not None and ctx.memory_plan is not None:   # (plan_memory disabled: nothing to check)
                 peak = max(ctx.from_every_rank(final_peak(ctx, attempt.memory_pools)))
                 if attempt.memory_budget is None and peak > device.bytes:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import linecache
 import os
+import sys
 import traceback
 
 from . import graph as g
@@ -15,6 +16,20 @@ _LIBRARY_DIRS = (
     os.path.dirname(os.path.abspath(__file__)),
     os.path.dirname(os.path.abspath(__import__("torch").__file__)),
 )
+
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` for a ``warnings.warn`` in the caller that names the first frame outside zerocc: the
+    user's line (``loss = step(x, y)``), however deep in zerocc the warning is raised. A fixed count named one
+    frame too far out on some paths (the line that called the user's function)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE_DIR + os.sep):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 class ZeroccError(Exception):

@@ -59,6 +59,10 @@ def named_profile(name: str) -> HardwareProfile:
     return NAMED[name]
 
 
+# torch 2.13 renamed it, and the old name warns (FutureWarning) in the middle of a user's compile under a budget
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def measure_hardware(group=None, device: torch.device | str | None = None, dtype: torch.dtype = torch.float32,
                      refresh: bool = False) -> HardwareProfile:
     """This machine's profile for ``dtype`` on ``device`` (default: CUDA's current device if any, else CPU) and
@@ -161,7 +165,7 @@ def _measure(device: torch.device, dtype: torch.dtype, group, world: int) -> Har
         for count, calls in ((small, 20), (large, 5)):
             shard = torch.ones(count, device=device)
             full = torch.empty(count * world, device=device)
-            times[count] = _collective_seconds(lambda: dist.all_gather_into_tensor(full, shard, group=group), device,
+            times[count] = _collective_seconds(lambda: _all_gather(full, shard, group=group), device,
                                                calls)
         share = (world - 1) / world * 4
         latency = times[small]
@@ -189,7 +193,7 @@ def _overlap(a: torch.Tensor, b: torch.Tensor, shard: torch.Tensor, full: torch.
             torch.mm(a, b)
 
     def communicate():
-        return [dist.all_gather_into_tensor(full, shard, group=group, async_op=True) for _ in range(gathers)]
+        return [_all_gather(full, shard, group=group, async_op=True) for _ in range(gathers)]
 
     def both():
         works = communicate()

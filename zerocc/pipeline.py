@@ -304,11 +304,16 @@ def snapshot(index: int, name: str, gm: fx.GraphModule, before: collections.Coun
     return GraphSnapshot(index, name, constants, dict(gm.meta), NodeRecord(gm.graph), counts, changes, note)
 
 
-def dump_dir_of(setting: str | os.PathLike | None) -> str | None:
-    """The dump folder: the ``dump_dir`` setting, else ``$ZEROCC_DUMP_DIR``, else none."""
-    if setting is not None:
-        return os.fspath(setting)
-    return os.environ.get(DUMP_DIR_VARIABLE) or None
+def dump_dir_of(setting: str | os.PathLike | None, rank: int = 0, world_size: int = 1) -> str | None:
+    """The dump folder: the ``dump_dir`` setting, else ``$ZEROCC_DUMP_DIR``, else none.
+
+    Across ranks each rank writes into ``rank<r>/`` under it: torchrun gives every rank the same setting, and
+    rank-named files in one folder would overwrite each other with no sign of which rank wrote them.
+    """
+    folder = os.fspath(setting) if setting is not None else os.environ.get(DUMP_DIR_VARIABLE) or None
+    if folder and world_size > 1:
+        return os.path.join(folder, f"rank{rank}")
+    return folder
 
 
 def memory_pools_of(setting: bool | None, disable: Sequence[str] = ()) -> bool:

@@ -36,12 +36,14 @@ moment leaves ``<path>`` pointing at the previous, complete checkpoint.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import re
 import shutil
 import struct
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -64,6 +66,17 @@ FORMAT_VERSION = 1
 STEPS_KEY = "zerocc/steps"
 PARAM_GROUPS_KEY = "zerocc/param_groups"   # optional on load: checkpoints of older versions lack it
 SCALER_PREFIX = "zerocc/loss_scale/"   # optional on load: a step without loss scaling ignores it, one with starts afresh
+
+
+@contextlib.contextmanager
+def _in_one_process():
+    """DCP's save and load warn, with ``no_dist``, that they assume "the intent is to save (load) in a single
+    process": at world size 1 and in an export that is what zerocc asks for, and the warning, pointing into
+    torch, told a user of a plain process nothing."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
+                                category=UserWarning)
+        yield
 
 
 def model_key(fqn: str) -> str:
@@ -438,8 +451,9 @@ def _save(step, path: str) -> str:
     # across ranks until the next step broadcasts rank 0's, and DCP's default writes whichever rank it balances to
     planner = DefaultSavePlanner(dedup_save_to_lowest_rank=True)
     try:   # DCP gathers every rank's outcome: where one rank's write fails, every rank raises
-        dcp.save(state, storage_writer=writer, planner=planner, process_group=ranks.group,
-                 no_dist=ranks.group is None)
+        with _in_one_process():
+            dcp.save(state, storage_writer=writer, planner=planner, process_group=ranks.group,
+                     no_dist=ranks.group is None)
     except CheckpointException as error:   # a BaseException: ``except Exception`` in a training loop would not see it
         raise CheckpointError(f"saving {path} failed: {_first_line(error)}; {path} still holds the previous "
                               "checkpoint, if any (the next save removes the incomplete version)") from error
@@ -622,11 +636,13 @@ def _load(step, path: str) -> None:
         raise ConfigError(f"{path} lacks {len(absent)} entr{'y' if len(absent) == 1 else 'ies'} this step needs: "
                           f"{', '.join(absent[:5])}; it was saved from a different model or optimizer")
     try:
-        if groups_saved:   # refused before the load writes into the step's buckets (views of them at stages 1-3)
-            groups = {PARAM_GROUPS_KEY: state[PARAM_GROUPS_KEY]}
-            dcp.load(groups, storage_reader=reader, process_group=step.ranks.group, no_dist=step.ranks.group is None)
-            _check_param_groups(step, list(groups[PARAM_GROUPS_KEY]))
-        dcp.load(state, storage_reader=reader, process_group=step.ranks.group, no_dist=step.ranks.group is None)
+        with _in_one_process():
+            if groups_saved:   # refused before the load writes into the step's buckets (views at stages 1-3)
+                groups = {PARAM_GROUPS_KEY: state[PARAM_GROUPS_KEY]}
+                dcp.load(groups, storage_reader=reader, process_group=step.ranks.group,
+                         no_dist=step.ranks.group is None)
+                _check_param_groups(step, list(groups[PARAM_GROUPS_KEY]))
+            dcp.load(state, storage_reader=reader, process_group=step.ranks.group, no_dist=step.ranks.group is None)
     except CheckpointException as error:   # a BaseException: ``except Exception`` would not see it
         raise CheckpointError(f"loading {path} failed: {_first_line(error)}") from error
     load_state_dict(step, state)
@@ -694,7 +710,8 @@ def export_full_state_dict(checkpoint_dir: str, out_path: str) -> dict:
                 # read as saved: flat, or 0-dim (BatchNorm's num_batches_tracked; a 0-dim parameter in older checkpoints)
                 tensor = torch.empty(saved[key].size, dtype=getattr(torch, dtype))
                 try:
-                    dcp.load({key: tensor}, storage_reader=reader, no_dist=True)
+                    with _in_one_process():
+                        dcp.load({key: tensor}, storage_reader=reader, no_dist=True)
                 except CheckpointException as error:
                     raise CheckpointError(f"exporting {checkpoint_dir}: reading {name} ({key}) failed: "
                                           f"{_first_line(error)}") from error

@@ -164,7 +164,8 @@ def check_ranks_agree(ranks: Ranks, gm: fx.GraphModule, plan: ShardPlan | None) 
         "step would hang or mix unrelated data:\n" + "\n".join(details) + "\n"
         "  fix: give every rank the same model code, optimizer and compile options (the batches' shapes were "
         "checked equal before compiling). If they are the same, zerocc planned the ranks differently, which is "
-        "a bug: set $ZEROCC_DUMP_DIR to a folder of its own per rank and report the two ranks' programs."
+        "a bug: set $ZEROCC_DUMP_DIR (each rank writes its programs into rank<r>/ there) and report the two ranks' "
+        "programs."
     )
 
 
