@@ -336,6 +336,44 @@ def test_a_refused_checkpoint_leaves_the_trained_step_as_it_was(tmp_path, stage)
         assert torch.equal(full[key], value), key
 
 
+
+class _OptionalLayer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.extra, self.use_extra = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8), True
+
+    def forward(self, x):
+        return self.extra(self.a(x)) if self.use_extra else self.a(x)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_optimizer_state_a_started_step_has_no_place_for_is_refused_before_anything_is_loaded(tmp_path, stage):
+    """A step whose loss never reached ``extra`` has no optimizer state for it, nor a place in its program: a checkpoint
+    holding some (a run that trained ``extra``) loaded into it after its first call dropped that state silently. It
+    is refused, naming the entries, with the step as it was; before the first call it loads."""
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    torch.manual_seed(0)
+    trained = _OptionalLayer()
+    trained_step = zerocc.compile(trained, adamw(trained), stage=stage, loss_fn=torch.nn.functional.mse_loss)
+    trained_step(x, y)
+    zerocc.save_checkpoint(trained_step, tmp_path / "ckpt")
+    model = _OptionalLayer()
+    model.use_extra = False
+    step = zerocc.compile(model, adamw(model), stage=stage, loss_fn=torch.nn.functional.mse_loss)
+    step(x, y)
+    before = step.full_state_dict()
+    with pytest.raises(zerocc.ConfigError, match=r"optimizer state for optim/extra\.bias/exp_avg.*before the step's "
+                                                 r"first call"):
+        zerocc.load_checkpoint(step, tmp_path / "ckpt")
+    after = step.full_state_dict()
+    assert [k for k in before if not torch.equal(before[k], after[k])] == []
+    fresh = _OptionalLayer()
+    fresh.use_extra = False
+    fresh_step = zerocc.compile(fresh, adamw(fresh), stage=stage, loss_fn=torch.nn.functional.mse_loss)
+    zerocc.load_checkpoint(fresh_step, tmp_path / "ckpt")
+    fresh_step(x, y)
+
+
 # -- nothing lost ------------------------------------------------------------------
 def _killed_save(path, where):
     """Train one more step and die at ``where`` in the middle of saving over ``path``."""

@@ -83,6 +83,10 @@ class _Part:
     local: list[tuple[int, torch.Tensor]]          # (flat offset, 1-D view into a slot), non-overlapping
     owners: list[tuple[int, int, int]] | None      # (rank in group, offset, numel) of every shard; None: replicated
     like: torch.Tensor | None = None               # gives dtype and device when this rank holds no piece
+    # optimizer state no rank holds (a parameter the loss never reached, every update so far skipped by the loss
+    # scale): the zeros its first update starts from, saved so that a state dict built before a first call, which
+    # names them, finds them; loaded only as zeros (still no state)
+    absent: bool = False
 
 
 # -- what this rank holds ---------------------------------------------------------
@@ -112,14 +116,21 @@ def _parts_before_compile(step) -> dict[str, _Part]:
                 if isinstance(value, torch.Tensor):
                     parts[optim_key(names[0], key)] = _whole(optim_key(names[0], key), value.detach())
     trained_ids = {id(p) for group in step.optimizer.param_groups for p in group["params"] if p.requires_grad}
-    stateless = [(names, t) for names, t in named_tensors(step.model, "param")
+    stateless = [(names[0], t, tuple(t.shape)) for names, t in named_tensors(step.model, "param")
                  if id(t) in trained_ids and not step.optimizer.state.get(t)]
+    parts.update(_first_state_as_zeros(step, stateless))
+    return parts
+
+
+def _first_state_as_zeros(step, stateless: list[tuple[str, torch.Tensor, tuple[int, ...]]]) -> dict[str, _Part]:
+    """Per (name, parameter, shape) without optimizer state: the state its first update creates, as zeros."""
+    parts = {}
     if stateless:
-        layouts = initial_state_layout(step.optimizer, [t for _, t in stateless])
-        for (names, tensor), layout in zip(stateless, layouts):
+        layouts = initial_state_layout(step.optimizer, [t for _, t, _ in stateless], [s for _, _, s in stateless])
+        for (name, tensor, _), layout in zip(stateless, layouts):
             for key, (shape, dtype) in layout.items():
-                zeros = torch.zeros(shape, dtype=dtype, device=tensor.device)
-                parts[optim_key(names[0], key)] = _whole(optim_key(names[0], key), zeros)
+                part = _whole(optim_key(name, key), torch.zeros(shape, dtype=dtype, device=tensor.device))
+                parts[part.key] = dataclasses.replace(part, absent=True)
     return parts
 
 
@@ -174,6 +185,15 @@ def _parts_of_slots(step) -> dict[str, _Part]:
         else:   # a parameter outside every bucket keeps its whole state
             key = optim_key(owner, state)
             parts[key] = _whole(key, value)
+    # trained parameters no rank holds optimizer state for: one the loss does not reach (no state in its program's
+    # signature), or every one after a first update the loss scale skipped (no state slot at all; a rank that owns
+    # no piece, of buckets smaller than the world, holds none either way and leaves it to the others)
+    made = bool(step.state.state_key()) or not pieces
+    params = {names[0]: t for names, t in named_tensors(step.model, "param")}
+    parts.update(_first_state_as_zeros(step, [
+        (info.name, params[info.name], info.shape)
+        for info, signature in zip(captured.params, step.state.state_signature or [{}] * len(captured.params))
+        if not (made and signature)]))
     for info in captured.frozen:
         parts[model_key(info.name)] = _flat(model_key(info.name), slots[decisions.frozen_slot(info.name)])
     unsaved = _non_persistent_buffers(step.model)
@@ -346,7 +366,7 @@ def load_state_dict(step, state: dict[str, object]) -> None:
     parts = _parts(step)
     given = {k for k in state if k not in (STEPS_KEY, PARAM_GROUPS_KEY)}
     missing = sorted(k for k in parts if k not in given and not (not step.state.started and k.startswith("optim/"))
-                     and not k.startswith(SCALER_PREFIX))
+                     and not k.startswith(SCALER_PREFIX) and not parts[k].absent)
     unknown = sorted(k for k in given if k not in parts and not (not step.state.started and k.startswith("optim/"))
                      and not k.startswith(SCALER_PREFIX))
     if missing or unknown:
@@ -355,6 +375,8 @@ def load_state_dict(step, state: dict[str, object]) -> None:
             + "".join(f"  - missing: {k}\n" for k in missing[:10])
             + "".join(f"  - not in this model/optimizer: {k}\n" for k in unknown[:10])
             + "  load a checkpoint of the same model, with the same optimizer type")
+    if step.state.started:   # checked before anything is copied: nothing is half-loaded
+        _refuse_state_without_a_place(parts, state)
     optimizer_entries = set()
     if not step.state.started:
         optimizer_entries = {k for k in given if k.startswith("optim/")}
@@ -368,6 +390,17 @@ def load_state_dict(step, state: dict[str, object]) -> None:
                 scaler[slot].copy_(value)
         if step.state.started:   # the param_dtype copies of loaded masters (stages 1-2; a collective)
             slot_store.refresh_compute_copies(step.state.plan, step.state.slots, step.ranks.group)
+
+
+def _refuse_state_without_a_place(parts: dict[str, _Part], state: dict[str, object]) -> None:
+    """A started step has no slot for optimizer state no rank held at its first call: refuse it, rather than drop it."""
+    made = sorted(k for k in state if k in parts and parts[k].absent
+                  and any(bool(source.any()) for _, source in _sources(state[k])))
+    if made:
+        raise ConfigError(
+            f"the checkpoint holds optimizer state for {', '.join(made[:5])}, which this step's optimizer has none "
+            "for (the loss did not reach the parameter, or every update so far was skipped by the loss scale): its "
+            "program has no place for it. Load the checkpoint before the step's first call")
 
 
 def _copy_into(part: _Part, sources: list[tuple[int, torch.Tensor]]) -> None:
@@ -609,6 +642,10 @@ def _load(step, path: str) -> None:
         state = {k: v for k, v in state.items() if k in saved or not k.startswith("optim/")}
     # a checkpoint saved without loss scaling (fp32, bf16) lacks the scale: a step with one starts it afresh
     state = {k: v for k, v in state.items() if k in saved or not k.startswith(SCALER_PREFIX)}
+    # optimizer state no rank holds, as zeros: checkpoints written before those were saved lack it
+    parts = _parts(step)
+    stateless = {key for key, part in parts.items() if part.absent}
+    state = {k: v for k, v in state.items() if k in saved or k not in stateless}
     groups_saved = PARAM_GROUPS_KEY in saved
     if not groups_saved:
         del state[PARAM_GROUPS_KEY]
@@ -621,6 +658,11 @@ def _load(step, path: str) -> None:
             groups = {PARAM_GROUPS_KEY: state[PARAM_GROUPS_KEY]}
             dcp.load(groups, storage_reader=reader, process_group=step.ranks.group, no_dist=step.ranks.group is None)
             _check_param_groups(step, list(groups[PARAM_GROUPS_KEY]))
+        if step.state.started:   # read first (on every rank: a collective): the load below writes into the buckets
+            without_a_place = {k: v for k, v in state.items() if k in stateless}
+            dcp.load(without_a_place, storage_reader=reader, process_group=step.ranks.group,
+                     no_dist=step.ranks.group is None)
+            _refuse_state_without_a_place(parts, without_a_place)
         dcp.load(state, storage_reader=reader, process_group=step.ranks.group, no_dist=step.ranks.group is None)
     except CheckpointException as error:   # a BaseException: ``except Exception`` would not see it
         raise CheckpointError(f"loading {path} failed: {_first_line(error)}") from error
