@@ -79,6 +79,34 @@ def test_load_into_a_step_that_already_ran(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(got, expected))
 
 
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_checkpoint_saved_before_the_first_call_loaded_into_a_step_that_ran_restarts_the_optimizer_as_eager(
+        tmp_path, stage):
+    """Saved before any step, a checkpoint's optimizer entries are the zeros a first update starts from, standing for
+    no state; loaded into a step that had trained, they were copied into its state, where eager's
+    ``optimizer.load_state_dict`` leaves none: SGD's dampened momentum then took (1 - dampening) of the gradient
+    where eager's first update takes all of it. The next call is now a first update again."""
+    def sgd(model):
+        return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, dampening=0.5)
+    data = batches("mlp", 2 * K, 8)
+    reference, _, loss_fn = build("mlp", 0)
+    reference_optimizer = sgd(reference)
+    initial = ({k: v.clone() for k, v in reference.state_dict().items()}, reference_optimizer.state_dict())
+    model, _, _ = build("mlp", 0)
+    step = zerocc.compile(model, sgd(model), stage=stage, loss_fn=loss_fn)
+    zerocc.save_checkpoint(step, tmp_path / "initial")
+    for batch in data[:K]:
+        eager_step(reference, reference_optimizer, loss_fn, batch)
+        step(*batch)
+    reference.load_state_dict(initial[0])
+    reference_optimizer.load_state_dict(initial[1])
+    zerocc.load_checkpoint(step, tmp_path / "initial")
+    for batch in data[K:]:
+        assert torch.equal(step(*batch), eager_step(reference, reference_optimizer, loss_fn, batch))
+    full = step.full_state_dict()
+    assert [k for k, v in reference.state_dict().items() if not torch.equal(full[k], v)] == []
+
 def test_state_dict_and_load_state_dict_with_dcp_directly(tmp_path):
     data = batches("mlp", 2, 8)
     original = compiled("mlp", 2)

@@ -285,7 +285,7 @@ def whole_optimizer_state(step) -> dict[str, dict[str, torch.Tensor]]:
     shapes = {info.name: info.shape for info in step.state.captured.params}
     result: dict[str, dict[str, torch.Tensor]] = {}
     for key, part in _parts(step).items():
-        if not key.startswith("optim/"):
+        if not key.startswith("optim/") or part.absent:   # no state, as eager's optimizer has none
             continue
         _, fqn, name = key.split("/", 2)
         if part.scalar:
@@ -309,7 +309,7 @@ def gathered_optimizer_state(step) -> dict[str, dict[str, torch.Tensor]]:
     ranks = step.ranks
     if ranks.world_size == 1 or step.stage == 0:   # every rank holds all of it
         return whole_optimizer_state(step)
-    parts = {key: part for key, part in _parts(step).items() if key.startswith("optim/")}
+    parts = {key: part for key, part in _parts(step).items() if key.startswith("optim/") and not part.absent}
     mine = {key: (part.numel, part.scalar, part.owners, part.local[0][1].dtype) for key, part in parts.items()}
     held: list = [None] * ranks.world_size
     dist.all_gather_object(held, mine, group=ranks.group)
@@ -359,6 +359,9 @@ def load_state_dict(step, state: dict[str, object]) -> None:
     """Copy ``state`` (as from ``state_dict()``, after ``dcp.load`` filled it) into the step."""
     if PARAM_GROUPS_KEY in state:   # checked before anything changes
         _check_param_groups(step, list(state[PARAM_GROUPS_KEY]))
+    # saved before any step: its optimizer state entries are the zeros a first update starts from, standing for no
+    # state (zeros are not that for every optimizer: SGD's dampened momentum, NAdam's mu_product)
+    before_any_step = step.state.started and STEPS_KEY in state and int(state[STEPS_KEY]) == 0
     if STEPS_KEY in state:
         step.steps = int(state[STEPS_KEY])
     if PARAM_GROUPS_KEY in state:
@@ -381,6 +384,11 @@ def load_state_dict(step, state: dict[str, object]) -> None:
     if not step.state.started:
         optimizer_entries = {k for k in given if k.startswith("optim/")}
         _install_optimizer_state(step, {k: state[k] for k in optimizer_entries})
+    elif before_any_step:   # as eager's optimizer.load_state_dict of a state dict without state: the next update is
+        # a first update again (a program traced without optimizer state, as after an fp16 first step that overflowed)
+        optimizer_entries = {k for k in given if k.startswith("optim/")}
+        for slot in [slot for slot in step.state.slots if slot.startswith("state:")]:
+            del step.state.slots[slot]
     with torch.no_grad():
         for key in (given & parts.keys()) - optimizer_entries:
             _copy_into(parts[key], _sources(state[key]))
