@@ -312,6 +312,26 @@ def test_a_checkpoint_without_a_loss_scale_resumes_under_fp16_scaling_from_the_i
     for key, value in reference.state_dict().items():
         assert torch.equal(full[key], value), key
 
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_nadam_under_fp16_loss_scaling_trains_as_grad_scaler(stage):
+    """Under loss scaling the first update is traced without optimizer state, and NAdam's makes its ``mu_product``
+    as ``torch.tensor(1.0)``: torch's fake tensors fold ``mu_product *= mu`` on its value, with beta1 (read each
+    step, a symbolic scalar without a value) as nan, and the program divided by ``1 - nan``: every parameter was
+    nan after the first update (the loss after it too). Ops of constants and symbolic scalars are not folded."""
+    scaling = zerocc.DynamicLossScale(init_scale=2.0 ** 20)   # two steps overflow, then the first update
+    reference, _, loss_fn = build("mlp")
+    optimizer = torch.optim.NAdam(reference.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=scaling.init_scale)
+    model, _, _ = build("mlp")
+    step = zerocc.compile(model, torch.optim.NAdam(model.parameters(), lr=1e-2), stage=stage, loss_fn=loss_fn,
+                          param_dtype=torch.float16, reduce_dtype=torch.float32, loss_scale=scaling)
+    for batch in batches("mlp", 5, 8):
+        expected = mixed_eager_step(reference, optimizer, loss_fn, batch, torch.float16, scaler=scaler)
+        assert torch.equal(step(*batch), expected)
+    full = step.full_state_dict()
+    assert [k for k, v in reference.state_dict().items() if not torch.equal(full[k], v)] == []
+
 def test_unsupported_precision_settings_are_refused_clearly():
     model, _, loss_fn = build("mlp")
     optimizer = adamw(model)

@@ -167,3 +167,111 @@ def test_a_checkpoint_across_ranks_holds_rank_0s_batchnorm_statistics(tmp_path, 
     for (loaded, losses), (_, _, expected) in zip(distributed.run(_cnn_resume, 2, stage, folder), ranks):
         assert [k for k in saved if not torch.equal(loaded[k], saved[k])] == []
         assert all(torch.equal(a, b) for a, b in zip(losses, expected)), (losses, expected)
+
+
+# -- optimizer state no rank holds yet ---------------------------------------------------
+class _WithAnUnusedLayer(torch.nn.Module):
+    """A trainable layer the loss never reaches (a pooler an LM loss ignores): eager's optimizer makes no state for it."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.unused, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def _unused_layer_data():
+    generator = torch.Generator().manual_seed(1)
+    return [(torch.randn(8, 8, generator=generator), torch.randn(8, 4, generator=generator)) for _ in range(2 * K)]
+
+
+def _unused_layer_model(seed):
+    torch.manual_seed(seed)
+    model = _WithAnUnusedLayer()
+    # dampening: a zero momentum buffer is not the same as none (the first update copies the gradient in)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, dampening=0.5)
+
+
+def _unused_layer_eager(rank, world_size):
+    model, optimizer = _unused_layer_model(0)
+    losses = [eager_step(model, optimizer, torch.nn.functional.mse_loss, batch) for batch in _unused_layer_data()]
+    return losses, model.state_dict()
+
+
+def _unused_layer_train_save(rank, world_size, stage, folder):
+    model, optimizer = _unused_layer_model(0)
+    step = zerocc.compile(model, optimizer, stage=stage, loss_fn=torch.nn.functional.mse_loss)
+    for batch in _unused_layer_data()[:K]:
+        step(*batch)
+    dcp.save(step.state_dict(), checkpoint_id=folder)
+
+
+def _unused_layer_resume(rank, world_size, stage, folder):
+    model, optimizer = _unused_layer_model(7)
+    step = zerocc.compile(model, optimizer, stage=stage, loss_fn=torch.nn.functional.mse_loss)
+    state = step.state_dict()   # names the state a first step would make for every trained parameter
+    dcp.load(state, checkpoint_id=folder)
+    step.load_state_dict(state)
+    return [step(*batch) for batch in _unused_layer_data()[K:]], step.full_state_dict()
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_resume_with_dcp_of_a_model_with_a_layer_the_loss_never_reaches_is_exact(tmp_path, stage):
+    """The documented ``dcp.load(step.state_dict())`` resume failed in DCP with 'Missing key in checkpoint state_dict:
+    optim/unused.bias/momentum_buffer': before the first call the state dict names the state a first step would make
+    for every trained parameter, but a started step saved none for a parameter the loss never reached. It is now
+    saved as the zeros a first step starts from, which the resumed step loads as no state (as eager has)."""
+    folder = str(tmp_path / "ckpt")
+    [(expected, expected_state)] = distributed.run(_unused_layer_eager, 1)
+    distributed.run(_unused_layer_train_save, 1, stage, folder)
+    [(losses, state)] = distributed.run(_unused_layer_resume, 1, stage, folder)
+    assert all(torch.equal(a, b) for a, b in zip(losses, expected[K:])), (losses, expected[K:])
+    assert [k for k, v in expected_state.items() if not torch.equal(state[k], v)] == []
+
+
+_EVERY_STEP_OVERFLOWS = {"init_scale": 2.0 ** 20}   # 2**20 and 2**19 overflow fp16: the first K updates are skipped
+
+
+def _fp16_eager(rank, world_size):
+    from tests.reference import mixed_eager_step
+    model, _, loss_fn = build("mlp", 0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", **_EVERY_STEP_OVERFLOWS)
+    losses = [mixed_eager_step(model, optimizer, loss_fn, batch, torch.float16, scaler=scaler)
+              for batch in batches("mlp", 2 * K + 1, 8)]
+    return losses, model.state_dict(), len(optimizer.state)
+
+
+def _fp16_step(seed):
+    model, _, loss_fn = build("mlp", seed)
+    return zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-2), stage=3, loss_fn=loss_fn,
+                          param_dtype=torch.float16, reduce_dtype=torch.float32,
+                          loss_scale=zerocc.DynamicLossScale(**_EVERY_STEP_OVERFLOWS))
+
+
+def _fp16_train_save(rank, world_size, folder):
+    step = _fp16_step(0)
+    for batch in batches("mlp", K, 8):
+        step(*batch)
+    dcp.save(step.state_dict(), checkpoint_id=folder)
+
+
+def _fp16_resume(rank, world_size, folder):
+    step = _fp16_step(7)
+    state = step.state_dict()
+    dcp.load(state, checkpoint_id=folder)
+    step.load_state_dict(state)
+    return [step(*batch) for batch in batches("mlp", 2 * K + 1, 8)[K:]], step.full_state_dict()
+
+
+def test_resume_with_dcp_after_every_update_so_far_was_skipped_by_the_fp16_loss_scale_is_exact(tmp_path):
+    """Every update before the save overflowed: as under GradScaler the optimizer has no state, and the saved state
+    dict had no optimizer entry, so ``dcp.load`` into a new process's ``step.state_dict()`` failed ('Missing key')."""
+    folder = str(tmp_path / "ckpt")
+    [(expected, expected_state, stateful)] = distributed.run(_fp16_eager, 1)
+    assert stateful   # the updates after the save ran
+    distributed.run(_fp16_train_save, 1, folder)
+    [(losses, state)] = distributed.run(_fp16_resume, 1, folder)
+    assert all(torch.equal(a, b) for a, b in zip(losses, expected[K:])), (losses, expected[K:])
+    assert [k for k, v in expected_state.items() if not torch.equal(state[k], v)] == []

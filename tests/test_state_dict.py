@@ -93,6 +93,34 @@ def test_load_into_a_step_that_already_ran(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(got, expected))
 
 
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_checkpoint_saved_before_the_first_call_loaded_into_a_step_that_ran_restarts_the_optimizer_as_eager(
+        tmp_path, stage):
+    """Saved before any step, a checkpoint's optimizer entries are the zeros a first update starts from, standing for
+    no state; loaded into a step that had trained, they were copied into its state, where eager's
+    ``optimizer.load_state_dict`` leaves none: SGD's dampened momentum then took (1 - dampening) of the gradient
+    where eager's first update takes all of it. The next call is now a first update again."""
+    def sgd(model):
+        return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, dampening=0.5)
+    data = batches("mlp", 2 * K, 8)
+    reference, _, loss_fn = build("mlp", 0)
+    reference_optimizer = sgd(reference)
+    initial = ({k: v.clone() for k, v in reference.state_dict().items()}, reference_optimizer.state_dict())
+    model, _, _ = build("mlp", 0)
+    step = zerocc.compile(model, sgd(model), stage=stage, loss_fn=loss_fn)
+    zerocc.save_checkpoint(step, tmp_path / "initial")
+    for batch in data[:K]:
+        eager_step(reference, reference_optimizer, loss_fn, batch)
+        step(*batch)
+    reference.load_state_dict(initial[0])
+    reference_optimizer.load_state_dict(initial[1])
+    zerocc.load_checkpoint(step, tmp_path / "initial")
+    for batch in data[K:]:
+        assert torch.equal(step(*batch), eager_step(reference, reference_optimizer, loss_fn, batch))
+    full = step.full_state_dict()
+    assert [k for k, v in reference.state_dict().items() if not torch.equal(full[k], v)] == []
+
 def test_state_dict_and_load_state_dict_with_dcp_directly(tmp_path):
     data = batches("mlp", 2, 8)
     original = compiled("mlp", 2)
@@ -376,6 +404,44 @@ def test_a_refused_checkpoint_leaves_the_trained_step_as_it_was(tmp_path, stage)
     full = step.full_state_dict()
     for key, value in reference.state_dict().items():
         assert torch.equal(full[key], value), key
+
+
+
+class _OptionalLayer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.extra, self.use_extra = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8), True
+
+    def forward(self, x):
+        return self.extra(self.a(x)) if self.use_extra else self.a(x)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_optimizer_state_a_started_step_has_no_place_for_is_refused_before_anything_is_loaded(tmp_path, stage):
+    """A step whose loss never reached ``extra`` has no optimizer state for it, nor a place in its program: a checkpoint
+    holding some (a run that trained ``extra``) loaded into it after its first call dropped that state silently. It
+    is refused, naming the entries, with the step as it was; before the first call it loads."""
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    torch.manual_seed(0)
+    trained = _OptionalLayer()
+    trained_step = zerocc.compile(trained, adamw(trained), stage=stage, loss_fn=torch.nn.functional.mse_loss)
+    trained_step(x, y)
+    zerocc.save_checkpoint(trained_step, tmp_path / "ckpt")
+    model = _OptionalLayer()
+    model.use_extra = False
+    step = zerocc.compile(model, adamw(model), stage=stage, loss_fn=torch.nn.functional.mse_loss)
+    step(x, y)
+    before = step.full_state_dict()
+    with pytest.raises(zerocc.ConfigError, match=r"optimizer state for optim/extra\.bias/exp_avg.*before the step's "
+                                                 r"first call"):
+        zerocc.load_checkpoint(step, tmp_path / "ckpt")
+    after = step.full_state_dict()
+    assert [k for k in before if not torch.equal(before[k], after[k])] == []
+    fresh = _OptionalLayer()
+    fresh.use_extra = False
+    fresh_step = zerocc.compile(fresh, adamw(fresh), stage=stage, loss_fn=torch.nn.functional.mse_loss)
+    zerocc.load_checkpoint(fresh_step, tmp_path / "ckpt")
+    fresh_step(x, y)
 
 
 # -- nothing lost ------------------------------------------------------------------

@@ -31,7 +31,8 @@ from torch.nn.attention import SDPBackend
 from torch.utils._python_dispatch import _disable_current_modes
 from torch._prims_common import compute_elementwise_output_strides, make_contiguous_strides_for, suggest_memory_format
 from torch._subclasses.fake_impls import op_implementations_dict
-from torch._subclasses.fake_tensor import FakeTensorMode, _BypassDispatchCache
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, _BypassDispatchCache
+from torch.utils import _pytree as pytree
 
 from . import ops  # noqa: F401  (defines zerocc::batch_norm_with_stats)
 from .errors import CaptureError, user_frame_here
@@ -189,6 +190,31 @@ class ZeroccFakeTensorMode(FakeTensorMode):
         return super().dispatch(func, types, args, kwargs or {})
 
     def _dispatch_impl(self, func, types, args, kwargs):
+        """An op on constant tensors and a symbolic scalar is not folded into a constant.
+
+        Torch folds an op whose tensor inputs are all constants (``torch.tensor(1.0)``: NAdam's ``mu_product``, made
+        by its first step) by running it on their real values, where a symbolic scalar becomes its hint, or nan
+        without one (a setting the step reads each step, such as beta1): NAdam's first update then divided by
+        ``1 - mu_product`` as the constant nan, and every parameter became nan. Such an input's constant is set
+        aside for the op (dropped, with its aliases, when the op writes into it), so the result is a plain fake.
+        """
+        leaves = pytree.arg_tree_leaves(*args, **kwargs)
+        if not any(isinstance(leaf, (torch.SymInt, torch.SymFloat, torch.SymBool)) for leaf in leaves):
+            return self._laid_out_as_on_cpu(func, types, args, kwargs)
+        constants = [(leaf, leaf.constant) for leaf in leaves if isinstance(leaf, FakeTensor) and leaf.constant is not None]
+        writes = isinstance(func, torch._ops.OpOverload) and func._schema.is_mutable
+        for tensor, constant in constants:
+            if writes:
+                self.fake_tensor_converter.invalidate_constant_aliases(constant)
+            tensor.constant = None
+        try:
+            return self._laid_out_as_on_cpu(func, types, args, kwargs)
+        finally:
+            if not writes:
+                for tensor, constant in constants:
+                    tensor.constant = constant
+
+    def _laid_out_as_on_cpu(self, func, types, args, kwargs):
         result = super()._dispatch_impl(func, types, args, kwargs)
         if func in _CPU_ELEMENTWISE_LAYOUT and result.device.type == "cpu":
             order = _CPU_ELEMENTWISE_LAYOUT[func]

@@ -467,18 +467,25 @@ def _propagate_fake(node: fx.Node, fake_mode, broadcast: bool = False) -> None:
     node.meta[g.VAL] = empty_fake(fake_mode, value.shape, value.stride(), value.dtype, value.device)
 
 
-def initial_state_layout(optimizer: torch.optim.Optimizer,
-                         params: Sequence[torch.Tensor]) -> list[dict[str, tuple[tuple[int, ...], torch.dtype]]]:
+def initial_state_layout(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor],
+                         shapes: Sequence[tuple[int, ...]] | None = None,
+                         ) -> list[dict[str, tuple[tuple[int, ...], torch.dtype]]]:
     """Per parameter of ``params``: the (shape, dtype) of each state tensor the optimizer's first step creates.
 
     Traced on fake tensors with zero gradients: nothing real is read or
     written. A checkpoint loaded before the first step needs it to ask for
-    the saved optimizer state by name (``zerocc/state_dict.py``).
+    the saved optimizer state by name (``zerocc/state_dict.py``). ``shapes``:
+    the parameters' own, where the module holds placeholders (a started step).
     """
     group_of_id = {id(p): index for index, group in enumerate(optimizer.param_groups) for p in group["params"]}
     group_of = [group_of_id[id(p)] for p in params]
     fake_mode = make_fake_mode()
-    fakes = fakeify(fake_mode, ([p.detach() for p in params], [torch.zeros_like(p.detach()) for p in params]))
+    if shapes is None:
+        fakes = fakeify(fake_mode, ([p.detach() for p in params], [torch.zeros_like(p.detach()) for p in params]))
+    else:
+        with fake_mode:
+            fake_params = [torch.empty(shape, dtype=p.dtype, device=p.device) for p, shape in zip(params, shapes)]
+            fakes = (fake_params, [torch.zeros_like(p) for p in fake_params])
 
     def first_step(fake_params, fake_grads):
         _, states = optimizer_update(optimizer, fake_params, fake_grads, [{} for _ in params], group_of,

@@ -96,6 +96,10 @@ class _Part:
     local: list[tuple[int, torch.Tensor]]          # (flat offset, 1-D view into a slot), non-overlapping
     owners: list[tuple[int, int, int]] | None      # (rank in group, offset, numel) of every shard; None: replicated
     like: torch.Tensor | None = None               # gives dtype and device when this rank holds no piece
+    # optimizer state no rank holds (a parameter the loss never reached, every update so far skipped by the loss
+    # scale): the zeros its first update starts from, saved so that a state dict built before a first call, which
+    # names them, finds them; loaded only as zeros (still no state)
+    absent: bool = False
 
 
 # -- what this rank holds ---------------------------------------------------------
@@ -125,14 +129,21 @@ def _parts_before_compile(step) -> dict[str, _Part]:
                 if isinstance(value, torch.Tensor):
                     parts[optim_key(names[0], key)] = _whole(optim_key(names[0], key), value.detach())
     trained_ids = {id(p) for group in step.optimizer.param_groups for p in group["params"] if p.requires_grad}
-    stateless = [(names, t) for names, t in named_tensors(step.model, "param")
+    stateless = [(names[0], t, tuple(t.shape)) for names, t in named_tensors(step.model, "param")
                  if id(t) in trained_ids and not step.optimizer.state.get(t)]
+    parts.update(_first_state_as_zeros(step, stateless))
+    return parts
+
+
+def _first_state_as_zeros(step, stateless: list[tuple[str, torch.Tensor, tuple[int, ...]]]) -> dict[str, _Part]:
+    """Per (name, parameter, shape) without optimizer state: the state its first update creates, as zeros."""
+    parts = {}
     if stateless:
-        layouts = initial_state_layout(step.optimizer, [t for _, t in stateless])
-        for (names, tensor), layout in zip(stateless, layouts):
+        layouts = initial_state_layout(step.optimizer, [t for _, t, _ in stateless], [s for _, _, s in stateless])
+        for (name, tensor, _), layout in zip(stateless, layouts):
             for key, (shape, dtype) in layout.items():
-                zeros = torch.zeros(shape, dtype=dtype, device=tensor.device)
-                parts[optim_key(names[0], key)] = _whole(optim_key(names[0], key), zeros)
+                part = _whole(optim_key(name, key), torch.zeros(shape, dtype=dtype, device=tensor.device))
+                parts[part.key] = dataclasses.replace(part, absent=True)
     return parts
 
 
@@ -187,6 +198,15 @@ def _parts_of_slots(step) -> dict[str, _Part]:
         else:   # a parameter outside every bucket keeps its whole state
             key = optim_key(owner, state)
             parts[key] = _whole(key, value)
+    # trained parameters no rank holds optimizer state for: one the loss does not reach (no state in its program's
+    # signature), or every one after a first update the loss scale skipped (no state slot at all; a rank that owns
+    # no piece, of buckets smaller than the world, holds none either way and leaves it to the others)
+    made = bool(step.state.state_key()) or not pieces
+    params = {names[0]: t for names, t in named_tensors(step.model, "param")}
+    parts.update(_first_state_as_zeros(step, [
+        (info.name, params[info.name], info.shape)
+        for info, signature in zip(captured.params, step.state.state_signature or [{}] * len(captured.params))
+        if not (made and signature)]))
     for info in captured.frozen:
         parts[model_key(info.name)] = _flat(model_key(info.name), slots[decisions.frozen_slot(info.name)])
     unsaved = _non_persistent_buffers(step.model)
@@ -278,7 +298,7 @@ def whole_optimizer_state(step) -> dict[str, dict[str, torch.Tensor]]:
     shapes = {info.name: info.shape for info in step.state.captured.params}
     result: dict[str, dict[str, torch.Tensor]] = {}
     for key, part in _parts(step).items():
-        if not key.startswith("optim/"):
+        if not key.startswith("optim/") or part.absent:   # no state, as eager's optimizer has none
             continue
         _, fqn, name = key.split("/", 2)
         if part.scalar:
@@ -302,7 +322,7 @@ def gathered_optimizer_state(step) -> dict[str, dict[str, torch.Tensor]]:
     ranks = step.ranks
     if ranks.world_size == 1 or step.stage == 0:   # every rank holds all of it
         return whole_optimizer_state(step)
-    parts = {key: part for key, part in _parts(step).items() if key.startswith("optim/")}
+    parts = {key: part for key, part in _parts(step).items() if key.startswith("optim/") and not part.absent}
     mine = {key: (part.numel, part.scalar, part.owners, part.local[0][1].dtype) for key, part in parts.items()}
     held: list = [None] * ranks.world_size
     dist.all_gather_object(held, mine, group=ranks.group)
@@ -352,6 +372,9 @@ def load_state_dict(step, state: dict[str, object]) -> None:
     """Copy ``state`` (as from ``state_dict()``, after ``dcp.load`` filled it) into the step."""
     if PARAM_GROUPS_KEY in state:   # checked before anything changes
         _check_param_groups(step, list(state[PARAM_GROUPS_KEY]))
+    # saved before any step: its optimizer state entries are the zeros a first update starts from, standing for no
+    # state (zeros are not that for every optimizer: SGD's dampened momentum, NAdam's mu_product)
+    before_any_step = step.state.started and STEPS_KEY in state and int(state[STEPS_KEY]) == 0
     if STEPS_KEY in state:
         step.steps = int(state[STEPS_KEY])
     if PARAM_GROUPS_KEY in state:
@@ -359,7 +382,7 @@ def load_state_dict(step, state: dict[str, object]) -> None:
     parts = _parts(step)
     given = {k for k in state if k not in (STEPS_KEY, PARAM_GROUPS_KEY)}
     missing = sorted(k for k in parts if k not in given and not (not step.state.started and k.startswith("optim/"))
-                     and not k.startswith(SCALER_PREFIX))
+                     and not k.startswith(SCALER_PREFIX) and not parts[k].absent)
     unknown = sorted(k for k in given if k not in parts and not (not step.state.started and k.startswith("optim/"))
                      and not k.startswith(SCALER_PREFIX))
     if missing or unknown:
@@ -368,10 +391,17 @@ def load_state_dict(step, state: dict[str, object]) -> None:
             + "".join(f"  - missing: {k}\n" for k in missing[:10])
             + "".join(f"  - not in this model/optimizer: {k}\n" for k in unknown[:10])
             + "  load a checkpoint of the same model, with the same optimizer type")
+    if step.state.started:   # checked before anything is copied: nothing is half-loaded
+        _refuse_state_without_a_place(parts, state)
     optimizer_entries = set()
     if not step.state.started:
         optimizer_entries = {k for k in given if k.startswith("optim/")}
         _install_optimizer_state(step, {k: state[k] for k in optimizer_entries})
+    elif before_any_step:   # as eager's optimizer.load_state_dict of a state dict without state: the next update is
+        # a first update again (a program traced without optimizer state, as after an fp16 first step that overflowed)
+        optimizer_entries = {k for k in given if k.startswith("optim/")}
+        for slot in [slot for slot in step.state.slots if slot.startswith("state:")]:
+            del step.state.slots[slot]
     with torch.no_grad():
         for key in (given & parts.keys()) - optimizer_entries:
             _copy_into(parts[key], _sources(state[key]))
@@ -381,6 +411,17 @@ def load_state_dict(step, state: dict[str, object]) -> None:
                 scaler[slot].copy_(value)
         if step.state.started:   # the param_dtype copies of loaded masters (stages 1-2; a collective)
             slot_store.refresh_compute_copies(step.state.plan, step.state.slots, step.ranks.group)
+
+
+def _refuse_state_without_a_place(parts: dict[str, _Part], state: dict[str, object]) -> None:
+    """A started step has no slot for optimizer state no rank held at its first call: refuse it, rather than drop it."""
+    made = sorted(k for k in state if k in parts and parts[k].absent
+                  and any(bool(source.any()) for _, source in _sources(state[k])))
+    if made:
+        raise ConfigError(
+            f"the checkpoint holds optimizer state for {', '.join(made[:5])}, which this step's optimizer has none "
+            "for (the loss did not reach the parameter, or every update so far was skipped by the loss scale): its "
+            "program has no place for it. Load the checkpoint before the step's first call")
 
 
 def _copy_into(part: _Part, sources: list[tuple[int, torch.Tensor]]) -> None:
@@ -628,6 +669,10 @@ def _load(step, path: str) -> None:
         state = {k: v for k, v in state.items() if k in saved or not k.startswith("optim/")}
     # a checkpoint saved without loss scaling (fp32, bf16) lacks the scale: a step with one starts it afresh
     state = {k: v for k, v in state.items() if k in saved or not k.startswith(SCALER_PREFIX)}
+    # optimizer state no rank holds, as zeros: checkpoints written before those were saved lack it
+    parts = _parts(step)
+    stateless = {key for key, part in parts.items() if part.absent}
+    state = {k: v for k, v in state.items() if k in saved or k not in stateless}
     groups_saved = PARAM_GROUPS_KEY in saved
     if not groups_saved:
         del state[PARAM_GROUPS_KEY]
@@ -642,6 +687,16 @@ def _load(step, path: str) -> None:
                 dcp.load(groups, storage_reader=reader, process_group=step.ranks.group,
                          no_dist=step.ranks.group is None)
                 _check_param_groups(step, list(groups[PARAM_GROUPS_KEY]))
+            if step.state.started:   # read first (on every rank: a collective): the load below writes into the buckets
+                without_a_place = {k: v for k, v in state.items() if k in stateless}
+                dcp.load(without_a_place, storage_reader=reader, process_group=step.ranks.group,
+                         no_dist=step.ranks.group is None)
+                try:   # each rank reads its own pieces: every rank refuses if any finds state there
+                    _refuse_state_without_a_place(parts, without_a_place)
+                    problem = None
+                except ConfigError as error:
+                    problem = error
+                _raise_any_ranks_problem(step.ranks, problem)
             dcp.load(state, storage_reader=reader, process_group=step.ranks.group, no_dist=step.ranks.group is None)
     except CheckpointException as error:   # a BaseException: ``except Exception`` would not see it
         raise CheckpointError(f"loading {path} failed: {_first_line(error)}") from error
