@@ -134,19 +134,29 @@ def no_traced_values_left(model: torch.nn.Module):
     ``self.cache = torch.arange(n)`` in forward runs on fake tensors while tracing and would leave a fake tensor
     on the user's module, which a later eager call would compute with. Each such attribute gets back the value
     it had before the trace, or is removed if the trace created it; the program holds what the trace computed.
+    So are the module's parameters and buffers: the trace swaps them for its own with torch's
+    ``_reparametrize_module``, which restores each *name* in turn, and a module registered under two names (``self.b
+    = self.a``; Hugging Face's ``set_input_embeddings`` puts one embedding at three places) got the traced tensor
+    back from the second name's restore. The step then built its buckets from fake tensors' garbage and trained to
+    inf, where eager trains.
     """
-    before = {id(module): dict(vars(module)) for module in model.modules()}
+    before = {id(module): (dict(vars(module)), dict(module._parameters), dict(module._buffers))
+              for module in model.modules()}
     try:
         yield
     finally:
         for module in model.modules():
-            old = before.get(id(module), {})
+            old, old_parameters, old_buffers = before.get(id(module), ({}, {}, {}))
             for name, value in list(vars(module).items()):
                 if any(isinstance(leaf, FakeTensor) for leaf in pytree.tree_leaves(value)):
                     if name in old:
                         setattr(module, name, old[name])
                     else:
                         delattr(module, name)
+            for table, old_table in ((module._parameters, old_parameters), (module._buffers, old_buffers)):
+                for name, value in list(table.items()):
+                    if isinstance(value, FakeTensor) and name in old_table:
+                        table[name] = old_table[name]
 
 
 @contextlib.contextmanager
