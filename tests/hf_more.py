@@ -1,0 +1,193 @@
+"""More Hugging Face ``transformers`` architectures, tiny and randomly initialized (no download), beyond tests/zoo.py.
+
+Task heads and model families the zoo leaves out (logit softcapping,
+shared ALBERT layers, XLNet's two-stream attention, Funnel's pooling, RWKV,
+sequence classification that pools the last non-pad token, DeBERTa's relative
+attention, ...), found to train under zerocc at stage 3 bit for bit as in eager
+PyTorch. Each entry is ``name -> (build, batch)``: ``build()`` makes a fresh
+model after seeding the global generator, ``batch(generator)`` a keyword batch
+as users write it, the labels among them, so the loss is the model's own
+``output.loss`` (``tests.reference.train_eagerly`` is the eager reference).
+Importing this module needs transformers: test modules import it after
+``pytest.importorskip("transformers")``.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+
+import transformers as T
+
+VOCAB = 128
+ROWS, TOKENS = 4, 16
+_ENCODER = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                max_position_embeddings=64)
+_DECODER = dict(_ENCODER, num_key_value_heads=2)
+_SEQ2SEQ = dict(vocab_size=VOCAB, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+                decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64)
+
+
+def _ids(generator, rows, vocab=VOCAB, tokens=TOKENS):
+    return torch.randint(0, vocab, (rows, tokens), generator=generator)
+
+
+def causal(generator, rows=ROWS):
+    ids = _ids(generator, rows)
+    return dict(input_ids=ids, labels=ids)
+
+
+def masked(generator, rows=ROWS):
+    return dict(input_ids=_ids(generator, rows), labels=_ids(generator, rows))
+
+
+def sequence_classes(generator, rows=ROWS):
+    return dict(input_ids=_ids(generator, rows), labels=torch.randint(0, 3, (rows,), generator=generator))
+
+
+def token_classes(generator, rows=ROWS):
+    return dict(input_ids=_ids(generator, rows), labels=torch.randint(0, 5, (rows, TOKENS), generator=generator))
+
+
+def multiple_choice(generator, rows=ROWS):
+    return dict(input_ids=torch.randint(0, VOCAB, (rows, 3, 12), generator=generator),
+                labels=torch.randint(0, 3, (rows,), generator=generator))
+
+
+def spans(generator, rows=ROWS):
+    return dict(input_ids=_ids(generator, rows), start_positions=torch.randint(0, TOKENS, (rows,), generator=generator),
+                end_positions=torch.randint(0, TOKENS, (rows,), generator=generator))
+
+
+def seq2seq(generator, rows=ROWS, vocab=VOCAB):
+    return dict(input_ids=_ids(generator, rows, vocab), labels=torch.randint(1, vocab, (rows, 6), generator=generator),
+                use_cache=False)
+
+
+RESIZED_VOCAB = 150
+
+
+def resized_seq2seq(generator, rows=ROWS):
+    """Token ids up to the resized vocabulary: the new embedding rows are trained too."""
+    return seq2seq(generator, rows, RESIZED_VOCAB)
+
+
+def bart_resized():
+    """BART after resize_token_embeddings: set_input_embeddings puts one embedding module at three places (shared,
+    encoder.embed_tokens, decoder.embed_tokens), and the step used to train it to inf/nan."""
+    model = T.BartForConditionalGeneration(T.BartConfig(**_SEQ2SEQ))
+    model.resize_token_embeddings(RESIZED_VOCAB)
+    return model
+
+
+def _seeded(make_model):
+    def build():
+        torch.manual_seed(0)
+        return make_model()
+    return build
+
+
+_BUILDERS = {
+    "gemma3": (lambda: T.Gemma3ForCausalLM(T.Gemma3TextConfig(
+        **_DECODER, head_dim=8, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+        final_logit_softcapping=30.0, attn_logit_softcapping=50.0)), causal),
+    "gemma2_softcap": (lambda: T.Gemma2ForCausalLM(T.Gemma2Config(
+        **_DECODER, head_dim=8, sliding_window=8, final_logit_softcapping=30.0, attn_logit_softcapping=50.0)), causal),
+    "codegen": (lambda: T.CodeGenForCausalLM(T.CodeGenConfig(
+        vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, rotary_dim=4, n_ctx=64)), causal),
+    "distilbert": (lambda: T.DistilBertForMaskedLM(T.DistilBertConfig(
+        vocab_size=VOCAB, dim=32, hidden_dim=64, n_layers=2, n_heads=4, max_position_embeddings=64)), masked),
+    "distilbert_seq": (lambda: T.DistilBertForSequenceClassification(T.DistilBertConfig(
+        vocab_size=VOCAB, dim=32, hidden_dim=64, n_layers=2, n_heads=4, max_position_embeddings=64, num_labels=3)),
+        sequence_classes),
+    # one layer's parameters shared by all three layers
+    "albert": (lambda: T.AlbertForMaskedLM(T.AlbertConfig(**dict(_ENCODER, num_hidden_layers=3), embedding_size=16)),
+               masked),
+    "modernbert": (lambda: T.ModernBertForMaskedLM(T.ModernBertConfig(
+        **dict(_ENCODER, num_hidden_layers=3), global_attn_every_n_layers=2, local_attention=8, pad_token_id=0,
+        eos_token_id=1, bos_token_id=2, cls_token_id=2, sep_token_id=1)), masked),
+    "xlnet": (lambda: T.XLNetLMHeadModel(T.XLNetConfig(vocab_size=VOCAB, d_model=32, n_layer=2, n_head=4, d_inner=64)),
+              masked),
+    "electra": (lambda: T.ElectraForMaskedLM(T.ElectraConfig(**_ENCODER, embedding_size=16)), masked),
+    "roberta_tok": (lambda: T.RobertaForTokenClassification(T.RobertaConfig(
+        **dict(_ENCODER, max_position_embeddings=80), num_labels=5)), token_classes),
+    "roberta_mc": (lambda: T.RobertaForMultipleChoice(T.RobertaConfig(**dict(_ENCODER, max_position_embeddings=80))),
+                   multiple_choice),
+    "roberta_qa": (lambda: T.RobertaForQuestionAnswering(T.RobertaConfig(**dict(_ENCODER, max_position_embeddings=80))),
+                   spans),
+    "marian": (lambda: T.MarianMTModel(T.MarianConfig(**_SEQ2SEQ, pad_token_id=0, decoder_start_token_id=0)), seq2seq),
+    "pegasus": (lambda: T.PegasusForConditionalGeneration(T.PegasusConfig(
+        **_SEQ2SEQ, pad_token_id=0, decoder_start_token_id=0)), seq2seq),
+    "mbart": (lambda: T.MBartForConditionalGeneration(T.MBartConfig(**_SEQ2SEQ)), seq2seq),
+    "bart_resized": (bart_resized, resized_seq2seq),
+    "rwkv": (lambda: T.RwkvForCausalLM(T.RwkvConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, attention_hidden_size=32, intermediate_size=64,
+        context_length=64)), causal),
+    "stablelm": (lambda: T.StableLmForCausalLM(T.StableLmConfig(**_DECODER)), causal),
+    "mpt": (lambda: T.MptForCausalLM(T.MptConfig(
+        vocab_size=VOCAB, d_model=32, n_heads=4, n_layers=2, expansion_ratio=2, max_seq_len=64)), causal),
+    "gpt_bigcode": (lambda: T.GPTBigCodeForCausalLM(T.GPTBigCodeConfig(
+        vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, multi_query=True)), causal),
+    # pools the last token that is not pad_token_id (a data-dependent index)
+    "bloom_seq": (lambda: T.BloomForSequenceClassification(T.BloomConfig(
+        vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=4, num_labels=3, pad_token_id=0)), sequence_classes),
+    "llama_seq": (lambda: T.LlamaForSequenceClassification(T.LlamaConfig(**_DECODER, num_labels=3, pad_token_id=0)),
+                  sequence_classes),
+    "deberta_tok": (lambda: T.DebertaV2ForTokenClassification(T.DebertaV2Config(
+        **_ENCODER, position_buckets=16, max_relative_positions=32, num_labels=5, relative_attention=True,
+        pos_att_type=["p2c", "c2p"])), token_classes),
+    "deberta_v1": (lambda: T.DebertaForMaskedLM(T.DebertaConfig(
+        **_ENCODER, relative_attention=True, max_relative_positions=32, pos_att_type=["p2c", "c2p"])), masked),
+    "funnel": (lambda: T.FunnelForMaskedLM(T.FunnelConfig(
+        vocab_size=VOCAB, block_sizes=[1, 1], d_model=32, n_head=4, d_head=8, d_inner=64)), masked),
+    "mobilebert": (lambda: T.MobileBertForMaskedLM(T.MobileBertConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        embedding_size=16, intra_bottleneck_size=16, true_hidden_size=16)), masked),
+}
+
+MODELS = {name: (_seeded(make_model), batch) for name, (make_model, batch) in _BUILDERS.items()}
+
+
+def batches(name: str, steps: int, rows: int = ROWS, seed: int = 1) -> list[dict]:
+    generator = torch.Generator().manual_seed(seed)
+    return [MODELS[name][1](generator, rows) for _ in range(steps)]
+
+
+def _split(batch: dict, k: int) -> list[dict]:
+    """K micro-batches along dim 0 of every tensor; other values (use_cache=False) go to each."""
+    parts = {key: value.chunk(k) if isinstance(value, torch.Tensor) else [value] * k for key, value in batch.items()}
+    return [{key: chunks[index] for key, chunks in parts.items()} for index in range(k)]
+
+
+def mixed_accumulated_keyword_step(model, optimizer, batch: dict, seed: int, *, dtype, k: int = 1, clip=None):
+    """One eager step of a model that computes its loss from a keyword batch, with low-precision compute and
+    gradient accumulation and clipping: ``tests.reference.mixed_eager_step`` (the masters cast to ``dtype``, fp32
+    gradients) generalized to K micro-batches as ``tests/fuzz_reference.reference_step`` does it: each micro-batch's
+    ``(loss.float() / K)`` gradients cast to fp32 and summed, then ``clip_grad_norm_``, then the update. The global
+    generator is seeded with ``seed`` first (dropout). Returns (the summed loss, the norm before clipping)."""
+    torch.manual_seed(seed)
+    optimizer.zero_grad(set_to_none=True)
+    low = copy.deepcopy(model)   # keeps tied weights tied
+    for param in low.parameters():
+        param.data = param.data.to(dtype)
+    grads: dict[str, torch.Tensor | None] = {}
+    total = None
+    for micro in _split(batch, k):
+        loss = low(**micro).loss.float()
+        if k > 1:
+            loss = loss / k
+        names = [name for name, param in low.named_parameters() if param.requires_grad]
+        params = dict(low.named_parameters())
+        computed = torch.autograd.grad(loss, [params[name] for name in names], allow_unused=True)
+        for name, grad in zip(names, computed):   # AccumulateGrad's order: the running sum, then the new one
+            grad = None if grad is None else grad.float()
+            old = grads.get(name)
+            grads[name] = grad if old is None else old if grad is None else old + grad
+        total = loss.detach() if total is None else total + loss.detach()
+    for name, param in model.named_parameters():
+        param.grad = grads.get(name)
+    norm = None
+    if clip is not None:
+        norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], clip)
+    optimizer.step()
+    return total, norm
