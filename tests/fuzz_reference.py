@@ -2,7 +2,10 @@
 
 A ``Case`` is one combination of ``zerocc.compile`` options over one small
 model of ``tests/models.py`` (the MLP, the example GPT with tied embeddings,
-the CNN with BatchNorm), one optimizer, frozen parameters and param groups.
+the CNN with BatchNorm) or one real architecture (``ARCHITECTURE_MODELS``:
+Hugging Face Llama, GPT-2, BERT, T5 and Mixtral on keyword batches, the ResNet
+and U-Net of ``tests/architectures.py``), one optimizer, frozen parameters and
+param groups.
 ``run_case`` trains the compiled step and the eager reference the options
 define on the same batches, on this rank, and returns both; ``compare``
 checks them, bit for bit where the docs promise it, within a stated
@@ -29,8 +32,10 @@ reference: that is the point of comparing.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -40,13 +45,64 @@ from zerocc.errors import MemoryBudgetError
 from tests.models import ZOO, build
 
 MODELS = ("mlp", "gpt", "cnn")
+# real architectures (tests/zoo.py's Hugging Face models, tests/architectures.py's CNNs): the long runs draw them
+ARCHITECTURE_MODELS = ("llama", "gpt2", "bert", "t5", "mixtral", "resnet", "unet")
+ALL_MODELS = MODELS + ARCHITECTURE_MODELS
 
 # parameters a case may freeze, per model: a leading layer (its output still feeds trained ones)
 FREEZABLE = {
     "mlp": ("net.0.weight", "net.0.bias", "net.2.bias"),
     "gpt": ("wpe.weight", "blocks.0.ln1.weight", "blocks.0.ln1.bias", "blocks.1.fc.weight"),
     "cnn": ("conv1.weight", "bn1.weight", "bn1.bias"),
+    "llama": ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.input_layernorm.weight"),
+    "gpt2": ("transformer.wpe.weight", "transformer.h.0.ln_1.weight", "transformer.h.0.attn.c_attn.bias"),
+    "bert": ("bert.embeddings.position_embeddings.weight", "bert.embeddings.LayerNorm.bias"),
+    "t5": ("encoder.block.0.layer.0.SelfAttention.q.weight",
+           "encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"),
+    "mixtral": ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.gate.weight"),
+    "resnet": ("stem.weight", "bn.weight", "bn.bias"),
+    "unet": ("enc1.weight", "enc1.bias"),
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class Architecture:
+    """A real architecture the fuzzer draws: a seeded build, its batches, and what the reference must do for it."""
+    build: Callable[[], torch.nn.Module]
+    batch: Callable[[torch.Generator, int], Any]     # (generator, rows) -> a tuple of arguments or a keyword dict
+    bf16: bool = True                                # False: eager refuses the mixed reference (BatchNorm)
+
+
+def _hf(name):
+    def build_model():
+        from tests.zoo import ZOO as HF   # transformers loads only for a case that draws it
+        return HF[name].build()
+
+    def batch(generator, rows):
+        from tests.zoo import ZOO as HF
+        return HF[name].batch(generator, rows)
+    return Architecture(build_model, batch)
+
+
+def _architecture(name, **options):
+    from tests.architectures import ARCHITECTURES, build_architecture
+    return Architecture(lambda: build_architecture(name), ARCHITECTURES[name][1], **options)
+
+
+# dropout stays on (GPT-2, BERT, T5: 0.1): both sides seed the generator before each step, so they draw the same masks
+ARCHITECTURES = {
+    "llama": _hf("llama"), "gpt2": _hf("gpt2"), "bert": _hf("bert"), "t5": _hf("t5"), "mixtral": _hf("mixtral"),
+    # eager BatchNorm refuses bf16 inputs with fp32 running statistics, as for the CNN: no mixed reference
+    "resnet": _architecture("resnet", bf16=False),
+    "unet": _architecture("unet"),   # the model returns the loss; its float target is a model input (cast too)
+}
+
+
+def precisions_of(model: str) -> tuple[str, ...]:
+    """The precisions a model can be drawn with (the CNN's and the ResNet's BatchNorm: fp32 only)."""
+    if model == "cnn" or (model in ARCHITECTURES and not ARCHITECTURES[model].bf16):
+        return ("fp32",)
+    return tuple(PRECISIONS)
 
 # name -> (optimizer class, keyword arguments): elementwise optimizers the docs say compile exactly
 OPTIMIZERS = {
@@ -105,21 +161,40 @@ def make_optimizer(case: Case, model: torch.nn.Module) -> torch.optim.Optimizer:
 
 def make_model(case: Case) -> tuple[torch.nn.Module, object]:
     """The case's model (frozen parameters frozen) and its loss_fn; the same weights on every call."""
-    model, _, loss_fn = build(case.model)
+    if case.model in ARCHITECTURES:   # each returns its loss (a Hugging Face model: output.loss)
+        model, loss_fn = ARCHITECTURES[case.model].build(), None
+    else:
+        model, _, loss_fn = build(case.model)
     for name, param in model.named_parameters():
         if name in case.frozen:
             param.requires_grad_(False)
     return model, loss_fn
 
 
-def case_batches(case: Case, world_size: int, seed: int = 1) -> list[tuple[torch.Tensor, ...]]:
+Batch = tuple[tuple, dict]   # (positional arguments, keyword arguments): step(*args, **kwargs)
+
+
+def case_batches(case: Case, world_size: int, seed: int = 1) -> list[Batch]:
     """The global batches (``batch_size`` per rank); rank r trains on its r-th slice."""
     generator = torch.Generator().manual_seed(seed)
-    return [ZOO[case.model][1](generator, case.batch_size * world_size) for _ in range(case.steps)]
+    make = ARCHITECTURES[case.model].batch if case.model in ARCHITECTURES else ZOO[case.model][1]
+    batches = [make(generator, case.batch_size * world_size) for _ in range(case.steps)]
+    return [((), batch) if isinstance(batch, dict) else (tuple(batch), {}) for batch in batches]
 
 
-def local(batch, rank, world_size):
-    return tuple(t.chunk(world_size)[rank] for t in batch)
+def chunks(batch: Batch, count: int) -> list[Batch]:
+    """``batch`` split along dim 0 into ``count`` pieces (ranks, micro-batches); other values (flags) go to every piece."""
+    def split(value):
+        return value.chunk(count) if isinstance(value, torch.Tensor) else [value] * count
+    args, kwargs = batch
+    pieces_of_args = [split(value) for value in args]
+    pieces_of_kwargs = {key: split(value) for key, value in kwargs.items()}
+    return [(tuple(pieces[i] for pieces in pieces_of_args), {k: pieces[i] for k, pieces in pieces_of_kwargs.items()})
+            for i in range(count)]
+
+
+def local(batch: Batch, rank, world_size) -> Batch:
+    return chunks(batch, world_size)[rank]
 
 
 def compile_options(case: Case, model, optimizer, loss_fn, example, world_size) -> dict:
@@ -137,8 +212,8 @@ def compile_options(case: Case, model, optimizer, loss_fn, example, world_size) 
         # the budget bounds the highest rank's peak (ranks own different optimizer pieces), and a plan is
         # one rank's: each rank plans its own, the highest is the baseline
         rank = dist.get_rank() if world_size > 1 else 0
-        planned = zerocc.plan(model, optimizer, world_size=world_size, rank=rank, example_inputs=example,
-                              **options).memory_plan
+        planned = zerocc.plan(model, optimizer, world_size=world_size, rank=rank, example_inputs=example[0],
+                              example_keyword_inputs=example[1], **options).memory_plan
         peak = torch.tensor(getattr(planned, budgeted_peak(case)))
         if world_size > 1:
             dist.all_reduce(peak, op=dist.ReduceOp.MAX)
@@ -152,20 +227,34 @@ def budgeted_peak(case: Case) -> str:
     return "planned_peak_bytes" if case.memory_pools else "live_peak_bytes"
 
 
+def _loss(output):
+    """The model's loss: the output itself, or its ``loss`` entry (Hugging Face)."""
+    return output if isinstance(output, torch.Tensor) else output.loss
+
+
 def loss_of(model, loss_fn, batch):
-    return model(*batch) if loss_fn is None else loss_fn(model(*batch[:-1]), batch[-1])
+    args, kwargs = batch
+    return _loss(model(*args, **kwargs)) if loss_fn is None else loss_fn(model(*args[:-1], **kwargs), args[-1])
+
+
+def _cast(value, dtype):
+    return value.to(dtype) if isinstance(value, torch.Tensor) and value.is_floating_point() else value
 
 
 def _micro_gradients(case, model, loss_fn, micro, dtype, scale):
     """(loss / K, this micro-batch's gradients in fp32 by parameter name) on ``dtype`` copies of the masters."""
     trained = {n: p for n, p in model.named_parameters() if p.requires_grad}
     computed = {n: p.detach().to(dtype).requires_grad_(p.requires_grad) for n, p in model.named_parameters()}
-    inputs = [t.to(dtype) if t.is_floating_point() else t for t in micro[:-1]] if loss_fn else list(micro)
-    targets = [micro[-1]] if loss_fn else []
+    # floating model inputs are cast (docs/guide/mixed-precision.md); a loss_fn's target keeps its dtype. Without
+    # a loss_fn every argument is a model input
+    args, kwargs = micro
+    targets = [args[-1]] if loss_fn else []
+    inputs = [_cast(t, dtype) for t in (args[:-1] if loss_fn else args)]
+    kwargs = {key: _cast(value, dtype) for key, value in kwargs.items()}
 
-    def forward(*args):
-        return torch.func.functional_call(model, computed, args, tie_weights=True, strict=False)
-    loss = forward(*inputs) if loss_fn is None else loss_fn(forward(*inputs), *targets)
+    def forward():
+        return torch.func.functional_call(model, computed, tuple(inputs), kwargs, tie_weights=True, strict=False)
+    loss = _loss(forward()) if loss_fn is None else loss_fn(forward(), *targets)
     loss = loss.float()
     if case.grad_accumulation > 1:
         loss = loss / case.grad_accumulation
@@ -181,7 +270,7 @@ def reference_step(case, model, optimizer, loss_fn, batch, scaler, world_size):
     optimizer.zero_grad(set_to_none=True)
     for buffer in model.buffers() if world_size > 1 else ():   # DDP: every rank starts from rank 0's statistics
         dist.broadcast(buffer, 0)
-    micro_batches = list(zip(*[t.chunk(case.grad_accumulation) for t in batch]))
+    micro_batches = chunks(batch, case.grad_accumulation)
     total = None
     if param_dtype is None:   # fp32: the documented reference, (loss / K).backward() per micro-batch
         for micro in micro_batches:
@@ -250,13 +339,37 @@ class Outcome:
 
 def run_case(case: Case, rank: int = 0, world_size: int = 1) -> Outcome:
     """Train the reference and the compiled step on this rank's slices of the same batches."""
+    with _deterministic(case.model in ARCHITECTURES):
+        return _run_case(case, rank, world_size)
+
+
+@contextlib.contextmanager
+def _deterministic(on: bool):
+    """Mixtral gathers expert weights by index: eager's CPU index_put_(accumulate=True) backward sums in a
+    run-dependent order unless deterministic algorithms are on (tests/test_model_zoo.py)."""
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(on or previous)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(previous)
+
+
+def _seed(step: int) -> None:
+    """Seeded before each step on both sides: dropout (GPT-2, BERT, T5) draws the same masks."""
+    torch.manual_seed(100 + step)
+
+
+def _run_case(case: Case, rank: int, world_size: int) -> Outcome:
     start = time.perf_counter()
     data = [local(batch, rank, world_size) for batch in case_batches(case, world_size)]
     reference, loss_fn = make_model(case)
     reference_optimizer = make_optimizer(case, reference)
     scaler = torch.amp.GradScaler("cpu") if PRECISIONS[case.precision][2] else None
-    expected = [reference_step(case, reference, reference_optimizer, loss_fn, batch, scaler, world_size)
-                for batch in data]
+    expected = []
+    for number, batch in enumerate(data):
+        _seed(number)
+        expected.append(reference_step(case, reference, reference_optimizer, loss_fn, batch, scaler, world_size))
     outcome = Outcome(case, [e for e, _ in expected], [n for _, n in expected],
                       {k: v.clone() for k, v in reference.state_dict().items()},
                       scaler.get_scale() if scaler is not None else None)
@@ -266,8 +379,9 @@ def run_case(case: Case, rank: int = 0, world_size: int = 1) -> Outcome:
         options = compile_options(case, model, optimizer, loss_fn, data[0], world_size)
         outcome.budget = options.get("memory_budget")
         step = zerocc.compile(model, optimizer, timeout=TIMEOUT_S if world_size > 1 else None, **options)
-        for batch in data:
-            outcome.losses.append(step(*batch))
+        for number, (args, kwargs) in enumerate(data):
+            _seed(number)
+            outcome.losses.append(step(*args, **kwargs))
             outcome.norms.append(step.last_grad_norm)
         outcome.state = step.full_state_dict()
         outcome.scale = step.loss_scale if case.precision == "fp16_dynamic" else None

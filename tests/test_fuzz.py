@@ -1,6 +1,7 @@
 """Differential fuzzing: drawn combinations of compile options against the eager reference they define.
 
-``draw_case`` picks a model (MLP, tied-embedding GPT, BatchNorm CNN), a stage,
+``draw_case`` picks a model (MLP, tied-embedding GPT, BatchNorm CNN; in the long runs also Llama, GPT-2,
+BERT, T5, Mixtral, a ResNet and a U-Net), a stage,
 an optimizer, param groups, frozen parameters, mixed precision and loss
 scaling, gradient accumulation, clipping, a memory budget (a fraction of the
 unbudgeted planned peak), memory pools, prefetch and bucket sizes;
@@ -9,7 +10,7 @@ on the same batches and compares them (bit for bit at world size 1, within
 the tolerances stated there across ranks).
 
 The default suite runs a short derandomized slice (5 cases at world size 1,
-2 cases inside one 2-rank run). The long run, and the regression cases it
+2 cases inside one 2-rank run, one Mixtral case). The long run, and the regression cases it
 found, are in ``docs/fuzzing.md``:
 
     ZEROCC_FUZZ_EXAMPLES=200 python -m pytest -m slow tests/test_fuzz.py
@@ -29,19 +30,22 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests import distributed
-from tests.fuzz_reference import FREEZABLE, MODELS, OPTIMIZERS, PRECISIONS, Case, compare, describe, run_case
+from tests.fuzz_reference import (ALL_MODELS, FREEZABLE, OPTIMIZERS, Case, compare, describe, precisions_of,
+                                  run_case)
 
 LONG_EXAMPLES = int(os.environ.get("ZEROCC_FUZZ_EXAMPLES", "200"))
 
 
-def draw_case(choose, models=MODELS) -> Case:
+def draw_case(choose, models=ALL_MODELS) -> Case:
     """A case, each field picked by ``choose(options)`` (Hypothesis' draw or a seeded Random's choice).
 
     Options are listed simplest first: Hypothesis shrinks a failure towards them.
     """
     model = choose(models)
-    # eager BatchNorm refuses bf16 inputs with fp32 running statistics: the CNN has no mixed reference
-    precision = choose(sorted(PRECISIONS, key=lambda name: name != "fp32")) if model != "cnn" else "fp32"
+    # eager BatchNorm refuses bf16 inputs with fp32 running statistics: the CNN and the ResNet have no mixed
+    # reference (precisions_of); a single option draws nothing, so the seeded draws stay as they were
+    precisions = precisions_of(model)
+    precision = choose(sorted(precisions, key=lambda name: name != "fp32")) if len(precisions) > 1 else "fp32"
     clip = choose((None, 1.0, 0.05))
     frozen_sets = [()] + [c for n in (1, 2) for c in itertools.combinations(FREEZABLE[model], n)]
     return Case(
@@ -63,17 +67,18 @@ def draw_case(choose, models=MODELS) -> Case:
 
 
 @st.composite
-def cases(draw, models=MODELS):
+def cases(draw, models=ALL_MODELS):
     return draw_case(lambda options: draw(st.sampled_from(options)), models)
 
 
-def random_cases(count: int, seed: int, models=MODELS) -> list[Case]:
+def random_cases(count: int, seed: int, models=ALL_MODELS) -> list[Case]:
     generator = random.Random(seed)
     return [draw_case(generator.choice, models) for _ in range(count)]
 
 
 # the default suite's slice trains the cheap models (a GPT case compiles for 10-60 s on a loaded 2-core
-# machine, the MLP's and CNN's for 3-15 s); the long run draws the GPT too
+# machine, the MLP's and CNN's for 3-15 s); the long runs draw the GPT and the real architectures too
+# (fuzz_reference.ARCHITECTURE_MODELS: Llama, GPT-2, BERT, T5, Mixtral, a ResNet, a U-Net)
 CHEAP = ("mlp", "cnn")
 
 
@@ -123,6 +128,14 @@ def test_world_size_2_long():
     _check_across_ranks(random_cases(max(1, LONG_EXAMPLES // 4), seed=int(os.environ.get("ZEROCC_FUZZ_SEED", "3"))))
 
 
+def test_a_real_architecture_equals_the_eager_reference():
+    """The default suite's one real-architecture case: a keyword batch (input_ids=, labels=) split into
+    micro-batches, the model's output.loss, mixed precision, clipping and pools over Mixtral's routed experts.
+    The long runs draw all of fuzz_reference.ARCHITECTURE_MODELS."""
+    compare(run_case(Case(model="mixtral", stage=3, precision="bf16", grad_accumulation=2, clip_grad_norm=1.0,
+                          memory_pools=True)))
+
+
 # -- what the fuzzer found: each failure, as the smallest case that still shows it -------------
 
 @pytest.mark.multirank
@@ -146,8 +159,14 @@ def main(argv=None) -> int:
     parser.add_argument("--examples", type=int, default=LONG_EXAMPLES)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--world-size", type=int, default=1)
+    parser.add_argument("--models", default=",".join(ALL_MODELS),
+                        help=f"comma-separated models to draw from (default: all of {', '.join(ALL_MODELS)})")
     args = parser.parse_args(argv)
-    drawn = random_cases(args.examples, args.seed)
+    models = tuple(args.models.split(","))
+    unknown = set(models) - set(ALL_MODELS)
+    if unknown:
+        parser.error(f"unknown models {sorted(unknown)}; choose from {', '.join(ALL_MODELS)}")
+    drawn = random_cases(args.examples, args.seed, models)
     if args.world_size == 1:   # one at a time, logged as it ends
         outcomes = ([run_case(case)] for case in drawn)
     else:
