@@ -47,6 +47,22 @@ def _train(rank, world_size, folder, stage=3, name="gpt"):
             report["measured_peak_bytes"])
 
 
+@pytest.mark.multirank   # new processes, each with the environment at its call
+def test_memory_pools_set_to_the_default_by_the_environment_loads_and_set_off_misses(tmp_path, monkeypatch):
+    """$ZEROCC_MEMORY_POOLS=1 asks for the default's program; the fingerprint read the raw $ZEROCC_* settings, so an
+    entry stored without the variable missed (and said the settings changed). The options hold it resolved."""
+    folder = str(tmp_path / "cache")
+    monkeypatch.delenv("ZEROCC_MEMORY_POOLS", raising=False)
+    [(cold, cold_outcome, *_)] = distributed.run(_train, 1, folder)
+    monkeypatch.setenv("ZEROCC_MEMORY_POOLS", "1")
+    [(warm, warm_outcome, *_)] = distributed.run(_train, 1, folder)
+    monkeypatch.setenv("ZEROCC_MEMORY_POOLS", "0")
+    [(off, off_outcome, *_)] = distributed.run(_train, 1, folder)
+    assert cold_outcome.startswith("miss (no entry), then stored") and warm_outcome == "loaded", (cold_outcome, warm_outcome)
+    assert off_outcome.startswith("miss (changed since the entry for this program: options"), off_outcome
+    assert all(torch.equal(a, b) for a, b in zip(cold, warm)) and all(torch.equal(a, b) for a, b in zip(cold, off))
+
+
 def _without_symbolic_annotations(code: str) -> str:
     """A loaded graph keeps no symbolic scalar values (they belong to the tracing process): their annotations go."""
     return re.sub(r': "Sym\([^"]*\)"', "", code)

@@ -64,8 +64,9 @@ FORMAT = 1   # bumped when what an entry holds changes shape
 # the parts that say which of a step's programs an entry is (one per batch shape, ...): a miss is explained
 # against an entry for the same program only
 PROGRAM_PARTS = ("batch", "optimizer state", "optimizer settings", "autocast", "training modes", "earlier buckets")
-# $ZEROCC_* settings that do not change a program
-_UNRELATED_SETTINGS = (CACHE_DIR_VARIABLE, "ZEROCC_DUMP_DIR")
+# $ZEROCC_* settings that do not change a program, or that the options hold resolved ($ZEROCC_MEMORY_POOLS=1 is
+# the default's program: keyed raw, it missed the entry stored without it)
+_UNRELATED_SETTINGS = (CACHE_DIR_VARIABLE, "ZEROCC_DUMP_DIR", "ZEROCC_MEMORY_POOLS")
 # attributes whose value differs from process to process for the same object: Hugging Face's GenerationConfig
 # keeps hash(self), a hash of strings that follows the interpreter's hash seed (every causal LM holds one)
 _PER_PROCESS_ATTRIBUTES = frozenset({"_original_object_hash"})
