@@ -217,8 +217,10 @@ class MemoryPlan:
                          + (f" and {unknown} of a size known only at run time" if unknown else "") + " ("
                          + "; ".join(f"{count} {reason}" for reason, count in sorted(reasons.items())) + ")")
         ratio = self.planned_bytes / self.lower_bound_bytes if self.lower_bound_bytes else 1.0
-        lines.append(f"total: {megabytes(self.planned_bytes)} planned, lower bound {megabytes(self.lower_bound_bytes)}, "
-                     f"{ratio:.2f}x; at most {megabytes(self.live_peak_bytes)} alive at once, "
+        # the pools' sum leaves the unplanned buffers out, which the live peak counts: said, as it can be the smaller
+        lines.append(f"pools together: {megabytes(self.planned_bytes)} planned, lower bound "
+                     f"{megabytes(self.lower_bound_bytes)}, {ratio:.2f}x; at most {megabytes(self.live_peak_bytes)} "
+                     f"alive at once{', unplanned buffers included' if self.unplanned else ''}, "
                      f"{len(self.positions)} positions")
         if self.arenas:
             lines.append(f"arenas: {megabytes(self.arena_bytes)} allocated once; planned peak "
