@@ -233,8 +233,13 @@ def _owners(bucket: decisions.Bucket, param: int) -> list[tuple[int, int, int]]:
 # -- CompiledStep.state_dict / load_state_dict --------------------------------------
 def state_dict(step) -> dict[str, object]:
     """This rank's state, keyed by name; values are views of the live state (nothing is copied)."""
+    return _state_of(step, _parts(step))
+
+
+def _state_of(step, parts: dict[str, _Part]) -> dict[str, object]:
+    """``state_dict`` of the parts ``_parts(step)`` made (a load reads them too)."""
     result: dict[str, object] = {}
-    for key, part in _parts(step).items():
+    for key, part in parts.items():
         if part.scalar:
             result[key] = part.local[0][1]
         elif part.owners is None:
@@ -648,18 +653,13 @@ def load_checkpoint(step, path: str) -> None:
 
 
 def _load(step, path: str) -> None:
-    try:   # what each rank can check alone (a folder on one node's disk only): every rank hears of it below
-        if not os.path.exists(os.path.join(path, META_FILE)):
-            raise ConfigError(f"{path} is not a complete zerocc checkpoint (no {META_FILE})")
-        _check_shapes(step, path)
-        problem = None
-    except Exception as error:
-        problem = error
     failures.meet(step.ranks, "zerocc.load_checkpoint", step.steps, step.timeout)   # every rank loads, or all fail
-    _raise_any_ranks_problem(step.ranks, problem)
+    # what each rank checks alone (a folder on one node's disk only): every rank hears of it
+    _on_every_rank(step.ranks, lambda: _check_complete(step, path))
     reader = dcp.FileSystemReader(path)
     saved = reader.read_metadata().state_dict_metadata
-    state = state_dict(step)
+    parts = _parts(step)
+    state = _state_of(step, parts)
     for key, entry in saved.items():
         if key not in state and not step.state.started and key.startswith("optim/"):
             state[key] = torch.empty(entry.size, dtype=entry.properties.dtype)
@@ -670,7 +670,6 @@ def _load(step, path: str) -> None:
     # a checkpoint saved without loss scaling (fp32, bf16) lacks the scale: a step with one starts it afresh
     state = {k: v for k, v in state.items() if k in saved or not k.startswith(SCALER_PREFIX)}
     # optimizer state no rank holds, as zeros: checkpoints written before those were saved lack it
-    parts = _parts(step)
     stateless = {key for key, part in parts.items() if part.absent}
     state = {k: v for k, v in state.items() if k in saved or k not in stateless}
     groups_saved = PARAM_GROUPS_KEY in saved
@@ -691,28 +690,35 @@ def _load(step, path: str) -> None:
                 without_a_place = {k: v for k, v in state.items() if k in stateless}
                 dcp.load(without_a_place, storage_reader=reader, process_group=step.ranks.group,
                          no_dist=step.ranks.group is None)
-                try:   # each rank reads its own pieces: every rank refuses if any finds state there
-                    _refuse_state_without_a_place(parts, without_a_place)
-                    problem = None
-                except ConfigError as error:
-                    problem = error
-                _raise_any_ranks_problem(step.ranks, problem)
+                # each rank reads its own pieces: every rank refuses if any finds state there
+                _on_every_rank(step.ranks, lambda: _refuse_state_without_a_place(parts, without_a_place))
             dcp.load(state, storage_reader=reader, process_group=step.ranks.group, no_dist=step.ranks.group is None)
     except CheckpointException as error:   # a BaseException: ``except Exception`` would not see it
         raise CheckpointError(f"loading {path} failed: {_first_line(error)}") from error
     load_state_dict(step, state)
 
 
-def _raise_any_ranks_problem(ranks, problem: Exception | None) -> None:
-    """Raise ``problem`` on its rank and a ``ConfigError`` naming it on every other: a rank that refused alone
-    left the others waiting in the load's collectives until its process ended (or, where the script caught the
-    error and trained on, failing with a mismatch of calls)."""
+def _check_complete(step, path: str) -> None:
+    if not os.path.exists(os.path.join(path, META_FILE)):
+        raise ConfigError(f"{path} is not a complete zerocc checkpoint (no {META_FILE})")
+    _check_shapes(step, path)
+
+
+def _on_every_rank(ranks, check) -> None:
+    """``check()`` on every rank; where it raises on any, every rank raises: that error on its rank, a ``ConfigError``
+    naming the rank and why on the others (``_on_rank_0``'s counterpart for what each rank checks alone). A rank that
+    refused alone left the others waiting in the load's collectives until its process ended (or, where the script
+    caught the error and trained on, failing with a mismatch of calls)."""
+    try:
+        check()
+        problem = None
+    except Exception as error:
+        problem = error
+    message = None if problem is None else f"{type(problem).__name__}: {problem}"
+    every: list = [message]
     if ranks.group is not None:
-        every: list = [None] * ranks.world_size
-        dist.all_gather_object(every, None if problem is None else f"{type(problem).__name__}: {problem}",
-                               group=ranks.group)
-    else:
-        every = [None]
+        every = [None] * ranks.world_size
+        dist.all_gather_object(every, message, group=ranks.group)
     if problem is not None:
         raise problem
     failed = [(rank, message) for rank, message in enumerate(every) if message is not None]
