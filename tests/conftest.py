@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 from tests import distributed, durations
 
@@ -94,3 +95,13 @@ def pytest_runtest_call(item):
         raise AssertionError(f"{item.nodeid} started several ranks (tests/distributed.py) but is not marked "
                              "multirank: add @pytest.mark.multirank")
     return result
+
+@pytest.fixture
+def deterministic():
+    """Deterministic algorithms on for the test, restored after it: gathering by index (MoE expert weights, token
+    rows) backpropagates through CPU index_put_(accumulate=True), which eager PyTorch sums in a run-dependent order
+    unless they are on."""
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(previous)

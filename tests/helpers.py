@@ -100,3 +100,26 @@ def assert_rank_matches_reference(rank, losses, expected, state, expected_state,
     for name, value in expected_state.items():
         torch.testing.assert_close(state[name], value, rtol=state_rtol, atol=state_atol,
                                    msg=lambda m: f"rank {rank} {name}: {m}")
+
+
+def beside_ddp(build, global_batches: list[dict], rank: int, world_size: int, *, find_unused_parameters=False,
+               **options) -> tuple:
+    """``build()`` trained with AdamW on this rank's slice of each keyword batch, under DDP and as a zerocc stage-3
+    step (``options`` to compile), dropout seeded alike per step: (DDP's losses, the step's losses, DDP's state, the
+    step's full state), what ``reference.assert_ranks_match_ddp`` compares. ``find_unused_parameters`` for models
+    whose batches leave parameters without a gradient (XLNet's segment embeddings)."""
+    from torch.nn.parallel import DistributedDataParallel
+    from tests.reference import train_eagerly
+    data = [{key: value.chunk(world_size)[rank] if isinstance(value, torch.Tensor) else value
+             for key, value in batch.items()} for batch in global_batches]
+    reference = build()
+    ddp = DistributedDataParallel(reference, find_unused_parameters=find_unused_parameters)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    expected = [train_eagerly(ddp, reference_optimizer, batch, seed=100 + number) for number, batch in enumerate(data)]
+    model = build()
+    step = zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-3), stage=3, **options)
+    got = []
+    for number, batch in enumerate(data):
+        torch.manual_seed(100 + number)
+        got.append(step(**batch))
+    return expected, got, dict(reference.state_dict()), step.full_state_dict()

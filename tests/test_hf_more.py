@@ -19,6 +19,7 @@ import torch
 
 import zerocc
 from tests import distributed
+from tests.helpers import beside_ddp
 from tests.reference import assert_ranks_match_ddp, train_eagerly
 
 pytest.importorskip("transformers")
@@ -36,14 +37,6 @@ def _params(names):
         if name in KNOWN_FAILURES:
             marks.append(pytest.mark.xfail(strict=True, reason=KNOWN_FAILURES[name]))
         yield pytest.param(name, marks=marks)
-
-
-@pytest.fixture
-def deterministic():
-    previous = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    yield
-    torch.use_deterministic_algorithms(previous)
 
 
 @pytest.mark.parametrize("name", list(_params(MODELS)))
@@ -94,26 +87,10 @@ ACROSS_RANKS = ["bart_resized", "albert", "xlnet", "llama_seq", "deberta_tok"]
 
 
 def _against_ddp(rank, world_size, names):
-    from torch.nn.parallel import DistributedDataParallel
     torch.use_deterministic_algorithms(True)
-    results = {}
-    for name in names:
-        build, _ = MODELS[name]
-        data = [{key: value.chunk(world_size)[rank] if isinstance(value, torch.Tensor) else value
-                 for key, value in batch.items()} for batch in batches(name, 2, rows=2 * world_size)]
-        reference = build()
-        # XLNet's mask_emb and segment parameters get no gradient without perm_mask and token_type_ids
-        ddp = DistributedDataParallel(reference, find_unused_parameters=True)
-        reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3)
-        expected = [train_eagerly(ddp, reference_optimizer, batch, seed=100 + number) for number, batch in enumerate(data)]
-        model = build()
-        step = zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-3), stage=3, timeout=120)
-        got = []
-        for number, batch in enumerate(data):
-            torch.manual_seed(100 + number)
-            got.append(step(**batch))
-        results[name] = (expected, got, dict(reference.state_dict()), step.full_state_dict())
-    return results
+    # XLNet's mask_emb and segment parameters get no gradient without perm_mask and token_type_ids
+    return {name: beside_ddp(MODELS[name][0], batches(name, 2, rows=2 * world_size), rank, world_size,
+                             find_unused_parameters=True, timeout=120) for name in names}
 
 
 @pytest.mark.slow

@@ -14,6 +14,7 @@ import torch
 
 import zerocc
 from tests import distributed
+from tests.helpers import beside_ddp
 from tests.reference import assert_ranks_match_ddp, train_eagerly
 
 pytest.importorskip("transformers")
@@ -36,16 +37,6 @@ def _params():
             error, reason = KNOWN_FAILURES[name]
             marks.append(pytest.mark.xfail(strict=True, raises=error, reason=reason))
         yield pytest.param(name, marks=marks)
-
-
-@pytest.fixture
-def deterministic():
-    """Gathering by index (MoE expert weights, token rows) backpropagates through CPU index_put_(accumulate=True),
-    which eager PyTorch sums in a run-dependent order unless deterministic algorithms are on."""
-    previous = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    yield
-    torch.use_deterministic_algorithms(previous)
 
 
 @pytest.mark.parametrize("name", list(_params()))
@@ -76,24 +67,9 @@ ACROSS_RANKS = ["llama", "mixtral", "mamba", "t5", "bert", "resnet", "vit", "whi
 
 
 def _against_ddp(rank, world_size, names):
-    from torch.nn.parallel import DistributedDataParallel
     torch.use_deterministic_algorithms(True)
-    results = {}
-    for name in names:
-        data = [{key: value.chunk(world_size)[rank] if isinstance(value, torch.Tensor) else value
-                 for key, value in batch.items()} for batch in batches(name, 2, rows=2 * world_size)]
-        reference = ZOO[name].build()
-        ddp = DistributedDataParallel(reference)
-        reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3)
-        expected = [train_eagerly(ddp, reference_optimizer, batch, seed=100 + number) for number, batch in enumerate(data)]
-        model = ZOO[name].build()
-        step = zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-3), stage=3)
-        got = []
-        for number, batch in enumerate(data):
-            torch.manual_seed(100 + number)
-            got.append(step(**batch))
-        results[name] = (expected, got, dict(reference.state_dict()), step.full_state_dict())
-    return results
+    return {name: beside_ddp(ZOO[name].build, batches(name, 2, rows=2 * world_size), rank, world_size)
+            for name in names}
 
 
 @pytest.mark.slow

@@ -31,14 +31,6 @@ transformers = pytest.importorskip("transformers")
 from tests.zoo import MIXTURES_OF_EXPERTS, MORE_MIXTURES_OF_EXPERTS, TOKENS, VOCAB  # noqa: E402  (needs transformers; the zoo trains every MoE model)
 
 
-@pytest.fixture
-def deterministic():
-    previous = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    yield
-    torch.use_deterministic_algorithms(previous)
-
-
 def build(name, **options):
     torch.manual_seed(0)
     return {**MIXTURES_OF_EXPERTS, **MORE_MIXTURES_OF_EXPERTS}[name](**options)
