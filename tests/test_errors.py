@@ -546,3 +546,32 @@ def test_random_numbers_the_program_does_not_depend_on_train_like_eager(draw):
         assert torch.equal(step(x, y), expected.detach())
     full = step.full_state_dict()
     assert all(torch.equal(full[k], v) for k, v in reference.state_dict().items())
+
+
+def test_stack_traces_while_tracing_are_torchs_without_its_imports():
+    """make_fx leaves torch's own frames out of a node's stack trace with ``uninteresting_files()``, whose first call
+    imports torch.export and AOTAutograd (a third of a second of a first step); while zerocc traces, the files of
+    those modules already loaded stand for the set. The traces (the user lines errors and printed graphs name) and
+    the recorded source files must be what torch's own set gives."""
+    from torch.fx.experimental import symbolic_shapes
+
+    from zerocc import tracing
+
+    model = MLP()
+
+    def step(x):
+        return F.gelu(model(x)).sum()
+
+    def trace():
+        fake_mode = tracing.make_fake_mode()
+        gm, _ = tracing.trace_functional(step, (torch.randn(4, 12),), fake_mode)
+        return [n.stack_trace for n in gm.graph.nodes], gm.meta["zerocc_source_files"]
+
+    tracing._REAL_UNINTERESTING_FILES.cache_clear()
+    loaded = trace()
+    assert tracing._REAL_UNINTERESTING_FILES.cache_info().currsize == 0   # torch's set was not computed
+    assert symbolic_shapes.uninteresting_files is tracing._REAL_UNINTERESTING_FILES   # and is torch's again
+    tracing._REAL_UNINTERESTING_FILES()
+    assert trace() == loaded
+    traces = [trace for trace in loaded[0] if trace]
+    assert traces and all("tests/models.py" in trace and "_symbolic_trace.py" not in trace for trace in traces)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
+import sys
 from typing import Any, Callable
 
 import torch
@@ -24,6 +25,7 @@ import torch.fx.traceback as fx_traceback
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx._lazy_graph_module import _use_lazy_graph_module
+from torch.fx.experimental import symbolic_shapes
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from . import compile_stats, fake_kernels
@@ -90,10 +92,51 @@ def recording_source_files(files: set[str]):
         return original(tracer, summary)
 
     TracerBase._filter_traceback_frames = filter_and_record
+    shapes_module, uninteresting = symbolic_shapes, symbolic_shapes.uninteresting_files
+    shapes_module.uninteresting_files = _uninteresting_files_loaded
     try:
         yield files
     finally:
         TracerBase._filter_traceback_frames = original
+        shapes_module.uninteresting_files = uninteresting
+
+
+# The modules whose frames make_fx leaves out of a node's stack trace (torch's ``uninteresting_files``). Its
+# first call imports every one of them (torch.export and AOTAutograd among them: 0.3-0.5 s of a first
+# step); a frame can only come from a module already imported, so while tracing, the files of those loaded
+# stand for the whole set.
+_UNINTERESTING_MODULES = (
+    "torch", "torch.fx.experimental.symbolic_shapes", "torch.export._trace", "torch.fx.experimental.recording",
+    "torch.fx.experimental.sym_node", "torch.fx.interpreter", "torch.fx._symbolic_trace", "torch._compile",
+    "torch._dynamo.eval_frame", "torch._inductor.sizevars", "torch._library.custom_ops",
+    "torch._library.fake_impl", "torch._subclasses.meta_utils", "torch._subclasses.fake_tensor",
+    "torch._logging._internal", "torch._logging.structured",
+)
+
+
+def _uninteresting_files_loaded() -> set[str]:
+    real = _REAL_UNINTERESTING_FILES
+    if real.cache_info().currsize:   # computed already (torch.compile ran in this process): the real set
+        return real()
+    modules = sys.modules
+    key = len(modules)
+    cached = _loaded_files_cache.get(key)
+    if cached is None:
+        cached = {m.__file__ for name in _UNINTERESTING_MODULES
+                  if (m := modules.get(name)) is not None and getattr(m, "__file__", None)}
+        cached |= {getattr(m, "__file__", None) for name, m in list(modules.items())
+                   if name == "torch._higher_order_ops" or name.startswith("torch._higher_order_ops.")} - {None}
+        guards = modules.get("torch._dynamo.guards")
+        if guards is not None:
+            cached |= guards.uninteresting_files()
+        cached.add("<string>")
+        _loaded_files_cache.clear()
+        _loaded_files_cache[key] = cached
+    return cached
+
+
+_REAL_UNINTERESTING_FILES = symbolic_shapes.uninteresting_files
+_loaded_files_cache: dict[int, set[str]] = {}
 
 
 @contextlib.contextmanager
