@@ -68,7 +68,11 @@ def test_sgd_with_momentum_traces_its_own_first_step_and_matches_eager():
     assert len(step.compile_stats) == 2, "a first-step program that creates the momentum buffers, then the steady one"
 
 
-def test_a_parameter_the_loss_does_not_reach_gets_no_state_as_in_eager():
+@pytest.mark.parametrize("stage", [0, 1, 3])
+def test_a_parameter_the_loss_does_not_reach_gets_no_state_as_in_eager_and_one_program(stage):
+    """Eager's optimizer makes no state for a parameter without a gradient. The step made the initial state for
+    the others only after tracing again without any (the first step's own program), so a model with an unused
+    module (a pooler, a spare head) compiled a second program at its second step."""
     class WithSpare(nn.Module):
         def __init__(self):
             super().__init__()
@@ -80,9 +84,15 @@ def test_a_parameter_the_loss_does_not_reach_gets_no_state_as_in_eager():
     def model_and_loss():
         return WithSpare(), None, nn.functional.mse_loss
 
-    step, _, reference_optimizer = _train(lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), 3,
-                                          model_and_loss=model_and_loss)
-    assert sorted(step.optimizer.state_dict()["state"]) == sorted(reference_optimizer.state_dict()["state"]) == [0, 1]
+    step, reference, reference_optimizer = _train(lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), stage,
+                                                  steps=4, model_and_loss=model_and_loss)
+    state, eager_state = step.optimizer.state_dict()["state"], reference_optimizer.state_dict()["state"]
+    assert sorted(state) == sorted(eager_state) == [0, 1]
+    for index, entries in eager_state.items():
+        assert all(torch.equal(state[index][key], value) for key, value in entries.items())
+    weights = step.full_state_dict()
+    assert all(torch.equal(weights[name], value) for name, value in reference.state_dict().items())
+    assert len(step.compile_stats) == 1, "one program for the first and every later step"
 
 
 def test_the_switch_traces_the_first_step_as_before(monkeypatch):

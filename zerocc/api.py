@@ -631,9 +631,9 @@ class CompiledStep:
             fake_mode, captured = trace(lambda mode: self._fake_initial_state(mode, fresh))
             unused = [info.name for info, node in zip(captured.params, g.placeholders(captured.gm, g.ROLE_PARAM))
                       if node.meta.get(g.UNUSED) and fresh[info.name]]
-            if unused:   # eager makes no state for a parameter the loss does not reach: trace the first step as is
-                fresh = None
-                fake_mode, captured = trace(None)
+            if unused:   # eager makes no state for a parameter the loss does not reach: none made for those
+                fresh = {name: {} if name in unused else states for name, states in fresh.items()}
+                fake_mode, captured = trace(lambda mode: self._fake_initial_state(mode, fresh))
         else:
             fake_mode, captured = trace(None)
         self._refuse_other_trained_parameters(captured)
