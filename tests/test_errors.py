@@ -548,11 +548,12 @@ def test_random_numbers_the_program_does_not_depend_on_train_like_eager(draw):
     assert all(torch.equal(full[k], v) for k, v in reference.state_dict().items())
 
 
-def test_stack_traces_while_tracing_are_torchs_without_its_imports():
+def test_stack_traces_while_tracing_are_torchs_without_its_costs(monkeypatch):
     """make_fx leaves torch's own frames out of a node's stack trace with ``uninteresting_files()``, whose first call
     imports torch.export and AOTAutograd (a third of a second of a first step); while zerocc traces, the files of
-    those modules already loaded stand for the set. The traces (the user lines errors and printed graphs name) and
-    the recorded source files must be what torch's own set gives."""
+    those modules already loaded stand for the set, and the stack is read from the live frames, not symbolized
+    frame by frame for every node. The traces (the user lines errors and printed graphs name) and the recorded
+    source files must be what torch's own path gives."""
     from torch.fx.experimental import symbolic_shapes
 
     from zerocc import tracing
@@ -573,5 +574,8 @@ def test_stack_traces_while_tracing_are_torchs_without_its_imports():
     assert symbolic_shapes.uninteresting_files is tracing._REAL_UNINTERESTING_FILES   # and is torch's again
     tracing._REAL_UNINTERESTING_FILES()
     assert trace() == loaded
+    monkeypatch.setattr(tracing, "LIVE_STACKS", False)   # torch's CapturedTraceback, a FrameSummary per frame
+    assert trace() == loaded
     traces = [trace for trace in loaded[0] if trace]
-    assert traces and all("tests/models.py" in trace and "_symbolic_trace.py" not in trace for trace in traces)
+    assert any("tests/models.py" in trace for trace in traces)   # MLP.forward's lines
+    assert not any("_symbolic_trace.py" in trace for trace in traces)   # torch's module-call wrapper, left out

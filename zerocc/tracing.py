@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import operator
 import sys
+import traceback
 from typing import Any, Callable
 
 import torch
@@ -69,6 +70,9 @@ _EAGER_COMPOSITES = [
 ]
 
 
+LIVE_STACKS = True   # False: torch's CapturedTraceback (the tests compare both); off where torch lacks its filter's parts
+
+
 @contextlib.contextmanager
 def recording_source_files(files: set[str]):
     """Add to ``files`` the file of every frame inside the traced function when an op is recorded.
@@ -78,27 +82,79 @@ def recording_source_files(files: set[str]):
     no trace. The compile cache on disk (``zerocc/disk_cache.py``) must see those files: an edit to one
     changes the program. Frames up to ``trace_functional``'s ``flat_fn`` (the script calling the step) are not
     part of what is traced.
+
+    The stack is read from the live frames (``_LiveStack``) and only the frames make_fx keeps become
+    ``FrameSummary`` objects, with the same filter (``_kept_frames``): torch's ``CapturedTraceback`` turns
+    every frame of a deep stack into one for each node and then keeps a few, a third of a trace's time.
     """
-    from torch.fx.proxy import TracerBase
-    original = TracerBase._filter_traceback_frames
+    from torch.fx import proxy
+    tracer_base = proxy.TracerBase
+    original_filter, original_traceback = tracer_base._filter_traceback_frames, proxy.CapturedTraceback
+    anchors = getattr(proxy, "_STACK_TRACE_ANCHORS", None)
+    live = LIVE_STACKS and anchors is not None and hasattr(tracer_base, "_record_forward_stack_traces_only")
 
     def filter_and_record(tracer, summary):
+        frames = summary.frames if isinstance(summary, _LiveStack) else [(f.filename, f.lineno, f.name) for f in summary]
         inside = False
-        for frame in summary:
+        for filename, _, name in frames:
             if inside:
-                files.add(frame.filename)
-            elif frame.name == "flat_fn" and frame.filename == __file__:
+                files.add(filename)
+            elif name == "flat_fn" and filename == __file__:
                 inside = True
-        return original(tracer, summary)
+        if isinstance(summary, _LiveStack):
+            return _kept_frames(tracer, frames, anchors)
+        return original_filter(tracer, summary)
 
-    TracerBase._filter_traceback_frames = filter_and_record
+    tracer_base._filter_traceback_frames = filter_and_record
+    if live:
+        proxy.CapturedTraceback = _LiveStack
     shapes_module, uninteresting = symbolic_shapes, symbolic_shapes.uninteresting_files
     shapes_module.uninteresting_files = _uninteresting_files_loaded
     try:
         yield files
     finally:
-        TracerBase._filter_traceback_frames = original
+        tracer_base._filter_traceback_frames = original_filter
+        proxy.CapturedTraceback = original_traceback
         shapes_module.uninteresting_files = uninteresting
+
+
+class _LiveStack:
+    """What make_fx's ``create_node`` takes from ``CapturedTraceback.extract().summary()``: the Python frames
+    on the stack, outermost first, as (file, line, function), for ``filter_and_record`` alone to read."""
+
+    __slots__ = ("frames",)
+
+    def __init__(self, frames: list[tuple[str, int, str]]):
+        self.frames = frames
+
+    @staticmethod
+    def extract(**_) -> "_LiveStack":
+        frames = []
+        frame = sys._getframe(1)
+        while frame is not None:
+            frames.append((frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name))
+            frame = frame.f_back
+        frames.reverse()
+        return _LiveStack(frames)
+
+    def summary(self) -> "_LiveStack":
+        return self
+
+    def __len__(self) -> int:
+        return len(self.frames)
+
+
+def _kept_frames(tracer, frames: list[tuple[str, int, str]], anchors) -> traceback.StackSummary:
+    """torch's ``TracerBase._filter_traceback_frames`` over (file, line, function) tuples: a ``FrameSummary``
+    (which reads its source line) only for the frames it keeps."""
+    if tracer._record_forward_stack_traces_only:
+        kept = [f for f in frames if f[2] == "forward" or f[0].endswith("torch/__init__.py") or (f[0], f[2]) in anchors]
+    else:
+        first = next((i for i, f in enumerate(frames) if f[2] == "forward"), None)
+        kept = frames[first:] if first is not None else []
+    leave_out = symbolic_shapes.uninteresting_files()
+    return traceback.StackSummary.from_list(
+        [traceback.FrameSummary(filename, line, name) for filename, line, name in kept if filename not in leave_out])
 
 
 # The modules whose frames make_fx leaves out of a node's stack trace (torch's ``uninteresting_files``). Its
