@@ -495,7 +495,7 @@ class CompiledStep:
                     "zerocc compiles a new program because optimizer settings changed (" + "; ".join(changed[:4]) +
                     "). Only the learning rate and betas are read every step; any other setting is traced into the program, "
                     "so a schedule that changes one every step compiles every step (OneCycleLR or CyclicLR: pass "
-                    "cycle_momentum=False). Said once per zerocc.compile.", stacklevel=4)
+                    "cycle_momentum=False). Said once per zerocc.compile.", stacklevel=user_stacklevel())
                 self._warned_settings = True
                 return
 
@@ -516,7 +516,7 @@ class CompiledStep:
                     "changes every step compiles every step. Keep such a value in a tensor the program reads, e.g. a "
                     "buffer (self.register_buffer('weight', torch.tensor(1.0), persistent=False)) that you set with "
                     "weight.fill_(value) between steps; keep a value forward does not read (a loop's counter) off the "
-                    "model. Said once per zerocc.compile.", RecompileWarning, stacklevel=4)
+                    "model. Said once per zerocc.compile.", RecompileWarning, stacklevel=user_stacklevel())
                 self._warned_python = True
                 return
 

@@ -23,13 +23,17 @@ _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 def user_stacklevel() -> int:
-    """The ``stacklevel`` for a ``warnings.warn`` in the caller that names the first frame outside zerocc: the
-    user's line (``loss = step(x, y)``), however deep in zerocc the warning is raised. A fixed count named one
-    frame too far out on some paths (the line that called the user's function)."""
-    frame, level = sys._getframe(1), 1
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE_DIR + os.sep):
+    """The ``stacklevel`` for a ``warnings.warn`` in the caller that names the user's line that called into zerocc
+    (``loss = step(x, y)``, ``zerocc.compile(...)``): the frame outside zerocc's outermost one, however deep in
+    zerocc the warning is raised and whatever runs between (a ``with`` block's contextlib frames, torch's
+    tracing). A fixed count named one frame too far out on some paths, and the first frame outside zerocc was
+    contextlib's on others."""
+    frame, level, outermost = sys._getframe(1), 1, 1
+    while frame is not None:
+        if os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE_DIR + os.sep):
+            outermost = level
         frame, level = frame.f_back, level + 1
-    return level
+    return outermost + 1
 
 
 class ZeroccError(Exception):

@@ -28,7 +28,7 @@ from .autocast import autocast_as, autocast_state, outside_autocast
 from .batch import BatchLayout, check_batch
 from .data_guards import GuardRecorder, all_hold, recording
 from .program_cache import input_signature
-from .errors import CaptureError, ConfigError, RecompileWarning, ZeroccError, note_failing_node, user_frame
+from .errors import CaptureError, ConfigError, RecompileWarning, ZeroccError, note_failing_node, user_frame, user_stacklevel
 from .runtime import failures
 from .tracing import fakeify, make_fake_mode, module_conversions_as_eager, no_traced_values_left, trace_functional
 from .user_tooling import suspended_user_tooling
@@ -83,7 +83,7 @@ def eval_forward(step, inputs: tuple, keyword_inputs: dict | None = None) -> Any
         del programs[dropped]
         warnings.warn(f"zerocc: more than max_programs={step.max_programs} eval_forward programs; dropped "
                       "the least recently used. Pad evaluation batches to a few shapes", RecompileWarning,
-                      stacklevel=3)
+                      stacklevel=user_stacklevel())
     if step._gathers:   # the program gathers the shards: every rank must be here (runtime/failures.py)
         failures.meet(step.ranks, "step.eval_forward", step.steps, step.timeout)
     with torch.no_grad(), failures.collective_failures(step.ranks, step.steps, step.timeout, call="step.eval_forward"):

@@ -34,7 +34,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from . import graph as g
-from .errors import ConfigError
+from .errors import ConfigError, user_stacklevel
 
 # The runtime's slots for loss scaling (``decisions`` names the others). The
 # scale and the growth tracker persist from step to step and are
@@ -125,7 +125,7 @@ def resolve(param_dtype, reduce_dtype, loss_scale, cast_forward_inputs, model: t
                           "build the model in torch.float32 and pass param_dtype=torch.bfloat16")
     if param_dtype is torch.float16 and loss_scale is None:
         warnings.warn("param_dtype=torch.float16 without loss scaling: small gradients underflow to zero in "
-                      "float16; pass loss_scale='dynamic' (or use torch.bfloat16)", UserWarning, stacklevel=4)
+                      "float16; pass loss_scale='dynamic' (or use torch.bfloat16)", UserWarning, stacklevel=user_stacklevel())
     return Precision(param_dtype, reduce_dtype, loss_scale, cast_forward_inputs)
 
 

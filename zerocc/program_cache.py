@@ -29,7 +29,7 @@ import torch
 from .batch import BatchLayout
 from .context import CompileContext
 from .data_guards import all_hold
-from .errors import ConfigError, RecompileWarning
+from .errors import ConfigError, RecompileWarning, user_stacklevel
 from .pipeline import GraphSnapshot
 from .runtime.program import Program
 
@@ -351,7 +351,7 @@ class ProgramCache:
                 + (". Each Python value in the batch (a string, a number) is compiled into the program: pass one "
                    "that changes every batch (file names, sample ids) outside the step, or as a tensor"
                    if any(_holds_python_value(entry) for entry in signature) else ""), RecompileWarning,
-                stacklevel=4)
+                stacklevel=user_stacklevel())
 
     def clear(self) -> None:
         self.entries.clear()

@@ -39,6 +39,8 @@ import torch.nn.modules.module as module_hooks
 import torch.optim.optimizer as optimizer_hooks
 from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode_stack
 
+from .errors import user_stacklevel
+
 # The registries of hooks that fire for every module or every optimizer, by module and name.
 GLOBAL_HOOKS = (
     (module_hooks, "_global_forward_pre_hooks"),
@@ -81,7 +83,7 @@ def suspended_user_tooling():
 def _warn_anomaly_once() -> None:
     warnings.warn("zerocc: torch.autograd anomaly detection is on; it is off while zerocc traces the step, and the "
                   "compiled backward is one program it does not see into: no NaN check runs inside a compiled step. "
-                  "To find the op that makes a NaN, run the model eagerly under detect_anomaly", stacklevel=4)
+                  "To find the op that makes a NaN, run the model eagerly under detect_anomaly", stacklevel=user_stacklevel())
 
 
 def saved_tensors_hooks_state() -> tuple:
