@@ -189,6 +189,57 @@ def test_an_attribute_forward_sets_is_traced_and_not_left_fake_on_the_module(sta
     assert model.cache is None
 
 
+LOGGED_BY_THE_LOSS = []
+
+
+class Observed(nn.Module):
+    """Keeps what it computes for a user to look at: a dict of statistics and the last hidden state."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 1)
+        self.stats = {"calls": 0}
+
+    def forward(self, x):
+        hidden = self.a(x).relu()
+        self.stats["mean"] = hidden.mean().detach()
+        self.last_hidden = hidden.detach()
+        return self.b(hidden)
+
+
+def test_tensors_the_steps_python_keeps_for_the_user_are_taken_out_and_named():
+    """A forward hook logging norms into a list, a loss function appending to a module-level list, a module's
+    dict of statistics: the step runs that Python once, while tracing, so they kept placeholders (FakeTensors)
+    that no later step updated, without a word. They are put back as they were, and a warning names each."""
+    def loss_fn(output, target):
+        loss = F.mse_loss(output, target)
+        LOGGED_BY_THE_LOSS.append(loss.detach())
+        return loss
+
+    torch.manual_seed(0)
+    model, reference = Observed(), Observed()
+    reference.load_state_dict(model.state_dict())
+    norms = []
+    model.a.register_forward_hook(lambda module, inputs, output: norms.append(output.norm()))
+    step = zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=0.1), stage=3, loss_fn=loss_fn)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.1)
+    LOGGED_BY_THE_LOSS.clear()
+    with pytest.warns(zerocc.ObservedValueWarning) as caught:
+        for _ in range(3):
+            x, y = torch.randn(4, 8), torch.randn(4, 1)
+            expected = F.mse_loss(reference(x), y)
+            reference_optimizer.zero_grad()
+            expected.backward()
+            reference_optimizer.step()
+            assert torch.equal(step(x, y), expected.detach())
+    said = str(caught[0].message)
+    assert all(name in said for name in ("norms (named by the hook", "LOGGED_BY_THE_LOSS", "Observed.stats",
+                                         "Observed.last_hidden"))
+    assert caught[0].filename == __file__
+    assert norms == [] and LOGGED_BY_THE_LOSS == [] and model.stats == {"calls": 0}
+    assert not hasattr(model, "last_hidden")
+
+
 # -- the user's tools and hooks ----------------------------------------------------------
 
 def mlp():

@@ -15,14 +15,14 @@ from .planning import Plan, plan
 from .hardware import measure_hardware
 from .analysis.step_time import HardwareProfile, StepTime
 from .errors import (CaptureError, CheckpointError, CompileCacheError, CompileCacheWarning, ConfigError, MemoryBudgetError, PassError,
-                     RecompileWarning, UnsupportedOptimizerError, ZeroccError)
+                     ObservedValueWarning, RecompileWarning, UnsupportedOptimizerError, ZeroccError)
 from .runtime.failures import RankFailureError, RankMismatchError
 from .runtime.host_allocator import keep_freed_host_memory
 
 __all__ = ["compile", "CompiledStep", "DynamicLossScale", "plan", "Plan", "register_pass", "unregister_pass",
            "save_checkpoint", "load_checkpoint", "export_full_state_dict",
            "ZeroccError", "ConfigError", "CaptureError", "CheckpointError", "MemoryBudgetError", "PassError",
-           "UnsupportedOptimizerError", "RecompileWarning", "CompileCacheWarning", "CompileCacheError",
+           "UnsupportedOptimizerError", "RecompileWarning", "ObservedValueWarning", "CompileCacheWarning", "CompileCacheError",
            "RankFailureError", "RankMismatchError", "keep_freed_host_memory",
            "measure_hardware", "HardwareProfile", "StepTime"]
 __version__ = "0.1.0"

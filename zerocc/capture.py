@@ -404,14 +404,14 @@ def trace_step(
     attributes = tensor_attributes(model)
     host_draws = HostDraws(model, loss_fn)
     try:
-        with recording(fake_mode, recorder), _restored(attributes), no_traced_values_left(model), \
+        with recording(fake_mode, recorder), _restored(attributes), no_traced_values_left(model, loss_fn), \
                 module_conversions_as_eager():
             gm, out_spec = trace_functional(whole_step, fake_args, fake_mode, stats,
                                             lambda written: _refuse_writes_to_constants(written, attributes))
         # Python's or NumPy's random numbers: traced again from other ones, is it the same program?
         for extreme in EXTREMES if host_draws.drew else ():
             with host_draws.advanced(extreme), recording(fake_mode, GuardRecorder(inputs, input_positions)), \
-                    _restored(attributes), no_traced_values_left(model), module_conversions_as_eager():
+                    _restored(attributes), no_traced_values_left(model, loss_fn), module_conversions_as_eager():
                 again, _ = trace_functional(whole_step, fake_arguments(), fake_mode, None,
                                             lambda written: _refuse_writes_to_constants(written, attributes))
             if not same_program(gm, again):

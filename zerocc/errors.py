@@ -61,6 +61,10 @@ class CompileCacheError(ZeroccError):
     """A loaded program's stored graphs (``step.graph(name)``) could not be read from the compile cache."""
 
 
+class ObservedValueWarning(UserWarning):
+    """The step's Python (forward, a hook, the loss function) stored a tensor it computes outside the step."""
+
+
 class CompileCacheWarning(UserWarning):
     """The compile cache on disk (``zerocc/disk_cache.py``) missed an entry it had for this model, or could not
     read or write one; the step compiles, and loses nothing."""

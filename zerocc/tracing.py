@@ -14,10 +14,12 @@ are computed in double precision exactly as eager PyTorch does.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import operator
 import sys
 import traceback
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -227,7 +229,7 @@ def make_fake_mode() -> FakeTensorMode:
 
 
 @contextlib.contextmanager
-def no_traced_values_left(model: torch.nn.Module):
+def no_traced_values_left(model: torch.nn.Module, *functions: Callable | None):
     """Attributes a traced forward set to traced values (a cache built on first call) are put back after the trace.
 
     ``self.cache = torch.arange(n)`` in forward runs on fake tensors while tracing and would leave a fake tensor
@@ -238,16 +240,27 @@ def no_traced_values_left(model: torch.nn.Module):
     = self.a``; Hugging Face's ``set_input_embeddings`` puts one embedding at three places) got the traced tensor
     back from the second name's restore. The step then built its buckets from fake tensors' garbage and trained to
     inf, where eager trains.
+
+    Containers a module holds (``self.stats["mean"] = h.mean()``) and those the model's hooks and ``functions``
+    (the loss function) reach through their closures and globals (``norms.append(out.norm())`` in a forward
+    hook) get their contents back too: the step runs that Python once, while tracing, so they would keep
+    placeholders (FakeTensors) that no later step updates. Such writes are named in an ``ObservedValueWarning``.
     """
     before = {id(module): (dict(vars(module)), dict(module._parameters), dict(module._buffers))
               for module in model.modules()}
+    containers = _containers_reached(model, functions)
+    snapshots = [(where, _snapshot(container)) for where, container in containers]
+    traced = False
     try:
         yield
+        traced = True
     finally:
-        for module in model.modules():
+        written = []
+        for module_name, module in model.named_modules():
             old, old_parameters, old_buffers = before.get(id(module), ({}, {}, {}))
             for name, value in list(vars(module).items()):
-                if any(isinstance(leaf, FakeTensor) for leaf in pytree.tree_leaves(value)):
+                if _holds_fake(value) and value is not old.get(name, _ABSENT):
+                    written.append(f"{type(module).__name__}{f' ({module_name})' if module_name else ''}.{name}")
                     if name in old:
                         setattr(module, name, old[name])
                     else:
@@ -256,6 +269,107 @@ def no_traced_values_left(model: torch.nn.Module):
                 for name, value in list(table.items()):
                     if isinstance(value, FakeTensor) and name in old_table:
                         table[name] = old_table[name]
+        for where, snapshot in snapshots:
+            if _holds_fake(snapshot[0]):
+                written.append(where)
+                _restore(snapshot)
+        if written and traced:
+            from .errors import ObservedValueWarning, user_stacklevel
+            warnings.warn(
+                f"zerocc: the step's Python stored tensors it computed in {', '.join(written[:4])}"
+                f"{', ...' if len(written) > 4 else ''}: the compiled step runs forward, hooks and the loss function "
+                "once, while compiling, on placeholder tensors, so these were taken out again and later calls do "
+                "not update them (a cache forward builds for itself is fine: the program holds what it computed). "
+                "To log a value every step, write it into a buffer with copy_ (self.register_buffer('mean', "
+                "torch.zeros(()), persistent=False); self.mean.copy_(hidden.mean())): the step updates buffers",
+                ObservedValueWarning, stacklevel=user_stacklevel())
+
+
+_ABSENT = object()
+_CONTAINERS = (list, dict, set, collections.deque)
+_LARGEST_CONTAINER = 4096   # larger ones (a dataset a loss function names) are not copied to be put back
+_MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))   # _parameters, _buffers, _modules, the hook tables, ...
+
+
+def _holds_fake(value: Any, depth: int = 4) -> bool:
+    if isinstance(value, FakeTensor):
+        return True
+    if depth == 0 or not isinstance(value, (*_CONTAINERS, tuple)):
+        return False
+    items = value.values() if isinstance(value, dict) else value
+    return any(_holds_fake(item, depth - 1) for item in list(items))
+
+
+def _containers_reached(model: torch.nn.Module, functions) -> list[tuple[str, Any]]:
+    """(a description, the container) for the containers modules hold and the hooks' and ``functions``' closures
+    and globals name: where a traced forward, hook or loss can leave a traced value by writing into one."""
+    found, seen = [], set()
+
+    def add(where, value):
+        if isinstance(value, _CONTAINERS) and len(value) <= _LARGEST_CONTAINER and id(value) not in seen:
+            seen.add(id(value))
+            found.append((where, value))
+
+    def reached_by(function, what):
+        function = getattr(function, "func", function)   # functools.partial
+        owner = getattr(function, "__self__", None)
+        if owner is not None and not isinstance(owner, torch.nn.Module):   # a logger object's method
+            for name, value in vars(owner).items() if hasattr(owner, "__dict__") else ():
+                add(f"self.{name} (of {what})", value)
+        code = getattr(getattr(function, "__func__", function), "__code__", None)
+        if code is None:
+            return
+        function = getattr(function, "__func__", function)
+        for name, cell in zip(code.co_freevars, function.__closure__ or ()):
+            try:
+                add(f"{name} (named by {what})", cell.cell_contents)
+            except ValueError:   # an empty cell
+                pass
+        for name in code.co_names:
+            add(f"{name} (named by {what})", function.__globals__.get(name))
+
+    def described(hook):
+        code = getattr(getattr(getattr(hook, "func", hook), "__func__", getattr(hook, "func", hook)), "__code__", None)
+        name = getattr(hook, "__qualname__", type(hook).__name__)
+        return f"the hook {name}" + (f" at {code.co_filename}:{code.co_firstlineno}" if code is not None else "")
+
+    for module_name, module in model.named_modules():
+        for name, value in vars(module).items():
+            if name not in _MODULE_INTERNALS:
+                add(f"{type(module).__name__}{f' ({module_name})' if module_name else ''}.{name}", value)
+        for table in (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks,
+                      module._backward_pre_hooks):
+            for hook in list(table.values()):
+                reached_by(hook, described(hook))
+    for parameter in model.parameters():
+        for hook in list((parameter._backward_hooks or {}).values()):
+            reached_by(hook, described(hook))
+    for function in functions:
+        if function is not None:
+            reached_by(function, f"the loss function {getattr(function, '__qualname__', function)!r}")
+    return found
+
+
+def _snapshot(container: Any, depth: int = 3) -> tuple:
+    """(the container, a copy of its items, the snapshots of the containers among them), to put back in place."""
+    items = dict(container) if isinstance(container, dict) else list(container)
+    inner = [_snapshot(item, depth - 1) for item in (items.values() if isinstance(items, dict) else items)
+             if depth > 0 and isinstance(item, _CONTAINERS) and len(item) <= _LARGEST_CONTAINER]
+    return container, items, inner
+
+
+def _restore(snapshot: tuple) -> None:
+    container, items, inner = snapshot
+    if isinstance(container, dict):
+        container.clear()
+        container.update(items)
+    elif isinstance(container, list):
+        container[:] = items
+    else:   # a set or a deque
+        container.clear()
+        (container.update if isinstance(container, set) else container.extend)(items)
+    for snapshot_of_item in inner:
+        _restore(snapshot_of_item)
 
 
 @contextlib.contextmanager
