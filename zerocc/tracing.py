@@ -294,7 +294,7 @@ _MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))   # _parameters, _buffers
 def _holds_fake(value: Any, depth: int = 4) -> bool:
     if isinstance(value, FakeTensor):
         return True
-    if depth == 0 or not isinstance(value, (*_CONTAINERS, tuple)):
+    if depth == 0 or not isinstance(value, (*_CONTAINERS, tuple)) or len(value) > _LARGEST_CONTAINER:
         return False
     items = value.values() if isinstance(value, dict) else value
     return any(_holds_fake(item, depth - 1) for item in list(items))
