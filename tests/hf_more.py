@@ -80,6 +80,39 @@ def bart_resized():
     return model
 
 
+def images(generator, rows=ROWS):
+    return dict(pixel_values=torch.randn(rows, 3, 32, 32, generator=generator),
+                labels=torch.randint(0, 5, (rows,), generator=generator))
+
+
+def captions(generator, rows=ROWS):
+    ids = torch.randint(3, VOCAB, (rows, 8), generator=generator)
+    return dict(pixel_values=torch.randn(rows, 3, 32, 32, generator=generator), input_ids=ids, labels=ids)
+
+
+IMAGE_TOKEN = 120
+IMAGE_PATCHES = 16   # (32 / 8) ** 2: one token per patch of the vision tower
+
+
+def image_and_text(generator, rows=ROWS):
+    """A LLaVA batch: the image's placeholder tokens, replaced by the projected patches, left out of the loss."""
+    ids = torch.randint(3, 100, (rows, 24), generator=generator)
+    ids[:, 2:2 + IMAGE_PATCHES] = IMAGE_TOKEN
+    labels = ids.clone()
+    labels[:, 2:2 + IMAGE_PATCHES] = -100
+    return dict(pixel_values=torch.randn(rows, 3, 32, 32, generator=generator), input_ids=ids, labels=labels)
+
+
+_VISION = dict(image_size=32, patch_size=8, num_channels=3, hidden_size=32, num_hidden_layers=2, num_attention_heads=4)
+_MAMBA2 = dict(mamba_d_state=8, mamba_n_heads=8, mamba_d_head=8, mamba_n_groups=1, mamba_chunk_size=4, mamba_expand=2)
+
+
+def llava():
+    return T.LlavaForConditionalGeneration(T.LlavaConfig(
+        vision_config=T.CLIPVisionConfig(**_VISION, intermediate_size=64), text_config=T.LlamaConfig(**_DECODER),
+        image_token_index=IMAGE_TOKEN, vision_feature_layer=-1, projector_hidden_act="gelu"))
+
+
 def _seeded(make_model):
     def build():
         torch.manual_seed(0)
@@ -143,6 +176,25 @@ _BUILDERS = {
     "mobilebert": (lambda: T.MobileBertForMaskedLM(T.MobileBertConfig(
         vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
         embedding_size=16, intra_bottleneck_size=16, true_hidden_size=16)), masked),
+    "olmo2": (lambda: T.Olmo2ForCausalLM(T.Olmo2Config(**_DECODER)), causal),
+    "cohere2": (lambda: T.Cohere2ForCausalLM(T.Cohere2Config(
+        **_DECODER, sliding_window=8, layer_types=["sliding_attention", "full_attention"])), causal),
+    "nemotron": (lambda: T.NemotronForCausalLM(T.NemotronConfig(**_DECODER)), causal),
+    "starcoder2": (lambda: T.Starcoder2ForCausalLM(T.Starcoder2Config(**_DECODER, sliding_window=8)), causal),
+    # hybrid state space + attention
+    "falcon_h1": (lambda: T.FalconH1ForCausalLM(T.FalconH1Config(
+        **_DECODER, head_dim=8, mamba_d_ssm=64, **_MAMBA2)), causal),
+    "bamba": (lambda: T.BambaForCausalLM(T.BambaConfig(**_DECODER, attn_layer_indices=[1], **_MAMBA2)), causal),
+    # one shared attention block, with per-layer LoRA adapters, after the Mamba2 layer marked "hybrid"
+    "zamba2": (lambda: T.Zamba2ForCausalLM(T.Zamba2Config(
+        **_DECODER, mamba_d_state=8, mamba_headdim=8, n_mamba_heads=8, mamba_ngroups=1, chunk_size=4,
+        num_mem_blocks=1, layers_block_type=["mamba", "hybrid"], use_mem_rope=True, adapter_rank=8)), causal),
+    "dinov2": (lambda: T.Dinov2ForImageClassification(T.Dinov2Config(**_VISION, mlp_ratio=2, num_labels=5)), images),
+    "blip_caption": (lambda: T.BlipForConditionalGeneration(T.BlipConfig(
+        vision_config=dict(_VISION, intermediate_size=64), projection_dim=32,
+        text_config=dict(_ENCODER, encoder_hidden_size=32))), captions),
+    # the projected image patches written into the text's embeddings at the image tokens (masked_scatter)
+    "llava": (llava, image_and_text),
 }
 
 MODELS = {name: (_seeded(make_model), batch) for name, (make_model, batch) in _BUILDERS.items()}

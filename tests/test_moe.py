@@ -29,6 +29,7 @@ from tests.reference import eager, eager_accumulated_step, train_eagerly
 
 transformers = pytest.importorskip("transformers")
 from tests.zoo import MIXTURES_OF_EXPERTS, MORE_MIXTURES_OF_EXPERTS, TOKENS, VOCAB  # noqa: E402  (needs transformers; the zoo trains every MoE model)
+from tests.hf_more import mixed_accumulated_keyword_step  # noqa: E402  (needs transformers)
 
 
 def build(name, **options):
@@ -374,6 +375,61 @@ def test_two_ranks_whose_experts_get_different_token_counts_match_one_process(de
         loss, _ = eager_accumulated_step(reference, optimizer, None, batch, 4, clip=0.5)   # 2 ranks x 2 micro-batches
         expected.append(loss)
     results = distributed.run(_hand_written_on_ranks, 2, batches)
+    for rank, (losses, state) in enumerate(results):
+        assert_rank_matches_reference(rank, [(a + b) / 2 for a, b in zip(results[0][0], results[1][0])], expected,
+                                      state, reference.state_dict(), state_rtol=1e-4, state_atol=1e-5)
+
+
+def _as_users_train(name):
+    """A MoE model as users train one: the router's load-balancing loss in the loss, activation checkpointing."""
+    model = build(name, output_router_logits=True, router_aux_loss_coef=0.02)
+    model.gradient_checkpointing_enable()
+    return model
+
+
+COMBINED = dict(grad_accumulation=2, clip_grad_norm=0.25)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gpt_oss", "qwen3_next", "kimi_linear"])
+def test_router_loss_checkpointing_bf16_accumulation_and_clipping_combined_bit_for_bit(name, deterministic):
+    reference = _as_users_train(name)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    model = _as_users_train(name)
+    step = zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-3), stage=3, param_dtype=torch.bfloat16,
+                          reduce_dtype=torch.float32, **COMBINED)
+    for number, batch in enumerate(token_batches(2)):
+        expected, norm = mixed_accumulated_keyword_step(reference, reference_optimizer, batch, 100 + number,
+                                                        dtype=torch.bfloat16, k=2, clip=0.25)
+        torch.manual_seed(100 + number)
+        assert torch.equal(step(**batch), expected), number
+        assert torch.equal(step.last_grad_norm, norm), number
+    full = step.full_state_dict()
+    for key, value in reference.state_dict().items():
+        assert torch.equal(full[key], value), key
+
+
+def _combined_on_ranks(rank, world_size, name, batches):
+    torch.use_deterministic_algorithms(True)
+    model = _as_users_train(name)
+    step = zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-3), stage=3, **COMBINED)
+    losses = []
+    for number, batch in enumerate(batches):
+        torch.manual_seed(100 + number)
+        losses.append(step(**{key: value.chunk(world_size)[rank] for key, value in batch.items()}))
+    return losses, step.full_state_dict()
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+def test_gpt_oss_combined_options_on_two_ranks_match_one_process(deterministic):
+    batches = token_batches(2, rows=8)
+    reference = _as_users_train("gpt_oss")
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    expected = [mixed_accumulated_keyword_step(reference, optimizer, batch, 100 + number, dtype=torch.float32, k=4,
+                                               clip=0.25)[0]   # 2 ranks x 2 micro-batches
+                for number, batch in enumerate(batches)]
+    results = distributed.run(_combined_on_ranks, 2, "gpt_oss", batches, timeout=900)
     for rank, (losses, state) in enumerate(results):
         assert_rank_matches_reference(rank, [(a + b) / 2 for a, b in zip(results[0][0], results[1][0])], expected,
                                       state, reference.state_dict(), state_rtol=1e-4, state_atol=1e-5)

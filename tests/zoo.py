@@ -183,6 +183,11 @@ MORE_MIXTURES_OF_EXPERTS = {
     "lfm2_moe": _moe("Lfm2MoeConfig", "Lfm2MoeForCausalLM", num_dense_layers=1, layer_types=["conv", "full_attention"]),
     "afmoe": _moe("AfmoeConfig", "AfmoeForCausalLM"),
     "cohere2_moe": _moe("Cohere2MoeConfig", "Cohere2MoeForCausalLM"),
+    # Kimi Delta Attention (gated delta rule per channel) beside MLA attention, a dense layer then a MoE one
+    "kimi_linear": _moe("KimiLinearConfig", "KimiLinearForCausalLM", num_key_value_heads=4, pad_token_id=0,
+                        layer_types=["linear_attention", "full_attention"], mlp_layer_types=["dense", "sparse"],
+                        num_experts_per_token=2, linear_head_dim=8, linear_num_heads=4, kv_lora_rank=16,
+                        q_lora_rank=None, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8),
 }
 
 
