@@ -40,7 +40,7 @@ from .pipeline import DEFAULT_PREFETCH_BYTES, GraphSnapshot, dump_dir_of, write_
 from .planning import communication, model_state_bytes
 from .precision import DynamicLossScale
 from .autocast import autocast_state, outside_autocast
-from .program_cache import (INITIAL_STATE, CacheEntry, CacheKey, ProgramCache, changed_python_values, hook_ids,
+from .program_cache import (INITIAL_STATE, attention_backends, CacheEntry, CacheKey, ProgramCache, changed_python_values, hook_ids,
                             input_signature, python_sources, training_modes, values_read)
 from .runtime import failures
 from .runtime import slots as slot_store
@@ -436,7 +436,8 @@ class CompiledStep:
         python, tensors = self.values_read()
         return CacheKey(input_signature(batch, layout), self.state.state_key(),
                         hyperparameter_signature(self.optimizer), autocast_state(), training_modes(self._modules),
-                        self.hook_ids(), python, saved_tensors_hooks_state(), torch.get_default_dtype(), tensors)
+                        self.hook_ids(), python, saved_tensors_hooks_state(), torch.get_default_dtype(), tensors,
+                        attention_backends())
 
     def hook_ids(self) -> tuple:
         """The user's hooks on the model's modules and parameters now (``program_cache.hook_ids``), traced in."""
