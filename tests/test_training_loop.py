@@ -6,7 +6,9 @@ DDP (``no_sync`` for accumulation, ``clip_grad_norm_`` on the averaged gradients
 """
 from __future__ import annotations
 
+import collections
 import copy
+import dataclasses
 import functools
 import math
 import warnings
@@ -609,3 +611,69 @@ def test_batches_of_dicts_and_nested_containers_train_bit_for_bit(stage):
     with pytest.raises(zerocc.ConfigError, match=r"(?s)argument 0\['labels'\] requires grad.*argument 0\['labels'\] "
                                                  r"is float32, the first batch's was int64"):
         step(batch, **kwargs)
+
+
+@dataclasses.dataclass
+class _Batch:
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+@dataclasses.dataclass
+class _RegisteredBatch:
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+torch.utils._pytree.register_dataclass(_RegisteredBatch)
+
+
+class _ReadsFields(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.GELU(), torch.nn.Linear(16, 5))
+
+    def forward(self, batch):
+        x, y = (batch["x"], batch["y"]) if isinstance(batch, collections.UserDict) else (batch.x, batch.y)
+        return F.mse_loss(self.net(x), y)
+
+
+def _batches_differing_in_one_value(count):
+    generator = torch.Generator().manual_seed(1)
+    x, y = torch.randn(200, 12, generator=generator), torch.randn(200, 5, generator=generator)
+    for index in range(count):
+        changed = x.clone()
+        changed[100, 5] += index   # a value the tensor's repr leaves out ("...")
+        yield changed, y
+
+
+@pytest.mark.parametrize("kind", [_Batch, collections.UserDict])
+def test_a_batch_object_pytree_cannot_flatten_is_refused_naming_it(kind):
+    """A dataclass (or a ``UserDict``: transformers' ``BatchEncoding``) was one Python value to the program, keyed by
+    its repr: the step kept training on the first batch's tensors (a repr elides most values), with no error."""
+    model = _ReadsFields()
+    step = zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=0.01), stage=3)
+    x, y = next(_batches_differing_in_one_value(1))
+    batch = _Batch(x, y) if kind is _Batch else collections.UserDict(x=x, y=y)
+    with pytest.raises(zerocc.ConfigError, match=rf"argument 0 is a {kind.__name__} holding tensors \(x, y\).*"
+                                                 r"keeping this batch's values for every later batch. "
+                                                 r"Register the class once \(torch.utils._pytree.register_"):
+        step(batch)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_dataclass_batch_registered_with_pytree_trains_bit_for_bit(stage):
+    torch.manual_seed(0)
+    model = _ReadsFields()
+    reference = copy.deepcopy(model)
+    eager_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.01)
+    step = zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=0.01), stage=stage)
+    for x, y in _batches_differing_in_one_value(3):
+        batch = _RegisteredBatch(x, y)
+        eager_optimizer.zero_grad()
+        expected = reference(batch)
+        expected.backward()
+        eager_optimizer.step()
+        assert torch.equal(step(batch), expected)
+    assert len(step.compile_stats) == 1
+    assert_same_state(step, reference)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import io
 
 import pytest
 import torch
@@ -58,6 +59,48 @@ def test_model_and_optimizer_views_stay_current(stage):
 
     with pytest.raises(zerocc.ConfigError, match=r"optimizer.load_state_dict\(\) after compile.*zerocc.load_checkpoint"):
         optimizer.load_state_dict(expected)
+
+
+def _saved_and_loaded(thing):
+    buffer = io.BytesIO()
+    torch.save(thing, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 3])
+def test_the_whole_model_copied_or_saved_after_steps_is_the_eager_model_or_refused(stage):
+    """``torch.save(model)`` failed at every stage ("Can't pickle local object 'install.<locals>.<lambda>'": the
+    hooks zerocc puts on the model were lambdas), and at stage 3 ``copy.deepcopy(model)`` made a copy of the empty
+    placeholders (an EMA built from it stayed empty). Copies are plain models with the trained weights now; at
+    stage 3 they are taken inside ``full_model``, and refused outside it."""
+    model, _, loss_fn = build("cnn")
+    optimizer = adamw(model)
+    step = zerocc.compile(model, optimizer, stage=stage, loss_fn=loss_fn)
+    reference, _, _ = build("cnn")
+    reference_optimizer = adamw(reference)
+    data = batches("cnn", 3, 8)
+    for batch in data[:2]:
+        step(*batch)
+        eager_step(reference, reference_optimizer, loss_fn, batch)
+    released = contextlib.nullcontext()
+    if stage == 3:
+        for copying in (copy.deepcopy, _saved_and_loaded):
+            with pytest.raises(zerocc.ConfigError, match=r"copying or pickling the model after compile .*empty "
+                                                         r"placeholders. Copy it inside `with step.full_model"):
+                copying(model)
+        released = step.full_model(writeback=False)
+    with released:
+        copies = [copy.deepcopy(model), _saved_and_loaded(model)]
+    _saved_and_loaded(optimizer)
+    for copied in copies:
+        for key, value in reference.state_dict().items():
+            assert torch.equal(copied.state_dict()[key], value), key
+        copied.eval()
+        reference.eval()
+        assert torch.equal(copied(data[2][0]), reference(data[2][0]))   # a plain model, no step's hooks
+        reference.train()
+    assert torch.equal(step(*data[2]), eager_step(reference, reference_optimizer, loss_fn, data[2]))
 
 
 def assert_handed_back(model, optimizer, reference, reference_optimizer):

@@ -695,3 +695,40 @@ def test_a_scripts_global_named_like_an_attribute_forward_reads_compiles_nothing
         logits = torch.randn(4, 3)
         step(torch.randn(4, 12))
     assert len(step.compile_stats) == 1
+
+
+class _Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.out = nn.Linear(16, 48), nn.Linear(16, 16)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).view(*x.shape[:2], 3, 2, 8).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(x.shape)).square().mean()
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_attention_kernels_chosen_around_some_steps_train_and_evaluate_as_eager(stage):
+    """``with sdpa_kernel(SDPBackend.MATH):`` around every other step (or ``torch.backends.cuda.enable_flash_sdp``
+    flipped in the loop): SDPA picks its kernel where it is traced, so the program kept the CPU flash kernel of
+    its first trace while eager computed the math path, and gradients and eval_forward differed by rounding."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    torch.manual_seed(0)
+    model = _Attention()
+    reference = copy.deepcopy(model)
+    eager_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    step = zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-2), stage=stage)
+    generator = torch.Generator().manual_seed(1)
+    for number in range(4):
+        x = torch.randn(4, 32, 16, generator=generator)
+        with sdpa_kernel(SDPBackend.MATH) if number % 2 else contextlib.nullcontext():
+            assert torch.equal(step(x), eager(reference, eager_optimizer, x))
+            reference.eval()
+            with torch.no_grad():
+                assert torch.equal(step.eval_forward(x), reference(x))
+            reference.train()
+    assert len(step.compile_stats) == 2   # one program per setting, each reused
+    full = step.full_state_dict()
+    for key, value in reference.state_dict().items():
+        assert torch.equal(full[key], value), key

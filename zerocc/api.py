@@ -40,7 +40,7 @@ from .pipeline import DEFAULT_PREFETCH_BYTES, GraphSnapshot, dump_dir_of, write_
 from .planning import communication, model_state_bytes
 from .precision import DynamicLossScale
 from .autocast import autocast_state, outside_autocast
-from .program_cache import (INITIAL_STATE, CacheEntry, CacheKey, ProgramCache, changed_python_values, hook_ids,
+from .program_cache import (INITIAL_STATE, attention_backends, CacheEntry, CacheKey, ProgramCache, changed_python_values, hook_ids,
                             input_signature, python_sources, training_modes, values_read)
 from .runtime import failures
 from .runtime import slots as slot_store
@@ -48,6 +48,7 @@ from .runtime.arenas import Arenas
 from .runtime.memory import LiveBytesTracker
 from .runtime.process_group import Ranks, resolve
 from .runtime.program import Program
+from .runtime.release import HeldInterrupt
 from .step_state import (StepState, check_no_optimizer_step_hooks, check_param_groups_unchanged,
                          check_requires_grad_unchanged, param_groups_of, requires_grad_of)
 from .tracing import make_fake_mode
@@ -337,39 +338,46 @@ class CompiledStep:
         if state.param_groups is not None:
             check_param_groups_unchanged(state.param_groups, self.optimizer)
             check_requires_grad_unchanged(state.requires_grad, self.model)
-        with self._undone_if_first_call_fails(), \
-                failures.collective_failures(self.ranks, state.steps + 1, self.options.timeout):
-            key = self._cache_key(batch, layout)
-            entry = self.cache.lookup(key, batch)   # checks the program's data guards on this rank's batch
-            # every call: a rank whose batch changed shape, or took another side of a branch on batch values
-            # (zerocc/data_guards.py), would compile while the others run a cached program; one all-reduce checks
-            # the shapes and tells every rank whether any rank missed its cache: then every rank compiles
-            if failures.check_calls_agree(self.ranks, failures.TRAINING_STEP, agreement_lines(batch, layout),
-                                          missed=entry is None):
-                key, entry = self._compile_for(key, batch, layout)   # compiling compares the program across ranks
-            self.cache.use(key, entry)
-            if state.param_groups is None:
-                state.param_groups = param_groups_of(self.optimizer)   # what the buckets are laid out for
-                state.requires_grad = requires_grad_of(self.model)   # what is trained, what is kept frozen
-                state.first_batch = FirstBatch.of(batch, layout)   # what later batches are checked against
-            for (group_index, name), value in zip(live_layout(self.optimizer), live_settings(self.optimizer)):
-                state.slots[decisions.setting_slot(group_index, name)] = value
-            if entry.measured_peak_bytes is not None:
-                loss = entry.program.run(state.slots, batch)
-            else:   # the first run of a program also measures its peak of live tensor bytes
-                tensors = [t for t in [*state.slots.values(), *batch, *self.arenas.tensors()]
-                           if isinstance(t, torch.Tensor)]
-                with LiveBytesTracker(tensors) as tracker:
-                    del tensors
-                    loss = entry.program.run(state.slots, batch)
-                entry.measured_peak_bytes = tracker.peak_bytes
-                if entry.stored_as is not None:   # a later process loading it need not measure again
-                    self.disk_cache.remember_peak(entry.stored_as, tracker.peak_bytes)
-            self._drop_state_of_skipped_first_step(entry, batch, layout)
-        state.steps += 1
-        user_views.point_module_at_slots(self)
-        # the step ran the optimizer's update; tell LR schedulers so, as optimizer.step() would
-        self.optimizer._opt_called = True
+        held = HeldInterrupt()   # runtime/release.py: Ctrl-C in the update is raised once the call has its new state
+        try:
+            with self._undone_if_first_call_fails(), \
+                    failures.collective_failures(self.ranks, state.steps + 1, self.options.timeout):
+                key = self._cache_key(batch, layout)
+                entry = self.cache.lookup(key, batch)   # checks the program's data guards on this rank's batch
+                # every call: a rank whose batch changed shape, or took another side of a branch on batch values
+                # (zerocc/data_guards.py), would compile while the others run a cached program; one all-reduce checks
+                # the shapes and tells every rank whether any rank missed its cache: then every rank compiles
+                if failures.check_calls_agree(self.ranks, failures.TRAINING_STEP, agreement_lines(batch, layout),
+                                              missed=entry is None):
+                    key, entry = self._compile_for(key, batch, layout)   # compiling compares the program across ranks
+                self.cache.use(key, entry)
+                if state.param_groups is None:
+                    state.param_groups = param_groups_of(self.optimizer)   # what the buckets are laid out for
+                    state.requires_grad = requires_grad_of(self.model)   # what is trained, what is kept frozen
+                    state.first_batch = FirstBatch.of(batch, layout)   # what later batches are checked against
+                for (group_index, name), value in zip(live_layout(self.optimizer), live_settings(self.optimizer)):
+                    state.slots[decisions.setting_slot(group_index, name)] = value
+                if entry.measured_peak_bytes is not None:
+                    loss = entry.program.run(state.slots, batch, held.hold)
+                else:   # the first run of a program also measures its peak of live tensor bytes
+                    tensors = [t for t in [*state.slots.values(), *batch, *self.arenas.tensors()]
+                               if isinstance(t, torch.Tensor)]
+                    with LiveBytesTracker(tensors) as tracker:
+                        del tensors
+                        loss = entry.program.run(state.slots, batch, held.hold)
+                    entry.measured_peak_bytes = tracker.peak_bytes
+                    if entry.stored_as is not None:   # a later process loading it need not measure again
+                        self.disk_cache.remember_peak(entry.stored_as, tracker.peak_bytes)
+                self._drop_state_of_skipped_first_step(entry, batch, layout)
+            state.steps += 1
+            user_views.point_module_at_slots(self)
+            # the step ran the optimizer's update; tell LR schedulers so, as optimizer.step() would
+            self.optimizer._opt_called = True
+        except BaseException as error:
+            held.release(deliver=False)
+            self._note_lost_state(error)
+            raise
+        held.release(deliver=True)
         return loss
 
     @contextlib.contextmanager
@@ -436,7 +444,8 @@ class CompiledStep:
         python, tensors = self.values_read()
         return CacheKey(input_signature(batch, layout), self.state.state_key(),
                         hyperparameter_signature(self.optimizer), autocast_state(), training_modes(self._modules),
-                        self.hook_ids(), python, saved_tensors_hooks_state(), torch.get_default_dtype(), tensors)
+                        self.hook_ids(), python, saved_tensors_hooks_state(), torch.get_default_dtype(), tensors,
+                        attention_backends())
 
     def hook_ids(self) -> tuple:
         """The user's hooks on the model's modules and parameters now (``program_cache.hook_ids``), traced in."""
@@ -863,7 +872,23 @@ class CompiledStep:
         plan = self.state.plan
         return self.state.started and self.ranks.world_size > 1 and any(plan.holds_shard(b) for b in plan.buckets)
 
+    def _note_lost_state(self, error: BaseException) -> None:
+        """A program that failed after its release point (``runtime/program.py``) dropped slots it had not replaced:
+        every later call on the step refuses (``_check_open``) instead of tracing a first step again over fresh
+        optimizer state (stages 0-2) or failing on a missing slot (stage 3)."""
+        cause: BaseException | None = error
+        while cause is not None and not hasattr(cause, "zerocc_lost_slots"):
+            cause = cause.__cause__ or cause.__context__
+        if cause is not None:
+            self.state.lost = f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}"
+
     def _check_open(self) -> None:
+        if self.state.lost is not None:
+            raise ConfigError(
+                f"an earlier call of this step failed in the optimizer's update ({self.state.lost}), after it had "
+                "begun to free the old parameters and optimizer state: they are gone, and the step cannot train, "
+                "evaluate or save. Build the model and optimizer again, compile them, and load the last checkpoint "
+                "(zerocc.load_checkpoint(step, path))")
         if self.closed:
             raise ConfigError(
                 "this compiled step was closed (step.close(), or a later zerocc.compile over its model or "

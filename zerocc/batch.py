@@ -97,6 +97,8 @@ def check_batch(batch: Sequence[Any], layout: BatchLayout, first: FirstBatch | N
     problems = []
     for index, value in enumerate(batch):
         if not isinstance(value, torch.Tensor):
+            if held := _tensors_inside(value):
+                problems.append(_object_holding_tensors(layout.name_of(index), value, held))
             continue
         name = layout.name_of(index)
         if value.is_meta:
@@ -120,6 +122,37 @@ def check_batch(batch: Sequence[Any], layout: BatchLayout, first: FirstBatch | N
         compared = f" (the first batch was {first.description})" if first is not None else ""
         raise ConfigError(f"this batch cannot run in the compiled {where}{compared}; shapes may change from call "
                           "to call, dtypes and devices may not:\n" + "\n".join(problems))
+
+
+def _tensors_inside(value, depth: int = 2) -> list[str]:
+    """The fields of a batch entry that is neither a tensor nor a container PyTorch's pytree flattens (a dataclass,
+    a ``UserDict`` such as transformers' ``BatchEncoding``, an object) that hold tensors.
+
+    Such an entry is one Python value to the program, keyed by its ``repr``: the trace would keep the tensors of
+    the batch it was traced on as constants, and a ``repr`` that elides a tensor's values would not tell the
+    next batch from it (the step trained on the first batch's data again). Objects nested ``depth`` deep are looked
+    into."""
+    if depth == 0:
+        return []
+    if isinstance(value, Mapping):
+        fields = dict(value)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = {field.name: getattr(value, field.name, None) for field in dataclasses.fields(value)}
+    else:
+        fields = vars(value) if hasattr(value, "__dict__") and not isinstance(value, type) else {}
+    return [str(name) for name, field in fields.items()
+            if any(isinstance(leaf, torch.Tensor) or _tensors_inside(leaf, depth - 1)
+                   for leaf in pytree.tree_leaves(field))]
+
+
+def _object_holding_tensors(name: str, value, held: list[str]) -> str:
+    kind = type(value).__name__
+    registration = (f"torch.utils._pytree.register_dataclass({kind})" if dataclasses.is_dataclass(value)
+                    else f"torch.utils._pytree.register_pytree_node({kind}, ...)")
+    return (f"  - {name} is a {kind} holding tensors ({', '.join(held)}): zerocc reads a batch's tensors out of "
+            "tensors, tuples, lists, dicts and classes registered with PyTorch's pytree; any other object would be "
+            f"traced as a constant, keeping this batch's values for every later batch. Register the class once "
+            f"({registration}), or pass its tensors in a dict or tuple")
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -63,7 +63,8 @@ FORMAT = 1   # bumped when what an entry holds changes shape
 
 # the parts that say which of a step's programs an entry is (one per batch shape, ...): a miss is explained
 # against an entry for the same program only
-PROGRAM_PARTS = ("batch", "optimizer state", "optimizer settings", "autocast", "training modes", "earlier buckets")
+PROGRAM_PARTS = ("batch", "optimizer state", "optimizer settings", "autocast", "attention kernels", "training modes",
+                 "earlier buckets")
 # $ZEROCC_* settings that do not change a program, or that the options hold resolved ($ZEROCC_MEMORY_POOLS=1 is
 # the default's program: keyed raw, it missed the entry stored without it)
 _UNRELATED_SETTINGS = (CACHE_DIR_VARIABLE, "ZEROCC_DUMP_DIR", "ZEROCC_MEMORY_POOLS")
@@ -201,6 +202,7 @@ def fingerprint(step, key, released_shapes: dict[str, tuple[int, ...]], previous
         ("optimizer state", _sha(_stable(key.state) + _stable(step.state.state_signature) + _stable(held))[:24]),
         ("optimizer settings", _sha(_stable(key.hyperparameters))[:24]),
         ("autocast", _stable(key.autocast)),
+        ("attention kernels", _stable(key.attention)),
         ("training modes", _sha(_stable(key.training))[:24]),
         ("python values", _sha(_stable(key.python))[:24]),   # numbers forward and the loss read (a loss weight)
         ("saved-tensor hooks", _stable(key.saved_tensors_hooks)),

@@ -27,7 +27,7 @@ from .capture import laid_out
 from .autocast import autocast_as, autocast_state, outside_autocast
 from .batch import BatchLayout, check_batch
 from .data_guards import GuardRecorder, all_hold, recording
-from .program_cache import input_signature
+from .program_cache import attention_backends, input_signature
 from .errors import CaptureError, ConfigError, RecompileWarning, ZeroccError, note_failing_node, user_frame, user_stacklevel
 from .runtime import failures
 from .tracing import fakeify, make_fake_mode, module_conversions_as_eager, no_traced_values_left, trace_functional
@@ -69,9 +69,10 @@ def eval_forward(step, inputs: tuple, keyword_inputs: dict | None = None) -> Any
     check_batch(batch, layout, step.state.first_batch, where="eval_forward")
     autocast = autocast_state()   # the casts are traced into the program: its own program per state
     # the Python values and tensors forward reads are traced as constants (program_cache.values_read), so are
-    # its hooks, and factories read the default dtype: as the training step's key (CompiledStep._cache_key)
+    # its hooks, factories read the default dtype and SDPA picks its kernel: as the training step's key
+    # (CompiledStep._cache_key)
     signature = (input_signature(batch, layout), autocast, *step.values_read(), step.hook_ids(),
-                 torch.get_default_dtype())
+                 torch.get_default_dtype(), attention_backends())
     programs = step.eval_programs
     kept = programs.pop(signature, [])   # one program per side of the data guards its trace decided
     program = next((p for p in reversed(kept) if all_hold(p.guards, batch)), None)

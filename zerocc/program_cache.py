@@ -3,7 +3,7 @@
 A program is compiled for a ``CacheKey``: the batch's signature (shapes,
 dtypes, devices, Python values), the optimizer state's structure (none yet,
 or the steady state's), the hyper-parameters baked into the graph and the
-caller's ``torch.autocast`` state (``zerocc/autocast.py``), which modules
+caller's ``torch.autocast`` state (``zerocc/autocast.py``) and attention kernels, which modules
 are in training mode (``model.train()``/``model.eval()``: dropout, batch norm),
 the Python values and tensors forward and the loss read as constants (``values_read``) and
 the saved-tensor hooks around the call (``user_tooling.saved_tensors_hooks_state``). Each
@@ -50,6 +50,7 @@ class CacheKey:
     saved_tensors_hooks: tuple = ()   # user_tooling.saved_tensors_hooks_state() at the call: traced into backward
     default_dtype: torch.dtype | None = None   # torch.get_default_dtype() at the call: factories in forward read it
     tensors: tuple = ()       # values_read(...)[1] at the call: tensor objects traced as constants
+    attention: tuple = ()     # attention_backends() at the call: SDPA's kernel is chosen when traced
 
 
 @dataclasses.dataclass
@@ -61,6 +62,22 @@ class CacheEntry:
     measured_peak_bytes: int | None = None   # live tensor bytes at the peak of its first run
     reads_initial_state: bool = False   # compiled before the first step over the optimizer state the step made
     stored_as: str | None = None        # its entry in the compile cache on disk (zerocc/disk_cache.py), if any
+
+
+# the scaled-dot-product attention settings torch.nn.attention.sdpa_kernel and torch.backends.cuda.enable_*_sdp set
+_ATTENTION_SETTINGS = ("_get_flash_sdp_enabled", "_get_mem_efficient_sdp_enabled", "_get_math_sdp_enabled",
+                       "_get_cudnn_sdp_enabled", "_get_overrideable_sdp_enabled", "_get_fa3_sdp_enabled",
+                       "_get_math_sdp_allow_fp16_bf16_reduction", "_get_sdp_priority_order")
+
+
+def attention_backends() -> tuple:
+    """Which kernels ``F.scaled_dot_product_attention`` may pick now (``with sdpa_kernel(SDPBackend.MATH):``).
+
+    SDPA chooses its kernel where it is called, so a trace holds the one chosen then (the CPU flash kernel and
+    the math path round differently): a call under other settings gets its own program, as eager would compute
+    with another kernel. Settings this torch lacks are left out."""
+    getters = (getattr(torch._C, name, None) for name in _ATTENTION_SETTINGS)
+    return tuple(tuple(value) if isinstance(value := getter(), list) else value for getter in getters if getter)
 
 
 def training_modes(modules: Sequence[torch.nn.Module]) -> tuple[bool, ...]:

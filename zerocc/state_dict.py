@@ -483,6 +483,7 @@ def save_checkpoint(step, path: str) -> str:
     What rank 0 does alone (choosing the version, publishing it) ends in a broadcast of its outcome, not a
     barrier: where it fails, every rank raises the same error instead of the others waiting for rank 0.
     """
+    step._check_open()   # a closed step, or one whose state a failed update lost, has nothing to save
     with failures.collective_failures(step.ranks, step.steps, step.timeout, call="zerocc.save_checkpoint"):
         return _save(step, os.path.abspath(path))
 

@@ -45,6 +45,7 @@ class StepState:
         self.first_batch: FirstBatch | None = None       # zerocc/batch.py: later batches keep its dtypes and devices
         self.full_model_depth = 0                        # inside step.full_model(): the module holds whole parameters
         self.reading_model_keys = False                  # model.state_dict() called for its keys only
+        self.lost: str | None = None                     # a call failed after its release point: the error, in short
 
     @property
     def started(self) -> bool:

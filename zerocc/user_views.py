@@ -32,13 +32,48 @@ from .runtime import slots as slot_store
 def install(step) -> list:
     """Hook the user's model and optimizer to ``step``; returns the hook handles (removed if the first call fails)."""
     return [
-        step.model.register_forward_pre_hook(lambda module, args: _refuse_released_forward(step)),
-        step.model.register_state_dict_post_hook(
-            lambda module, state, prefix, metadata: _current_model_state(step, state, prefix)),
-        step.model.register_load_state_dict_pre_hook(lambda module, *args: _refuse_released_load(step)),
-        step.optimizer.register_state_dict_post_hook(lambda optimizer, state: _current_optimizer_state(step, state)),
-        step.optimizer.register_load_state_dict_pre_hook(lambda optimizer, state: _refuse_optimizer_load()),
+        step.model.register_forward_pre_hook(_StepHook(step, lambda module, args: _refuse_released_forward(step))),
+        step.model.register_state_dict_post_hook(_StepHook(
+            step, lambda module, state, prefix, metadata: _current_model_state(step, state, prefix))),
+        step.model.register_load_state_dict_pre_hook(_StepHook(step, lambda module, *args: _refuse_released_load(step))),
+        step.optimizer.register_state_dict_post_hook(
+            _StepHook(step, lambda optimizer, state: _current_optimizer_state(step, state))),
+        step.optimizer.register_load_state_dict_pre_hook(
+            _StepHook(step, lambda optimizer, state: _refuse_optimizer_load())),
     ]
+
+
+class _StepHook:
+    """One of ``install``'s hooks; a copy of it (``copy.deepcopy(model)``, ``torch.save(model)``, which copy the
+    module's hooks with it) is a ``_Detached`` hook: the copy is a plain model, which no step holds.
+
+    A lambda could not be pickled (``torch.save(model)`` failed at every stage on "Can't pickle local object"), and
+    a deep copy kept hooks bound to the step. Where the module holds released placeholders (stage 3), a copy would
+    hold them too, empty, and an EMA or a saved model built from it would silently stay empty: refused, naming
+    ``full_model``, where a copy takes the whole parameters."""
+
+    def __init__(self, step, hook):
+        # names of their own: torch's _WrappedHook (load_state_dict pre-hooks) copies a hook's __dict__ onto itself
+        self._zerocc_step, self._zerocc_hook = step, hook
+
+    def __call__(self, *args):
+        return self._zerocc_hook(*args)
+
+    def __reduce__(self):
+        if _released(self._zerocc_step):
+            raise ConfigError(
+                f"copying or pickling the model after compile (copy.deepcopy(model), torch.save(model)): its parameters "
+                f"are sharded across the compiled step (stage {self._zerocc_step.stage}), the module holds empty placeholders. "
+                "Copy it inside `with step.full_model(writeback=False): copy.deepcopy(model)` (every rank: a "
+                "collective), or save step.full_state_dict() / zerocc.save_checkpoint(step, path)")
+        return _Detached, ()
+
+
+class _Detached:
+    """A copied ``_StepHook``: does nothing."""
+
+    def __call__(self, *args):
+        return None
 
 
 def _released(step) -> bool:

@@ -53,15 +53,17 @@ class Program:
             if releases_slots(gm) else ()
         return cls(gm, slots, positions, list(gm.meta[g.OUTPUT_SLOTS]), arenas, released, tuple(sizes))
 
-    def run(self, slots: dict[str, torch.Tensor], batch: list) -> torch.Tensor:
+    def run(self, slots: dict[str, torch.Tensor], batch: list, on_release=None) -> torch.Tensor:
+        """Run on ``slots`` and ``batch``; ``on_release()`` is called where the program starts replacing slots (its
+        release point, else once it returned): from there a failure loses state (``runtime/release.py``)."""
         try:
             with outside_autocast():   # the casts a caller's autocast asked for are ops of the program (autocast.py)
-                return self._run(slots, batch)
+                return self._run(slots, batch, on_release or (lambda: None))
         except Exception as error:
             note_failing_node(error, self.gm, "step", batch)   # the user's line, not <eval_with_key>
             raise
 
-    def _run(self, slots: dict[str, torch.Tensor], batch: list) -> torch.Tensor:
+    def _run(self, slots: dict[str, torch.Tensor], batch: list, on_release) -> torch.Tensor:
         for slot, nbytes, device in self.arena_sizes:   # another program may have run since
             self.arenas.fit(slot, nbytes, device)
         addresses = self.arenas.addresses()
@@ -82,19 +84,22 @@ class Program:
             dropped: list[str] = []
 
             def release_slots() -> None:
+                on_release()
                 for slot in self.released_slots:
                     dropped.append(slot)
                     del slots[slot]
             try:
                 loss, *results = self.gm.forward(arguments, release_slots)   # clears ``arguments``
-            except Exception as error:
+            except BaseException as error:
                 if dropped:
+                    error.zerocc_lost_slots = tuple(dropped)   # CompiledStep refuses every later call
                     error.add_note(f"zerocc: the step failed after its release point (passes/release_slots.py): the "
                                    f"old values of {len(dropped)} slots ({', '.join(dropped[:3])}"
                                    f"{', ...' if len(dropped) > 3 else ''}) are gone and the step cannot go on; "
                                    "load a checkpoint")
                 raise
         self.arenas.check_unmoved(addresses)
+        on_release()
         for slot, value in zip(self.output_slots, results):
             slots[slot] = value
         return loss

@@ -22,6 +22,9 @@ the lifetimes ``passes/plan_memory.py`` plans.
 """
 from __future__ import annotations
 
+import signal
+import threading
+
 import torch.fx as fx
 
 from .. import graph as g
@@ -69,3 +72,40 @@ def _with_release_after(body: list[str], index: int) -> list[str]:
 def releases_slots(gm: fx.GraphModule) -> bool:
     """Is ``gm`` generated with ``ReleasingCodeGen`` (called as ``gm(arguments, release_slots)``)?"""
     return isinstance(gm.graph._codegen, ReleasingCodeGen)
+
+
+class HeldInterrupt:
+    """Ctrl-C held from a step's release point until the call has its new state (then raised), so that an
+    interrupt cannot land between dropping the old parameters and optimizer state and keeping the new.
+
+    Python raises ``KeyboardInterrupt`` between any two bytecodes: in the optimizer's update, after
+    ``release_slots()``, it left the step without the slots it had dropped (stage 3: ``KeyError: 'bucket:0'`` at
+    the next call; stage 0: the next call traced a first step again and trained on from fresh optimizer state).
+    Eager's ``optimizer.step()`` interrupted there leaves a usable model. The hold covers the update only (no
+    Ctrl-C is held while forward and backward run) and only where Python's handler can be swapped (the main
+    thread, a Python handler)."""
+
+    def __init__(self):
+        self.previous = None
+        self.received = None
+
+    def hold(self) -> None:
+        if self.previous is not None or threading.current_thread() is not threading.main_thread():
+            return
+        handler = signal.getsignal(signal.SIGINT)
+        if callable(handler):
+            self.previous = handler
+            signal.signal(signal.SIGINT, self._receive)
+
+    def _receive(self, signum, frame) -> None:
+        self.received = (signum, frame)
+
+    def release(self, deliver: bool) -> None:
+        """Put the handler back; with ``deliver``, call it on an interrupt received meanwhile (it raises)."""
+        previous, self.previous = self.previous, None
+        if previous is None:
+            return
+        signal.signal(signal.SIGINT, previous)
+        received, self.received = self.received, None
+        if deliver and received is not None:
+            previous(*received)
