@@ -375,6 +375,8 @@ def _sources(value) -> list[tuple[int, torch.Tensor]]:
 
 def load_state_dict(step, state: dict[str, object]) -> None:
     """Copy ``state`` (as from ``state_dict()``, after ``dcp.load`` filled it) into the step."""
+    if not step.state.started:   # checked before anything changes
+        _refuse_pieces_before_the_first_call(state)
     if PARAM_GROUPS_KEY in state:   # checked before anything changes
         _check_param_groups(step, list(state[PARAM_GROUPS_KEY]))
     # saved before any step: its optimizer state entries are the zeros a first update starts from, standing for no
@@ -416,6 +418,21 @@ def load_state_dict(step, state: dict[str, object]) -> None:
                 scaler[slot].copy_(value)
         if step.state.started:   # the param_dtype copies of loaded masters (stages 1-2; a collective)
             slot_store.refresh_compute_copies(step.state.plan, step.state.slots, step.ranks.group)
+
+
+def _refuse_pieces_before_the_first_call(state: dict[str, object]) -> None:
+    """Before its first call a step takes every tensor whole: refuse one that holds only some of its elements here (a
+    ShardedTensor of a started step's ``state_dict()``, saved with ``torch.save`` on each rank and loaded back)."""
+    pieces = sorted(k for k, v in state.items() if isinstance(v, ShardedTensor)
+                    and sum(shard.tensor.numel() for shard in v.local_shards()) != _numel(v.size()))
+    if pieces:
+        raise ConfigError(
+            f"{', '.join(pieces[:3])}{' ...' if len(pieces) > 3 else ''} ({len(pieces)} entries) hold only this "
+            "rank's pieces (ShardedTensors of a step that ran: its state_dict() saved with torch.save on each rank?), "
+            "but before its first call the step needs every tensor whole. Save with zerocc.save_checkpoint(step, "
+            "path) or dcp.save(step.state_dict(), checkpoint_id=path) and load with zerocc.load_checkpoint(step, "
+            "path) or sd = step.state_dict(); dcp.load(sd, checkpoint_id=path); step.load_state_dict(sd): each rank "
+            "then reads the pieces it needs, at any world size and stage")
 
 
 def _refuse_state_without_a_place(parts: dict[str, _Part], state: dict[str, object]) -> None:
