@@ -717,8 +717,24 @@ def _load(step, path: str) -> None:
 
 def _check_complete(step, path: str) -> None:
     if not os.path.exists(os.path.join(path, META_FILE)):
-        raise ConfigError(f"{path} is not a complete zerocc checkpoint (no {META_FILE})")
+        raise ConfigError(_not_a_checkpoint(path) + (
+            "; load it with sd = step.state_dict(); dcp.load(sd, checkpoint_id=path); step.load_state_dict(sd)"
+            if _written_by_dcp(path) else ""))
     _check_shapes(step, path)
+
+
+def _written_by_dcp(path: str) -> bool:
+    return os.path.exists(os.path.join(path, ".metadata"))   # DCP's FileSystemWriter's metadata file
+
+
+def _not_a_checkpoint(path: str) -> str:
+    """Why ``path`` is no zerocc checkpoint: it is missing, a DCP checkpoint ``dcp.save`` wrote, or incomplete."""
+    if not os.path.exists(path):
+        return f"{path} is not a complete zerocc checkpoint: it does not exist"
+    if _written_by_dcp(path):
+        return (f"{path} is not a complete zerocc checkpoint (no {META_FILE}): it holds a checkpoint dcp.save wrote "
+                "(torch.distributed.checkpoint, of step.state_dict())")
+    return f"{path} is not a complete zerocc checkpoint (no {META_FILE})"
 
 
 def _on_every_rank(ranks, check) -> None:
@@ -766,8 +782,10 @@ def export_full_state_dict(checkpoint_dir: str, out_path: str) -> dict:
     (the most tensor memory it held at once).
     """
     if not os.path.exists(os.path.join(checkpoint_dir, META_FILE)):
-        raise CheckpointError(f"{checkpoint_dir} is not a complete zerocc checkpoint (no {META_FILE}); "
-                              "export the path zerocc.save_checkpoint wrote")
+        raise CheckpointError(_not_a_checkpoint(checkpoint_dir) + (
+            ", which lacks the shapes an export needs: load it into a step with dcp.load and save that with "
+            "zerocc.save_checkpoint" if _written_by_dcp(checkpoint_dir) else
+            "; export the path zerocc.save_checkpoint wrote"))
     with open(os.path.join(checkpoint_dir, META_FILE)) as handle:
         meta = json.load(handle)
     reader = dcp.FileSystemReader(checkpoint_dir)
