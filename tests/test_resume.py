@@ -306,3 +306,27 @@ def test_a_state_dict_of_a_started_step_saved_with_torch_save_on_each_rank_is_re
     ("torch function 'any' ... not supported for ShardedTensor!") after setting the step count and learning rate."""
     distributed.run(_torch_save_on_each_rank, 2, str(tmp_path))
     assert distributed.run(_torch_load_before_the_first_call, 2, str(tmp_path)) == [True, True]
+
+
+# -- dcp.async_save of step.state_dict() while training goes on (docs/guide/checkpoints.md) ---------
+def _async_save_and_train_on(rank, world_size, folder):
+    from torch.distributed.checkpoint.staging import BlockingAsyncStager
+    step = compiled(3, 0, "plain")
+    data = local_batches(rank, world_size, 2 * K)
+    for batch in data[:K]:
+        step(*batch)
+    # the recipe the guide gives: a copy taken before async_save returns (DCP's default stager cannot copy a
+    # ShardedTensor), and a group of its own (the background save's collectives beside the step's)
+    saving = dcp.async_save(step.state_dict(), checkpoint_id=folder, async_stager=BlockingAsyncStager(),
+                            process_group=torch.distributed.new_group(backend="gloo"))
+    losses = [step(*batch) for batch in data[K:]]   # the buckets change under the background save
+    saving.result()
+    return losses
+
+
+def test_dcp_async_save_with_the_guides_recipe_saves_the_state_of_its_call_while_training_goes_on(tmp_path):
+    folder = str(tmp_path / "ckpt")
+    expected = distributed.run(_async_save_and_train_on, 2, folder)
+    got = distributed.run(_fresh_resume, 2, 3, "plain", folder)
+    for rank, (a, b) in enumerate(zip(got, expected)):
+        assert all(torch.equal(x, y) for x, y in zip(a, b)), (rank, a, b)
