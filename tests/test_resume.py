@@ -275,3 +275,58 @@ def test_resume_with_dcp_after_every_update_so_far_was_skipped_by_the_fp16_loss_
     [(losses, state)] = distributed.run(_fp16_resume, 1, folder)
     assert all(torch.equal(a, b) for a, b in zip(losses, expected[K:])), (losses, expected[K:])
     assert [k for k, v in expected_state.items() if not torch.equal(state[k], v)] == []
+
+
+# -- a started step's state_dict() saved with torch.save on each rank ---------------------------
+def local_mlp_batches(rank, world_size):
+    return [tuple(t[rank * 4:(rank + 1) * 4] for t in batch) for batch in batches("mlp", K, 8)]
+
+
+def _torch_save_on_each_rank(rank, world_size, folder):
+    step, _ = _with_scheduler(3, 0)
+    for batch in local_mlp_batches(rank, world_size):
+        step(*batch)
+    torch.save(step.state_dict(), f"{folder}/rank{rank}.pt")
+
+
+def _torch_load_before_the_first_call(rank, world_size, folder):
+    step, _ = _with_scheduler(3, 7)
+    before = {k: v.clone() for k, v in step.model.state_dict().items()}
+    with pytest.raises(zerocc.ConfigError, match=r"hold only this rank's pieces(.|\n)*zerocc.save_checkpoint"):
+        step.load_state_dict(torch.load(f"{folder}/rank{rank}.pt", weights_only=False))
+    # refused before anything changed: the step, the optimizer and the model are as they were
+    assert step.steps == 0 and not step.optimizer.state and step.optimizer.param_groups[0]["lr"] == 1e-2
+    assert all(torch.equal(v, before[k]) for k, v in step.model.state_dict().items())
+    return True
+
+
+def test_a_state_dict_of_a_started_step_saved_with_torch_save_on_each_rank_is_refused_before_the_first_call(tmp_path):
+    """At stage 3 on 2 ranks each rank's state_dict() holds ShardedTensors of its own pieces; loaded with torch.load
+    into a new process's step before its first call (which needs whole tensors), the load failed inside PyTorch
+    ("torch function 'any' ... not supported for ShardedTensor!") after setting the step count and learning rate."""
+    distributed.run(_torch_save_on_each_rank, 2, str(tmp_path))
+    assert distributed.run(_torch_load_before_the_first_call, 2, str(tmp_path)) == [True, True]
+
+
+# -- dcp.async_save of step.state_dict() while training goes on (docs/guide/checkpoints.md) ---------
+def _async_save_and_train_on(rank, world_size, folder):
+    from torch.distributed.checkpoint.staging import BlockingAsyncStager
+    step = compiled(3, 0, "plain")
+    data = local_batches(rank, world_size, 2 * K)
+    for batch in data[:K]:
+        step(*batch)
+    # the recipe the guide gives: a copy taken before async_save returns (DCP's default stager cannot copy a
+    # ShardedTensor), and a group of its own (the background save's collectives beside the step's)
+    saving = dcp.async_save(step.state_dict(), checkpoint_id=folder, async_stager=BlockingAsyncStager(),
+                            process_group=torch.distributed.new_group(backend="gloo"))
+    losses = [step(*batch) for batch in data[K:]]   # the buckets change under the background save
+    saving.result()
+    return losses
+
+
+def test_dcp_async_save_with_the_guides_recipe_saves_the_state_of_its_call_while_training_goes_on(tmp_path):
+    folder = str(tmp_path / "ckpt")
+    expected = distributed.run(_async_save_and_train_on, 2, folder)
+    got = distributed.run(_fresh_resume, 2, 3, "plain", folder)
+    for rank, (a, b) in enumerate(zip(got, expected)):
+        assert all(torch.equal(x, y) for x, y in zip(a, b)), (rank, a, b)

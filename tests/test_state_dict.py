@@ -301,6 +301,22 @@ def test_checkpoint_of_another_model_is_refused(tmp_path):
         zerocc.load_checkpoint(step, tmp_path / "nowhere")
 
 
+def test_a_folder_dcp_save_wrote_is_refused_by_load_checkpoint_and_export_saying_how_to_load_it(tmp_path):
+    """``dcp.save(step.state_dict(), checkpoint_id=path)`` then ``zerocc.load_checkpoint(step, path)`` (or an export)
+    was refused as "not a complete zerocc checkpoint (no zerocc.json)", as a folder a killed save left, without
+    saying that the folder is a whole checkpoint of another kind and how that one loads."""
+    step = compiled("mlp", 3)
+    step(*batches("mlp", 1, 8)[0])
+    dcp.save(step.state_dict(), checkpoint_id=str(tmp_path / "dcp"))
+    with pytest.raises(zerocc.ConfigError, match=r"not a complete zerocc checkpoint.*dcp.save wrote.*"
+                                                 r"dcp.load\(sd, checkpoint_id=path\); step.load_state_dict\(sd\)"):
+        zerocc.load_checkpoint(step, tmp_path / "dcp")
+    with pytest.raises(zerocc.CheckpointError, match=r"dcp.save wrote.*save that with zerocc.save_checkpoint"):
+        zerocc.export_full_state_dict(str(tmp_path / "dcp"), str(tmp_path / "model.safetensors"))
+    with pytest.raises(zerocc.ConfigError, match="not a complete zerocc checkpoint: it does not exist"):
+        zerocc.load_checkpoint(step, tmp_path / "nowhere")
+
+
 def _load_missing_on_one_rank(rank, world_size, folder):
     data = local_batches("mlp", rank, world_size, 3)
     step = compiled("mlp", 3, timeout=60)

@@ -442,3 +442,22 @@ def test_a_module_registered_under_two_names_trains_bit_for_bit(stage):
         assert torch.equal(step.eval_forward(x, y), reference(x, y))
     full = step.full_state_dict()
     assert all(torch.equal(full[key], value) for key, value in reference.state_dict().items())
+
+
+def _model_state_dict_refusal(rank, world_size, stage, param_dtype):
+    model, _, loss_fn = build("gpt")
+    step = zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-2), stage=stage, loss_fn=loss_fn,
+                          param_dtype=param_dtype)
+    step(*(t[rank * 4:(rank + 1) * 4] for t in batches("gpt", 1, 8)[0]))
+    with pytest.raises(zerocc.ConfigError) as refused:
+        model.state_dict()   # what model.save_pretrained() calls first
+    return str(refused.value)
+
+
+@pytest.mark.multirank
+def test_model_state_dict_across_ranks_names_the_stage_and_param_dtype_that_shard_the_parameters():
+    """At stage 1 under param_dtype on 2 ranks (a Hugging Face model's save_pretrained) the refusal said
+    "after compile at stage 3": the masters are sharded there by param_dtype, at stage 1."""
+    [message, _] = distributed.run(_model_state_dict_refusal, 2, 1, torch.bfloat16)
+    assert "at stage 1 under param_dtype (the fp32 masters are sharded) over 2 ranks" in message, message
+    assert "step.full_state_dict() on every rank" in message

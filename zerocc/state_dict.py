@@ -375,6 +375,8 @@ def _sources(value) -> list[tuple[int, torch.Tensor]]:
 
 def load_state_dict(step, state: dict[str, object]) -> None:
     """Copy ``state`` (as from ``state_dict()``, after ``dcp.load`` filled it) into the step."""
+    if not step.state.started:   # checked before anything changes
+        _refuse_pieces_before_the_first_call(state)
     if PARAM_GROUPS_KEY in state:   # checked before anything changes
         _check_param_groups(step, list(state[PARAM_GROUPS_KEY]))
     # saved before any step: its optimizer state entries are the zeros a first update starts from, standing for no
@@ -416,6 +418,21 @@ def load_state_dict(step, state: dict[str, object]) -> None:
                 scaler[slot].copy_(value)
         if step.state.started:   # the param_dtype copies of loaded masters (stages 1-2; a collective)
             slot_store.refresh_compute_copies(step.state.plan, step.state.slots, step.ranks.group)
+
+
+def _refuse_pieces_before_the_first_call(state: dict[str, object]) -> None:
+    """Before its first call a step takes every tensor whole: refuse one that holds only some of its elements here (a
+    ShardedTensor of a started step's ``state_dict()``, saved with ``torch.save`` on each rank and loaded back)."""
+    pieces = sorted(k for k, v in state.items() if isinstance(v, ShardedTensor)
+                    and sum(shard.tensor.numel() for shard in v.local_shards()) != _numel(v.size()))
+    if pieces:
+        raise ConfigError(
+            f"{', '.join(pieces[:3])}{' ...' if len(pieces) > 3 else ''} ({len(pieces)} entries) hold only this "
+            "rank's pieces (ShardedTensors of a step that ran: its state_dict() saved with torch.save on each rank?), "
+            "but before its first call the step needs every tensor whole. Save with zerocc.save_checkpoint(step, "
+            "path) or dcp.save(step.state_dict(), checkpoint_id=path) and load with zerocc.load_checkpoint(step, "
+            "path) or sd = step.state_dict(); dcp.load(sd, checkpoint_id=path); step.load_state_dict(sd): each rank "
+            "then reads the pieces it needs, at any world size and stage")
 
 
 def _refuse_state_without_a_place(parts: dict[str, _Part], state: dict[str, object]) -> None:
@@ -701,8 +718,24 @@ def _load(step, path: str) -> None:
 
 def _check_complete(step, path: str) -> None:
     if not os.path.exists(os.path.join(path, META_FILE)):
-        raise ConfigError(f"{path} is not a complete zerocc checkpoint (no {META_FILE})")
+        raise ConfigError(_not_a_checkpoint(path) + (
+            "; load it with sd = step.state_dict(); dcp.load(sd, checkpoint_id=path); step.load_state_dict(sd)"
+            if _written_by_dcp(path) else ""))
     _check_shapes(step, path)
+
+
+def _written_by_dcp(path: str) -> bool:
+    return os.path.exists(os.path.join(path, ".metadata"))   # DCP's FileSystemWriter's metadata file
+
+
+def _not_a_checkpoint(path: str) -> str:
+    """Why ``path`` is no zerocc checkpoint: it is missing, a DCP checkpoint ``dcp.save`` wrote, or incomplete."""
+    if not os.path.exists(path):
+        return f"{path} is not a complete zerocc checkpoint: it does not exist"
+    if _written_by_dcp(path):
+        return (f"{path} is not a complete zerocc checkpoint (no {META_FILE}): it holds a checkpoint dcp.save wrote "
+                "(torch.distributed.checkpoint, of step.state_dict())")
+    return f"{path} is not a complete zerocc checkpoint (no {META_FILE})"
 
 
 def _on_every_rank(ranks, check) -> None:
@@ -750,8 +783,10 @@ def export_full_state_dict(checkpoint_dir: str, out_path: str) -> dict:
     (the most tensor memory it held at once).
     """
     if not os.path.exists(os.path.join(checkpoint_dir, META_FILE)):
-        raise CheckpointError(f"{checkpoint_dir} is not a complete zerocc checkpoint (no {META_FILE}); "
-                              "export the path zerocc.save_checkpoint wrote")
+        raise CheckpointError(_not_a_checkpoint(checkpoint_dir) + (
+            ", which lacks the shapes an export needs: load it into a step with dcp.load and save that with "
+            "zerocc.save_checkpoint" if _written_by_dcp(checkpoint_dir) else
+            "; export the path zerocc.save_checkpoint wrote"))
     with open(os.path.join(checkpoint_dir, META_FILE)) as handle:
         meta = json.load(handle)
     reader = dcp.FileSystemReader(checkpoint_dir)

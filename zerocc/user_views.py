@@ -110,9 +110,10 @@ def _current_model_state(step, state: dict, prefix: str) -> None:
         return
     plan = step.state.plan
     if any(plan.holds_shard(b) for b in plan.buckets) and step.ranks.world_size > 1:
+        why = "" if step.stage == 3 else " under param_dtype (the fp32 masters are sharded)"
         raise ConfigError(
-            "model.state_dict() after compile at stage 3 over several ranks: each rank holds a shard of the "
-            "parameters. Call step.full_state_dict() on every rank (a collective), use `with step.full_model(): "
+            f"model.state_dict() after compile at stage {step.stage}{why} over {step.ranks.world_size} ranks: each "
+            "rank holds a shard of the parameters. Call step.full_state_dict() on every rank (a collective), use `with step.full_model(): "
             "model.state_dict()` on every rank, or save with zerocc.save_checkpoint")
     full = step.full_state_dict()
     for key in state:
