@@ -171,6 +171,9 @@ def compile(
     check_stage(stage)
     check_model_and_optimizer(model, optimizer)
     check_not_meta(model)
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise ConfigError(f"group must be a torch.distributed.ProcessGroup (dist.new_group(...)) or None (the default "
+                          f"group, created from torchrun's environment if needed), got {group!r}")
     options = CompileOptions.validate(
         model, stage=stage, loss_fn=loss_fn, num_targets=num_targets, bucket_bytes=bucket_bytes, timeout=timeout,
         prefetch_bytes=prefetch_bytes, disable=disable, verify=verify, dump_dir=dump_dir,
