@@ -5,6 +5,7 @@ import os
 import time
 
 import pytest
+import torch
 import torch.distributed as dist
 
 import zerocc
@@ -137,3 +138,30 @@ def test_agreement_ignores_what_differs_per_rank():
         lines.append(agreement_lines(program.gm, ctx.shard_plan))
     assert lines[0] == lines[1]
     assert any(line.startswith("collective") for line in lines[0])
+
+
+def _one_rank_refuses_a_keyword(rank, world_size, folder):
+    """Rank 1 alone is given a bad stage (a value read from a per-rank config), then every rank compiles correctly.
+    No timeout: nothing may hang."""
+    model, _, loss_fn = build("mlp")
+    optimizer = adamw(model)
+    try:
+        zerocc.compile(model, optimizer, stage=4 if rank == 1 else 3, loss_fn=loss_fn)
+        refused = "no error"
+    except zerocc.ConfigError as error:
+        refused = str(error)
+    step = zerocc.compile(model, optimizer, stage=3, loss_fn=loss_fn)   # the refusal changed nothing
+    losses = [step(*batch) for batch in batches("mlp", 2, 4, seed=rank)]
+    return refused, losses, step.full_state_dict()
+
+
+@pytest.mark.multirank
+def test_a_keyword_one_rank_alone_refuses_is_refused_on_every_rank(tmp_path):
+    """Rank 0 waited in zerocc.compile's broadcast of its parameters for rank 1, which had raised: until rank 1's
+    process ended (then a bare gloo 'Connection closed by peer'), or 30 minutes where the script caught the error."""
+    (refused_0, losses_0, state_0), (refused_1, losses_1, state_1) = distributed.run(
+        _one_rank_refuses_a_keyword, 2, str(tmp_path), timeout=120)
+    assert refused_1.startswith("stage=4 is not a ZeRO stage")
+    assert refused_0 == ("zerocc.compile was refused on another rank, so no rank compiles (every rank must compile "
+                         f"the same step):\n  rank 1: {refused_1}")
+    assert all(torch.equal(state_0[name], state_1[name]) for name in state_0)   # then trained together

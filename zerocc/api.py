@@ -4,6 +4,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import os
 import time
 import warnings
 import weakref
@@ -168,21 +169,26 @@ def compile(
     (``zerocc/disk_cache.py``); ``report()["compile_cache"]`` says whether
     the last compile loaded, stored or missed, and why.
     """
-    check_stage(stage)
-    check_model_and_optimizer(model, optimizer)
-    check_not_meta(model)
-    if group is not None and not isinstance(group, dist.ProcessGroup):
-        raise ConfigError(f"group must be a torch.distributed.ProcessGroup (dist.new_group(...)) or None (the default "
-                          f"group, created from torchrun's environment if needed), got {group!r}")
-    options = CompileOptions.validate(
-        model, stage=stage, loss_fn=loss_fn, num_targets=num_targets, bucket_bytes=bucket_bytes, timeout=timeout,
-        prefetch_bytes=prefetch_bytes, disable=disable, verify=verify, dump_dir=dump_dir,
-        grad_accumulation=grad_accumulation, clip_grad_norm=clip_grad_norm, clip_norm_type=clip_norm_type,
-        static_shapes=static_shapes, max_programs=max_programs, memory_budget=memory_budget,
-        param_dtype=param_dtype, reduce_dtype=reduce_dtype, loss_scale=loss_scale,
-        cast_forward_inputs=cast_forward_inputs, memory_pools=memory_pools,
-        gather_per_micro_batch=gather_per_micro_batch, cache_dir=cache_dir)
-    options.passes()   # unknown or essential names in ``disable`` fail here, before any tracing
+    refused = None
+    try:
+        check_stage(stage)
+        check_model_and_optimizer(model, optimizer)
+        check_not_meta(model)
+        if group is not None and not isinstance(group, dist.ProcessGroup):
+            raise ConfigError(f"group must be a torch.distributed.ProcessGroup (dist.new_group(...)) or None (the "
+                              f"default group, created from torchrun's environment if needed), got {group!r}")
+        options = CompileOptions.validate(
+            model, stage=stage, loss_fn=loss_fn, num_targets=num_targets, bucket_bytes=bucket_bytes, timeout=timeout,
+            prefetch_bytes=prefetch_bytes, disable=disable, verify=verify, dump_dir=dump_dir,
+            grad_accumulation=grad_accumulation, clip_grad_norm=clip_grad_norm, clip_norm_type=clip_norm_type,
+            static_shapes=static_shapes, max_programs=max_programs, memory_budget=memory_budget,
+            param_dtype=param_dtype, reduce_dtype=reduce_dtype, loss_scale=loss_scale,
+            cast_forward_inputs=cast_forward_inputs, memory_pools=memory_pools,
+            gather_per_micro_batch=gather_per_micro_batch, cache_dir=cache_dir)
+        options.passes()   # unknown or essential names in ``disable`` fail here, before any tracing
+    except ConfigError as error:
+        refused = error
+    _refused_on_every_rank(refused, model, group)
     steps_run, scaler = _close_earlier_steps(model, optimizer)
     step = CompiledStep(model, optimizer, options, group)
     step.steps = steps_run   # counted on from the step it took over from (checkpoints save the count)
@@ -190,6 +196,31 @@ def compile(
         if slot in step.state.initial_scaler:
             step.state.initial_scaler[slot].copy_(value)
     return step
+
+
+def _refused_on_every_rank(refused: ConfigError | None, model, group) -> None:
+    """Raise ``refused`` here and a ``ConfigError`` naming it on every other rank: ``zerocc.compile`` is a collective
+    (it broadcasts rank 0's parameters, and closes an earlier step), so a keyword one rank alone refused (its own
+    ``stage=`` or path) left the others waiting in it for as long as that rank's process lived."""
+    if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) <= 1:   # one process
+        if refused is not None:
+            raise refused
+        return
+    parameter = next(model.parameters(), None) if isinstance(model, nn.Module) else None
+    ranks = resolve(group if isinstance(group, dist.ProcessGroup) else None,
+                    None if parameter is None else parameter.device)
+    message = None if refused is None else str(refused)
+    every: list = [message]
+    if ranks.group is not None:
+        every = [None] * ranks.world_size
+        with failures.collective_failures(ranks, 0, None, call="zerocc.compile"):
+            dist.all_gather_object(every, message, group=ranks.group)
+    if refused is not None:
+        raise refused
+    failed = [(rank, message) for rank, message in enumerate(every) if message is not None]
+    if failed:
+        raise ConfigError("zerocc.compile was refused on another rank, so no rank compiles (every rank must compile "
+                          "the same step):\n" + "\n".join(f"  rank {rank}: {message}" for rank, message in failed))
 
 
 # The step that holds a model's (and its optimizer's) state, once its first call has moved it into slots.

@@ -115,6 +115,8 @@ class CompileOptions:
         (``Planner.plan``: one capture's options, planned for many stages; ``device_memory``: the bytes per
         rank a plan's device offers, as a device budget)."""
         check_stage(stage)
+        check_flag("verify", verify)
+        check_folder("dump_dir", dump_dir)
         check_memory_budget(memory_budget)
         check_memory_budget(device_memory, "device_memory")
         device = None if device_memory is None or memory_budget is not None else \

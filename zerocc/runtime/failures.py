@@ -83,7 +83,8 @@ def collective_failures(ranks: Ranks, step_number: int, timeout: float | None, c
         ) from error
 
 
-_COLLECTIVE_BECAUSE = {"step.eval_forward": " (it gathers the sharded parameters)",
+_COLLECTIVE_BECAUSE = {"zerocc.compile": " (it broadcasts rank 0's parameters)",
+                       "step.eval_forward": " (it gathers the sharded parameters)",
                        "step.full_state_dict": " (it gathers the sharded parameters)",
                        "step.full_model": " (it gathers the sharded parameters)",
                        "step.close": " (it gathers the sharded parameters and optimizer state)",
