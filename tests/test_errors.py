@@ -559,11 +559,15 @@ def test_random_numbers_the_program_does_not_depend_on_train_like_eager(draw):
     ("num_targets", "1", r"num_targets must be a non-negative int .* got '1'"),
     ("loss_fn", "mse", r"loss_fn must be callable .* got 'mse'"),
     ("group", "gloo", r"group must be a torch.distributed.ProcessGroup .* got 'gloo'"),
+    ("disable", None, r"disable must be a list of pass names \(step.passes lists them\), got None"),
+    ("disable", "shard", r"disable must be a list of pass names .* got 'shard'; write disable=\['shard'\]"),
+    ("timeout", float("inf"), r"timeout=inf is beyond what a process group can wait; leave it None"),
 ])
 def test_a_keyword_of_the_wrong_type_is_refused_at_compile_and_changes_nothing(keyword, value, message):
     """These were taken as given: static_shapes="no" read as True, bucket_bytes=True as 1-byte buckets, a
     loss_fn that is no function or a group that is a backend's name failed at the first call with Python's own
-    TypeError or AttributeError. A correct compile afterwards trains as eager does."""
+    TypeError or AttributeError, disable=None with a TypeError, timeout=inf with an OverflowError across ranks.
+    A correct compile afterwards trains as eager does."""
     torch.manual_seed(0)
     model = MLP()
     reference = copy.deepcopy(model)

@@ -9,7 +9,9 @@ the options to build the pipeline.
 """
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
+import datetime
 import functools
 import inspect
 import os
@@ -90,6 +92,7 @@ class CompileOptions:
         check_bucket_bytes(bucket_bytes)
         check_timeout(timeout)
         check_prefetch_bytes(prefetch_bytes)
+        check_disable(disable)
         check_flag("verify", verify)
         check_flag("static_shapes", static_shapes)
         check_folder("dump_dir", dump_dir)
@@ -115,6 +118,7 @@ class CompileOptions:
         (``Planner.plan``: one capture's options, planned for many stages; ``device_memory``: the bytes per
         rank a plan's device offers, as a device budget)."""
         check_stage(stage)
+        check_disable(disable)
         check_flag("verify", verify)
         check_folder("dump_dir", dump_dir)
         check_memory_budget(memory_budget)
@@ -257,6 +261,17 @@ def check_timeout(timeout) -> None:
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or
                                 not timeout > 0):
         raise ConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    if timeout is not None and not timeout < datetime.timedelta.max.total_seconds():   # a process group's timedelta
+        raise ConfigError(f"timeout={timeout!r} is beyond what a process group can wait; leave it None to wait as "
+                          "long as the process group does (torch.distributed's default: 30 minutes on gloo)")
+
+
+def check_disable(disable) -> None:
+    """A list of pass names: a bare string would be taken letter by letter, None is no list."""
+    if isinstance(disable, str) or not isinstance(disable, collections.abc.Collection) or \
+            not all(isinstance(name, str) for name in disable):
+        hint = f"; write disable=[{disable!r}]" if isinstance(disable, str) else ""
+        raise ConfigError(f"disable must be a list of pass names (step.passes lists them), got {disable!r}{hint}")
 
 
 def check_prefetch_bytes(prefetch_bytes) -> None:
