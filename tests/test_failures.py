@@ -165,3 +165,32 @@ def test_a_keyword_one_rank_alone_refuses_is_refused_on_every_rank(tmp_path):
     assert refused_0 == ("zerocc.compile was refused on another rank, so no rank compiles (every rank must compile "
                          f"the same step):\n  rank 1: {refused_1}")
     assert all(torch.equal(state_0[name], state_1[name]) for name in state_0)   # then trained together
+
+
+def _one_rank_fails_to_trace(rank, world_size):
+    """Rank 1 alone builds its optimizer listing a parameter twice, refused while tracing its first call; then every
+    rank compiles again with a correct optimizer. No timeout: nothing may hang."""
+    model, _, loss_fn = build("mlp")
+    params = list(model.parameters())
+    step = zerocc.compile(model, torch.optim.AdamW(params + params[:1] if rank == 1 else params), stage=3,
+                          loss_fn=loss_fn)
+    data = batches("mlp", 2, 4, seed=rank)
+    try:
+        step(*data[0])
+        refused = "no error"
+    except (zerocc.ConfigError, zerocc.RankMismatchError) as error:
+        refused = f"{type(error).__name__}: {error}"
+    step = zerocc.compile(model, adamw(model), stage=3, loss_fn=loss_fn)
+    losses = [step(*batch) for batch in data]
+    return refused, losses, step.full_state_dict()
+
+
+@pytest.mark.multirank
+def test_a_trace_one_rank_alone_fails_is_an_error_on_every_rank():
+    """Rank 1's capture raised; rank 0 went on into the passes and the agreement's all_gather_object, waiting
+    there for rank 1 (which, catching its error, was by then in another call's collectives): a hang."""
+    (refused_0, _, state_0), (refused_1, _, state_1) = distributed.run(_one_rank_fails_to_trace, 2, timeout=120)
+    assert refused_1.startswith("ConfigError: the optimizer lists a tensor more than once")
+    assert refused_0.startswith("RankMismatchError: rank 0 of 2: tracing the step on its batch failed on rank(s) "
+                                f"[1], so no rank compiles this program:\n  rank 1: {refused_1}")
+    assert all(torch.equal(state_0[name], state_1[name]) for name in state_0)   # then trained together

@@ -656,21 +656,27 @@ class CompiledStep:
 
         # before the first step the step makes the optimizer's initial state itself, when it can learn it
         # (zerocc/optimizer_init.py): the first step then runs the steady state's program, one compile for both
-        fresh = None
-        if state.state_signature is not None and state.state_key():
-            # the optimizer state the slots hold (none after a first step that overflowed under loss scaling:
-            # a program compiled then, for another batch shape or mode, is a first step again)
-            fake_mode, captured = trace(self._fake_state)
-        elif not state.started and (fresh := self._initial_optimizer_state()) is not None:
-            fake_mode, captured = trace(lambda mode: self._fake_initial_state(mode, fresh))
-            unused = [info.name for info, node in zip(captured.params, g.placeholders(captured.gm, g.ROLE_PARAM))
-                      if node.meta.get(g.UNUSED) and fresh[info.name]]
-            if unused:   # eager makes no state for a parameter the loss does not reach: trace the first step as is
-                fresh = None
+        fresh, failed = None, None
+        try:
+            if state.state_signature is not None and state.state_key():
+                # the optimizer state the slots hold (none after a first step that overflowed under loss scaling:
+                # a program compiled then, for another batch shape or mode, is a first step again)
+                fake_mode, captured = trace(self._fake_state)
+            elif not state.started and (fresh := self._initial_optimizer_state()) is not None:
+                fake_mode, captured = trace(lambda mode: self._fake_initial_state(mode, fresh))
+                unused = [info.name for info, node in zip(captured.params, g.placeholders(captured.gm, g.ROLE_PARAM))
+                          if node.meta.get(g.UNUSED) and fresh[info.name]]
+                if unused:   # eager makes no state for a parameter the loss does not reach: trace the first step as is
+                    fresh = None
+                    fake_mode, captured = trace(None)
+            else:
                 fake_mode, captured = trace(None)
-        else:
-            fake_mode, captured = trace(None)
-        self._refuse_other_trained_parameters(captured)
+            self._refuse_other_trained_parameters(captured)
+        except Exception as error:   # noqa: BLE001 - raised below, after every rank heard of it
+            failed = error
+        # a rank whose trace failed (its batch, its optimizer) would leave the others waiting in the passes' or the
+        # agreement's collectives: every rank hears of it and raises
+        failures.raise_if_any_rank_failed(self.ranks, failed, "tracing the step on its batch")
         state_signature = _state_signature_of(captured)   # before the passes rewrite the captured graph
         options = dataclasses.replace(options, device_budget=device, hardware=self._hardware_profile)
         compiled = run_passes(captured, fake_mode, options, self.optimizer, world_size=self.ranks.world_size,

@@ -136,6 +136,29 @@ def _describe(value) -> str:
     return repr(value)
 
 
+def raise_if_any_rank_failed(ranks: Ranks, error: BaseException | None, what: str) -> None:
+    """``error`` (this rank's, or None) raised here, and a ``RankMismatchError`` naming it on every other rank: for
+    work without collectives of its own (``what``), which one rank alone can fail, before work whose collectives
+    would wait for that rank."""
+    if ranks.group is None:
+        if error is not None:
+            raise error
+        return
+    message = None if error is None else f"{type(error).__name__}: {error}"
+    every = [None] * ranks.world_size
+    dist.all_gather_object(every, message, group=ranks.group)
+    if error is not None:
+        raise error
+    failed = [(rank, message) for rank, message in enumerate(every) if message is not None]
+    if failed:
+        raise RankMismatchError(
+            f"rank {ranks.rank} of {ranks.world_size}: {what} failed on rank(s) {[rank for rank, _ in failed]}, so no "
+            "rank compiles this program:\n" + "\n".join(
+                f"  rank {rank}: {message if len(message) < 1500 else message[:1500] + ' ...'}"
+                for rank, message in failed)
+            + "\n  fix: the error above is that rank's own (its batch, its model or optimizer); fix it there")
+
+
 def check_ranks_agree(ranks: Ranks, gm: fx.GraphModule, plan: ShardPlan | None) -> None:
     """Raise ``RankMismatchError`` on every rank if any rank compiled a program whose collectives differ."""
     if ranks.group is None:
