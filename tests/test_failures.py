@@ -194,3 +194,27 @@ def test_a_trace_one_rank_alone_fails_is_an_error_on_every_rank():
     assert refused_0.startswith("RankMismatchError: rank 0 of 2: tracing the step on its batch failed on rank(s) "
                                 f"[1], so no rank compiles this program:\n  rank 1: {refused_1}")
     assert all(torch.equal(state_0[name], state_1[name]) for name in state_0)   # then trained together
+
+
+def _one_rank_never_compiles(rank, world_size):
+    if rank == 1:
+        time.sleep(TIMEOUT + 5)   # stuck elsewhere (its loader), alive past the timeout
+        return "slept"
+    model, _, loss_fn = build("mlp")
+    started = time.monotonic()
+    try:
+        zerocc.compile(model, adamw(model), stage=3, loss_fn=loss_fn, timeout=TIMEOUT)
+    except zerocc.RankFailureError as error:
+        return str(error), time.monotonic() - started
+    return "no error", time.monotonic() - started
+
+
+@pytest.mark.multirank
+def test_a_rank_that_never_reaches_compile_is_a_rank_failure_within_the_timeout():
+    """With timeout=, rank 0 waited in the timeout group's creation and raised a bare DistStoreError (torchrun's TCP
+    store) or RuntimeError: Wait timeout (a file store)."""
+    results, exit_codes = distributed.run_tolerant(_one_rank_never_compiles, 2)
+    message, seconds = results[0]
+    assert message.startswith(f"rank 0 of 2: the other ranks did not reach zerocc.compile within {TIMEOUT} s "), \
+        message
+    assert seconds < TIMEOUT + 20, seconds

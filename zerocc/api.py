@@ -35,7 +35,7 @@ from .hardware import measure_hardware, profile_of
 from .memory_plan import MemoryPlan, memory_plan_entries
 from .optimizer_step import hyperparameter_signature, live_layout, live_settings
 from .options import (DEFAULT_BUCKET_BYTES, DEFAULT_MAX_PROGRAMS, CompileOptions, check_model_and_optimizer,
-                      check_not_meta, check_stage)
+                      check_not_meta, check_stage, check_timeout)
 from .passes.clip_gradients import GRAD_NORM_SLOT
 from .pipeline import DEFAULT_PREFETCH_BYTES, GraphSnapshot, dump_dir_of, write_dumps
 from .planning import communication, model_state_bytes
@@ -188,9 +188,9 @@ def compile(
         options.passes()   # unknown or essential names in ``disable`` fail here, before any tracing
     except ConfigError as error:
         refused = error
-    _refused_on_every_rank(refused, model, group)
+    ranks = _refused_on_every_rank(refused, model, group, timeout)
     steps_run, scaler = _close_earlier_steps(model, optimizer)
-    step = CompiledStep(model, optimizer, options, group)
+    step = CompiledStep(model, optimizer, options, group, ranks)
     step.steps = steps_run   # counted on from the step it took over from (checkpoints save the count)
     for slot, value in scaler.items():   # a dynamic loss scale goes on where both steps scale the loss
         if slot in step.state.initial_scaler:
@@ -198,22 +198,27 @@ def compile(
     return step
 
 
-def _refused_on_every_rank(refused: ConfigError | None, model, group) -> None:
+def _refused_on_every_rank(refused: ConfigError | None, model, group, timeout) -> Ranks | None:
     """Raise ``refused`` here and a ``ConfigError`` naming it on every other rank: ``zerocc.compile`` is a collective
     (it broadcasts rank 0's parameters, and closes an earlier step), so a keyword one rank alone refused (its own
-    ``stage=`` or path) left the others waiting in it for as long as that rank's process lived."""
+    ``stage=`` or path) left the others waiting in it for as long as that rank's process lived. Returns the step's
+    ranks (on a group with ``timeout``, as the exchange was), None in one process."""
     if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) <= 1:   # one process
         if refused is not None:
             raise refused
-        return
+        return None
     parameter = next(model.parameters(), None) if isinstance(model, nn.Module) else None
-    ranks = resolve(group if isinstance(group, dist.ProcessGroup) else None,
-                    None if parameter is None else parameter.device)
+    try:   # a rank that refused its own timeout still makes the others' group (new_group is collective), without it
+        check_timeout(timeout)
+    except ConfigError:
+        timeout = None
+    ranks = failures.with_timeout(resolve(group if isinstance(group, dist.ProcessGroup) else None,
+                                          None if parameter is None else parameter.device), timeout)
     message = None if refused is None else str(refused)
     every: list = [message]
     if ranks.group is not None:
         every = [None] * ranks.world_size
-        with failures.collective_failures(ranks, 0, None, call="zerocc.compile"):
+        with failures.collective_failures(ranks, 0, timeout, call="zerocc.compile"):
             dist.all_gather_object(every, message, group=ranks.group)
     if refused is not None:
         raise refused
@@ -221,6 +226,7 @@ def _refused_on_every_rank(refused: ConfigError | None, model, group) -> None:
     if failed:
         raise ConfigError("zerocc.compile was refused on another rank, so no rank compiles (every rank must compile "
                           "the same step):\n" + "\n".join(f"  rank {rank}: {message}" for rank, message in failed))
+    return ranks
 
 
 # The step that holds a model's (and its optimizer's) state, once its first call has moved it into slots.
@@ -307,7 +313,8 @@ class CompiledStep:
     ``cache`` its programs (``zerocc/program_cache.py``).
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, options: CompileOptions, group=None):
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, options: CompileOptions, group=None,
+                 ranks: Ranks | None = None):
         self.model = model
         self.optimizer = optimizer
         self.options = options
@@ -315,7 +322,7 @@ class CompiledStep:
         self.state = StepState(mixed.initial_scaler_slots(options.precision, device))
         self.cache = ProgramCache(options.max_programs, options.static_shapes)
         self.eval_programs: collections.OrderedDict[Any, Any] = collections.OrderedDict()   # zerocc/eval.py
-        self.ranks: Ranks = failures.with_timeout(resolve(group, device), options.timeout)
+        self.ranks: Ranks = ranks if ranks is not None else failures.with_timeout(resolve(group, device), options.timeout)
         self.arenas = Arenas()   # the memory pools' arenas, shared by this step's programs
         self.disk_cache = None if options.cache_dir is None else \
             disk_cache.DiskCache(options.cache_dir, model, self.ranks.rank, self.ranks.world_size)

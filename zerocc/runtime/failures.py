@@ -45,8 +45,17 @@ def with_timeout(ranks: Ranks, timeout: float | None) -> Ranks:
     if timeout <= 0:
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     members = [dist.get_global_rank(ranks.group, r) for r in range(ranks.world_size)]
-    group = dist.new_group(members, timeout=datetime.timedelta(seconds=timeout),
-                           backend=dist.get_backend(ranks.group))
+    try:   # every rank makes the group: a rank that never reaches zerocc.compile leaves the others waiting here
+        group = dist.new_group(members, timeout=datetime.timedelta(seconds=timeout),
+                               backend=dist.get_backend(ranks.group))
+    except (RuntimeError, dist.DistError) as error:   # a TCP store's DistStoreError, a file store's RuntimeError
+        if not is_collective_failure(error):
+            raise
+        raise RankFailureError(
+            f"rank {ranks.rank} of {ranks.world_size}: the other ranks did not reach zerocc.compile within {timeout:g} "
+            f"s ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})\n"
+            "  why: zerocc.compile is a collective: every rank must call it; another rank probably died, hangs, or "
+            "runs other code\n  fix: look at the other ranks' output for the first error") from error
     return Ranks(ranks.world_size, ranks.rank, group, group.group_name)
 
 
