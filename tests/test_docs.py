@@ -172,3 +172,36 @@ def test_dotted_names_and_test_ids_the_pages_name_exist():
                 break
         for path, name in re.findall(r"(tests/test_\w+\.py)::(\w+)", text):
             assert f"def {name}(" in (ROOT / path).read_text(), f"{page.relative_to(ROOT)}: {path}::{name}"
+
+
+def test_defaults_the_pages_state_are_compiles():
+    """"`bucket_bytes` (4 MiB by default)", "`max_programs` (8)": a compile keyword followed by a number in
+    parentheses is its default in compile's signature."""
+    import inspect
+
+    import zerocc
+    keywords = inspect.signature(zerocc.compile).parameters
+    units = {None: 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
+    stated = 0
+    for page in PAGES:
+        text = " ".join(page.read_text().split())   # a statement broken over lines
+        for name, number, unit in re.findall(r"`(\w+)` \(([\d.,_]+)(?: (KiB|MiB|GiB))?\b", text):
+            if name in keywords:
+                value = float(number.replace(",", "").replace("_", "")) * units[unit or None]
+                assert value == keywords[name].default, f"{page.relative_to(ROOT)}: `{name}` ({number} {unit})"
+                stated += 1
+    assert stated >= 3
+
+
+def test_the_cli_help_example_and_planning_page_run_the_same_flags(capsys):
+    """`zerocc plan --help` shows a command line; every flag in it exists (the page's are checked above)."""
+    import pytest
+
+    from zerocc.cli import main
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    help_text = capsys.readouterr().out
+    flags = set(re.findall(r"(?<![\w-])(--[\w-]+)", help_text.split("options:")[-1]))
+    example = help_text.split("options:")[0]
+    for flag in re.findall(r"(?<![\w-])(--[\w-]+)", example.split("zerocc plan", 1)[-1]):
+        assert flag in flags, f"zerocc plan --help's example: {flag}"

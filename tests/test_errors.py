@@ -1,6 +1,7 @@
 """Bad input fails at compile time with a message that says what, where, why and how to fix it."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import random
 from random import random as random_by_name
@@ -579,3 +580,89 @@ def test_stack_traces_while_tracing_are_torchs_without_its_costs(monkeypatch):
     traces = [trace for trace in loaded[0] if trace]
     assert any("tests/models.py" in trace for trace in traces)   # MLP.forward's lines
     assert not any("_symbolic_trace.py" in trace for trace in traces)   # torch's module-call wrapper, left out
+
+
+@pytest.mark.parametrize("keyword, value, message", [
+    ("bucket_bytes", True, r"bucket_bytes must be a positive int, got True"),
+    ("prefetch_bytes", True, r"prefetch_bytes must be a non-negative int, got True"),
+    ("timeout", True, r"timeout must be a positive number of seconds, got True"),
+    ("static_shapes", "no", r"static_shapes must be True or False, got 'no'"),
+    ("verify", "yes", r"verify must be True or False, got 'yes'"),
+    ("num_targets", -1, r"num_targets must be a non-negative int .* got -1"),
+    ("num_targets", "1", r"num_targets must be a non-negative int .* got '1'"),
+    ("loss_fn", "mse", r"loss_fn must be callable .* got 'mse'"),
+    ("group", "gloo", r"group must be a torch.distributed.ProcessGroup .* got 'gloo'"),
+    ("disable", None, r"disable must be a list of pass names \(step.passes lists them\), got None"),
+    ("disable", "shard", r"disable must be a list of pass names .* got 'shard'; write disable=\['shard'\]"),
+    ("timeout", float("inf"), r"timeout=inf is beyond what a process group can wait; leave it None"),
+])
+def test_a_keyword_of_the_wrong_type_is_refused_at_compile_and_changes_nothing(keyword, value, message):
+    """These were taken as given: static_shapes="no" read as True, bucket_bytes=True as 1-byte buckets, a
+    loss_fn that is no function or a group that is a backend's name failed at the first call with Python's own
+    TypeError or AttributeError, disable=None with a TypeError, timeout=inf with an OverflowError across ranks.
+    A correct compile afterwards trains as eager does."""
+    torch.manual_seed(0)
+    model = MLP()
+    reference = copy.deepcopy(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    options = {"loss_fn": F.mse_loss, keyword: value}
+    with pytest.raises(zerocc.ConfigError, match=message):
+        zerocc.compile(model, optimizer, stage=3, **options)
+    eager_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.1)
+    step = zerocc.compile(model, optimizer, stage=3, loss_fn=F.mse_loss)
+    for x, y in batches("mlp", 2, 4):
+        eager_optimizer.zero_grad()
+        loss = F.mse_loss(reference(x), y)
+        loss.backward()
+        eager_optimizer.step()
+        assert torch.equal(step(x, y), loss.detach())
+    step.close()
+    for name, value in reference.state_dict().items():
+        assert torch.equal(model.state_dict()[name], value), name
+
+
+@pytest.mark.parametrize("keyword", ["dump_dir", "cache_dir"])
+def test_a_folder_keyword_naming_a_file_is_refused_at_compile(keyword, tmp_path):
+    """dump_dir=<a file> raised FileExistsError at the first call; cache_dir=<a file> only warned at each store."""
+    file = tmp_path / "not-a-folder"
+    file.write_text("")
+    model = MLP()
+    with pytest.raises(zerocc.ConfigError, match=rf"{keyword}=.*not-a-folder' is a file, not a folder"):
+        zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=F.mse_loss, **{keyword: file})
+
+
+def test_a_model_without_parameters_is_refused_at_compile():
+    """It raised a bare StopIteration from zerocc.compile."""
+    with pytest.raises(zerocc.ConfigError, match=r"the model \(ReLU\) has no parameters"):
+        zerocc.compile(nn.ReLU(), torch.optim.SGD(MLP().parameters(), lr=0.1))
+
+
+@pytest.mark.parametrize("listing", ["twice in a group", "in two groups"])
+def test_an_optimizer_listing_a_parameter_twice_is_refused(listing):
+    """Eager SGD updates a parameter listed twice twice (torch only warns); the step's buckets hold it once, so it
+    trained otherwise than eager without a word."""
+    model = MLP()
+    params = list(model.parameters())
+    with pytest.warns(UserWarning) if listing == "twice in a group" else contextlib.nullcontext():
+        optimizer = torch.optim.SGD(params + [params[0]] if listing == "twice in a group" else params, lr=0.1)
+    if listing == "in two groups":   # add_param_group refuses this; a hand-built group does not
+        optimizer.param_groups.append({**optimizer.param_groups[0], "params": [params[0]]})
+    step = zerocc.compile(model, optimizer, stage=3, loss_fn=F.mse_loss)
+    groups = "0, 0" if listing == "twice in a group" else "0, 1"
+    with pytest.raises(zerocc.ConfigError, match=rf"the optimizer lists a tensor more than once \({model_name(model, params[0])} "
+                                                 rf"in param group\(s\) \[{groups}\]\)"):
+        step(*batches("mlp", 1, 4)[0])
+
+
+def model_name(model, tensor):
+    return next(name for name, param in model.named_parameters() if param is tensor).replace(".", r"\.")
+
+
+def test_an_empty_batch_says_so():
+    """A batch of 0 rows failed with 'ZeroDivisionError: float division by zero' and no hint of why."""
+    model = MLP()
+    step = zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=F.mse_loss)
+    x, y = batches("mlp", 1, 4)[0]
+    with pytest.raises(zerocc.CaptureError, match=r"this batch has empty tensors \(argument 0 \(0, \d+\), argument 1 "
+                                                  r"\(0, \d+\)\).*skip empty batches"):
+        step(x[:0], y[:0])

@@ -5,6 +5,7 @@ import os
 import time
 
 import pytest
+import torch
 import torch.distributed as dist
 
 import zerocc
@@ -137,3 +138,83 @@ def test_agreement_ignores_what_differs_per_rank():
         lines.append(agreement_lines(program.gm, ctx.shard_plan))
     assert lines[0] == lines[1]
     assert any(line.startswith("collective") for line in lines[0])
+
+
+def _one_rank_refuses_a_keyword(rank, world_size, folder):
+    """Rank 1 alone is given a bad stage (a value read from a per-rank config), then every rank compiles correctly.
+    No timeout: nothing may hang."""
+    model, _, loss_fn = build("mlp")
+    optimizer = adamw(model)
+    try:
+        zerocc.compile(model, optimizer, stage=4 if rank == 1 else 3, loss_fn=loss_fn)
+        refused = "no error"
+    except zerocc.ConfigError as error:
+        refused = str(error)
+    step = zerocc.compile(model, optimizer, stage=3, loss_fn=loss_fn)   # the refusal changed nothing
+    losses = [step(*batch) for batch in batches("mlp", 2, 4, seed=rank)]
+    return refused, losses, step.full_state_dict()
+
+
+@pytest.mark.multirank
+def test_a_keyword_one_rank_alone_refuses_is_refused_on_every_rank(tmp_path):
+    """Rank 0 waited in zerocc.compile's broadcast of its parameters for rank 1, which had raised: until rank 1's
+    process ended (then a bare gloo 'Connection closed by peer'), or 30 minutes where the script caught the error."""
+    (refused_0, losses_0, state_0), (refused_1, losses_1, state_1) = distributed.run(
+        _one_rank_refuses_a_keyword, 2, str(tmp_path), timeout=120)
+    assert refused_1.startswith("stage=4 is not a ZeRO stage")
+    assert refused_0 == ("zerocc.compile was refused on another rank, so no rank compiles (every rank must compile "
+                         f"the same step):\n  rank 1: {refused_1}")
+    assert all(torch.equal(state_0[name], state_1[name]) for name in state_0)   # then trained together
+
+
+def _one_rank_fails_to_trace(rank, world_size):
+    """Rank 1 alone builds its optimizer listing a parameter twice, refused while tracing its first call; then every
+    rank compiles again with a correct optimizer. No timeout: nothing may hang."""
+    model, _, loss_fn = build("mlp")
+    params = list(model.parameters())
+    step = zerocc.compile(model, torch.optim.AdamW(params + params[:1] if rank == 1 else params), stage=3,
+                          loss_fn=loss_fn)
+    data = batches("mlp", 2, 4, seed=rank)
+    try:
+        step(*data[0])
+        refused = "no error"
+    except (zerocc.ConfigError, zerocc.RankMismatchError) as error:
+        refused = f"{type(error).__name__}: {error}"
+    step = zerocc.compile(model, adamw(model), stage=3, loss_fn=loss_fn)
+    losses = [step(*batch) for batch in data]
+    return refused, losses, step.full_state_dict()
+
+
+@pytest.mark.multirank
+def test_a_trace_one_rank_alone_fails_is_an_error_on_every_rank():
+    """Rank 1's capture raised; rank 0 went on into the passes and the agreement's all_gather_object, waiting
+    there for rank 1 (which, catching its error, was by then in another call's collectives): a hang."""
+    (refused_0, _, state_0), (refused_1, _, state_1) = distributed.run(_one_rank_fails_to_trace, 2, timeout=120)
+    assert refused_1.startswith("ConfigError: the optimizer lists a tensor more than once")
+    assert refused_0.startswith("RankMismatchError: rank 0 of 2: tracing the step on its batch failed on rank(s) "
+                                f"[1], so no rank compiles this program:\n  rank 1: {refused_1}")
+    assert all(torch.equal(state_0[name], state_1[name]) for name in state_0)   # then trained together
+
+
+def _one_rank_never_compiles(rank, world_size):
+    if rank == 1:
+        time.sleep(TIMEOUT + 5)   # stuck elsewhere (its loader), alive past the timeout
+        return "slept"
+    model, _, loss_fn = build("mlp")
+    started = time.monotonic()
+    try:
+        zerocc.compile(model, adamw(model), stage=3, loss_fn=loss_fn, timeout=TIMEOUT)
+    except zerocc.RankFailureError as error:
+        return str(error), time.monotonic() - started
+    return "no error", time.monotonic() - started
+
+
+@pytest.mark.multirank
+def test_a_rank_that_never_reaches_compile_is_a_rank_failure_within_the_timeout():
+    """With timeout=, rank 0 waited in the timeout group's creation and raised a bare DistStoreError (torchrun's TCP
+    store) or RuntimeError: Wait timeout (a file store)."""
+    results, exit_codes = distributed.run_tolerant(_one_rank_never_compiles, 2)
+    message, seconds = results[0]
+    assert message.startswith(f"rank 0 of 2: the other ranks did not reach zerocc.compile within {TIMEOUT} s "), \
+        message
+    assert seconds < TIMEOUT + 20, seconds

@@ -243,6 +243,19 @@ def test_plan_of_a_meta_model_reports_the_planned_peaks_of_the_cpu_model():
     assert abs(meta["planned_peak_bytes"] / cpu["planned_peak_bytes"] - 1) < 0.05
 
 
+def test_a_meta_model_plans_on_a_batch_built_on_the_cpu():
+    """README's and planning.md's `zerocc.plan(meta_model, ..., example_inputs=(tokens, targets))` with the tokens a
+    loader gives (CPU) failed: FakeTensorDeviceMismatchError, meta and cpu. The batch is taken to the meta device."""
+    with torch.device("meta"):
+        model, _, loss_fn = build("gpt")
+    batch = batches("gpt", 1, 4)[0]
+    on_cpu = zerocc.plan(model, torch.optim.AdamW(model.parameters(), lr=1e-2), loss_fn=loss_fn, example_inputs=batch)
+    on_meta = zerocc.plan(model, torch.optim.AdamW(model.parameters(), lr=1e-2), loss_fn=loss_fn,
+                          example_inputs=[t.to("meta") for t in batch])
+    assert on_cpu.report()["live_peak_bytes"] == on_meta.report()["live_peak_bytes"] > 0
+    assert all(t.device.type == "cpu" for t in batch)   # the caller's batch stays where it was
+
+
 def test_a_meta_plan_of_scaled_dot_product_attention_keeps_what_the_cpu_kernel_keeps():
     """On the meta device PyTorch picks the math attention, which keeps the seq x seq weights for backward; the CPU
     (like the GPU's fused kernels) keeps a logsumexp per row. The meta plan traces the CPU's choice: the same live

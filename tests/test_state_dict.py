@@ -619,3 +619,25 @@ def test_export_peak_memory_is_a_tensor_not_the_model(tmp_path):
     zerocc.export_full_state_dict(str(tmp_path / "ckpt"), str(tmp_path / "out.safetensors"))
     added = _process_bytes("VmHWM") - before
     assert added < model_bytes / 3, f"the export added {added / 2**20:.1f} MiB for a {model_bytes / 2**20:.0f} MiB model"
+
+
+def test_a_checkpoint_call_given_something_else_than_an_open_step_and_a_path_says_so(tmp_path):
+    """save_checkpoint(model, path) raised AttributeError: 'Sequential' object has no attribute 'ranks', and a closed
+    step saved and loaded without a word (a load into it changed nothing the user would train on)."""
+    model, batch_maker, loss_fn = build("mlp")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step = zerocc.compile(model, optimizer, stage=3, loss_fn=loss_fn)
+    step(*batches("mlp", 1, 4)[0])
+    path = str(tmp_path / "ckpt")
+    with pytest.raises(zerocc.ConfigError, match=r"zerocc.save_checkpoint\(step, path\) takes the step zerocc.compile "
+                                                 r"returned first, got MLP"):
+        zerocc.save_checkpoint(model, path)
+    with pytest.raises(zerocc.ConfigError, match=r"got str \(the path first\?\)"):
+        zerocc.load_checkpoint(path, step)
+    with pytest.raises(zerocc.ConfigError, match=r"path must be a checkpoint's path \(str or os.PathLike\), got None"):
+        zerocc.save_checkpoint(step, None)
+    zerocc.save_checkpoint(step, path)
+    step.close()
+    for call in (zerocc.save_checkpoint, zerocc.load_checkpoint):
+        with pytest.raises(zerocc.ConfigError, match="this compiled step was closed"):
+            call(step, path)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import os
 import time
 import warnings
 import weakref
@@ -34,7 +35,7 @@ from .hardware import measure_hardware, profile_of
 from .memory_plan import MemoryPlan, memory_plan_entries
 from .optimizer_step import hyperparameter_signature, live_layout, live_settings
 from .options import (DEFAULT_BUCKET_BYTES, DEFAULT_MAX_PROGRAMS, CompileOptions, check_model_and_optimizer,
-                      check_not_meta, check_stage)
+                      check_not_meta, check_stage, check_timeout)
 from .passes.clip_gradients import GRAD_NORM_SLOT
 from .pipeline import DEFAULT_PREFETCH_BYTES, GraphSnapshot, dump_dir_of, write_dumps
 from .planning import communication, model_state_bytes
@@ -169,25 +170,64 @@ def compile(
     (``zerocc/disk_cache.py``); ``report()["compile_cache"]`` says whether
     the last compile loaded, stored or missed, and why.
     """
-    check_stage(stage)
-    check_model_and_optimizer(model, optimizer)
-    check_not_meta(model)
-    options = CompileOptions.validate(
-        model, stage=stage, loss_fn=loss_fn, num_targets=num_targets, bucket_bytes=bucket_bytes, timeout=timeout,
-        prefetch_bytes=prefetch_bytes, disable=disable, verify=verify, dump_dir=dump_dir,
-        grad_accumulation=grad_accumulation, clip_grad_norm=clip_grad_norm, clip_norm_type=clip_norm_type,
-        static_shapes=static_shapes, max_programs=max_programs, memory_budget=memory_budget,
-        param_dtype=param_dtype, reduce_dtype=reduce_dtype, loss_scale=loss_scale,
-        cast_forward_inputs=cast_forward_inputs, memory_pools=memory_pools,
-        gather_per_micro_batch=gather_per_micro_batch, cache_dir=cache_dir)
-    options.passes()   # unknown or essential names in ``disable`` fail here, before any tracing
+    refused = None
+    try:
+        check_stage(stage)
+        check_model_and_optimizer(model, optimizer)
+        check_not_meta(model)
+        if group is not None and not isinstance(group, dist.ProcessGroup):
+            raise ConfigError(f"group must be a torch.distributed.ProcessGroup (dist.new_group(...)) or None (the "
+                              f"default group, created from torchrun's environment if needed), got {group!r}")
+        options = CompileOptions.validate(
+            model, stage=stage, loss_fn=loss_fn, num_targets=num_targets, bucket_bytes=bucket_bytes, timeout=timeout,
+            prefetch_bytes=prefetch_bytes, disable=disable, verify=verify, dump_dir=dump_dir,
+            grad_accumulation=grad_accumulation, clip_grad_norm=clip_grad_norm, clip_norm_type=clip_norm_type,
+            static_shapes=static_shapes, max_programs=max_programs, memory_budget=memory_budget,
+            param_dtype=param_dtype, reduce_dtype=reduce_dtype, loss_scale=loss_scale,
+            cast_forward_inputs=cast_forward_inputs, memory_pools=memory_pools,
+            gather_per_micro_batch=gather_per_micro_batch, cache_dir=cache_dir)
+        options.passes()   # unknown or essential names in ``disable`` fail here, before any tracing
+    except ConfigError as error:
+        refused = error
+    ranks = _refused_on_every_rank(refused, model, group, timeout)
     steps_run, scaler = _close_earlier_steps(model, optimizer)
-    step = CompiledStep(model, optimizer, options, group)
+    step = CompiledStep(model, optimizer, options, group, ranks)
     step.steps = steps_run   # counted on from the step it took over from (checkpoints save the count)
     for slot, value in scaler.items():   # a dynamic loss scale goes on where both steps scale the loss
         if slot in step.state.initial_scaler:
             step.state.initial_scaler[slot].copy_(value)
     return step
+
+
+def _refused_on_every_rank(refused: ConfigError | None, model, group, timeout) -> Ranks | None:
+    """Raise ``refused`` here and a ``ConfigError`` naming it on every other rank: ``zerocc.compile`` is a collective
+    (it broadcasts rank 0's parameters, and closes an earlier step), so a keyword one rank alone refused (its own
+    ``stage=`` or path) left the others waiting in it for as long as that rank's process lived. Returns the step's
+    ranks (on a group with ``timeout``, as the exchange was), None in one process."""
+    if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) <= 1:   # one process
+        if refused is not None:
+            raise refused
+        return None
+    parameter = next(model.parameters(), None) if isinstance(model, nn.Module) else None
+    try:   # a rank that refused its own timeout still makes the others' group (new_group is collective), without it
+        check_timeout(timeout)
+    except ConfigError:
+        timeout = None
+    ranks = failures.with_timeout(resolve(group if isinstance(group, dist.ProcessGroup) else None,
+                                          None if parameter is None else parameter.device), timeout)
+    message = None if refused is None else str(refused)
+    every: list = [message]
+    if ranks.group is not None:
+        every = [None] * ranks.world_size
+        with failures.collective_failures(ranks, 0, timeout, call="zerocc.compile"):
+            dist.all_gather_object(every, message, group=ranks.group)
+    if refused is not None:
+        raise refused
+    failed = [(rank, message) for rank, message in enumerate(every) if message is not None]
+    if failed:
+        raise ConfigError("zerocc.compile was refused on another rank, so no rank compiles (every rank must compile "
+                          "the same step):\n" + "\n".join(f"  rank {rank}: {message}" for rank, message in failed))
+    return ranks
 
 
 # The step that holds a model's (and its optimizer's) state, once its first call has moved it into slots.
@@ -274,7 +314,8 @@ class CompiledStep:
     ``cache`` its programs (``zerocc/program_cache.py``).
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, options: CompileOptions, group=None):
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, options: CompileOptions, group=None,
+                 ranks: Ranks | None = None):
         self.model = model
         self.optimizer = optimizer
         self.options = options
@@ -282,7 +323,7 @@ class CompiledStep:
         self.state = StepState(mixed.initial_scaler_slots(options.precision, device))
         self.cache = ProgramCache(options.max_programs, options.static_shapes)
         self.eval_programs: collections.OrderedDict[Any, Any] = collections.OrderedDict()   # zerocc/eval.py
-        self.ranks: Ranks = failures.with_timeout(resolve(group, device), options.timeout)
+        self.ranks: Ranks = ranks if ranks is not None else failures.with_timeout(resolve(group, device), options.timeout)
         self.arenas = Arenas()   # the memory pools' arenas, shared by this step's programs
         self.disk_cache = None if options.cache_dir is None else \
             disk_cache.DiskCache(options.cache_dir, model, self.ranks.rank, self.ranks.world_size)
@@ -631,21 +672,27 @@ class CompiledStep:
 
         # before the first step the step makes the optimizer's initial state itself, when it can learn it
         # (zerocc/optimizer_init.py): the first step then runs the steady state's program, one compile for both
-        fresh = None
-        if state.state_signature is not None and state.state_key():
-            # the optimizer state the slots hold (none after a first step that overflowed under loss scaling:
-            # a program compiled then, for another batch shape or mode, is a first step again)
-            fake_mode, captured = trace(self._fake_state)
-        elif not state.started and (fresh := self._initial_optimizer_state()) is not None:
-            fake_mode, captured = trace(lambda mode: self._fake_initial_state(mode, fresh))
-            unused = [info.name for info, node in zip(captured.params, g.placeholders(captured.gm, g.ROLE_PARAM))
-                      if node.meta.get(g.UNUSED) and fresh[info.name]]
-            if unused:   # eager makes no state for a parameter the loss does not reach: none made for those
-                fresh = {name: {} if name in unused else states for name, states in fresh.items()}
+        fresh, failed = None, None
+        try:
+            if state.state_signature is not None and state.state_key():
+                # the optimizer state the slots hold (none after a first step that overflowed under loss scaling:
+                # a program compiled then, for another batch shape or mode, is a first step again)
+                fake_mode, captured = trace(self._fake_state)
+            elif not state.started and (fresh := self._initial_optimizer_state()) is not None:
                 fake_mode, captured = trace(lambda mode: self._fake_initial_state(mode, fresh))
-        else:
-            fake_mode, captured = trace(None)
-        self._refuse_other_trained_parameters(captured)
+                unused = [info.name for info, node in zip(captured.params, g.placeholders(captured.gm, g.ROLE_PARAM))
+                          if node.meta.get(g.UNUSED) and fresh[info.name]]
+                if unused:   # eager makes no state for a parameter the loss does not reach: none made for those
+                    fresh = {name: {} if name in unused else states for name, states in fresh.items()}
+                    fake_mode, captured = trace(lambda mode: self._fake_initial_state(mode, fresh))
+            else:
+                fake_mode, captured = trace(None)
+            self._refuse_other_trained_parameters(captured)
+        except Exception as error:   # noqa: BLE001 - raised below, after every rank heard of it
+            failed = error
+        # a rank whose trace failed (its batch, its optimizer) would leave the others waiting in the passes' or the
+        # agreement's collectives: every rank hears of it and raises
+        failures.raise_if_any_rank_failed(self.ranks, failed, "tracing the step on its batch")
         state_signature = _state_signature_of(captured)   # before the passes rewrite the captured graph
         options = dataclasses.replace(options, device_budget=device, hardware=self._hardware_profile)
         compiled = run_passes(captured, fake_mode, options, self.optimizer, world_size=self.ranks.world_size,

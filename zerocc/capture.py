@@ -26,6 +26,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 from torch.nn.utils.stateless import _reparametrize_module
 import torch.nn as nn
 from torch._subclasses.fake_tensor import DynamicOutputShapeException, DataDependentOutputException
@@ -154,6 +155,16 @@ def _split_hint(error: Exception, num_model_inputs: int, num_targets: int) -> st
             f"{num_targets} to loss_fn as targets: give compile num_targets= to split them otherwise)")
 
 
+def _empty_hint(inputs: Sequence[Any]) -> str:
+    """For a batch with an empty tensor (0 rows): a mean over it divides by zero while tracing, as eager's gives NaN."""
+    empty = [f"argument {i} {tuple(leaf.shape)}" for i, argument in enumerate(inputs)
+             for leaf in pytree.tree_leaves(argument) if isinstance(leaf, torch.Tensor) and leaf.numel() == 0]
+    if not empty:
+        return ""
+    return (f"\n  note: this batch has empty tensors ({', '.join(empty)}): a loss averaged over no elements is not a "
+            "number (eager's is NaN); skip empty batches in the loop")
+
+
 def _one_number(loss: Any) -> bool:
     """A loss eager's ``loss.backward()`` takes: a tensor of one element (0-dim, or shaped ``(1,)`` as some
     models return it); the step returns it in its own shape."""
@@ -202,11 +213,21 @@ def capture(model: nn.Module, optimizer: torch.optim.Optimizer, inputs: Sequence
 
 def _group_of_id(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[int, int]:
     """Each optimized tensor's param group, by ``id``; refuses tensors that are not the model's parameters."""
-    group_of_id = {}
+    group_of_id, twice = {}, {}
     for index, group in enumerate(optimizer.param_groups):
         for p in group["params"]:
+            if id(p) in group_of_id:
+                twice.setdefault(id(p), [group_of_id[id(p)]]).append(index)
             group_of_id[id(p)] = index
-    model_ids = {id(t) for _, t in named_tensors(model, "param")}
+    name_of_id = {id(t): names[0] for names, t in named_tensors(model, "param")}
+    if twice:   # eager updates such a tensor once per listing; the step's buckets hold each parameter once
+        listed = "; ".join(f"{name_of_id.get(i, 'a tensor not in the model')} in param group(s) {groups}"
+                           for i, groups in twice.items())
+        raise ConfigError(
+            f"the optimizer lists a tensor more than once ({listed}): eager PyTorch then applies its update once per "
+            "listing (and warns that this will become an error); give every parameter to the optimizer once, "
+            "e.g. torch.optim.AdamW(model.parameters())")
+    model_ids = set(name_of_id)
     strays = [i for i, group in enumerate(optimizer.param_groups) for p in group["params"] if id(p) not in model_ids]
     if strays:
         raise ConfigError(
@@ -435,7 +456,8 @@ def trace_step(
             raise
         where = user_frame(error.__traceback__) or "(no user frame found)"
         raise CaptureError(f"tracing the training step failed at {where}: {type(error).__name__}: {error}"
-                           f"{_fake_value_hint(error)}{_split_hint(error, num_model_inputs, num_targets)}") from error
+                           f"{_fake_value_hint(error)}{_split_hint(error, num_model_inputs, num_targets)}"
+                           f"{_empty_hint(inputs)}") from error
 
     _refuse_writes_to_parameters(gm, leaves, param_infos, frozen_infos)
     _refuse_writes_to_the_batch(gm, leaves, layout)

@@ -82,9 +82,15 @@ def cache_dir_of(setting: str | os.PathLike | None) -> str | None:
     if setting is not None:
         if not isinstance(setting, (str, os.PathLike)):
             raise ConfigError(f"cache_dir must be a folder's path (str or os.PathLike) or None, got {setting!r}")
-        return os.path.expanduser(os.fspath(setting))
-    value = os.environ.get(CACHE_DIR_VARIABLE)
-    return os.path.expanduser(value) if value else None
+        folder = os.path.expanduser(os.fspath(setting))
+    else:
+        value = os.environ.get(CACHE_DIR_VARIABLE)
+        folder = os.path.expanduser(value) if value else None
+    if folder is not None and os.path.exists(folder) and not os.path.isdir(folder):
+        where = "cache_dir" if setting is not None else f"${CACHE_DIR_VARIABLE}"
+        raise ConfigError(f"{where}={folder!r} is a file, not a folder: the compile cache keeps a folder per rank "
+                          "there; give a folder's path (it is created if missing)")
+    return folder
 
 
 @dataclasses.dataclass(frozen=True)

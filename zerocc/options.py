@@ -9,9 +9,12 @@ the options to build the pipeline.
 """
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
+import datetime
 import functools
 import inspect
+import os
 from typing import Any, Callable, Sequence
 
 import torch
@@ -85,9 +88,14 @@ class CompileOptions:
                  cache_dir: str | None = None) -> "CompileOptions":
         """Check every keyword (``ConfigError`` naming it and the fix); ``passes()`` checks ``disable``."""
         check_stage(stage)
+        check_loss_fn(loss_fn, num_targets)
         check_bucket_bytes(bucket_bytes)
         check_timeout(timeout)
         check_prefetch_bytes(prefetch_bytes)
+        check_disable(disable)
+        check_flag("verify", verify)
+        check_flag("static_shapes", static_shapes)
+        check_folder("dump_dir", dump_dir)
         check_memory_budget(memory_budget)
         memory_pools = memory_pools_of(memory_pools, disable)
         check_gather_per_micro_batch(gather_per_micro_batch)
@@ -101,7 +109,7 @@ class CompileOptions:
                    memory_budget=memory_budget,
                    precision=mixed.resolve(param_dtype, reduce_dtype, loss_scale, cast_forward_inputs, model),
                    gather_per_micro_batch=gather_per_micro_batch, memory_pools=memory_pools, timeout=timeout,
-                   static_shapes=bool(static_shapes), max_programs=max_programs, cache_dir=cache_dir_of(cache_dir))
+                   static_shapes=static_shapes, max_programs=max_programs, cache_dir=cache_dir_of(cache_dir))
 
     def for_pipeline(self, *, stage: int, disable: Sequence[str] = (), verify: bool = False,
                      dump_dir: str | None = None, memory_pools: bool | None = None,
@@ -110,6 +118,9 @@ class CompileOptions:
         (``Planner.plan``: one capture's options, planned for many stages; ``device_memory``: the bytes per
         rank a plan's device offers, as a device budget)."""
         check_stage(stage)
+        check_disable(disable)
+        check_flag("verify", verify)
+        check_folder("dump_dir", dump_dir)
         check_memory_budget(memory_budget)
         check_memory_budget(device_memory, "device_memory")
         device = None if device_memory is None or memory_budget is not None else \
@@ -174,6 +185,9 @@ def check_model_and_optimizer(model, optimizer) -> None:
         raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ConfigError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if next(model.parameters(), None) is None:
+        raise ConfigError(f"the model ({type(model).__name__}) has no parameters: there is nothing to train or shard; "
+                          "pass the module that holds the trained parameters")
     check_not_parallelized(model)
 
 
@@ -211,18 +225,57 @@ def check_not_meta(model: nn.Module) -> None:
             "(model.to_empty(device='cpu'), then initialize its weights)")
 
 
+def check_loss_fn(loss_fn, num_targets) -> None:
+    if loss_fn is not None and not callable(loss_fn):
+        raise ConfigError(f"loss_fn must be callable (called as loss_fn(output, *targets)) or None, got {loss_fn!r}")
+    if num_targets is not None and (isinstance(num_targets, bool) or not isinstance(num_targets, int)
+                                    or num_targets < 0):
+        raise ConfigError(f"num_targets must be a non-negative int (how many of the step's last positional arguments "
+                          f"go to loss_fn) or None, got {num_targets!r}")
+
+
+def check_flag(name: str, value) -> None:
+    """A keyword that is True or False: ``static_shapes="no"`` would otherwise read as True."""
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name} must be True or False, got {value!r}")
+
+
+def check_folder(name: str, folder) -> None:
+    """``dump_dir``: a folder's path or None; a path that exists as a file is refused before anything is compiled."""
+    if folder is None:
+        return
+    if not isinstance(folder, (str, os.PathLike)):
+        raise ConfigError(f"{name} must be a folder's path (str or os.PathLike) or None, got {folder!r}")
+    path = os.path.expanduser(os.fspath(folder))
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(f"{name}={os.fspath(folder)!r} is a file, not a folder; give a folder's path (it is created "
+                          "if missing)")
+
+
 def check_bucket_bytes(bucket_bytes) -> None:
-    if not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
+    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
         raise ConfigError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
 
 
 def check_timeout(timeout) -> None:
-    if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or
+                                not timeout > 0):
         raise ConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    if timeout is not None and not timeout < datetime.timedelta.max.total_seconds():   # a process group's timedelta
+        raise ConfigError(f"timeout={timeout!r} is beyond what a process group can wait; leave it None to wait as "
+                          "long as the process group does (torch.distributed's default: 30 minutes on gloo)")
+
+
+def check_disable(disable) -> None:
+    """A list of pass names: a bare string would be taken letter by letter, None is no list."""
+    if isinstance(disable, str) or not isinstance(disable, collections.abc.Collection) or \
+            not all(isinstance(name, str) for name in disable):
+        hint = f"; write disable=[{disable!r}]" if isinstance(disable, str) else ""
+        raise ConfigError(f"disable must be a list of pass names (step.passes lists them), got {disable!r}{hint}")
 
 
 def check_prefetch_bytes(prefetch_bytes) -> None:
-    if not isinstance(prefetch_bytes, int) or prefetch_bytes < 0:
+    if isinstance(prefetch_bytes, bool) or not isinstance(prefetch_bytes, int) or prefetch_bytes < 0:
         raise ConfigError(f"prefetch_bytes must be a non-negative int, got {prefetch_bytes!r}")
 
 

@@ -37,6 +37,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 import torch.nn as nn
 
 from . import compile_stats
@@ -141,6 +142,9 @@ class Planner:
             loss_scale=loss_scale, cast_forward_inputs=cast_forward_inputs,
             gather_per_micro_batch=gather_per_micro_batch, memory_pools=False, **runtime_only)
         self.model, self.optimizer = model, optimizer
+        if any(param.is_meta for param in model.parameters()):   # a batch built on the CPU would meet meta weights
+            example_inputs, example_keyword_inputs = pytree.tree_map_only(
+                torch.Tensor, lambda t: t.to("meta"), (tuple(example_inputs), example_keyword_inputs))
         self.layout = BatchLayout.of(tuple(example_inputs), example_keyword_inputs or {})
         self.example_inputs = tuple(self.layout.flatten(tuple(example_inputs), example_keyword_inputs or {}))
         self.param_dtype = accounting_dtype   # the paper's accounting (None: count the graph as compiled)

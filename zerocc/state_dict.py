@@ -500,9 +500,20 @@ def save_checkpoint(step, path: str) -> str:
     What rank 0 does alone (choosing the version, publishing it) ends in a broadcast of its outcome, not a
     barrier: where it fails, every rank raises the same error instead of the others waiting for rank 0.
     """
-    step._check_open()   # a closed step, or one whose state a failed update lost, has nothing to save
+    _check_step_and_path("zerocc.save_checkpoint", step, path)
     with failures.collective_failures(step.ranks, step.steps, step.timeout, call="zerocc.save_checkpoint"):
         return _save(step, os.path.abspath(path))
+
+
+def _check_step_and_path(call: str, step, path) -> None:
+    """``call(step, path)``'s arguments: the step ``zerocc.compile`` returned (still open) and a path."""
+    from .api import CompiledStep
+    if not isinstance(step, CompiledStep):
+        raise ConfigError(f"{call}(step, path) takes the step zerocc.compile returned first, got "
+                          f"{type(step).__name__}{' (the path first?)' if isinstance(step, (str, os.PathLike)) else ''}")
+    step._check_open()
+    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+        raise ConfigError(f"{call}(step, path): path must be a checkpoint's path (str or os.PathLike), got {path!r}")
 
 
 def _save(step, path: str) -> str:
@@ -666,6 +677,7 @@ def _barrier(ranks) -> None:
 
 def load_checkpoint(step, path: str) -> None:
     """Load a checkpoint saved at any world size and stage into ``step`` (before or after its first call)."""
+    _check_step_and_path("zerocc.load_checkpoint", step, path)
     with failures.collective_failures(step.ranks, step.steps, step.timeout, call="zerocc.load_checkpoint"):
         _load(step, os.path.abspath(path))
 

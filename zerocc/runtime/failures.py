@@ -45,8 +45,17 @@ def with_timeout(ranks: Ranks, timeout: float | None) -> Ranks:
     if timeout <= 0:
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     members = [dist.get_global_rank(ranks.group, r) for r in range(ranks.world_size)]
-    group = dist.new_group(members, timeout=datetime.timedelta(seconds=timeout),
-                           backend=dist.get_backend(ranks.group))
+    try:   # every rank makes the group: a rank that never reaches zerocc.compile leaves the others waiting here
+        group = dist.new_group(members, timeout=datetime.timedelta(seconds=timeout),
+                               backend=dist.get_backend(ranks.group))
+    except (RuntimeError, dist.DistError) as error:   # a TCP store's DistStoreError, a file store's RuntimeError
+        if not is_collective_failure(error):
+            raise
+        raise RankFailureError(
+            f"rank {ranks.rank} of {ranks.world_size}: the other ranks did not reach zerocc.compile within {timeout:g} "
+            f"s ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})\n"
+            "  why: zerocc.compile is a collective: every rank must call it; another rank probably died, hangs, or "
+            "runs other code\n  fix: look at the other ranks' output for the first error") from error
     return Ranks(ranks.world_size, ranks.rank, group, group.group_name)
 
 
@@ -83,7 +92,8 @@ def collective_failures(ranks: Ranks, step_number: int, timeout: float | None, c
         ) from error
 
 
-_COLLECTIVE_BECAUSE = {"step.eval_forward": " (it gathers the sharded parameters)",
+_COLLECTIVE_BECAUSE = {"zerocc.compile": " (it broadcasts rank 0's parameters)",
+                       "step.eval_forward": " (it gathers the sharded parameters)",
                        "step.full_state_dict": " (it gathers the sharded parameters)",
                        "step.full_model": " (it gathers the sharded parameters)",
                        "step.close": " (it gathers the sharded parameters and optimizer state)",
@@ -133,6 +143,29 @@ def _describe(value) -> str:
     if isinstance(value, (list, tuple)):
         return "(" + ", ".join(_describe(v) for v in value) + ")"
     return repr(value)
+
+
+def raise_if_any_rank_failed(ranks: Ranks, error: BaseException | None, what: str) -> None:
+    """``error`` (this rank's, or None) raised here, and a ``RankMismatchError`` naming it on every other rank: for
+    work without collectives of its own (``what``), which one rank alone can fail, before work whose collectives
+    would wait for that rank."""
+    if ranks.group is None:
+        if error is not None:
+            raise error
+        return
+    message = None if error is None else f"{type(error).__name__}: {error}"
+    every = [None] * ranks.world_size
+    dist.all_gather_object(every, message, group=ranks.group)
+    if error is not None:
+        raise error
+    failed = [(rank, message) for rank, message in enumerate(every) if message is not None]
+    if failed:
+        raise RankMismatchError(
+            f"rank {ranks.rank} of {ranks.world_size}: {what} failed on rank(s) {[rank for rank, _ in failed]}, so no "
+            "rank compiles this program:\n" + "\n".join(
+                f"  rank {rank}: {message if len(message) < 1500 else message[:1500] + ' ...'}"
+                for rank, message in failed)
+            + "\n  fix: the error above is that rank's own (its batch, its model or optimizer); fix it there")
 
 
 def check_ranks_agree(ranks: Ranks, gm: fx.GraphModule, plan: ShardPlan | None) -> None:
