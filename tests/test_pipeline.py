@@ -307,3 +307,36 @@ def test_custom_pass_example_trains_exactly_as_without_it():
     for losses, gathers, losses_with, gathers_with in distributed.run(_train_with_and_without_the_custom_pass, 2):
         assert gathers_with == gathers - 1
         assert all(torch.equal(a, b) for a, b in zip(losses, losses_with))
+
+
+def test_a_compile_says_each_phase_once_it_runs_long_and_as_asked(monkeypatch, capsys):
+    """A 705M GPT compiled for about 40 s without a word (a hang, to its user): by default a compile that has
+    run ``QUIET_SECONDS`` says each phase it ends on stderr; ``progress=`` says every phase, to a function or
+    to stderr, or nothing; the program is the same."""
+    from zerocc import progress
+
+    model, _, loss_fn = build("mlp", 0)
+    x, y = batches("mlp", 1, 4)[0]
+    lines = []
+    step = zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=loss_fn,
+                          progress=lines.append)
+    step(x, y)
+    names = [name for name in step.passes if name != "capture"]
+    assert lines[0].startswith("traced the step: ") and lines[-1].startswith("compiled the step's program for ")
+    assert [line.split(":")[0] for line in lines[1:-1]] == [f"pass {name}" for name in names]
+    assert all(line.endswith(" s into the compile)") for line in lines)
+    capsys.readouterr()
+
+    def compiled_with(**settings):
+        model, _, loss_fn = build("mlp", 0)
+        zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=loss_fn, **settings)(x, y)
+        return capsys.readouterr().err
+
+    assert compiled_with() == ""   # a short compile says nothing
+    assert compiled_with(progress=False) == ""
+    assert compiled_with(progress=True).count("[zerocc] ") == len(lines)
+    monkeypatch.setattr(progress, "QUIET_SECONDS", 0.0)   # as a compile past 10 s
+    assert compiled_with().count("[zerocc] ") == len(lines)
+    assert compiled_with(progress=False) == ""
+    with pytest.raises(zerocc.ConfigError, match="progress must be None"):
+        zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), progress="yes")

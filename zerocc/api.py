@@ -40,9 +40,10 @@ from .passes.clip_gradients import GRAD_NORM_SLOT
 from .pipeline import DEFAULT_PREFETCH_BYTES, GraphSnapshot, dump_dir_of, write_dumps
 from .planning import communication, model_state_bytes
 from .precision import DynamicLossScale
+from .progress import CompileProgress
 from .autocast import autocast_state, outside_autocast
 from .program_cache import (INITIAL_STATE, attention_backends, CacheEntry, CacheKey, ProgramCache, changed_python_values, hook_ids,
-                            input_signature, python_sources, training_modes, values_read)
+                            describe_signature, input_signature, python_sources, training_modes, values_read)
 from .runtime import failures
 from .runtime import slots as slot_store
 from .runtime.arenas import Arenas
@@ -83,6 +84,7 @@ def compile(
     memory_pools: bool | None = None,
     gather_per_micro_batch: bool = True,
     cache_dir: str | None = None,
+    progress: "bool | Callable[[str], None] | None" = None,
 ) -> "CompiledStep":
     """Compile one training step of ``model`` with ``optimizer`` under ZeRO ``stage`` (0-3).
 
@@ -169,6 +171,10 @@ def compile(
     and versions) loads it instead of tracing and running the passes
     (``zerocc/disk_cache.py``); ``report()["compile_cache"]`` says whether
     the last compile loaded, stored or missed, and why.
+
+    ``progress`` (``zerocc/progress.py``): by default a compile that has run 10 s says each phase it ends
+    (the trace, each pass, the program) on rank 0's stderr, so a long compile is not taken for a hang;
+    ``True`` says every phase of every compile, ``False`` nothing, and a function gets each line instead.
     """
     refused = None
     try:
@@ -185,7 +191,7 @@ def compile(
             static_shapes=static_shapes, max_programs=max_programs, memory_budget=memory_budget,
             param_dtype=param_dtype, reduce_dtype=reduce_dtype, loss_scale=loss_scale,
             cast_forward_inputs=cast_forward_inputs, memory_pools=memory_pools,
-            gather_per_micro_batch=gather_per_micro_batch, cache_dir=cache_dir)
+            gather_per_micro_batch=gather_per_micro_batch, cache_dir=cache_dir, progress=progress)
         options.passes()   # unknown or essential names in ``disable`` fail here, before any tracing
     except ConfigError as error:
         refused = error
@@ -339,6 +345,7 @@ class CompiledStep:
         self.compile_stats: list[CompileStats] = []   # per compiled program: seconds per phase (compile_stats.py)
         self._user_hooks: list = []          # zerocc/user_views.py, installed at the first compile
         self._hardware: HardwareProfile | None = None   # _hardware_profile: measured (or read) when first needed
+        self._progress = CompileProgress(False, self.ranks.rank)   # what the compile under way says (_compile_for)
         self.closed = False   # close(): the model and optimizer were handed back
         if self.ranks.world_size > 1:
             self._sync_initial_state()
@@ -509,10 +516,12 @@ class CompiledStep:
         self._say_which_python_values_changed(key)
         started = time.perf_counter()
         before = values_read(self._python_sources)
+        self._progress = CompileProgress(self.options.progress, self.ranks.rank)
         # the user's MemTracker, profilers, global hooks (zerocc/user_tooling.py)
         with suspended_user_tooling(), fewer_collections(), outside_autocast():
             found = self._compile(batch, layout, autocast=key.autocast, key=key)
         self.compile_seconds += time.perf_counter() - started
+        self._progress(f"compiled the step's program for {describe_signature(key.signature)}")
         after = values_read(self._python_sources)
         written = {(label, name) for label, name, *_ in set(sum(before, ())) ^ set(sum(after, ()))}
         if written:   # forward changes them itself (a call counter): keyed on, every call would compile again
@@ -693,10 +702,12 @@ class CompiledStep:
         # a rank whose trace failed (its batch, its optimizer) would leave the others waiting in the passes' or the
         # agreement's collectives: every rank hears of it and raises
         failures.raise_if_any_rank_failed(self.ranks, failed, "tracing the step on its batch")
+        self._progress(f"traced the step: {len(captured.gm.graph.nodes)} nodes")
         state_signature = _state_signature_of(captured)   # before the passes rewrite the captured graph
         options = dataclasses.replace(options, device_budget=device, hardware=self._hardware_profile)
         compiled = run_passes(captured, fake_mode, options, self.optimizer, world_size=self.ranks.world_size,
-                              rank=self.ranks.rank, group_name=self.ranks.group_name, previous_plan=state.plan)
+                              rank=self.ranks.rank, group_name=self.ranks.group_name, previous_plan=state.plan,
+                              progress=self._progress)
         return _Made(captured, compiled, fresh, state_signature)
 
     def _hardware_profile(self) -> HardwareProfile:

@@ -187,7 +187,8 @@ def fingerprint(step, key, released_shapes: dict[str, tuple[int, ...]], previous
         (index.get(id(p), "?"), {k: (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else v
                                  for k, v in sorted(values.items())})
         for p, values in optimizer.state.items())) if not step.state.started else {}
-    skipped = ("timeout", "dump_dir", "static_shapes", "max_programs", "cache_dir", "device_budget", "hardware")
+    skipped = ("timeout", "dump_dir", "static_shapes", "max_programs", "cache_dir", "device_budget", "hardware",
+               "progress")
     option_text = _stable({f.name: getattr(options, f.name) for f in dataclasses.fields(options) if f.name not in skipped})
     passes = _stable([(p.name, p.run) for p in options.passes()])
     settings = _stable(sorted((k, v) for k, v in os.environ.items()

@@ -25,6 +25,7 @@ from .device_budget import DeviceBudget
 from .disk_cache import cache_dir_of
 from .errors import ConfigError
 from .pipeline import DEFAULT_PREFETCH_BYTES, Pass, build_pipeline, memory_pools_of
+from .progress import check_progress
 
 STAGES = (0, 1, 2, 3)
 
@@ -46,7 +47,7 @@ class CompileOptions:
     setting with ``$ZEROCC_MEMORY_POOLS`` read, ``cache_dir`` the compile
     cache's folder with ``$ZEROCC_CACHE_DIR`` read (None: no cache,
     ``zerocc/disk_cache.py``). ``timeout``, ``static_shapes``,
-    ``max_programs`` and ``cache_dir`` concern a running step only.
+    ``max_programs``, ``cache_dir`` and ``progress`` concern a running step only.
     ``device_budget`` is not a keyword: with no ``memory_budget``, what the
     rank's device offers, read at each compile (``zerocc/device_budget.py``;
     None where unknown, on CPU). ``hardware`` is not a keyword either: the
@@ -74,6 +75,7 @@ class CompileOptions:
     static_shapes: bool = False
     max_programs: int = DEFAULT_MAX_PROGRAMS
     cache_dir: str | None = None
+    progress: Any = None
 
     @classmethod
     def validate(cls, model: nn.Module, *, stage: int = 3, loss_fn: Callable | None = None,
@@ -85,7 +87,7 @@ class CompileOptions:
                  memory_budget: int | None = None, param_dtype: torch.dtype | None = None,
                  reduce_dtype: torch.dtype | None = None, loss_scale=None, cast_forward_inputs: bool = True,
                  memory_pools: bool | None = None, gather_per_micro_batch: bool = True,
-                 cache_dir: str | None = None) -> "CompileOptions":
+                 cache_dir: str | None = None, progress=None) -> "CompileOptions":
         """Check every keyword (``ConfigError`` naming it and the fix); ``passes()`` checks ``disable``."""
         check_stage(stage)
         check_loss_fn(loss_fn, num_targets)
@@ -102,6 +104,7 @@ class CompileOptions:
         check_grad_accumulation(grad_accumulation)
         clip = check_clipping(clip_grad_norm, clip_norm_type)
         check_max_programs(max_programs)
+        check_progress(progress)
         return cls(stage=stage, loss_fn=loss_fn,
                    num_targets=targets_of(loss_fn) if num_targets is None else num_targets,
                    bucket_bytes=bucket_bytes, prefetch_bytes=prefetch_bytes, disable=tuple(disable),
@@ -109,7 +112,8 @@ class CompileOptions:
                    memory_budget=memory_budget,
                    precision=mixed.resolve(param_dtype, reduce_dtype, loss_scale, cast_forward_inputs, model),
                    gather_per_micro_batch=gather_per_micro_batch, memory_pools=memory_pools, timeout=timeout,
-                   static_shapes=static_shapes, max_programs=max_programs, cache_dir=cache_dir_of(cache_dir))
+                   static_shapes=static_shapes, max_programs=max_programs, cache_dir=cache_dir_of(cache_dir),
+                   progress=progress)
 
     def for_pipeline(self, *, stage: int, disable: Sequence[str] = (), verify: bool = False,
                      dump_dir: str | None = None, memory_pools: bool | None = None,
