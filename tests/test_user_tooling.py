@@ -233,8 +233,8 @@ def test_tensors_the_steps_python_keeps_for_the_user_are_taken_out_and_named():
             reference_optimizer.step()
             assert torch.equal(step(x, y), expected.detach())
     said = str(caught[0].message)
-    assert all(name in said for name in ("norms (named by the hook", "LOGGED_BY_THE_LOSS", "Observed.stats",
-                                         "Observed.last_hidden"))
+    assert all(name in said for name in ("norms (named by the hook", "LOGGED_BY_THE_LOSS", "Observed.stats"))
+    assert "last_hidden" not in said   # an attribute set to a tensor is put back unnamed: most are caches
     assert caught[0].filename == __file__
     assert norms == [] and LOGGED_BY_THE_LOSS == [] and model.stats == {"calls": 0}
     assert not hasattr(model, "last_hidden")

@@ -244,7 +244,9 @@ def no_traced_values_left(model: torch.nn.Module, *functions: Callable | None):
     Containers a module holds (``self.stats["mean"] = h.mean()``) and those the model's hooks and ``functions``
     (the loss function) reach through their closures and globals (``norms.append(out.norm())`` in a forward
     hook) get their contents back too: the step runs that Python once, while tracing, so they would keep
-    placeholders (FakeTensors) that no later step updates. Such writes are named in an ``ObservedValueWarning``.
+    placeholders (FakeTensors) that no later step updates. Writes into containers, which are what logging code
+    does, are named in an ``ObservedValueWarning``; an attribute set to a tensor is put back without a word, as
+    most are caches a model keeps for itself (Qwen2-VL's ``self.rope_deltas``, position tables).
     """
     before = {id(module): (dict(vars(module)), dict(module._parameters), dict(module._buffers))
               for module in model.modules()}
@@ -259,8 +261,7 @@ def no_traced_values_left(model: torch.nn.Module, *functions: Callable | None):
         for module_name, module in model.named_modules():
             old, old_parameters, old_buffers = before.get(id(module), ({}, {}, {}))
             for name, value in list(vars(module).items()):
-                if _holds_fake(value) and value is not old.get(name, _ABSENT):
-                    written.append(f"{type(module).__name__}{f' ({module_name})' if module_name else ''}.{name}")
+                if _holds_fake(value) and value is not old.get(name, _ABSENT):   # not named: most are caches
                     if name in old:
                         setattr(module, name, old[name])
                     else:
@@ -279,7 +280,7 @@ def no_traced_values_left(model: torch.nn.Module, *functions: Callable | None):
                 f"zerocc: the step's Python stored tensors it computed in {', '.join(written[:4])}"
                 f"{', ...' if len(written) > 4 else ''}: the compiled step runs forward, hooks and the loss function "
                 "once, while compiling, on placeholder tensors, so these were taken out again and later calls do "
-                "not update them (a cache forward builds for itself is fine: the program holds what it computed). "
+                "not update them. "
                 "To log a value every step, write it into a buffer with copy_ (self.register_buffer('mean', "
                 "torch.zeros(()), persistent=False); self.mean.copy_(hidden.mean())): the step updates buffers",
                 ObservedValueWarning, stacklevel=user_stacklevel())
