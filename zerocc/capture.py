@@ -534,8 +534,9 @@ def _data_dependent_error(where: str | None, why: str, message: str = "") -> Cap
     return CaptureError(
         f"the step cannot be traced at {where or '(no user frame found)'}\n"
         f"  why: it depends on the values in a tensor (data-dependent control flow or output shape: {why}), "
-        "which one graph cannot represent; only branches on values computed from the batch alone are decided, "
-        f"on each real batch (zerocc/data_guards.py; not when planning with meta or fake example inputs).{empty}\n"
+        "which one graph cannot represent; only branches on values computed from the batch alone, and sizes and "
+        "values read from it (.tolist(), .item()), are decided, on each real batch (zerocc/data_guards.py; not when "
+        f"planning with meta or fake example inputs).{empty}\n"
         "  fix: compute it with tensor ops (torch.where, masking) instead of Python control flow, "
         "or move it out of the model.")
 
