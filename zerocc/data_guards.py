@@ -105,11 +105,15 @@ def all_hold(guards: Sequence[DataGuard], batch: Sequence[Any]) -> bool:
 class GuardRecorder:
     """What one capture needs to decide branches: the real batch, by placeholder position; the guards found."""
 
-    def __init__(self, batch: Sequence[Any], batch_of_position: dict[int, int]):
+    def __init__(self, batch: Sequence[Any], batch_of_position: dict[int, int], read_values: bool = False):
         self.batch = list(batch)
         self.batch_of_position = batch_of_position   # flat placeholder position -> batch index
         self.guards: list[DataGuard | ValueGuard] = []
         self.read_from: dict[fx.Node, ValueGuard] = {}   # per tensor whose values were read, its guard
+        # ``read``: values read from the batch alone become numbers (True), or stay symbols, one program serving
+        # every batch (False: first; ``unread_batch_values`` says whether a trace that failed so should read them)
+        self.read_values = read_values
+        self.unread_batch_values = False
 
     def decide(self, condition: sympy.Basic) -> bool | int | None:
         """The value of ``condition`` on the real batch, recording its guard; None if it reads more than the batch.
@@ -152,6 +156,9 @@ class GuardRecorder:
         The trace then goes on with a Python number where it had an unbacked symbol: a size (``torch.split``'s),
         a key (Qwen2-VL's ``itertools.groupby`` over its token types), a count of loop iterations. The guard is on
         the tensor the elements came from (``.tolist()`` unbinds it): one comparison per tensor read, each step.
+        Only with ``read_values``: a step is first traced with such values as symbols, so that one program serves
+        every batch where it can (split sizes read from the batch), and traced again reading them where that
+        trace failed (``capture.trace_step``).
         """
         tracer = _current_tracer()
         slot = get_proxy_slot(tensor, tracer, None) if tracer is not None else None
@@ -161,6 +168,9 @@ class GuardRecorder:
         graph, batch_indices = self._graph_over_batch(tracer.root, tracer.graph, [(node, _SCALAR)])
         if graph is None or not all(_is_real(self.batch[i]) for i in batch_indices):
             return None   # planning (zerocc/planning.py) traces meta or fake batches: no values to read
+        if not self.read_values:
+            self.unread_batch_values = self.unread_batch_values or bool(batch_indices)
+            return None
         value, = _run_on_real_values(graph, [self.batch[i] for i in batch_indices])
         if not batch_indices:   # computed from constants alone: the same every step, nothing to check
             return value.item()
