@@ -103,6 +103,34 @@ def image_and_text(generator, rows=ROWS):
     return dict(pixel_values=torch.randn(rows, 3, 32, 32, generator=generator), input_ids=ids, labels=labels)
 
 
+QWEN_GRIDS = ([(1, 4, 8), (1, 8, 4)], [(1, 4, 4), (1, 4, 12)])   # (frames, rows, columns) of patches per image;
+# both 64 patches, 16 image tokens: the same batch shapes, another split of the patches and of the image tokens
+
+
+def images_in_text(generator, rows=2):
+    """A Qwen2-VL batch, one image per row: its merged patches (2 x 2 -> 1 token) at the image tokens, left out of
+    the loss; the grid drawn from two (the second compiles a program of its own, the first again reuses it)."""
+    ids = torch.randint(3, 100, (rows, 24), generator=generator)
+    grids = QWEN_GRIDS[int(ids.sum()) % 2][:rows]
+    types = torch.zeros(rows, 24, dtype=torch.int32)
+    for row, (frames, height, width) in enumerate(grids):
+        types[row, 2:2 + frames * height * width // 4] = 1
+    ids[types == 1] = IMAGE_TOKEN
+    labels = ids.masked_fill(types == 1, -100)
+    patches = sum(frames * height * width for frames, height, width in grids)
+    return dict(input_ids=ids, labels=labels, mm_token_type_ids=types, image_grid_thw=torch.tensor(grids),
+                pixel_values=torch.randn(patches, 3 * 2 * 2 * 2, generator=generator))
+
+
+def qwen2_vl():
+    text = dict(_DECODER, rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[1, 1, 2]))
+    vision = dict(depth=2, embed_dim=32, hidden_size=32, num_heads=4, mlp_ratio=2, patch_size=2,
+                  spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
+    return T.Qwen2VLForConditionalGeneration(T.Qwen2VLConfig(
+        text_config=text, vision_config=vision, image_token_id=IMAGE_TOKEN, video_token_id=121,
+        vision_start_token_id=122, vision_end_token_id=123))
+
+
 _VISION = dict(image_size=32, patch_size=8, num_channels=3, hidden_size=32, num_hidden_layers=2, num_attention_heads=4)
 _MAMBA2 = dict(mamba_d_state=8, mamba_n_heads=8, mamba_d_head=8, mamba_n_groups=1, mamba_chunk_size=4, mamba_expand=2)
 
@@ -195,6 +223,8 @@ _BUILDERS = {
         text_config=dict(_ENCODER, encoder_hidden_size=32))), captions),
     # the projected image patches written into the text's embeddings at the image tokens (masked_scatter)
     "llava": (llava, image_and_text),
+    # patches split per image by sizes read from the batch's image_grid_thw (zerocc/data_guards.py)
+    "qwen2_vl": (qwen2_vl, images_in_text),
 }
 
 MODELS = {name: (_seeded(make_model), batch) for name, (make_model, batch) in _BUILDERS.items()}

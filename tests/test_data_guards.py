@@ -216,3 +216,101 @@ def test_a_branch_on_a_random_draw_is_refused_naming_its_line():
     step = zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), stage=0)
     with pytest.raises(zerocc.CaptureError, match=r"(?s)the step cannot be traced at .*test_data_guards.py.*torch.rand"):
         step(torch.randn(3, 4), torch.tensor([0, 1, 2]))
+
+
+class PerImage(nn.Module):
+    """Splits its patches per image by sizes read from the batch's grid, as Qwen2-VL's vision tower does:
+    ``repeat_interleave`` and ``F.pad`` of the lengths, ``split(lengths.tolist())``, a view per image."""
+
+    SCALE = {2: 1.0, 3: 2.0, 4: 0.5}   # keyed: a weight per image looked up by its rows (values as dict keys)
+
+    def __init__(self, keyed=False):
+        super().__init__()
+        self.linear = nn.Linear(6, 6)
+        self.keyed = keyed
+
+    def forward(self, patches, grid):   # grid: one (frames, rows, columns) row per image
+        lengths = torch.repeat_interleave(grid[:, 1] * grid[:, 2], grid[:, 0])
+        bounds = F.pad(lengths.cumsum(0), (1, 0))
+        pieces = self.linear(patches).split((bounds[1:] - bounds[:-1]).tolist())
+        return torch.stack([piece.view(rows, columns, 6).mean(1).square().sum() * (self.SCALE[rows] if self.keyed else 1)
+                            for piece, (_, rows, columns) in zip(pieces, grid.tolist())]).sum()
+
+
+GRIDS = ([[1, 2, 4], [1, 4, 2]], [[1, 2, 2], [1, 3, 4]])   # 16 patches each: the same batch shapes
+
+
+def test_sizes_read_from_the_batch_train_as_eager_one_program_for_every_grid_of_the_batchs_size():
+    """A size an op computes from the batch's values (repeat_interleave) that a shape needs as a number (F.pad) is
+    decided on the real batch and guarded (it failed to trace before, at F.pad); split sizes read with .tolist()
+    stay symbols, so one program serves every grid of 16 patches (a trace that needs the values themselves reads
+    them: Qwen2-VL, test_hf_more.py)."""
+    torch.manual_seed(0)
+    model = PerImage()
+    reference = copy.deepcopy(model)
+    step = zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=0.1), stage=3)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.1)
+    generator = torch.Generator().manual_seed(1)
+    for index, grid in enumerate((GRIDS[0], GRIDS[1], GRIDS[0], GRIDS[1])):
+        batch = (torch.randn(16, 6, generator=generator), torch.tensor(grid))
+        assert torch.equal(step(*batch), eager(reference, reference_optimizer, *batch)), index
+    assert len(step.compile_stats) == 1
+    guards = step.cache.programs()[0].program.guards
+    assert any("F.pad(lengths.cumsum(0), (1, 0))" in guard.where for guard in guards)
+    for parameter, expected in zip(step.full_state_dict().values(), reference.state_dict().values()):
+        assert torch.equal(parameter, expected)
+
+
+def test_values_read_from_the_batch_that_must_be_numbers_are_read_one_program_per_grid():
+    """Values read with .tolist() used as dict keys cannot stay symbols: the trace fails on them, and the step is
+    traced again with the values read on the real batch and guarded; another grid compiles a program of its own,
+    the first grid again reuses the first (Qwen2-VL's itertools.groupby over its token types)."""
+    torch.manual_seed(0)
+    model = PerImage(keyed=True)
+    reference = copy.deepcopy(model)
+    step = zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=0.1), stage=3)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.1)
+    generator = torch.Generator().manual_seed(1)
+    for index, grid in enumerate((GRIDS[0], GRIDS[1], GRIDS[0], GRIDS[1])):
+        batch = (torch.randn(16, 6, generator=generator), torch.tensor(grid))
+        assert torch.equal(step(*batch), eager(reference, reference_optimizer, *batch)), index
+        if index == 1:
+            compile_seconds = step.compile_seconds
+    assert len(step.compile_stats) == 2 and step.compile_seconds == compile_seconds
+    guards = step.cache.programs()[0].program.guards
+    assert any("split((bounds[1:] - bounds[:-1]).tolist())" in guard.where for guard in guards)
+    for parameter, expected in zip(step.full_state_dict().values(), reference.state_dict().values()):
+        assert torch.equal(parameter, expected)
+
+
+def test_planning_sizes_read_from_a_meta_batch_is_refused_naming_the_line():
+    model = PerImage()
+    with pytest.raises(zerocc.CaptureError, match=r"(?s)cannot be traced at .*test_data_guards.py.*F.pad.*sizes"):
+        zerocc.plan(model, torch.optim.SGD(model.parameters(), lr=0.1), stage=3,
+                    example_inputs=(torch.randn(16, 6, device="meta"), torch.tensor(GRIDS[0], device="meta")))
+
+
+def _ranks_with_other_grids(rank, world_size):
+    from torch.nn.parallel import DistributedDataParallel
+    generator = torch.Generator().manual_seed(1)
+    data = []
+    for index in range(4):   # rank 1's grid changes at the second step, rank 0's at the third
+        patches = torch.randn(16 * world_size, 6, generator=generator).chunk(world_size)[rank]
+        data.append((patches, torch.tensor(GRIDS[int(index >= 1 + (rank == 0))])))
+    torch.manual_seed(0)
+    model = PerImage(keyed=True)
+    reference = copy.deepcopy(model)
+    ddp = DistributedDataParallel(reference)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.1)
+    expected = [eager(ddp, reference_optimizer, *batch) for batch in data]
+    step = zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=0.1), stage=3, timeout=60)
+    losses = [step(*batch) for batch in data]
+    return losses, expected, step.full_state_dict(), reference.state_dict(), len(step.compile_stats)
+
+
+@pytest.mark.multirank
+def test_ranks_whose_batches_have_other_grids_compile_together_and_train_as_ddp():
+    for rank, (losses, expected, state, expected_state, compiles) in enumerate(
+            distributed.run(_ranks_with_other_grids, 2, timeout=300)):
+        assert_rank_matches_reference(rank, losses, expected, state, expected_state, state_rtol=1e-5, state_atol=1e-6)
+        assert compiles == 3   # the first batch, then each step a rank's grid changed, on both ranks

@@ -424,14 +424,29 @@ def trace_step(
     recorder = GuardRecorder(inputs, input_positions)
     attributes = tensor_attributes(model)
     host_draws = HostDraws(model, loss_fn)
-    try:
+
+    def traced(recorder, fake_args):
         with recording(fake_mode, recorder), _restored(attributes), no_traced_values_left(model, loss_fn), \
                 module_conversions_as_eager():
-            gm, out_spec = trace_functional(whole_step, fake_args, fake_mode, stats,
-                                            lambda written: _refuse_writes_to_constants(written, attributes))
+            return trace_functional(whole_step, fake_args, fake_mode, stats,
+                                    lambda written: _refuse_writes_to_constants(written, attributes))
+
+    try:
+        try:
+            gm, out_spec = traced(recorder, fake_args)
+        except Exception:
+            if not recorder.unread_batch_values:
+                raise
+            # values read from the batch alone (.tolist(), .item()) stayed symbols, one program for every batch,
+            # and the trace failed on them (a size F.pad needs, a dict key): traced again with their values read
+            recorder = GuardRecorder(inputs, input_positions, read_values=True)
+            fake_args = fake_arguments()
+            leaves = _placeholder_layout(fake_args, settings_layout)
+            gm, out_spec = traced(recorder, fake_args)
         # Python's or NumPy's random numbers: traced again from other ones, is it the same program?
         for extreme in EXTREMES if host_draws.drew else ():
-            with host_draws.advanced(extreme), recording(fake_mode, GuardRecorder(inputs, input_positions)), \
+            with host_draws.advanced(extreme), recording(fake_mode, GuardRecorder(inputs, input_positions,
+                                                                                  recorder.read_values)), \
                     _restored(attributes), no_traced_values_left(model, loss_fn), module_conversions_as_eager():
                 again, _ = trace_functional(whole_step, fake_arguments(), fake_mode, None,
                                             lambda written: _refuse_writes_to_constants(written, attributes))
@@ -556,8 +571,9 @@ def _data_dependent_error(where: str | None, why: str, message: str = "") -> Cap
     return CaptureError(
         f"the step cannot be traced at {where or '(no user frame found)'}\n"
         f"  why: it depends on the values in a tensor (data-dependent control flow or output shape: {why}), "
-        "which one graph cannot represent; only branches on values computed from the batch alone are decided, "
-        f"on each real batch (zerocc/data_guards.py; not when planning with meta or fake example inputs).{empty}\n"
+        "which one graph cannot represent; only branches on values computed from the batch alone, and sizes and "
+        "values read from it (.tolist(), .item()), are decided, on each real batch (zerocc/data_guards.py; not when "
+        f"planning with meta or fake example inputs).{empty}\n"
         "  fix: compute it with tensor ops (torch.where, masking) instead of Python control flow, "
         "or move it out of the model.")
 

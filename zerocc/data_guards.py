@@ -26,13 +26,24 @@ if it does not raise, the new trace is the program for that side, kept
 beside the first side's (``ProgramCache``, ``zerocc/program_cache.py``: one
 program per side a batch took, for the same shapes). A condition that reads parameters or activations cannot be
 decided before the step runs, so it still fails as data-dependent control
-flow, naming the user's line; so does a decided value that ends up in a
-tensor's shape (the pipeline plans static shapes only).
+flow, naming the user's line.
+
+Values read to the host (``.item()``, ``.tolist()``: ``_local_scalar_dense``,
+which ``ZeroccFakeTensorMode`` hands to ``GuardRecorder.read``) of a tensor
+computed from the batch alone are read on the real batch: the trace goes on
+with Python numbers (Qwen2-VL's ``torch.split(patches, lengths.tolist())``
+and its ``itertools.groupby`` over token types), and a ``ValueGuard`` checks
+that the tensor read has the same values before each step. A size an op
+computes from values (``repeat_interleave``) that a shape needs as a number
+(``F.pad`` of it) is decided the same way, as a ``DataGuard`` that the size
+is the same. Sizes read from activations (an MoE's routing counts) stay
+unbacked symbols: one program serves every routing.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import operator
 import os
 import sys
 import traceback
@@ -41,6 +52,7 @@ from typing import Any, Sequence
 import sympy
 import torch
 import torch.fx as fx
+from torch.fx.experimental import proxy_tensor
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, ShapeEnv
 from torch.utils._python_dispatch import _disable_current_modes
@@ -60,7 +72,7 @@ class DataGuard:
     symbols: tuple[tuple[sympy.Symbol, bool], ...]   # (symbol, read from a bool tensor) per graph output
     condition: sympy.Basic
     expected: bool
-    where: str                             # the user's source line of the branch
+    where: str                             # the user's source line of the branch (or of the size)
 
     def holds(self, batch: Sequence[Any]) -> bool:
         """Whether ``batch`` takes the branch the program was traced with."""
@@ -71,6 +83,21 @@ class DataGuard:
         return bool(self.condition.xreplace(substitution)) == self.expected
 
 
+@dataclasses.dataclass(frozen=True)
+class ValueGuard:
+    """Values read to the host from the batch alone (``.tolist()``, ``.item()``): recompute them, compare with
+    ``expected``."""
+    graph: fx.GraphModule                  # batch tensors -> the tensor whose values were read
+    batch_indices: tuple[int, ...]
+    expected: torch.Tensor                 # its values on the batch the program was traced on
+    where: str                             # the user's source line that read them
+
+    def holds(self, batch: Sequence[Any]) -> bool:
+        with torch.no_grad():
+            value, = self.graph(*[batch[i] for i in self.batch_indices])
+        return value.dtype == self.expected.dtype and torch.equal(value, self.expected)
+
+
 def all_hold(guards: Sequence[DataGuard], batch: Sequence[Any]) -> bool:
     return all(guard.holds(batch) for guard in guards)
 
@@ -78,36 +105,88 @@ def all_hold(guards: Sequence[DataGuard], batch: Sequence[Any]) -> bool:
 class GuardRecorder:
     """What one capture needs to decide branches: the real batch, by placeholder position; the guards found."""
 
-    def __init__(self, batch: Sequence[Any], batch_of_position: dict[int, int]):
+    def __init__(self, batch: Sequence[Any], batch_of_position: dict[int, int], read_values: bool = False):
         self.batch = list(batch)
         self.batch_of_position = batch_of_position   # flat placeholder position -> batch index
-        self.guards: list[DataGuard] = []
+        self.guards: list[DataGuard | ValueGuard] = []
+        self.read_from: dict[fx.Node, ValueGuard] = {}   # per tensor whose values were read, its guard
+        # ``read``: values read from the batch alone become numbers (True), or stay symbols, one program serving
+        # every batch (False: first; ``unread_batch_values`` says whether a trace that failed so should read them)
+        self.read_values = read_values
+        self.unread_batch_values = False
 
-    def decide(self, condition: sympy.Basic) -> bool | None:
-        """The value of ``condition`` on the real batch, recording its guard; None if it reads more than the batch."""
-        mode = get_proxy_mode()
-        if mode is None:
+    def decide(self, condition: sympy.Basic) -> bool | int | None:
+        """The value of ``condition`` on the real batch, recording its guard; None if it reads more than the batch.
+
+        A branch (a condition) gives True or False and the guard re-checks that side. A number (an unbacked
+        size a shape needs as an integer: ``F.pad`` of a length that ``repeat_interleave`` of the batch's values
+        decides) gives its value, and the guard re-checks that the number is the same (``Eq(size, value)``).
+        """
+        tracer = _current_tracer()
+        if tracer is None:
             return None
-        graph = mode.tracer.graph
-        sources = _symbol_sources(graph, condition.free_symbols)
+        sources = _symbol_sources(tracer.graph, condition.free_symbols)
         if sources is None:
             return None
-        guard_graph, batch_indices = self._graph_over_batch(mode.tracer.root, graph, [n for n, _ in sources.values()])
+        guard_graph, batch_indices = self._graph_over_batch(tracer.root, tracer.graph, list(sources.values()))
         if guard_graph is None or not all(_is_real(self.batch[i]) for i in batch_indices):
             return None   # planning (zerocc/planning.py) traces meta or fake batches: no values to decide on
-        with _disable_current_modes(), torch.no_grad():
-            values = guard_graph(*[self.batch[i] for i in batch_indices])
-        symbols = tuple((symbol, is_bool) for symbol, (_, is_bool) in sources.items())
+        values = _run_on_real_values(guard_graph, [self.batch[i] for i in batch_indices])
+        symbols = tuple((symbol, read == _BOOL) for symbol, (_, read) in sources.items())
         substitution = {symbol: int(value) if is_bool else value for (symbol, is_bool), value in zip(symbols, values)}
-        decided = condition.xreplace(substitution)
-        if decided not in (sympy.true, sympy.false):
+        decided = sympy.sympify(condition.xreplace(substitution))
+        if decided in (sympy.true, sympy.false):
+            taken, expected = bool(decided), bool(decided)
+        elif decided.is_Integer:   # a number: the program is traced for this value of it
+            taken, condition, expected = int(decided), sympy.Eq(condition, decided), True
+        else:
             return None
-        taken = bool(decided)
         if batch_indices:   # one read of no batch entry (transformers' packed-sequence check on its own arange) is
             # the same every step: checking it again would cost a host read per step for nothing
-            self.guards.append(DataGuard(guard_graph, batch_indices, symbols, condition, taken,
-                                         user_frame_of_stack() or "(no user frame found)"))
+            guard = DataGuard(guard_graph, batch_indices, symbols, condition, expected,
+                              user_frame_of_stack() or "(no user frame found)")
+            if not any(_same_guard(guard, known) for known in self.guards):   # the functionalizing replay
+                self.guards.append(guard)   # (tracing.trace_functional) meets the same sizes again
         return taken
+
+    def read(self, tensor: torch.Tensor) -> bool | int | float | None:
+        """The value ``.item()`` reads of a 0-dim ``tensor`` (``.tolist()`` reads each element so), on the real batch,
+        recording a guard that the values read are the same; None if it is computed from more than the batch.
+
+        The trace then goes on with a Python number where it had an unbacked symbol: a size (``torch.split``'s),
+        a key (Qwen2-VL's ``itertools.groupby`` over its token types), a count of loop iterations. The guard is on
+        the tensor the elements came from (``.tolist()`` unbinds it): one comparison per tensor read, each step.
+        Only with ``read_values``: a step is first traced with such values as symbols, so that one program serves
+        every batch where it can (split sizes read from the batch), and traced again reading them where that
+        trace failed (``capture.trace_step``).
+        """
+        tracer = _current_tracer()
+        slot = get_proxy_slot(tensor, tracer, None) if tracer is not None else None
+        if slot is None:
+            return None
+        node = slot.proxy.node
+        graph, batch_indices = self._graph_over_batch(tracer.root, tracer.graph, [(node, _SCALAR)])
+        if graph is None or not all(_is_real(self.batch[i]) for i in batch_indices):
+            return None   # planning (zerocc/planning.py) traces meta or fake batches: no values to read
+        if not self.read_values:
+            self.unread_batch_values = self.unread_batch_values or bool(batch_indices)
+            return None
+        value, = _run_on_real_values(graph, [self.batch[i] for i in batch_indices])
+        if not batch_indices:   # computed from constants alone: the same every step, nothing to check
+            return value.item()
+        source = node
+        while (source.target is operator.getitem and isinstance(source.args[0], fx.Node)
+               and source.args[0].target is torch.ops.aten.unbind.int):
+            source = source.args[0].args[0]   # .tolist(): the tensor it unbinds
+        if source not in self.read_from:
+            if source is not node:
+                graph, batch_indices = self._graph_over_batch(tracer.root, tracer.graph, [(source, _SCALAR)])
+            expected, = _run_on_real_values(graph, [self.batch[i] for i in batch_indices])
+            guard = ValueGuard(graph, batch_indices, expected.clone(), user_frame_of_stack() or "(no user frame found)")
+            self.read_from[source] = guard
+            if not any(isinstance(known, ValueGuard) and _same_values_guard(guard, known) for known in self.guards):
+                self.guards.append(guard)   # the functionalizing replay (tracing.trace_functional) reads them again
+        return value.item()
 
     def can_decide_on(self, tensor: torch.Tensor) -> bool:
         """Whether a branch on ``tensor``'s values can be decided: it is computed from the real batch alone."""
@@ -115,12 +194,15 @@ class GuardRecorder:
         slot = get_proxy_slot(tensor, mode.tracer, None) if mode is not None else None
         if slot is None:
             return False
-        guard_graph, batch_indices = self._graph_over_batch(mode.tracer.root, mode.tracer.graph, [slot.proxy.node])
+        guard_graph, batch_indices = self._graph_over_batch(mode.tracer.root, mode.tracer.graph,
+                                                            [(slot.proxy.node, _SCALAR)])
         return guard_graph is not None and all(_is_real(self.batch[i]) for i in batch_indices)
 
-    def _graph_over_batch(self, root, graph: fx.Graph, outputs: list[fx.Node]):
-        """A copy of ``outputs``' ancestors whose placeholders are batch entries; (None, ()) if any is not."""
-        needed = g.ancestors(outputs)
+    def _graph_over_batch(self, root, graph: fx.Graph, outputs: list[tuple[fx.Node, Any]]):
+        """A copy of the ancestors of ``outputs`` ((node, what is read of it), as ``_symbol_sources`` gives) whose
+        placeholders are batch entries, returning the node's value or, for a dimension, its size; (None, ()) if
+        any placeholder is not a batch entry."""
+        needed = g.ancestors([node for node, _ in outputs])
         positions = {node: i for i, node in enumerate(n for n in graph.nodes if n.op == "placeholder")}
         if any(node.op == "placeholder" and positions[node] not in self.batch_of_position for node in needed):
             return None, ()
@@ -139,8 +221,31 @@ class GuardRecorder:
                 batch_indices.append(self.batch_of_position[positions[node]])
             else:
                 copied[node] = copy.node_copy(node, lambda n: copied[n])
-        copy.output(tuple(copied[n] for n in outputs))
+        copy.output(tuple(copy.call_function(torch.ops.aten.sym_size.int, (copied[node], read))
+                          if isinstance(read, int) else copied[node] for node, read in outputs))
         return fx.GraphModule(root, copy), tuple(batch_indices)
+
+
+def _run_on_real_values(graph: fx.GraphModule, inputs: list) -> tuple:
+    """``graph`` run on real tensors while tracing, from inside an op too (where fake tensor kernels make every op
+    dispatch to its meta kernel): its ``forward``, as make_fx traces calls of modules."""
+    meta = torch._C._meta_in_tls_dispatch_include()
+    torch._C._set_meta_in_tls_dispatch_include(False)
+    try:
+        with _disable_current_modes(), torch.no_grad():
+            return graph.forward(*inputs)
+    finally:
+        torch._C._set_meta_in_tls_dispatch_include(meta)
+
+
+def _current_tracer():
+    """The tracer make_fx is tracing with, or None. Inside an op (a decomposition's size: ``F.pad``'s
+    ``constant_pad_nd``) the proxy mode is off the mode stack, so make_fx's own record of its tracer is read."""
+    mode = get_proxy_mode()
+    if mode is not None:
+        return mode.tracer
+    current = getattr(proxy_tensor, "_CURRENT_MAKE_FX_TRACER", None)
+    return getattr(current, "fx_tracer", None)
 
 
 def _is_real(value) -> bool:
@@ -148,22 +253,44 @@ def _is_real(value) -> bool:
     return not isinstance(value, torch.Tensor) or not (is_fake(value) or value.is_meta)
 
 
-def _symbol_sources(graph: fx.Graph, symbols) -> dict[sympy.Symbol, tuple[fx.Node, bool]] | None:
-    """Per unbacked symbol, the node that read it from a tensor (``.item()``, ``bool(tensor)``)."""
-    found: dict[sympy.Symbol, tuple[fx.Node, bool]] = {}
+_SCALAR, _BOOL = "scalar", "bool"   # what a guard reads of a node: its value (or bool(tensor)); an int is a dimension
+
+
+def _symbol_sources(graph: fx.Graph, symbols) -> dict[sympy.Symbol, tuple[fx.Node, Any]] | None:
+    """Per unbacked symbol, the node that read it from a tensor (``.item()``, ``bool(tensor)``), or the node whose
+    output has it as a size (an op whose output size depends on values: ``repeat_interleave``, ``nonzero``), with
+    what is read of that node (``_SCALAR``, ``_BOOL`` or the dimension)."""
+    found: dict[sympy.Symbol, tuple[fx.Node, Any]] = {}
     for node in graph.nodes:
         value = node.meta.get(g.VAL)
+        if isinstance(value, torch.Tensor):
+            for dim, size in enumerate(value.shape):
+                if isinstance(size, torch.SymInt) and isinstance(size.node._expr, sympy.Symbol):
+                    found.setdefault(size.node._expr, (node, dim))
+            continue
         if not isinstance(value, _SYMBOLIC):
             continue
-        expr = value.node.expr
+        expr = value.node._expr   # not the replaced expression: a size decided before is a number there
         if isinstance(expr, sympy.Symbol):
-            found.setdefault(expr, (node, False))
+            found.setdefault(expr, (node, _SCALAR))
         elif (isinstance(value, torch.SymBool) and isinstance(expr, sympy.Eq)
               and isinstance(expr.args[0], sympy.Symbol) and expr.args[1] == 1):
-            found.setdefault(expr.args[0], (node, True))   # bool(tensor) reads u as 0/1 and tests u == 1
+            found.setdefault(expr.args[0], (node, _BOOL))   # bool(tensor) reads u as 0/1 and tests u == 1
     if not symbols <= found.keys():
         return None
     return {symbol: found[symbol] for symbol in sorted(symbols, key=str)}
+
+
+def _same_values_guard(a: ValueGuard, b: ValueGuard) -> bool:
+    return (a.batch_indices == b.batch_indices and a.expected.dtype == b.expected.dtype
+            and torch.equal(a.expected, b.expected) and a.graph.code == b.graph.code)
+
+
+def _same_guard(a, b) -> bool:
+    if not isinstance(a, DataGuard) or not isinstance(b, DataGuard):
+        return False
+    return (a.batch_indices, a.symbols, a.condition, a.expected) == (b.batch_indices, b.symbols, b.condition, b.expected
+                                                                     ) and a.graph.code == b.graph.code
 
 
 class GuardedShapeEnv(ShapeEnv):
@@ -178,7 +305,11 @@ class GuardedShapeEnv(ShapeEnv):
             taken = self.recorder.decide(orig_expr) if self.recorder is not None else None
             if taken is None:
                 raise
-            return sympy.true if taken else sympy.false
+            if isinstance(taken, bool):
+                return sympy.true if taken else sympy.false
+            if isinstance(orig_expr, sympy.Symbol):   # the program is traced for this size: every later shape
+                self._set_replacement(orig_expr, sympy.Integer(taken), "zerocc: decided on the batch")   # of it too
+            return sympy.Integer(taken)
 
 
 @contextlib.contextmanager
@@ -189,7 +320,7 @@ def recording(fake_mode, recorder: GuardRecorder):
     assert isinstance(shape_env, GuardedShapeEnv), "make the fake mode with tracing.make_fake_mode"
     shape_env.recorder = recorder
     try:
-        with _masks_decided_on_the_batch(recorder):
+        with _masks_decided_on_the_batch(recorder), _tensors_of_values_read():
             yield recorder
     finally:
         shape_env.recorder = None
@@ -219,6 +350,30 @@ def _masks_decided_on_the_batch(recorder: GuardRecorder):
         yield
     finally:
         masking.is_tracing = original
+
+
+@contextlib.contextmanager
+def _tensors_of_values_read():
+    """``torch.tensor([t0, t1])`` of 0-dim tensors reads their values in C++, which a fake tensor has none of
+    (Qwen2-VL's ``torch.tensor(mrope_position_deltas)``): where each is read on the batch (``GuardRecorder.read``),
+    the tensor is made of the values read, in their dtype, as eager makes it. Other data goes to torch as is."""
+    original = torch.tensor
+
+    def tensor(data, *args, **kwargs):
+        from torch._subclasses.fake_tensor import is_fake
+        leaves = data if isinstance(data, (list, tuple)) else ()
+        if leaves and all(isinstance(t, torch.Tensor) and is_fake(t) and t.dim() == 0 for t in leaves) \
+                and len({t.dtype for t in leaves}) == 1 and not args:
+            values = [t.item() for t in leaves]
+            if not any(isinstance(v, _SYMBOLIC) for v in values):
+                return original(values, **{"dtype": leaves[0].dtype, **kwargs})
+        return original(data, *args, **kwargs)
+
+    torch.tensor = tensor
+    try:
+        yield
+    finally:
+        torch.tensor = original
 
 
 def user_frame_of_stack() -> str | None:

@@ -142,12 +142,23 @@ def _compile(step, batch: list, layout: BatchLayout, autocast: tuple = ()) -> Ev
     model.eval()
     # branches on batch values (transformers' all-ones attention mask) are decided on the real batch, as the
     # training step decides them, and kept as the program's guards
-    recorder = GuardRecorder(batch, {len(slots) + index: index for index in range(len(batch))})
-    try:
+    positions = {len(slots) + index: index for index in range(len(batch))}
+    recorder = GuardRecorder(batch, positions)
+
+    def traced(recorder):
         with suspended_user_tooling(), outside_autocast(), no_traced_values_left(model), \
                 recording(fake_mode, recorder), module_conversions_as_eager():   # user_tooling, autocast,
                 # data_guards, and module.to as eager
-            gm, spec = trace_functional(forward, arguments, fake_mode)
+            return trace_functional(forward, arguments, fake_mode)
+
+    try:
+        try:
+            gm, spec = traced(recorder)
+        except Exception:
+            if not recorder.unread_batch_values:
+                raise
+            recorder = GuardRecorder(batch, positions, read_values=True)   # as capture.trace_step does
+            gm, spec = traced(recorder)
     except ZeroccError:
         raise
     except Exception as error:
