@@ -101,6 +101,12 @@ def _trained(tensor: torch.Tensor) -> torch.Tensor:
         return tensor.detach().requires_grad_()
 
 
+def _is_generation_cache(value) -> bool:
+    """transformers' key/value caches (``DynamicCache``, ``HybridCache``, ...): what a causal LM returns as
+    ``past_key_values`` in eval mode unless called with ``use_cache=False``."""
+    return any(cls.__name__ == "Cache" and cls.__module__.startswith("transformers") for cls in type(value).__mro__)
+
+
 def _compile(step, batch: list, layout: BatchLayout, autocast: tuple = ()) -> EvalProgram:
     plan, captured, model = step.state.plan, step.state.captured, step.model
     in_plan = {segment.param for bucket in plan.buckets for segment in bucket.segments}
@@ -126,6 +132,11 @@ def _compile(step, batch: list, layout: BatchLayout, autocast: tuple = ()) -> Ev
         with torch.no_grad(), autocast_as(autocast):
             args, kwargs = layout.split(batch)
             output = torch.func.functional_call(model, by_name, tuple(args), kwargs, tie_weights=True, strict=False)
+        if any(_is_generation_cache(leaf) for leaf in pytree.tree_leaves(output)):
+            output = pytree.tree_map(lambda leaf: None if _is_generation_cache(leaf) else leaf, output)
+            warnings.warn("zerocc: eval_forward returns the model's generation cache (past_key_values) as None: "
+                          "a compiled forward returns tensors only. A Hugging Face model in eval mode makes one "
+                          "by default; pass use_cache=False to leave it out", UserWarning, stacklevel=user_stacklevel())
         opaque = {type(leaf).__name__ for leaf in pytree.tree_leaves(output)
                   if not isinstance(leaf, (torch.Tensor, int, float, bool, type(None)))}
         if opaque:
