@@ -174,7 +174,8 @@ _UNINTERESTING_MODULES = (
 
 def _uninteresting_files_loaded() -> set[str]:
     real = _REAL_UNINTERESTING_FILES
-    if real.cache_info().currsize:   # computed already (torch.compile ran in this process): the real set
+    info = getattr(real, "cache_info", None)   # an lru_cache in torch 2.13; another torch: its own set
+    if info is None or info().currsize:   # computed already (torch.compile ran in this process): the real set
         return real()
     modules = sys.modules
     key = len(modules)
