@@ -52,7 +52,8 @@ from .runtime.process_group import Ranks, resolve
 from .runtime.program import Program
 from .runtime.release import HeldInterrupt
 from .step_state import (StepState, check_no_optimizer_step_hooks, check_param_groups_unchanged,
-                         check_requires_grad_unchanged, param_groups_of, requires_grad_of)
+                         check_requires_grad_unchanged, param_groups_of, requires_grad_of,
+                         check_module_tensors_unchanged, module_tensors_of)
 from .tracing import make_fake_mode
 from .user_tooling import saved_tensors_hooks_state, suspended_user_tooling
 
@@ -386,6 +387,7 @@ class CompiledStep:
         if state.param_groups is not None:
             check_param_groups_unchanged(state.param_groups, self.optimizer)
             check_requires_grad_unchanged(state.requires_grad, self.model)
+            check_module_tensors_unchanged(state.module_tensors, self.model)
         held = HeldInterrupt()   # runtime/release.py: Ctrl-C in the update is raised once the call has its new state
         try:
             with self._undone_if_first_call_fails(), \
@@ -610,6 +612,7 @@ class CompiledStep:
         if not state.started:
             _refuse_tensors_another_step_trains(self, captured)
             state.captured = captured
+            state.module_tensors = module_tensors_of(self.model)
             state.plan = compiled.ctx.shard_plan
             with compiled.stats.timed(compile_stats.SLOTS):
                 state.slots = slot_store.initial_slots(compiled.ctx.shard_plan, captured, self.model, self.optimizer,
@@ -969,6 +972,8 @@ class CompiledStep:
     def eval_forward(self, *inputs, **keyword_inputs):
         """The model's output on ``inputs`` in eval mode: forward only, no gradient, no update (``zerocc/eval.py``)."""
         self._check_open()
+        if self.state.started:   # it reads the step's slots as the tensors of the first call
+            check_module_tensors_unchanged(self.state.module_tensors, self.model)
         from .eval import eval_forward
         return eval_forward(self, inputs, keyword_inputs)
 
