@@ -24,7 +24,7 @@ from . import precision as mixed   # the step has a ``precision`` property
 from . import state_dict as state_dict_module   # its functions share the methods' names
 from . import user_views
 from .batch import BatchLayout, FirstBatch, agreement_lines, check_batch
-from .capture import Captured, capture, named_tensors, parameter_layouts, trained_parameters
+from .capture import Captured, capture, named_tensors, parameter_layouts, state_dict_names, trained_parameters
 from .compile_stats import CompileStats
 from .analysis.step_time import HardwareProfile, StepTime, predict
 from .data_guards import all_hold
@@ -861,9 +861,9 @@ class CompiledStep:
         if self._gathers:
             failures.meet(self.ranks, "step.full_state_dict", self.steps, self.timeout)
         with state.reading_keys_only():   # zerocc/user_views.py: the keys only, the values come from the slots
-            keys = list(self.model.state_dict().keys())
+            names = state_dict_names(self.model, [*state.module_tensors["param"], *state.module_tensors["buffer"]])
         by_name = self._whole_tensors("step.full_state_dict")
-        return {key: by_name[key] for key in keys if key in by_name}
+        return {key: by_name[key if key in by_name else name] for key, name in names.items()}
 
     def _whole_tensors(self, call: str) -> dict[str, torch.Tensor]:
         """Every parameter, frozen parameter and buffer by each of its names, whole (copies); gathering them is a
