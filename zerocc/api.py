@@ -388,6 +388,7 @@ class CompiledStep:
             check_param_groups_unchanged(state.param_groups, self.optimizer)
             check_requires_grad_unchanged(state.requires_grad, self.model)
             check_module_tensors_unchanged(state.module_tensors, self.model)
+            user_views.check_placeholders_unwritten(self)
         held = HeldInterrupt()   # runtime/release.py: Ctrl-C in the update is raised once the call has its new state
         try:
             with self._undone_if_first_call_fails(), \
@@ -974,6 +975,7 @@ class CompiledStep:
         self._check_open()
         if self.state.started:   # it reads the step's slots as the tensors of the first call
             check_module_tensors_unchanged(self.state.module_tensors, self.model)
+            user_views.check_placeholders_unwritten(self)
         from .eval import eval_forward
         return eval_forward(self, inputs, keyword_inputs)
 

@@ -39,6 +39,7 @@ class StepState:
         # per trained parameter: its optimizer state's keys as (is scalar, dtype), to trace later steps with
         self.state_signature: list[dict[str, tuple[bool, torch.dtype]]] | None = None
         self.released_shapes: dict[str, tuple[int, ...]] = {}   # parameters the user's module holds as (0,)
+        self.placeholder_versions: dict[str, int] = {}   # their version counters then (user_views.check_placeholders)
         self.initial_scaler = scaler                     # the loss scale before the first compile (or a loaded one)
         self.param_groups: tuple[tuple[int, ...], ...] | None = None   # param_groups_of at the first call
         self.requires_grad: tuple[tuple[torch.nn.Parameter, bool], ...] | None = None   # requires_grad_of, 1st call
@@ -92,6 +93,7 @@ class StepState:
         self.slots = self.plan = self.captured = self.state_signature = self.module_tensors = None
         self.param_groups = self.first_batch = self.requires_grad = None
         self.released_shapes = {}
+        self.placeholder_versions = {}
 
 
 def param_groups_of(optimizer: torch.optim.Optimizer) -> tuple[tuple[int, ...], ...]:

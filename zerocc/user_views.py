@@ -169,6 +169,7 @@ def full_model(step, writeback: bool = True):
         for name, tensor in params.items():
             tensor.data = kept[name]
         point_module_at_slots(step)
+        _note_placeholder_versions(step)
 
 
 def _write_back(step, buckets: dict[int, torch.Tensor], params: dict[str, torch.Tensor]) -> None:
@@ -219,6 +220,34 @@ def release_model_parameters(step) -> None:
         state.released_shapes[info.name] = info.shape
         param.data = torch.empty(0, dtype=param.dtype, device=param.device)
     point_module_at_slots(step)
+    _note_placeholder_versions(step)
+
+
+def _note_placeholder_versions(step) -> None:
+    tensors = step.state.tensors("param")
+    step.state.placeholder_versions = {name: tensors[name]._version for name in step.state.released_shapes}
+
+
+def check_placeholders_unwritten(step) -> None:
+    """An in-place write into a released parameter outside ``step.full_model()`` (``nn.init.zeros_(model.fc.bias)``,
+    ``with torch.no_grad(): model.fc.weight.mul_(0.5)``, a re-initialization by ``model.apply``) wrote into an
+    empty placeholder and was lost: the step trained on without it, where eager trains the re-initialized layer.
+    Refused at the next call, once, naming the parameters (their version counters moved). Writes through
+    ``.data`` (``weight.data.normal_()``) move no counter and are not seen."""
+    state = step.state
+    if not state.placeholder_versions or state.full_model_depth:
+        return
+    tensors = state.tensors("param")
+    written = [name for name, version in state.placeholder_versions.items() if tensors[name]._version != version]
+    if not written:
+        return
+    _note_placeholder_versions(step)
+    raise ConfigError(
+        f"parameter(s) {', '.join(repr(n) for n in written[:4])}{', ...' if len(written) > 4 else ''} were written in "
+        f"place after the step's last call, outside step.full_model(): at stage {step.stage} the module holds empty "
+        "placeholders there (the step holds the parameters, sharded), so the write changed nothing and this call "
+        "would train without it. Write inside `with step.full_model(): ...` (an init, model.apply(fn), "
+        "reset_parameters()): on exit the values go into the step. Nothing was trained by this call")
 
 
 def hand_back(step, optimizer_state: dict[str, dict[str, torch.Tensor]]) -> None:
