@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.nn.utils.prune as prune
 
 import zerocc
 from tests.models import MLP, batches, build
@@ -331,3 +332,68 @@ def test_a_loader_that_ends_earlier_on_one_rank_fails_on_every_rank_naming_what_
         assert "the ranks met in different calls" in message
         assert f"  - rank 0: the training step\n  - rank 1: {after}\n" in message
         assert "if a rank's loader ran out of batches first, give every rank the same number of batches" in message
+
+
+class MaskedOutput(nn.Module):
+    """An MLP whose output is multiplied by a mask buffer the loop may replace (or, once present, shift by)."""
+    def __init__(self):
+        super().__init__()
+        self.body = MLP()
+        self.register_buffer("mask", torch.ones(5))
+
+    def forward(self, x):
+        out = self.body(x) * self.mask
+        return out + self.shift if hasattr(self, "shift") else out
+
+
+def _change_the_model(model, change):
+    if change == "buffer replaced":
+        model.mask = torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0])
+    elif change == "buffer registered":
+        model.register_buffer("shift", torch.full((5,), 0.5))
+    else:   # prune: weight becomes weight_orig (the same Parameter), a mask buffer and a forward pre-hook
+        prune.l1_unstructured(model.body.net[0], "weight", amount=0.3)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.parametrize("change, named", [("buffer replaced", "buffer 'mask' replaced by another tensor"),
+                                           ("buffer registered", "buffer 'shift' added"),
+                                           ("pruned", "parameter 'body.net.0.weight' now named "
+                                                      "'body.net.0.weight_orig'; buffer 'body.net.0.weight_mask' added")])
+def test_a_parameter_or_buffer_changed_between_steps_is_refused_and_compiling_again_trains_as_eager(stage, change,
+                                                                                                  named):
+    """A buffer replaced or registered between steps was never read: the program went on with its own copy of the
+    first one, silently (a new mask, ``prune.l1_unstructured`` again on a pruned layer); pruning a layer (its
+    parameter renamed) failed with a KeyError leaving ``step.full_model()``. The call after the change is refused
+    naming it, and compiling again takes the model over with its trained tensors and trains on as eager."""
+    torch.manual_seed(0)
+    model = MaskedOutput()
+    reference = MaskedOutput()
+    reference.load_state_dict(model.state_dict())
+    optimizer, reference_optimizer = adamw(model), adamw(reference)
+    step = zerocc.compile(model, optimizer, stage=stage, loss_fn=F.mse_loss)
+    data = batches("mlp", 5, 4)
+
+    def eager(x, y):
+        reference_optimizer.zero_grad(set_to_none=True)
+        loss = F.mse_loss(reference(x), y)
+        loss.backward()
+        reference_optimizer.step()
+        return loss.detach()
+
+    for batch in data[:2]:
+        assert torch.equal(step(*batch), eager(*batch))
+    with step.full_model():   # the whole parameters in place, as pruning by magnitude reads them
+        _change_the_model(model, change)
+    _change_the_model(reference, change)
+    before = step.full_state_dict()
+    with pytest.raises(zerocc.ConfigError, match=rf"the model's parameters or buffers changed after the step's first "
+                                                 rf"call: {named}\. .*compile the model and optimizer again"):
+        step(*data[2])
+    assert all(torch.equal(step.full_state_dict()[key], value) for key, value in before.items())
+    step = zerocc.compile(model, optimizer, stage=stage, loss_fn=F.mse_loss)
+    for batch in data[2:]:
+        assert torch.equal(step(*batch), eager(*batch))
+    full = step.full_state_dict()
+    assert full.keys() == reference.state_dict().keys()
+    assert all(torch.equal(full[key], value) for key, value in reference.state_dict().items())

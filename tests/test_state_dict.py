@@ -641,3 +641,57 @@ def test_a_checkpoint_call_given_something_else_than_an_open_step_and_a_path_say
     for call in (zerocc.save_checkpoint, zerocc.load_checkpoint):
         with pytest.raises(zerocc.ConfigError, match="this compiled step was closed"):
             call(step, path)
+
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(12, 24), torch.nn.Linear(24, 12)
+        self.norm = torch.nn.BatchNorm1d(12)
+
+    def forward(self, x):
+        return self.norm(x + self.b(torch.nn.functional.gelu(self.a(x))))
+
+
+def _wrapped_blocks():
+    """Two blocks wrapped by ``apply_activation_checkpointing`` (whose state-dict hooks take the wrapper's name out
+    of the keys) and a head."""
+    import functools
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (CheckpointImpl,
+                                                                               apply_activation_checkpointing,
+                                                                               checkpoint_wrapper)
+    model = torch.nn.Sequential(_Block(), _Block(), torch.nn.Linear(12, 5))
+    apply_activation_checkpointing(
+        model, check_fn=lambda module: isinstance(module, _Block),
+        checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT))
+    return model
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_blocks_wrapped_by_checkpoint_wrapper_are_in_every_state_dict_and_export(tmp_path, stage):
+    """``step.full_state_dict()`` of a model whose blocks ``apply_activation_checkpointing`` wrapped held the head
+    alone: it looked ``model.state_dict()``'s keys (``0.a.weight``) up as module names
+    (``0._checkpoint_wrapped_module.a.weight``). ``model.state_dict()`` at stage 3 gave the blocks' empty
+    placeholders, and ``export_full_state_dict`` left them out of the file. Keys are matched to tensors by identity."""
+    from safetensors.torch import load_file
+    torch.manual_seed(0)
+    model, reference = _wrapped_blocks(), _wrapped_blocks()
+    reference.load_state_dict(model.state_dict())
+    optimizer, reference_optimizer = adamw(model), adamw(reference)
+    step = zerocc.compile(model, optimizer, stage=stage, loss_fn=torch.nn.functional.mse_loss)
+    for batch in batches("mlp", 3, 8):
+        assert torch.equal(step(*batch), eager_step(reference, reference_optimizer, torch.nn.functional.mse_loss,
+                                                    batch))
+    expected = reference.state_dict()
+    assert "0.a.weight" in expected
+    zerocc.save_checkpoint(step, tmp_path / "ckpt")
+    zerocc.export_full_state_dict(tmp_path / "ckpt", tmp_path / "model.safetensors")
+    exported = load_file(tmp_path / "model.safetensors")
+    for got in (step.full_state_dict(), model.state_dict(), exported):
+        assert got.keys() == expected.keys()
+        assert all(torch.equal(got[key], value) for key, value in expected.items())
+    fresh = _wrapped_blocks()
+    resumed = zerocc.compile(fresh, adamw(fresh), stage=stage, loss_fn=torch.nn.functional.mse_loss)
+    zerocc.load_checkpoint(resumed, tmp_path / "ckpt")
+    batch = batches("mlp", 4, 8)[3]
+    assert torch.equal(resumed(*batch), step(*batch))

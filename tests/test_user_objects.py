@@ -461,3 +461,35 @@ def test_model_state_dict_across_ranks_names_the_stage_and_param_dtype_that_shar
     [message, _] = distributed.run(_model_state_dict_refusal, 2, 1, torch.bfloat16)
     assert "at stage 1 under param_dtype (the fp32 masters are sharded) over 2 ranks" in message, message
     assert "step.full_state_dict() on every rank" in message
+
+
+def test_a_parameter_written_in_place_outside_full_model_at_stage_3_is_refused_and_inside_trains_as_eager():
+    """``nn.init.zeros_(model.fc.bias)`` (a layer re-initialized between steps) outside ``step.full_model()`` at
+    stage 3 wrote into the empty placeholder the module holds: nothing changed, and the step trained on without the
+    re-initialization that eager trains with, silently. The next call is refused, naming the parameters; inside
+    ``full_model()`` the write reaches the step and it trains on as eager."""
+    model, _, loss_fn = build("cnn")
+    reference = copy.deepcopy(model)
+    optimizer, reference_optimizer = adamw(model), adamw(reference)
+    step = zerocc.compile(model, optimizer, stage=3, loss_fn=loss_fn)
+    data = batches("cnn", 4, 8)
+    for batch in data[:2]:
+        assert torch.equal(step(*batch), eager_step(reference, reference_optimizer, loss_fn, batch))
+
+    def reinitialize(module):
+        with torch.no_grad():
+            torch.nn.init.zeros_(module.fc.bias)
+            module.fc.weight.mul_(0.5)
+
+    reinitialize(model)
+    with pytest.raises(zerocc.ConfigError, match=r"parameter\(s\) 'fc.weight', 'fc.bias' were written in place after "
+                                                 r"the step's last call, outside step.full_model\(\).*Nothing was "
+                                                 r"trained by this call"):
+        step(*data[2])
+    with step.full_model():
+        reinitialize(model)
+    reinitialize(reference)
+    for batch in data[2:]:
+        assert torch.equal(step(*batch), eager_step(reference, reference_optimizer, loss_fn, batch))
+    full = step.full_state_dict()
+    assert all(torch.equal(full[key], value) for key, value in reference.state_dict().items())

@@ -24,7 +24,7 @@ from . import precision as mixed   # the step has a ``precision`` property
 from . import state_dict as state_dict_module   # its functions share the methods' names
 from . import user_views
 from .batch import BatchLayout, FirstBatch, agreement_lines, check_batch
-from .capture import Captured, capture, named_tensors, parameter_layouts, trained_parameters
+from .capture import Captured, capture, named_tensors, parameter_layouts, state_dict_names, trained_parameters
 from .compile_stats import CompileStats
 from .analysis.step_time import HardwareProfile, StepTime, predict
 from .data_guards import all_hold
@@ -52,7 +52,8 @@ from .runtime.process_group import Ranks, resolve
 from .runtime.program import Program
 from .runtime.release import HeldInterrupt
 from .step_state import (StepState, check_no_optimizer_step_hooks, check_param_groups_unchanged,
-                         check_requires_grad_unchanged, param_groups_of, requires_grad_of)
+                         check_requires_grad_unchanged, param_groups_of, requires_grad_of,
+                         check_module_tensors_unchanged, module_tensors_of)
 from .tracing import make_fake_mode
 from .user_tooling import saved_tensors_hooks_state, suspended_user_tooling
 
@@ -386,6 +387,8 @@ class CompiledStep:
         if state.param_groups is not None:
             check_param_groups_unchanged(state.param_groups, self.optimizer)
             check_requires_grad_unchanged(state.requires_grad, self.model)
+            check_module_tensors_unchanged(state.module_tensors, self.model)
+            user_views.check_placeholders_unwritten(self)
         held = HeldInterrupt()   # runtime/release.py: Ctrl-C in the update is raised once the call has its new state
         try:
             with self._undone_if_first_call_fails(), \
@@ -610,6 +613,7 @@ class CompiledStep:
         if not state.started:
             _refuse_tensors_another_step_trains(self, captured)
             state.captured = captured
+            state.module_tensors = module_tensors_of(self.model)
             state.plan = compiled.ctx.shard_plan
             with compiled.stats.timed(compile_stats.SLOTS):
                 state.slots = slot_store.initial_slots(compiled.ctx.shard_plan, captured, self.model, self.optimizer,
@@ -858,9 +862,9 @@ class CompiledStep:
         if self._gathers:
             failures.meet(self.ranks, "step.full_state_dict", self.steps, self.timeout)
         with state.reading_keys_only():   # zerocc/user_views.py: the keys only, the values come from the slots
-            keys = list(self.model.state_dict().keys())
+            names = state_dict_names(self.model, [*state.module_tensors["param"], *state.module_tensors["buffer"]])
         by_name = self._whole_tensors("step.full_state_dict")
-        return {key: by_name[key] for key in keys if key in by_name}
+        return {key: by_name[key if key in by_name else name] for key, name in names.items()}
 
     def _whole_tensors(self, call: str) -> dict[str, torch.Tensor]:
         """Every parameter, frozen parameter and buffer by each of its names, whole (copies); gathering them is a
@@ -969,6 +973,9 @@ class CompiledStep:
     def eval_forward(self, *inputs, **keyword_inputs):
         """The model's output on ``inputs`` in eval mode: forward only, no gradient, no update (``zerocc/eval.py``)."""
         self._check_open()
+        if self.state.started:   # it reads the step's slots as the tensors of the first call
+            check_module_tensors_unchanged(self.state.module_tensors, self.model)
+            user_views.check_placeholders_unwritten(self)
         from .eval import eval_forward
         return eval_forward(self, inputs, keyword_inputs)
 

@@ -98,6 +98,20 @@ def named_tensors(model: nn.Module, kind: str) -> list[tuple[tuple[str, ...], to
     return [(tuple(names), tensor) for names, tensor in by_id.values()]
 
 
+def state_dict_names(model: nn.Module, named=None) -> dict[str, str]:
+    """Each key of ``model.state_dict()`` that holds a parameter or buffer, with that tensor's first name in the module
+    (``named``: ``named_tensors``' pairs, by default of both kinds now).
+
+    The two differ where a state-dict hook renames keys: ``checkpoint_wrapper`` (``apply_activation_checkpointing``)
+    takes ``_checkpoint_wrapped_module.`` out of its blocks' keys, and ``step.full_state_dict()``, which looked the
+    keys up as names, left those blocks out (``model.state_dict()`` at stage 3 gave their empty placeholders). Matched
+    by identity (``keep_vars=True``): callers inside the step read it with ``StepState.reading_keys_only``."""
+    if named is None:
+        named = [*named_tensors(model, "param"), *named_tensors(model, "buffer")]
+    first = {id(tensor): names[0] for names, tensor in named}
+    return {key: first[id(value)] for key, value in model.state_dict(keep_vars=True).items() if id(value) in first}
+
+
 def parameter_layouts(model: nn.Module) -> dict[str, tuple[int, ...]]:
     """The strides of the parameters laid out otherwise than contiguously (``model.to(memory_format=
     torch.channels_last)``), by name: what ``capture(parameter_layouts=...)`` reads them in."""

@@ -164,9 +164,17 @@ def traced_recomputation():
     originals.update(reseeding)
     reentrant = checkpointing.CheckpointFunction.__dict__.get("apply")   # None: Function's classmethod, inherited
     checkpointing.CheckpointFunction.apply = _refuse_reentrant
+    # selective checkpointing (context_fn=create_selective_checkpoint_contexts) caches every op's output under a
+    # proxy mode, for torch.compile's partitioner to read the policy from the graph, and hands the cached outputs
+    # back in the recomputation: the step then recomputed nothing, and a dropout in the block failed ("Tensor cached
+    # during selective activation checkpoint has been mutated": its bernoulli_ writes a cached empty_like). The step
+    # is traced as eager runs it: the policy's saved ops are kept, the others recomputed in the traced backward
+    is_compiling = checkpointing._is_compiling
+    checkpointing._is_compiling = lambda func, args, kwargs: False
     try:
         yield
     finally:
+        checkpointing._is_compiling = is_compiling
         if reentrant is None:
             del checkpointing.CheckpointFunction.apply
         else:

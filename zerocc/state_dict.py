@@ -56,7 +56,7 @@ from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 
 from . import decisions, precision as mixed
-from .capture import named_tensors
+from .capture import named_tensors, state_dict_names
 from .optimizer_step import initial_state_layout
 from .runtime import failures, slots as slot_store
 from .errors import CheckpointError, ConfigError
@@ -620,7 +620,7 @@ def _check_shapes(step, path: str) -> None:
     scrambled, and one of another size fails deep in DCP. The shapes ``_write_meta`` kept are compared first."""
     with open(os.path.join(path, META_FILE)) as handle:
         saved = json.load(handle).get("model", [])
-    own = _shapes(step)
+    own = _keyed_shapes(step)
     differ = [f"{key}: {tuple(shape)} in the checkpoint, {own[key][1]} here"
               for key, _, shape, _ in saved if key in own and tuple(shape) != own[key][1]]
     if differ:
@@ -628,13 +628,18 @@ def _check_shapes(step, path: str) -> None:
                           + "; ".join(differ[:5]) + "; it was saved from a different model")
 
 
-def _write_meta(step, folder: str) -> None:
+def _keyed_shapes(step) -> dict[str, tuple[str, tuple[int, ...], str]]:
+    """``_shapes`` per key of ``model.state_dict()`` (a hook may rename keys: ``checkpoint_wrapper``'s)."""
     shapes = _shapes(step)
     with step.state.reading_keys_only():   # zerocc/user_views.py: only the keys are read, no current values
-        keys = step.model.state_dict().keys()
+        names = state_dict_names(step.model)
+    return {key: shapes[name] for key, name in names.items() if name in shapes}
+
+
+def _write_meta(step, folder: str) -> None:
+    shapes = _keyed_shapes(step)
     meta = {"format": FORMAT_VERSION, "world_size": step.ranks.world_size, "stage": step.stage, "steps": step.steps,
-            "model": [[key, model_key(shapes[key][0]), list(shapes[key][1]), shapes[key][2]]
-                      for key in keys if key in shapes]}
+            "model": [[key, model_key(first), list(shape), dtype] for key, (first, shape, dtype) in shapes.items()]}
     target = os.path.join(folder, META_FILE)
     with open(target, "w") as handle:
         json.dump(meta, handle, indent=1)

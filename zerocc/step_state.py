@@ -18,7 +18,7 @@ import torch
 
 from . import precision
 from .batch import FirstBatch
-from .capture import Captured
+from .capture import Captured, named_tensors
 from .decisions import ShardPlan
 from .errors import ConfigError
 from .program_cache import INITIAL_STATE
@@ -39,9 +39,12 @@ class StepState:
         # per trained parameter: its optimizer state's keys as (is scalar, dtype), to trace later steps with
         self.state_signature: list[dict[str, tuple[bool, torch.dtype]]] | None = None
         self.released_shapes: dict[str, tuple[int, ...]] = {}   # parameters the user's module holds as (0,)
+        self.placeholder_versions: dict[str, int] = {}   # their version counters then (user_views.check_placeholders)
         self.initial_scaler = scaler                     # the loss scale before the first compile (or a loaded one)
         self.param_groups: tuple[tuple[int, ...], ...] | None = None   # param_groups_of at the first call
         self.requires_grad: tuple[tuple[torch.nn.Parameter, bool], ...] | None = None   # requires_grad_of, 1st call
+        # module_tensors_of at the first compile: the tensor objects the slots stand for, by their names then
+        self.module_tensors: dict[str, tuple[tuple[tuple[str, ...], torch.Tensor], ...]] | None = None
         self.first_batch: FirstBatch | None = None       # zerocc/batch.py: later batches keep its dtypes and devices
         self.full_model_depth = 0                        # inside step.full_model(): the module holds whole parameters
         self.reading_model_keys = False                  # model.state_dict() called for its keys only
@@ -78,11 +81,19 @@ class StepState:
         finally:
             self.reading_model_keys = False
 
+    def tensors(self, kind: str) -> dict[str, torch.Tensor]:
+        """The module's parameters (``kind`` "param") or buffers ("buffer") the step was compiled for, by first name.
+
+        The objects themselves, not a walk of the module now: a model changed since (a buffer replaced, a
+        parameter renamed by ``torch.nn.utils.prune``) still gets its values from the tensors the step trained."""
+        return {names[0]: tensor for names, tensor in self.module_tensors[kind]}
+
     def reset(self) -> None:
         """Back to before the first compile (a first call that failed): the user's objects hold everything."""
-        self.slots = self.plan = self.captured = self.state_signature = None
+        self.slots = self.plan = self.captured = self.state_signature = self.module_tensors = None
         self.param_groups = self.first_batch = self.requires_grad = None
         self.released_shapes = {}
+        self.placeholder_versions = {}
 
 
 def param_groups_of(optimizer: torch.optim.Optimizer) -> tuple[tuple[int, ...], ...]:
@@ -134,6 +145,51 @@ def check_no_optimizer_step_hooks(optimizer: torch.optim.Optimizer) -> None:
 def requires_grad_of(model: torch.nn.Module) -> tuple[tuple[torch.nn.Parameter, bool], ...]:
     """Each parameter and its ``requires_grad``: which ones the step trains and which it keeps frozen."""
     return tuple((p, p.requires_grad) for p in model.parameters())
+
+
+def module_tensors_of(model: torch.nn.Module) -> dict[str, tuple[tuple[tuple[str, ...], torch.Tensor], ...]]:
+    """The model's parameters and buffers (each with all its names), by kind: what the slots were made from."""
+    return {kind: tuple(named_tensors(model, kind)) for kind in ("param", "buffer")}
+
+
+def check_module_tensors_unchanged(compiled_for: dict[str, tuple[tuple[tuple[str, ...], torch.Tensor], ...]],
+                                   model: torch.nn.Module) -> None:
+    """A parameter or buffer registered, removed, renamed or replaced by another tensor after the first call is
+    refused, naming each: the step's slots hold the tensors of its first call, by their names then.
+
+    The program would have gone on reading its own copy of a replaced buffer (a new mask: eager reads the new
+    tensor), never read a newly registered one, and a renamed parameter (``prune.l1_unstructured`` moves
+    ``weight`` to ``weight_orig``) failed with a KeyError. Checked at every call (a walk of the module tree).
+    """
+    now = module_tensors_of(model)
+    if all(len(now[kind]) == len(compiled_for[kind])
+           and all(names == old_names and tensor is old for (names, tensor), (old_names, old)
+                   in zip(now[kind], compiled_for[kind])) for kind in now):
+        return
+    changes = []
+    for kind, word in (("param", "parameter"), ("buffer", "buffer")):
+        before = {name: tensor for names, tensor in compiled_for[kind] for name in names}
+        after = {name: tensor for names, tensor in now[kind] for name in names}
+        where = {id(tensor): name for name, tensor in after.items()}
+        for name, tensor in before.items():
+            if name not in after:
+                moved = where.get(id(tensor))
+                changes.append(f"{word} '{name}' " + (f"now named '{moved}'" if moved is not None
+                                                      else "removed"))
+            elif after[name] is not tensor:
+                changes.append(f"{word} '{name}' replaced by another tensor")
+        old_ids = {id(tensor) for tensor in before.values()}
+        changes += [f"{word} '{name}' added" for name, tensor in after.items()
+                    if name not in before and id(tensor) not in old_ids]
+    changes = changes or ["the order or sharing of parameters and buffers"]
+    raise ConfigError(
+        f"the model's parameters or buffers changed after the step's first call: {'; '.join(changes[:6])}"
+        f"{'; ...' if len(changes) > 6 else ''}. The step holds the tensors of its first call in its own slots, by "
+        "their names then, and would go on training those (a replaced buffer's new values or a new buffer would "
+        "never be read). To set a buffer's values, write them in place (model.mask.copy_(new_mask)); after changing "
+        "the model (torch.nn.utils.prune, parametrize, a buffer registered or removed, a parameter replaced), compile "
+        "the model and optimizer again: zerocc.compile(model, optimizer, ...) takes them over from this step, "
+        "trained as they are")
 
 
 def check_requires_grad_unchanged(compiled_for: tuple[tuple[torch.nn.Parameter, bool], ...],

@@ -24,7 +24,6 @@ import contextlib
 import torch
 
 from . import decisions
-from .capture import named_tensors
 from .errors import ConfigError
 from .runtime import slots as slot_store
 
@@ -131,7 +130,7 @@ def _current_optimizer_state(step, state: dict) -> dict:
             "torch.distributed.checkpoint (or zerocc.save_checkpoint), which reshards it on load")
     from .state_dict import whole_optimizer_state
     position = {id(p): i for i, p in enumerate(p for g in step.optimizer.param_groups for p in g["params"])}
-    params = {names[0]: t for names, t in named_tensors(step.model, "param")}
+    params = step.state.tensors("param")
     state["state"] = {position[id(params[fqn])]: entries for fqn, entries in whole_optimizer_state(step).items()}
     return state
 
@@ -156,7 +155,7 @@ def full_model(step, writeback: bool = True):
     plan, captured = step.state.plan, step.state.captured
     buckets = slot_store.full_buckets(plan, step.state.slots, step.ranks.group)
     views = slot_store.parameter_views(plan, captured, buckets)
-    params = {names[0]: t for names, t in named_tensors(step.model, "param")}
+    params = step.state.tensors("param")
     kept = {name: tensor.data for name, tensor in params.items()}
     for index, view in views.items():
         params[captured.params[index].name].data = view.clone()
@@ -170,6 +169,7 @@ def full_model(step, writeback: bool = True):
         for name, tensor in params.items():
             tensor.data = kept[name]
         point_module_at_slots(step)
+        _note_placeholder_versions(step)
 
 
 def _write_back(step, buckets: dict[int, torch.Tensor], params: dict[str, torch.Tensor]) -> None:
@@ -197,7 +197,7 @@ def point_module_at_slots(step) -> None:
     holds them whole (``step.full_model()`` gathers them).
     """
     state = step.state
-    buffers = {names[0]: t for names, t in named_tensors(step.model, "buffer")}
+    buffers = state.tensors("buffer")
     for info in state.captured.buffers:
         buffers[info.name].data = state.slots[decisions.buffer_slot(info.name)]
     if step.stage == 3:
@@ -205,7 +205,7 @@ def point_module_at_slots(step) -> None:
     views = slot_store.parameter_views(state.plan, state.captured, {
         b.index: state.slots[decisions.bucket_slot(b.index)] for b in state.plan.buckets
         if not state.plan.holds_shard(b)})
-    tensors = {names[0]: t for names, t in named_tensors(step.model, "param")}
+    tensors = state.tensors("param")
     for index, view in views.items():
         tensors[state.captured.params[index].name].data = view
 
@@ -213,13 +213,41 @@ def point_module_at_slots(step) -> None:
 def release_model_parameters(step) -> None:
     """At the first compile: the user's module gives up the parameters whose masters the step shards."""
     state = step.state
-    tensors = {names[0]: t for names, t in named_tensors(step.model, "param")}
+    tensors = state.tensors("param")
     for index in state.param_indices(sharded_only=True):
         info = state.captured.params[index]
         param = tensors[info.name]
         state.released_shapes[info.name] = info.shape
         param.data = torch.empty(0, dtype=param.dtype, device=param.device)
     point_module_at_slots(step)
+    _note_placeholder_versions(step)
+
+
+def _note_placeholder_versions(step) -> None:
+    tensors = step.state.tensors("param")
+    step.state.placeholder_versions = {name: tensors[name]._version for name in step.state.released_shapes}
+
+
+def check_placeholders_unwritten(step) -> None:
+    """An in-place write into a released parameter outside ``step.full_model()`` (``nn.init.zeros_(model.fc.bias)``,
+    ``with torch.no_grad(): model.fc.weight.mul_(0.5)``, a re-initialization by ``model.apply``) wrote into an
+    empty placeholder and was lost: the step trained on without it, where eager trains the re-initialized layer.
+    Refused at the next call, once, naming the parameters (their version counters moved). Writes through
+    ``.data`` (``weight.data.normal_()``) move no counter and are not seen."""
+    state = step.state
+    if not state.placeholder_versions or state.full_model_depth:
+        return
+    tensors = state.tensors("param")
+    written = [name for name, version in state.placeholder_versions.items() if tensors[name]._version != version]
+    if not written:
+        return
+    _note_placeholder_versions(step)
+    raise ConfigError(
+        f"parameter(s) {', '.join(repr(n) for n in written[:4])}{', ...' if len(written) > 4 else ''} were written in "
+        f"place after the step's last call, outside step.full_model(): at stage {step.stage} the module holds empty "
+        "placeholders there (the step holds the parameters, sharded), so the write changed nothing and this call "
+        "would train without it. Write inside `with step.full_model(): ...` (an init, model.apply(fn), "
+        "reset_parameters()): on exit the values go into the step. Nothing was trained by this call")
 
 
 def hand_back(step, optimizer_state: dict[str, dict[str, torch.Tensor]]) -> None:
@@ -228,7 +256,7 @@ def hand_back(step, optimizer_state: dict[str, dict[str, torch.Tensor]]) -> None
     full = step._whole_tensors("step.close")   # a collective at stage 3: close has met the other ranks
     params = {}
     for kind in ("param", "buffer"):
-        for names, tensor in named_tensors(step.model, kind):
+        for names, tensor in step.state.module_tensors[kind]:   # the tensors the step trained, renamed or not
             if names[0] in full:
                 tensor.data = full[names[0]]
             if kind == "param":
