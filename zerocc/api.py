@@ -569,8 +569,8 @@ class CompiledStep:
         budget, peak = self.options.memory_budget, entry.measured_peak_bytes
         if budget is None or peak is None or peak <= budget:
             return
-        plan = entry.ctx.memory_plan
-        planned = f" (the plan's: {plan.planned_peak_bytes:,})" if plan is not None else ""
+        planned = (f" (the plan's: {final_peak(entry.ctx, self.options.memory_pools):,})"
+                   if entry.ctx.memory_plan is not None else "")
         lines = list(dict.fromkeys(line for node in entry.program.gm.graph.nodes
                                    if any(g.is_data_dependent(v) for v in _tensors_of(node.meta.get(g.VAL)))
                                    and (line := user_line_of_node(node))))
