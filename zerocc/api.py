@@ -30,7 +30,8 @@ from .analysis.step_time import HardwareProfile, StepTime, predict
 from .data_guards import all_hold
 from .device_budget import DeviceBudget, device_budget
 from .driver import Compiled, fewer_collections, final_peak, run_passes
-from .errors import CaptureError, CompileCacheWarning, ConfigError, RecompileWarning, user_stacklevel
+from .errors import (CaptureError, CompileCacheWarning, ConfigError, MemoryBudgetWarning, RecompileWarning, user_line_of_node,
+                     user_stacklevel)
 from .hardware import measure_hardware, profile_of
 from .memory_plan import MemoryPlan, memory_plan_entries
 from .optimizer_step import hyperparameter_signature, live_layout, live_settings
@@ -417,6 +418,7 @@ class CompiledStep:
                         del tensors
                         loss = entry.program.run(state.slots, batch, held.hold)
                     entry.measured_peak_bytes = tracker.peak_bytes
+                    self._say_if_the_budget_was_exceeded(entry)
                     if entry.stored_as is not None:   # a later process loading it need not measure again
                         self.disk_cache.remember_peak(entry.stored_as, tracker.peak_bytes)
                 self._drop_state_of_skipped_first_step(entry, batch, layout)
@@ -560,6 +562,30 @@ class CompiledStep:
                     "cycle_momentum=False). Said once per zerocc.compile.", stacklevel=user_stacklevel())
                 self._warned_settings = True
                 return
+
+    def _say_if_the_budget_was_exceeded(self, entry: CacheEntry) -> None:
+        """Warn when a program's first run held more than ``memory_budget`` at its peak.
+
+        The plan the budget was met by leaves out the tensors whose size the data decides (an MoE's tokens per
+        expert, boolean-mask indexing): their sizes are unbacked symbols, known only as the step runs.
+        """
+        budget, peak = self.options.memory_budget, entry.measured_peak_bytes
+        if budget is None or peak is None or peak <= budget:
+            return
+        planned = (f" (the plan's: {final_peak(entry.ctx, self.options.memory_pools):,})"
+                   if entry.ctx.memory_plan is not None else "")
+        lines = list(dict.fromkeys(line for node in entry.program.gm.graph.nodes
+                                   if any(g.is_data_dependent(v) for v in _tensors_of(node.meta.get(g.VAL)))
+                                   and (line := user_line_of_node(node))))
+        if lines:
+            why = (f"the plan leaves out the tensors whose size the data decides, known only as the step runs, made "
+                   f"at {'; '.join(lines[:3])}{f' and {len(lines) - 3} more lines' if len(lines) > 3 else ''}. ")
+        else:
+            why = "the plan the budget was met by underestimated it. "
+        warnings.warn(
+            f"memory_budget={budget:,} bytes was exceeded: the step's first run on this batch held {peak:,} bytes at "
+            f"its peak{planned}: {why}Lower memory_budget by the difference ({peak - budget:,} bytes, more where "
+            f"other batches route more unevenly) to leave them room.", MemoryBudgetWarning, stacklevel=user_stacklevel())
 
     def _say_which_python_values_changed(self, key: CacheKey) -> None:
         """Warn, once per step, when a program is compiled because a Python value forward or the loss reads changed.
@@ -1074,3 +1100,8 @@ def _state_signature_of(captured: Captured) -> list[dict[str, tuple[bool, torch.
             entry[key] = (value.dim() == 0, value.dtype)
         signature.append(entry)
     return signature
+
+
+def _tensors_of(value) -> tuple:
+    """A node's value as a tuple of what it holds (one tensor, or a tuple or list of outputs)."""
+    return tuple(value) if isinstance(value, (tuple, list)) else (value,)

@@ -70,6 +70,11 @@ class CompileCacheWarning(UserWarning):
     read or write one; the step compiles, and loses nothing."""
 
 
+class MemoryBudgetWarning(UserWarning):
+    """A program's first run held more bytes at its peak than ``memory_budget``: tensors whose size the data decides
+    (an MoE's tokens per expert) are left out of the plan the budget was met by."""
+
+
 class MemoryBudgetError(ZeroccError):
     """``memory_budget`` cannot be met by recomputing activations; the message says what can.
 
