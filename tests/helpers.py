@@ -102,6 +102,25 @@ def assert_rank_matches_reference(rank, losses, expected, state, expected_state,
                                    msg=lambda m: f"rank {rank} {name}: {m}")
 
 
+def beside_eager(build, batches: list[dict], *, lr: float = 1e-3, stage: int = 3, **options):
+    """``build()`` trained with AdamW on each keyword batch eagerly and as a compiled step (``options`` to compile),
+    dropout seeded alike per step: every loss and, at the end, every entry of the eager model's state equal bit for
+    bit. Returns the step and the eager model."""
+    from tests.reference import train_eagerly
+    reference = build()
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=lr)
+    model = build()
+    step = zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=lr), stage=stage, **options)
+    for number, batch in enumerate(batches):
+        expected = train_eagerly(reference, reference_optimizer, batch, seed=100 + number)
+        torch.manual_seed(100 + number)
+        assert torch.equal(step(**batch), expected), number
+    full = step.full_state_dict()
+    for key, value in reference.state_dict().items():
+        assert torch.equal(full[key], value), key
+    return step, reference
+
+
 def beside_ddp(build, global_batches: list[dict], rank: int, world_size: int, *, find_unused_parameters=False,
                **options) -> tuple:
     """``build()`` trained with AdamW on this rank's slice of each keyword batch, under DDP and as a zerocc stage-3

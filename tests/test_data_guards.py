@@ -131,8 +131,20 @@ def test_eval_forward_decides_the_branch_on_each_batch_as_the_training_step_does
     assert [len(kept) for kept in step.eval_programs.values()] == [2]   # one per side, each compiled once
 
 
-def _one_rank_takes_the_other_side(rank, world_size):
+def _stage_3_beside_ddp(model, data):
+    """``model`` compiled at stage 3 and a DDP copy of it, each trained with AdamW on this rank's ``data``: the step's
+    losses, DDP's, both states and how many programs the step compiled."""
     from torch.nn.parallel import DistributedDataParallel
+    reference = copy.deepcopy(model)
+    ddp = DistributedDataParallel(reference)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.1)
+    expected = [eager(ddp, reference_optimizer, *batch) for batch in data]
+    step = zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=0.1), stage=3, timeout=60)
+    losses = [step(*batch) for batch in data]
+    return losses, expected, step.full_state_dict(), reference.state_dict(), len(step.compile_stats)
+
+
+def _one_rank_takes_the_other_side(rank, world_size):
     generator = torch.Generator().manual_seed(1)
     flagged = {2: 1, 4: 0}   # step -> the one rank whose batch takes the other side there
     data = []
@@ -141,13 +153,7 @@ def _one_rank_takes_the_other_side(rank, world_size):
         data.append((x, torch.tensor([0, int(flagged.get(index) == rank), 0, 0])))
     torch.manual_seed(0)
     model = ScaledWhenFlagged()
-    reference = copy.deepcopy(model)
-    ddp = DistributedDataParallel(reference)
-    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.1)
-    expected = [eager(ddp, reference_optimizer, *batch) for batch in data]
-    step = zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=0.1), stage=3, timeout=60)
-    losses = [step(*batch) for batch in data]
-    return losses, expected, step.full_state_dict(), reference.state_dict(), len(step.compile_stats)
+    return _stage_3_beside_ddp(model, data)
 
 
 @pytest.mark.multirank
@@ -240,33 +246,11 @@ class PerImage(nn.Module):
 GRIDS = ([[1, 2, 4], [1, 4, 2]], [[1, 2, 2], [1, 3, 4]])   # 16 patches each: the same batch shapes
 
 
-def test_sizes_read_from_the_batch_train_as_eager_one_program_for_every_grid_of_the_batchs_size():
-    """A size an op computes from the batch's values (repeat_interleave) that a shape needs as a number (F.pad) is
-    decided on the real batch and guarded (it failed to trace before, at F.pad); split sizes read with .tolist()
-    stay symbols, so one program serves every grid of 16 patches (a trace that needs the values themselves reads
-    them: Qwen2-VL, test_hf_more.py)."""
+def _trained_on_grids(keyed: bool):
+    """``PerImage`` at stage 3 trained on grids A, B, A, B, each loss and finally every parameter equal to eager's:
+    the step, and its compile seconds after the second grid."""
     torch.manual_seed(0)
-    model = PerImage()
-    reference = copy.deepcopy(model)
-    step = zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=0.1), stage=3)
-    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.1)
-    generator = torch.Generator().manual_seed(1)
-    for index, grid in enumerate((GRIDS[0], GRIDS[1], GRIDS[0], GRIDS[1])):
-        batch = (torch.randn(16, 6, generator=generator), torch.tensor(grid))
-        assert torch.equal(step(*batch), eager(reference, reference_optimizer, *batch)), index
-    assert len(step.compile_stats) == 1
-    guards = step.cache.programs()[0].program.guards
-    assert any("F.pad(lengths.cumsum(0), (1, 0))" in guard.where for guard in guards)
-    for parameter, expected in zip(step.full_state_dict().values(), reference.state_dict().values()):
-        assert torch.equal(parameter, expected)
-
-
-def test_values_read_from_the_batch_that_must_be_numbers_are_read_one_program_per_grid():
-    """Values read with .tolist() used as dict keys cannot stay symbols: the trace fails on them, and the step is
-    traced again with the values read on the real batch and guarded; another grid compiles a program of its own,
-    the first grid again reuses the first (Qwen2-VL's itertools.groupby over its token types)."""
-    torch.manual_seed(0)
-    model = PerImage(keyed=True)
+    model = PerImage(keyed=keyed)
     reference = copy.deepcopy(model)
     step = zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=0.1), stage=3)
     reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.1)
@@ -276,11 +260,30 @@ def test_values_read_from_the_batch_that_must_be_numbers_are_read_one_program_pe
         assert torch.equal(step(*batch), eager(reference, reference_optimizer, *batch)), index
         if index == 1:
             compile_seconds = step.compile_seconds
+    for parameter, expected in zip(step.full_state_dict().values(), reference.state_dict().values()):
+        assert torch.equal(parameter, expected)
+    return step, compile_seconds
+
+
+def test_sizes_read_from_the_batch_train_as_eager_one_program_for_every_grid_of_the_batchs_size():
+    """A size an op computes from the batch's values (repeat_interleave) that a shape needs as a number (F.pad) is
+    decided on the real batch and guarded (it failed to trace before, at F.pad); split sizes read with .tolist()
+    stay symbols, so one program serves every grid of 16 patches (a trace that needs the values themselves reads
+    them: Qwen2-VL, test_hf_more.py)."""
+    step, _ = _trained_on_grids(keyed=False)
+    assert len(step.compile_stats) == 1
+    guards = step.cache.programs()[0].program.guards
+    assert any("F.pad(lengths.cumsum(0), (1, 0))" in guard.where for guard in guards)
+
+
+def test_values_read_from_the_batch_that_must_be_numbers_are_read_one_program_per_grid():
+    """Values read with .tolist() used as dict keys cannot stay symbols: the trace fails on them, and the step is
+    traced again with the values read on the real batch and guarded; another grid compiles a program of its own,
+    the first grid again reuses the first (Qwen2-VL's itertools.groupby over its token types)."""
+    step, compile_seconds = _trained_on_grids(keyed=True)
     assert len(step.compile_stats) == 2 and step.compile_seconds == compile_seconds
     guards = step.cache.programs()[0].program.guards
     assert any("split((bounds[1:] - bounds[:-1]).tolist())" in guard.where for guard in guards)
-    for parameter, expected in zip(step.full_state_dict().values(), reference.state_dict().values()):
-        assert torch.equal(parameter, expected)
 
 
 def test_planning_sizes_read_from_a_meta_batch_is_refused_naming_the_line():
@@ -291,7 +294,6 @@ def test_planning_sizes_read_from_a_meta_batch_is_refused_naming_the_line():
 
 
 def _ranks_with_other_grids(rank, world_size):
-    from torch.nn.parallel import DistributedDataParallel
     generator = torch.Generator().manual_seed(1)
     data = []
     for index in range(4):   # rank 1's grid changes at the second step, rank 0's at the third
@@ -299,13 +301,7 @@ def _ranks_with_other_grids(rank, world_size):
         data.append((patches, torch.tensor(GRIDS[int(index >= 1 + (rank == 0))])))
     torch.manual_seed(0)
     model = PerImage(keyed=True)
-    reference = copy.deepcopy(model)
-    ddp = DistributedDataParallel(reference)
-    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.1)
-    expected = [eager(ddp, reference_optimizer, *batch) for batch in data]
-    step = zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=0.1), stage=3, timeout=60)
-    losses = [step(*batch) for batch in data]
-    return losses, expected, step.full_state_dict(), reference.state_dict(), len(step.compile_stats)
+    return _stage_3_beside_ddp(model, data)
 
 
 @pytest.mark.multirank

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import zerocc
 from tests import distributed
-from tests.models import BooleanMask, MLP, batches
+from tests.models import BooleanMask, MLP, batches, eager_step
 
 
 def test_stage_out_of_range():
@@ -610,12 +610,8 @@ def test_a_keyword_of_the_wrong_type_is_refused_at_compile_and_changes_nothing(k
         zerocc.compile(model, optimizer, stage=3, **options)
     eager_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.1)
     step = zerocc.compile(model, optimizer, stage=3, loss_fn=F.mse_loss)
-    for x, y in batches("mlp", 2, 4):
-        eager_optimizer.zero_grad()
-        loss = F.mse_loss(reference(x), y)
-        loss.backward()
-        eager_optimizer.step()
-        assert torch.equal(step(x, y), loss.detach())
+    for batch in batches("mlp", 2, 4):
+        assert torch.equal(step(*batch), eager_step(reference, eager_optimizer, F.mse_loss, batch))
     step.close()
     for name, value in reference.state_dict().items():
         assert torch.equal(model.state_dict()[name], value), name

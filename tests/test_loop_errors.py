@@ -1,6 +1,7 @@
 """The loop around the step: misuse between calls is an error naming the input or object and the fix (issue 20, 7-9)."""
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
@@ -10,7 +11,7 @@ import torch.nn.functional as F
 import torch.nn.utils.prune as prune
 
 import zerocc
-from tests.models import MLP, batches, build
+from tests.models import MLP, batches, build, eager_step
 from tests.reference import adamw
 from tests import distributed
 
@@ -117,16 +118,10 @@ def test_a_part_of_the_model_switched_on_or_off_between_steps_is_refused_and_com
     generator = torch.Generator().manual_seed(1)
     data = [(torch.randn(8, 12, generator=generator), torch.randint(0, 5, (8,), generator=generator))
             for _ in range(4)]
-
-    def eager(x, y):
-        reference_optimizer.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(reference(x), y)
-        loss.backward()
-        reference_optimizer.step()
-        return loss.detach()
+    eager = functools.partial(eager_step, reference, reference_optimizer, F.cross_entropy)
 
     for batch in data[:2]:
-        assert torch.equal(step(*batch), eager(*batch))
+        assert torch.equal(step(*batch), eager(batch))
     before = step.full_state_dict()
     model.use_aux = reference.use_aux = not first
     changed = "the loss no longer reaches 'aux.bias', 'aux.weight'" if first else \
@@ -138,7 +133,7 @@ def test_a_part_of_the_model_switched_on_or_off_between_steps_is_refused_and_com
     assert all(torch.equal(after[key], value) for key, value in before.items())   # the refused call changed nothing
     step = zerocc.compile(model, optimizer, stage=stage, loss_fn=F.cross_entropy)
     for batch in data[2:]:
-        assert torch.equal(step(*batch), eager(*batch))
+        assert torch.equal(step(*batch), eager(batch))
     step.close()
     for name, value in reference.state_dict().items():
         assert torch.equal(model.state_dict()[name], value), name
@@ -373,16 +368,10 @@ def test_a_parameter_or_buffer_changed_between_steps_is_refused_and_compiling_ag
     optimizer, reference_optimizer = adamw(model), adamw(reference)
     step = zerocc.compile(model, optimizer, stage=stage, loss_fn=F.mse_loss)
     data = batches("mlp", 5, 4)
-
-    def eager(x, y):
-        reference_optimizer.zero_grad(set_to_none=True)
-        loss = F.mse_loss(reference(x), y)
-        loss.backward()
-        reference_optimizer.step()
-        return loss.detach()
+    eager = functools.partial(eager_step, reference, reference_optimizer, F.mse_loss)
 
     for batch in data[:2]:
-        assert torch.equal(step(*batch), eager(*batch))
+        assert torch.equal(step(*batch), eager(batch))
     with step.full_model():   # the whole parameters in place, as pruning by magnitude reads them
         _change_the_model(model, change)
     _change_the_model(reference, change)
@@ -393,7 +382,7 @@ def test_a_parameter_or_buffer_changed_between_steps_is_refused_and_compiling_ag
     assert all(torch.equal(step.full_state_dict()[key], value) for key, value in before.items())
     step = zerocc.compile(model, optimizer, stage=stage, loss_fn=F.mse_loss)
     for batch in data[2:]:
-        assert torch.equal(step(*batch), eager(*batch))
+        assert torch.equal(step(*batch), eager(batch))
     full = step.full_state_dict()
     assert full.keys() == reference.state_dict().keys()
     assert all(torch.equal(full[key], value) for key, value in reference.state_dict().items())

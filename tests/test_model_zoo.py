@@ -12,10 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import zerocc
 from tests import distributed
-from tests.helpers import beside_ddp
-from tests.reference import assert_ranks_match_ddp, train_eagerly
+from tests.helpers import beside_ddp, beside_eager
+from tests.reference import assert_ranks_match_ddp
 
 pytest.importorskip("transformers")
 from tests.zoo import ZOO, batches  # noqa: E402  (needs transformers)
@@ -41,17 +40,7 @@ def _params():
 
 @pytest.mark.parametrize("name", list(_params()))
 def test_stage_3_equals_eager_bit_for_bit(name, deterministic):
-    reference = ZOO[name].build()
-    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3)
-    model = ZOO[name].build()
-    step = zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-3), stage=3)
-    for number, batch in enumerate(batches(name, 2)):
-        expected = train_eagerly(reference, reference_optimizer, batch, seed=100 + number)
-        torch.manual_seed(100 + number)
-        assert torch.equal(step(**batch), expected), number
-    full = step.full_state_dict()
-    for key, value in reference.state_dict().items():
-        assert torch.equal(full[key], value), key
+    beside_eager(ZOO[name].build, batches(name, 2))
 
 
 def test_the_zoo_covers_every_family():

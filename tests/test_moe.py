@@ -18,6 +18,7 @@ two eager runs agree bit for bit.
 from __future__ import annotations
 
 import copy
+import functools
 import warnings
 
 import pytest
@@ -25,8 +26,8 @@ import torch
 
 import zerocc
 from tests import distributed
-from tests.helpers import assert_rank_matches_reference
-from tests.reference import eager, eager_accumulated_step, train_eagerly
+from tests.helpers import assert_rank_matches_reference, beside_eager
+from tests.reference import eager, eager_accumulated_step
 
 transformers = pytest.importorskip("transformers")
 from tests.zoo import MIXTURES_OF_EXPERTS, MORE_MIXTURES_OF_EXPERTS, TOKENS, VOCAB  # noqa: E402  (needs transformers; the zoo trains every MoE model)
@@ -49,17 +50,8 @@ def token_batches(steps, rows=TOKENS[0], seed=1):
 
 def train_and_compare(name, stage, steps=3, compile_options=None, **options):
     """Train eager and compiled side by side; every loss and, at the end, every parameter equal bit for bit."""
-    reference = build(name, **options)
-    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
-    model = build(name, **options)
-    step = zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-2), stage=stage, **(compile_options or {}))
-    for number, batch in enumerate(token_batches(steps)):
-        expected = train_eagerly(reference, reference_optimizer, batch, seed=100 + number)
-        torch.manual_seed(100 + number)
-        assert torch.equal(step(**batch), expected), number
-    full = step.full_state_dict()
-    for key, value in reference.state_dict().items():
-        assert torch.equal(full[key], value), key
+    step, _ = beside_eager(functools.partial(build, name, **options), token_batches(steps), lr=1e-2, stage=stage,
+                           **(compile_options or {}))
     return step
 
 

@@ -223,15 +223,10 @@ def _refused_on_every_rank(refused: ConfigError | None, model, group, timeout) -
         timeout = None
     ranks = failures.with_timeout(resolve(group if isinstance(group, dist.ProcessGroup) else None,
                                           None if parameter is None else parameter.device), timeout)
-    message = None if refused is None else str(refused)
-    every: list = [message]
-    if ranks.group is not None:
-        every = [None] * ranks.world_size
-        with failures.collective_failures(ranks, 0, timeout, call="zerocc.compile"):
-            dist.all_gather_object(every, message, group=ranks.group)
+    with failures.collective_failures(ranks, 0, timeout, call="zerocc.compile"):
+        failed = failures.failed_ranks(ranks, None if refused is None else str(refused))
     if refused is not None:
         raise refused
-    failed = [(rank, message) for rank, message in enumerate(every) if message is not None]
     if failed:
         raise ConfigError("zerocc.compile was refused on another rank, so no rank compiles (every rank must compile "
                           "the same step):\n" + "\n".join(f"  rank {rank}: {message}" for rank, message in failed))

@@ -439,7 +439,7 @@ def trace_step(
     attributes = tensor_attributes(model)
     host_draws = HostDraws(model, loss_fn)
 
-    def traced(recorder, fake_args):
+    def traced(recorder, fake_args, stats=stats):
         with recording(fake_mode, recorder), _restored(attributes), no_traced_values_left(model, loss_fn), \
                 module_conversions_as_eager():
             return trace_functional(whole_step, fake_args, fake_mode, stats,
@@ -454,16 +454,12 @@ def trace_step(
             # values read from the batch alone (.tolist(), .item()) stayed symbols, one program for every batch,
             # and the trace failed on them (a size F.pad needs, a dict key): traced again with their values read
             recorder = GuardRecorder(inputs, input_positions, read_values=True)
-            fake_args = fake_arguments()
-            leaves = _placeholder_layout(fake_args, settings_layout)
-            gm, out_spec = traced(recorder, fake_args)
+            gm, out_spec = traced(recorder, fake_arguments())
         # Python's or NumPy's random numbers: traced again from other ones, is it the same program?
         for extreme in EXTREMES if host_draws.drew else ():
-            with host_draws.advanced(extreme), recording(fake_mode, GuardRecorder(inputs, input_positions,
-                                                                                  recorder.read_values)), \
-                    _restored(attributes), no_traced_values_left(model, loss_fn), module_conversions_as_eager():
-                again, _ = trace_functional(whole_step, fake_arguments(), fake_mode, None,
-                                            lambda written: _refuse_writes_to_constants(written, attributes))
+            with host_draws.advanced(extreme):
+                again, _ = traced(GuardRecorder(inputs, input_positions, recorder.read_values), fake_arguments(),
+                                  stats=None)
             if not same_program(gm, again):
                 raise host_draws.error()
     except (GuardOnDataDependentSymNode, DynamicOutputShapeException, DataDependentOutputException) as error:

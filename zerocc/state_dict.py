@@ -765,14 +765,9 @@ def _on_every_rank(ranks, check) -> None:
         problem = None
     except Exception as error:
         problem = error
-    message = None if problem is None else f"{type(problem).__name__}: {problem}"
-    every: list = [message]
-    if ranks.group is not None:
-        every = [None] * ranks.world_size
-        dist.all_gather_object(every, message, group=ranks.group)
+    failed = failures.failed_ranks(ranks, None if problem is None else f"{type(problem).__name__}: {problem}")
     if problem is not None:
         raise problem
-    failed = [(rank, message) for rank, message in enumerate(every) if message is not None]
     if failed:
         raise ConfigError("the checkpoint cannot be loaded on every rank, so no rank loads it:\n"
                           + "\n".join(f"  rank {rank}: {message}" for rank, message in failed))

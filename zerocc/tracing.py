@@ -35,7 +35,7 @@ from . import compile_stats, fake_kernels
 from . import graph as g
 from .compile_stats import CompileStats
 from .data_guards import GuardedShapeEnv
-from .errors import CaptureError, user_line_of_node
+from .errors import CaptureError, ObservedValueWarning, user_line_of_node, user_stacklevel
 from .ops import batch_norm_with_stats, bernoulli_in_layout, binary_cross_entropy_with_logits
 
 aten = torch.ops.aten
@@ -276,7 +276,6 @@ def no_traced_values_left(model: torch.nn.Module, *functions: Callable | None):
                 written.append(where)
                 _restore(snapshot)
         if written and traced:
-            from .errors import ObservedValueWarning, user_stacklevel
             warnings.warn(
                 f"zerocc: the step's Python stored tensors it computed in {', '.join(written[:4])}"
                 f"{', ...' if len(written) > 4 else ''}: the compiled step runs forward, hooks and the loss function "
@@ -313,15 +312,14 @@ def _containers_reached(model: torch.nn.Module, functions) -> list[tuple[str, An
             found.append((where, value))
 
     def reached_by(function, what):
-        function = getattr(function, "func", function)   # functools.partial
+        function = getattr(function, "func", function)   # functools.partial; a bound method reads as its function
         owner = getattr(function, "__self__", None)
         if owner is not None and not isinstance(owner, torch.nn.Module):   # a logger object's method
             for name, value in vars(owner).items() if hasattr(owner, "__dict__") else ():
                 add(f"self.{name} (of {what})", value)
-        code = getattr(getattr(function, "__func__", function), "__code__", None)
+        code = getattr(function, "__code__", None)
         if code is None:
             return
-        function = getattr(function, "__func__", function)
         for name, cell in zip(code.co_freevars, function.__closure__ or ()):
             try:
                 add(f"{name} (named by {what})", cell.cell_contents)
@@ -331,7 +329,7 @@ def _containers_reached(model: torch.nn.Module, functions) -> list[tuple[str, An
             add(f"{name} (named by {what})", function.__globals__.get(name))
 
     def described(hook):
-        code = getattr(getattr(getattr(hook, "func", hook), "__func__", getattr(hook, "func", hook)), "__code__", None)
+        code = getattr(getattr(hook, "func", hook), "__code__", None)
         name = getattr(hook, "__qualname__", type(hook).__name__)
         return f"the hook {name}" + (f" at {code.co_filename}:{code.co_firstlineno}" if code is not None else "")
 

@@ -145,20 +145,24 @@ def _describe(value) -> str:
     return repr(value)
 
 
+def failed_ranks(ranks: Ranks, message: str | None) -> list[tuple[int, str]]:
+    """Each rank's ``message`` (why it refused, None where all went well), exchanged in one ``all_gather_object``:
+    the ranks that failed and why. Callers raise their own rank's error first, then name the others' (work one
+    rank alone can refuse, before work whose collectives would wait for that rank)."""
+    every: list = [message]
+    if ranks.group is not None:
+        every = [None] * ranks.world_size
+        dist.all_gather_object(every, message, group=ranks.group)
+    return [(rank, message) for rank, message in enumerate(every) if message is not None]
+
+
 def raise_if_any_rank_failed(ranks: Ranks, error: BaseException | None, what: str) -> None:
     """``error`` (this rank's, or None) raised here, and a ``RankMismatchError`` naming it on every other rank: for
     work without collectives of its own (``what``), which one rank alone can fail, before work whose collectives
     would wait for that rank."""
-    if ranks.group is None:
-        if error is not None:
-            raise error
-        return
-    message = None if error is None else f"{type(error).__name__}: {error}"
-    every = [None] * ranks.world_size
-    dist.all_gather_object(every, message, group=ranks.group)
+    failed = failed_ranks(ranks, None if error is None else f"{type(error).__name__}: {error}")
     if error is not None:
         raise error
-    failed = [(rank, message) for rank, message in enumerate(every) if message is not None]
     if failed:
         raise RankMismatchError(
             f"rank {ranks.rank} of {ranks.world_size}: {what} failed on rank(s) {[rank for rank, _ in failed]}, so no "
