@@ -1,7 +1,7 @@
 """One command for a lent GPU: zerocc against eager, torch.compile and FSDP2 at world size 1 (issue 19).
 
     python benchmarks/gpu.py [--model 124m|705m|tiny] [--precision fp32|bf16] [--rounds 5] [--steps 5]
-                             [--systems eager,torch.compile,FSDP2,zerocc-0,zerocc-3] [--out FILE.md]
+                             [--systems eager,torch.compile,FSDP2,zerocc-0,zerocc-3] [--out FILE.md] [--profile TOP]
 
 Every system trains the example GPT (``examples/gpt.py``) from the same
 initial weights on the same batches, with AdamW (``foreach``, as PyTorch
@@ -155,7 +155,7 @@ def init_group(device):
     os.environ.setdefault("MASTER_PORT", str(29600 + os.getpid() % 1000))
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
     if device.type == "cuda":
-        torch.cuda.set_device(device)
+        torch.cuda.set_device(device.index or 0)   # torch 2.11 refuses a device without an index here
 
 
 def alone(name: str, args, device) -> dict:
@@ -182,8 +182,8 @@ def alone(name: str, args, device) -> dict:
     return result
 
 
-def interleaved(names, args, device) -> dict[str, float]:
-    """Median seconds per step of each system, built together and timed in rotating rounds."""
+def interleaved(names, args, device) -> tuple[dict[str, float], dict]:
+    """Median seconds per step of each system, built together and timed in rotating rounds; and the steps."""
     init_group(device)
     steps = {name: build(name, args, device) for name in names}
     data = make_batches(args, device, args.steps)
@@ -201,7 +201,34 @@ def interleaved(names, args, device) -> dict[str, float]:
                 steps[name](*batch)
             synchronize(device)
             times[name].append((time.perf_counter() - started) / len(data))
-    return {name: statistics.median(values) for name, values in times.items()}
+    return {name: statistics.median(values) for name, values in times.items()}, steps
+
+
+def profiled(steps: dict, args, device) -> str:
+    """One more step of each system under torch.profiler: its wall time, the device's busy time (the sum of its
+    kernels), the number of kernels and of aten calls, and the top ops by self device time (CPU: self CPU time)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    sort = "self_device_time_total" if cuda else "self_cpu_time_total"
+    batch = make_batches(args, device, 1)[0]
+    summary = ["| system | profiled step ms | device busy ms | kernels | aten calls |", "|---|---:|---:|---:|---:|"]
+    tables = []
+    for name, step in steps.items():
+        synchronize(device)
+        with profile(activities=activities) as prof:
+            started = time.perf_counter()
+            step(*batch)
+            synchronize(device)
+            wall = time.perf_counter() - started
+        events = prof.events()
+        kernels = [e for e in events if e.device_type == DeviceType.CUDA]
+        busy = sum(e.time_range.elapsed_us() for e in kernels) / 1e3 if cuda else float("nan")
+        aten = sum(1 for e in events if e.device_type == DeviceType.CPU and e.name.startswith("aten::"))
+        summary.append(f"| {name} | {wall * 1e3:.1f} | {busy:.1f} | {len(kernels)} | {aten} |")
+        tables.append(f"### {name}\n\n```\n{prof.key_averages().table(sort_by=sort, row_limit=args.profile)}\n```")
+    return "\n".join(["## One profiled step per system", "", *summary, "", *tables]) + "\n"
 
 
 def main() -> None:
@@ -213,6 +240,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out")
+    parser.add_argument("--profile", type=int, default=0, metavar="TOP",
+                        help="then profile one step of each system and list its TOP ops")
     parser.add_argument("--alone", help=argparse.SUPPRESS)   # the child process measuring one system
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -235,7 +264,7 @@ def main() -> None:
         runs[name] = json.loads(done.stdout.strip().splitlines()[-1])
         print(f"{name} alone: {runs[name]}", file=sys.stderr, flush=True)
     working = [name for name in names if runs[name] is not None]
-    seconds = interleaved(working, args, device)
+    seconds, steps = interleaved(working, args, device)
     flops, peak = model_flops(args, device), peak_flops(device, args.precision)
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     memory = "reserved GB | allocated GB" if device.type == "cuda" else "peak RSS GB | -"
@@ -258,6 +287,8 @@ def main() -> None:
         lines.append(f"| {name} | {step * 1e3:.1f} | {ratio} | {mfu} | {run['first_step_s']:.1f} | {held[0]:.2f} | "
                      f"{held[1]:.2f} | {run['loss']:.4f} |")
     text = "\n".join(lines) + "\n"
+    if args.profile:
+        text += "\n" + profiled(steps, args, device)
     print(text)
     if args.out:
         with open(args.out, "w") as handle:

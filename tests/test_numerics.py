@@ -68,6 +68,26 @@ def test_any_elementwise_optimizer_bit_for_bit(optimizer):
         assert torch.equal(full[key], value), key
 
 
+@pytest.mark.parametrize("stage", [0, 3])
+def test_the_update_runs_the_implementation_eager_picks(stage, monkeypatch):
+    """With ``foreach`` left to torch.optim, eager runs the multi-tensor update where the parameters' device has
+    foreach kernels (CUDA) and the single-tensor one elsewhere; the kernels round differently on CUDA (seen on an
+    H200), so the program must trace the same one. Here the CPU is made a foreach device for both."""
+    import torch.optim.optimizer as torch_optimizer
+    devices = torch_optimizer._get_foreach_kernels_supported_devices()
+    monkeypatch.setattr(torch_optimizer, "_get_foreach_kernels_supported_devices", lambda: [*devices, "cpu"])
+    reference, _, loss_fn = build("mlp")
+    reference_optimizer = adamw(reference)
+    model, _, _ = build("mlp")
+    step = zerocc.compile(model, adamw(model), stage=stage, loss_fn=loss_fn)
+    for batch in batches("mlp", STEPS, 8):
+        assert torch.equal(step(*batch), eager_step(reference, reference_optimizer, loss_fn, batch))
+    program = step.graph(step.passes[-1]).graph   # the update as it runs (stage 3: traced again over shards)
+    assert any("_foreach_" in str(node.target) for node in program.nodes)
+    for key, value in reference.state_dict().items():
+        assert torch.equal(step.full_state_dict()[key], value), key
+
+
 def test_learning_rate_schedule_is_read_every_step():
     reference, _, loss_fn = build("mlp")
     reference_optimizer = adamw(reference)

@@ -18,6 +18,7 @@ from typing import Sequence
 
 import torch
 import torch.fx as fx
+import torch.optim.optimizer as torch_optimizer
 import torch.utils._pytree as pytree
 from torch._prims_common import make_contiguous_strides_for
 
@@ -100,6 +101,20 @@ def _read_settings(optimizer: torch.optim.Optimizer, values: Sequence[torch.Tens
     return read
 
 
+def eager_picks_foreach(params: Sequence[torch.Tensor], differentiable: bool) -> bool:
+    """Whether eager's ``step()`` runs these parameters with ``foreach=None`` on its multi-tensor (foreach) path.
+
+    torch.optim decides by the parameters' type, device and dtype (``_default_to_fused_or_foreach``): on CUDA the
+    foreach kernels, on the CPU the single-tensor ones. Under tracing the parameters are fake tensors, a type it
+    does not list, so left to itself it would trace the single-tensor update on CUDA, whose kernels round otherwise
+    than the foreach ones eager runs. The decision is made here on what the fakes stand for.
+    """
+    if differentiable:
+        return False
+    devices = torch_optimizer._get_foreach_kernels_supported_devices()
+    return all(p.device.type in devices for p in params)
+
+
 def optimizer_update(
     optimizer: torch.optim.Optimizer,
     params: Sequence[torch.Tensor],
@@ -122,6 +137,8 @@ def optimizer_update(
         settings = {key: value for key, value in group.items() if key != "params"}
         settings["params"] = [p for p, owner in zip(params, group_of) if owner == index]
         settings.update(read[index])
+        if settings.get("foreach") is None and not settings.get("fused"):
+            settings["foreach"] = eager_picks_foreach(settings["params"], settings.get("differentiable", False))
         shadow.param_groups.append(settings)
     for param, grad, state in zip(params, grads, states):
         param.grad = grad
