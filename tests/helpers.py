@@ -7,9 +7,12 @@ needs) and check that disabling the pass changes nothing a user sees
 """
 from __future__ import annotations
 
+import collections
+import contextlib
 import functools
 
 import torch
+import torch.optim.optimizer as torch_optimizer
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -22,6 +25,7 @@ from zerocc.context import CompileContext
 from zerocc.pipeline import build_pipeline, run_pipeline
 from zerocc.runtime.comm_counter import CountCollectives
 from zerocc.tracing import make_fake_mode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 SMALL_BUCKETS = 16 * 1024     # the tiny test GPT gets several buckets
 
@@ -142,3 +146,30 @@ def beside_ddp(build, global_batches: list[dict], rank: int, world_size: int, *,
         torch.manual_seed(100 + number)
         got.append(step(**batch))
     return expected, got, dict(reference.state_dict()), step.full_state_dict()
+
+
+@contextlib.contextmanager
+def foreach_as_on_cuda():
+    """torch.optim's choice of update on CUDA, made on the CPU: with ``foreach`` left unset, eager (and the program,
+    which traces what eager picks) runs the multi-tensor update here too."""
+    devices = torch_optimizer._get_foreach_kernels_supported_devices
+    torch_optimizer._get_foreach_kernels_supported_devices = lambda: [*devices(), "cpu"]
+    try:
+        yield
+    finally:
+        torch_optimizer._get_foreach_kernels_supported_devices = devices
+
+
+class OpCalls(TorchDispatchMode):
+    """How many times each aten op (by name, in-place and functional apart) runs inside the ``with``."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+    def foreach(self) -> int:
+        return sum(count for name, count in self.calls.items() if name.startswith("_foreach_"))

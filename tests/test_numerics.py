@@ -21,6 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 import zerocc
 from tests import distributed
 from tests.models import batches, build, eager_step
+from tests.helpers import OpCalls, foreach_as_on_cuda
 from tests.reference import adamw
 
 STAGES = (0, 1, 2, 3)
@@ -69,23 +70,25 @@ def test_any_elementwise_optimizer_bit_for_bit(optimizer):
 
 
 @pytest.mark.parametrize("stage", [0, 3])
-def test_the_update_runs_the_implementation_eager_picks(stage, monkeypatch):
+def test_the_update_runs_the_implementation_eager_picks(stage):
     """With ``foreach`` left to torch.optim, eager runs the multi-tensor update where the parameters' device has
     foreach kernels (CUDA) and the single-tensor one elsewhere; the kernels round differently on CUDA (seen on an
-    H200), so the program must trace the same one. Here the CPU is made a foreach device for both."""
-    import torch.optim.optimizer as torch_optimizer
-    devices = torch_optimizer._get_foreach_kernels_supported_devices()
-    monkeypatch.setattr(torch_optimizer, "_get_foreach_kernels_supported_devices", lambda: [*devices, "cpu"])
-    reference, _, loss_fn = build("mlp")
-    reference_optimizer = adamw(reference)
-    model, _, _ = build("mlp")
-    step = zerocc.compile(model, adamw(model), stage=stage, loss_fn=loss_fn)
-    for batch in batches("mlp", STEPS, 8):
-        assert torch.equal(step(*batch), eager_step(reference, reference_optimizer, loss_fn, batch))
-    program = step.graph(step.passes[-1]).graph   # the update as it runs (stage 3: traced again over shards)
-    assert any("_foreach_" in str(node.target) for node in program.nodes)
-    for key, value in reference.state_dict().items():
-        assert torch.equal(step.full_state_dict()[key], value), key
+    H200), so the program traces the same one, and launches each foreach op once over the group, as eager does
+    (not once per parameter: on a GPU every launch costs the host). Here the CPU is made a foreach device."""
+    with foreach_as_on_cuda():
+        reference, _, loss_fn = build("gpt")
+        reference_optimizer = adamw(reference)
+        model, _, _ = build("gpt")
+        step = zerocc.compile(model, adamw(model), stage=stage, loss_fn=loss_fn)
+        for number, batch in enumerate(batches("gpt", STEPS, 8)):
+            with OpCalls() as eager_calls:
+                expected = eager_step(reference, reference_optimizer, loss_fn, batch)
+            with OpCalls() as program_calls:
+                assert torch.equal(step(*batch), expected)
+            if number > 0:   # the first call compiles
+                assert eager_calls.foreach() > 0 and program_calls.foreach() == eager_calls.foreach()
+        for key, value in reference.state_dict().items():
+            assert torch.equal(step.full_state_dict()[key], value), key
 
 
 def test_learning_rate_schedule_is_read_every_step():
@@ -221,7 +224,22 @@ def _train_all_stages(rank, world_size, name, memory_pools=None):
     *[(name, world_size, None) for world_size in (2, 4) for name in ("mlp", "gpt", "cnn")],   # None: the default
     ("gpt", 2, True)])
 def test_world_size_n_matches_ddp(name, world_size, memory_pools):
-    per_rank = distributed.run(_train_all_stages, world_size, name, memory_pools)
+    _assert_every_stage_matches_ddp(distributed.run(_train_all_stages, world_size, name, memory_pools))
+
+
+def _train_all_stages_with_foreach(rank, world_size, name):
+    with foreach_as_on_cuda():
+        return _train_all_stages(rank, world_size, name)
+
+
+@pytest.mark.multirank
+def test_the_foreach_update_across_ranks_matches_ddp():
+    """The update as on CUDA (foreach, launched per bucket so that a bucket's update can follow its reduction),
+    for DDP's eager optimizer and zerocc's alike."""
+    _assert_every_stage_matches_ddp(distributed.run(_train_all_stages_with_foreach, 2, "gpt"))
+
+
+def _assert_every_stage_matches_ddp(per_rank):
     for rank, results in enumerate(per_rank):
         expected_losses, expected_state, expected_gradients = results["ddp"]
         for stage in STAGES:

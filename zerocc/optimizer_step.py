@@ -115,6 +115,16 @@ def eager_picks_foreach(params: Sequence[torch.Tensor], differentiable: bool) ->
     return all(p.device.type in devices for p in params)
 
 
+def _runs_foreach(optimizer: torch.optim.Optimizer, group: int, params: Sequence[torch.Tensor]) -> bool:
+    """Whether eager's update of param group ``group`` (over ``params``, fakes of its parameters) is foreach."""
+    settings = optimizer.param_groups[group]
+    if "foreach" not in settings or settings.get("fused") or settings.get("differentiable"):
+        return False
+    if settings["foreach"] is None:
+        return eager_picks_foreach(params, False)
+    return bool(settings["foreach"])
+
+
 def optimizer_update(
     optimizer: torch.optim.Optimizer,
     params: Sequence[torch.Tensor],
@@ -137,7 +147,7 @@ def optimizer_update(
         settings = {key: value for key, value in group.items() if key != "params"}
         settings["params"] = [p for p, owner in zip(params, group_of) if owner == index]
         settings.update(read[index])
-        if settings.get("foreach") is None and not settings.get("fused"):
+        if "foreach" in settings and settings["foreach"] is None and not settings.get("fused"):
             settings["foreach"] = eager_picks_foreach(settings["params"], settings.get("differentiable", False))
         shadow.param_groups.append(settings)
     for param, grad, state in zip(params, grads, states):
@@ -299,6 +309,7 @@ def splice_update(
     *,
     replicate: bool | str,
     cache: dict | None = None,
+    units: Sequence[int] | None = None,
 ) -> tuple[list[fx.Node], list[dict[str, fx.Node]], list[fx.Node]]:
     """Trace ``optimizer.step()`` over ``params`` and splice it into ``gm`` before the output.
 
@@ -313,10 +324,18 @@ def splice_update(
     (a planner planning many world sizes). With ``REPLICATE_IF_ELEMENTWISE``
     (stage 0, which takes any optimizer), the update is replicated if its
     per-class trace is elementwise and traced over all parameters at once if not.
+
+    A param group whose update runs foreach kernels (eager's choice on CUDA, or ``foreach=True``) is not
+    replicated: one copy per parameter would launch every foreach op once per parameter (on an H200 the
+    124M GPT's step took 2,263 kernels against eager's 836, the host the bottleneck). Its update is traced
+    over each of ``units`` (an id per parameter: the bucket, so that ``overlap_updates`` can still run a
+    bucket's update after its reduction; None: the whole group, as eager launches it). Foreach kernels
+    compute each element as they do over eager's lists, so the step stays bit for bit.
     """
     if replicate == REPLICATE_IF_ELEMENTWISE:
         stepped, stepped_states, added = splice_update(
-            gm, fake_mode, optimizer, params, grads, states, learning_rates, group_of, replicate=True, cache=cache)
+            gm, fake_mode, optimizer, params, grads, states, learning_rates, group_of, replicate=True, cache=cache,
+            units=units)
         if not elementwise_offenders(added):
             return stepped, stepped_states, added
         for node in reversed(added):
@@ -330,11 +349,22 @@ def splice_update(
         value = node.meta[g.VAL]
         return (tuple(value.shape), value.dtype, str(value.device))
 
+    foreach_groups = {index for index in set(group_of) if replicate and _runs_foreach(
+        optimizer, index, [params[i].meta[g.VAL] for i in range(len(params)) if group_of[i] == index])}
     members: dict[tuple, list[int]] = collections.OrderedDict()
     for i in range(len(params)):
-        key = (describe(params[i]), describe(grads[i]), group_of[i],
-               tuple((k, describe(n)) for k, n in sorted(states[i].items()))) if replicate else "all"
+        if not replicate:
+            key = "all"
+        elif group_of[i] in foreach_groups:
+            key = ("foreach", group_of[i], None if units is None else units[i])
+        else:
+            key = (describe(params[i]), describe(grads[i]), group_of[i],
+                   tuple((k, describe(n)) for k, n in sorted(states[i].items())))
         members.setdefault(key, []).append(i)
+
+    def copied(key) -> bool:
+        """Whether ``key``'s trace is of its first member, copied for the others."""
+        return bool(replicate) and key[0] != "foreach"
 
     def fresh(node):
         value = node.meta[g.VAL]
@@ -354,13 +384,13 @@ def splice_update(
     traced = {}   # class -> (subgraph, output spec, constants registered on gm, traced for another shape)
     shape_free_traces = {}   # family -> its first class's key, when that trace holds for any shape
     for key, indices in members.items():
-        chosen = indices[:1] if replicate else indices
-        borrowed = shape_free_traces.get(family(indices[0])) if replicate else None
+        chosen = indices[:1] if copied(key) else indices
+        borrowed = shape_free_traces.get(family(indices[0])) if copied(key) else None
         if borrowed is not None:
             traced[key] = (*traced[borrowed][:3], True)
             continue
         cache_key = (key, id(optimizer), tuple(describe(n) for n in learning_rates))
-        if replicate and cache is not None and cache_key in cache:
+        if copied(key) and cache is not None and cache_key in cache:
             sub, spec = cache[cache_key]
         else:
             def update(ps, gs, ss, lrs, chosen=chosen):
@@ -370,7 +400,7 @@ def splice_update(
                     [{k: fresh(n) for k, n in sorted(states[i].items())} for i in chosen],
                     [fresh(n) for n in learning_rates])
             sub, spec = trace_functional(update, args, fake_mode)
-            if replicate and cache is not None:
+            if copied(key) and cache is not None:
                 cache[cache_key] = (sub, spec)
         attributes = {}
         for node in sub.graph.nodes:
@@ -378,7 +408,7 @@ def splice_update(
                 attributes[node.target] = g.unique_attribute(gm, "opt" + node.target)
                 gm.register_buffer(attributes[node.target], getattr(sub, node.target))
         traced[key] = (sub, spec, attributes, False)
-        if replicate and _holds_for_any_shape(sub):
+        if copied(key) and _holds_for_any_shape(sub):
             shape_free_traces[family(indices[0])] = key
 
     graph = gm.graph
@@ -386,7 +416,8 @@ def splice_update(
     new_params: list[fx.Node | None] = [None] * len(params)
     new_states: list[dict[str, fx.Node] | None] = [None] * len(params)
     added: list[fx.Node] = []
-    order = [(key, [i]) for key, indices in members.items() for i in indices] if replicate else list(members.items())
+    order = [(key, [i]) if copied(key) else (key, indices) for key, indices in members.items()
+             for i in (indices if copied(key) else indices[:1])]
     order.sort(key=lambda item: item[1][0])
     copies_of: collections.Counter = collections.Counter()
     with graph.inserting_before(output):

@@ -282,12 +282,16 @@ def _inline_optimizer(gm, ctx, piece_inputs, state_nodes, lr_nodes):
 
     At stages 1-3 the update is elementwise (capture checked it), so it is
     traced once per class of look-alike pieces and copied for the others; at
-    stage 0, which takes any optimizer, only if it turns out elementwise.
+    stage 0, which takes any optimizer, only if it turns out elementwise. A foreach update is traced
+    over each bucket's pieces across ranks (a bucket's update can then follow its reduction), over all of
+    them at world size 1, as eager launches it.
     """
+    units = [bucket.index for bucket, *_ in piece_inputs] if ctx.world_size > 1 else None
     new_pieces, new_states, added = splice_update(
         gm, ctx.fake_mode, ctx.optimizer,
         [p for *_, p, _ in piece_inputs], [gr for *_, gr in piece_inputs], state_nodes, lr_nodes,
-        [bucket.group for bucket, *_ in piece_inputs], replicate=True if ctx.stage != 0 else REPLICATE_IF_ELEMENTWISE, cache=ctx.traces)
+        [bucket.group for bucket, *_ in piece_inputs], replicate=True if ctx.stage != 0 else REPLICATE_IF_ELEMENTWISE,
+        cache=ctx.traces, units=units)
     for node in added:
         node.meta[g.PHASE] = g.OPTIMIZER
     return new_pieces, new_states
