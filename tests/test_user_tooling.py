@@ -414,6 +414,42 @@ def test_a_hook_registered_or_removed_between_steps_trains_as_eager(stage, kind)
         assert torch.equal(full[key], value), key
 
 
+class _HooksOnFirstCall(nn.Module):
+    """Registers a forward hook on a submodule in its first forward, as transformers' output capturing does
+    (SegFormer compiled twice: the first program was keyed on the model without the hook)."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = mlp()
+
+    def forward(self, x):
+        if not hasattr(self, "_installed"):
+            self.net[0].register_forward_hook(lambda module, inputs, output: output * 0.5)
+            self._installed = True
+        return self.net(x)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_hooks_a_first_forward_registers_compile_once(stage):
+    torch.manual_seed(0)
+    model = _HooksOnFirstCall()
+    reference = copy.deepcopy(model)
+    optimizer, reference_optimizer = (torch.optim.AdamW(m.parameters(), lr=0.1) for m in (model, reference))
+    step = zerocc.compile(model, optimizer, stage=stage, loss_fn=F.mse_loss)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x, y = torch.randn(4, 12, generator=generator), torch.randn(4, 5, generator=generator)
+        reference_optimizer.zero_grad(set_to_none=True)
+        expected = F.mse_loss(reference(x), y)
+        expected.backward()
+        reference_optimizer.step()
+        assert torch.equal(step(x, y), expected.detach())
+    assert len(step.compile_stats) == 1
+    full = step.full_state_dict()
+    for key, value in reference.state_dict().items():
+        assert torch.equal(full[key], value), key
+
+
 @pytest.mark.parametrize("wrapped", ["model", "block"])
 @pytest.mark.parametrize("stage", [0, 3])
 def test_a_model_or_block_wrapped_in_torch_compile_is_traced_through_its_own_code(stage, wrapped):

@@ -528,6 +528,11 @@ class CompiledStep:
             self._written_python |= written
             python, tensors = self.values_read()
             key = dataclasses.replace(key, python=python, tensors=tensors)
+        if (hooks := self.hook_ids()) != key.hooks:
+            # forward registered them itself, on its first call (transformers' output capturing does): the trace ran
+            # them, so the program is the one for the model as it is now; keyed on the old ones, the next call would
+            # compile again
+            key = dataclasses.replace(key, hooks=hooks)
         self.cache.add(key, found, batch)
         if key.state == INITIAL_STATE and (self.state.state_key() or found.reads_initial_state):
             # traced with existing state (a checkpoint loaded before the first call, or the optimizer's initial
