@@ -196,6 +196,48 @@ def test_a_trace_one_rank_alone_fails_is_an_error_on_every_rank():
     assert all(torch.equal(state_0[name], state_1[name]) for name in state_0)   # then trained together
 
 
+class _EvalFailsOnRankOne(torch.nn.Module):
+    """Rank 1's forward cannot be traced in eval mode (a Python branch on a tensor's value); training traces."""
+
+    def __init__(self):
+        super().__init__()
+        self.net, _, _ = build("mlp")
+
+    def forward(self, x):
+        out = self.net(x)
+        if not self.training and torch.distributed.get_rank() == 1 and out.sum() > -1e9:
+            out = out + 1
+        return out
+
+
+def _one_rank_fails_to_trace_eval(rank, world_size):
+    """Rank 1's eval_forward trace raises; the ranks then train on together. No timeout: nothing may hang."""
+    torch.manual_seed(0)
+    model = _EvalFailsOnRankOne()
+    _, _, loss_fn = build("mlp")
+    step = zerocc.compile(model, adamw(model), stage=3, loss_fn=loss_fn)
+    data = batches("mlp", 3, 4, seed=rank)
+    step(*data[0])
+    try:
+        step.eval_forward(data[1][0])
+        refused = "no error"
+    except (zerocc.ZeroccError, zerocc.RankMismatchError) as error:
+        refused = f"{type(error).__name__}: {error}"
+    losses = [step(*batch) for batch in data[1:]]
+    return refused, losses, step.full_state_dict()
+
+
+@pytest.mark.multirank
+def test_an_eval_trace_one_rank_alone_fails_is_an_error_on_every_rank():
+    """Rank 1's eval_forward trace raised; rank 0 went on into the program's gathers and waited there for rank 1
+    (gloo's 30 minutes, or until rank 1's process ended)."""
+    (refused_0, _, state_0), (refused_1, _, state_1) = distributed.run(_one_rank_fails_to_trace_eval, 2, timeout=120)
+    assert refused_1.startswith("CaptureError: tracing eval_forward failed at"), refused_1
+    assert refused_0.startswith("RankMismatchError: rank 0 of 2: tracing eval_forward on its batch failed on "
+                                f"rank(s) [1], so no rank compiles this program:\n  rank 1: {refused_1}"), refused_0
+    assert all(torch.equal(state_0[name], state_1[name]) for name in state_0)   # then trained together
+
+
 def _one_rank_never_compiles(rank, world_size):
     if rank == 1:
         time.sleep(TIMEOUT + 5)   # stuck elsewhere (its loader), alive past the timeout

@@ -74,10 +74,21 @@ def eval_forward(step, inputs: tuple, keyword_inputs: dict | None = None) -> Any
     signature = (input_signature(batch, layout), autocast, *step.values_read(), step.hook_ids(),
                  torch.get_default_dtype(), attention_backends())
     programs = step.eval_programs
-    kept = programs.pop(signature, [])   # one program per side of the data guards its trace decided
+    kept = programs.get(signature, [])   # one program per side of the data guards its trace decided
     program = next((p for p in reversed(kept) if all_hold(p.guards, batch)), None)
+    failed = None
     if program is None:
-        program = _compile(step, batch, layout, autocast)
+        try:
+            program = _compile(step, batch, layout, autocast)
+        except Exception as error:   # noqa: BLE001 - raised below, after every rank that gathers heard of it
+            if not step._gathers:
+                raise
+            failed = error
+    if step._gathers:   # the program gathers the shards: every rank must be here (runtime/failures.py)
+        # a rank whose trace failed says so here, where the others would otherwise wait for it in the gathers
+        failures.meet(step.ranks, "step.eval_forward", step.steps, step.timeout, failed=failed,
+                      what="tracing eval_forward on its batch")
+    programs.pop(signature, None)
     programs[signature] = [p for p in kept if p is not program] + [program]   # most recently used last
     if len(programs) > step.max_programs:
         dropped = next(iter(programs))
@@ -85,8 +96,6 @@ def eval_forward(step, inputs: tuple, keyword_inputs: dict | None = None) -> Any
         warnings.warn(f"zerocc: more than max_programs={step.max_programs} eval_forward programs; dropped "
                       "the least recently used. Pad evaluation batches to a few shapes", RecompileWarning,
                       stacklevel=user_stacklevel())
-    if step._gathers:   # the program gathers the shards: every rank must be here (runtime/failures.py)
-        failures.meet(step.ranks, "step.eval_forward", step.steps, step.timeout)
     with torch.no_grad(), failures.collective_failures(step.ranks, step.steps, step.timeout, call="step.eval_forward"):
         return program.run(step.state.slots, batch)
 

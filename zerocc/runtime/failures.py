@@ -242,7 +242,8 @@ CALLS = (TRAINING_STEP, "step.eval_forward", "step.full_state_dict", "step.full_
          "zerocc.load_checkpoint", "step.close")
 
 
-def check_calls_agree(ranks: Ranks, call: str, lines: Sequence[str] = (), missed: bool = False) -> bool:
+def check_calls_agree(ranks: Ranks, call: str, lines: Sequence[str] = (), missed: bool = False,
+                      failed: BaseException | None = None, what: str = "") -> bool:
     """Raise ``RankMismatchError`` on every rank if the ranks are not all making the same ``call`` (one of
     ``CALLS``), or if any rank's batch (``lines``: shapes and dtypes) differs; return whether any rank
     ``missed`` (found no program for its batch: every rank must then compile).
@@ -251,8 +252,10 @@ def check_calls_agree(ranks: Ranks, call: str, lines: Sequence[str] = (), missed
     code and digest and of their negations are equal and opposite only if
     every rank has the same; the maximum of the flags says whether any rank
     missed (a branch on batch values, ``zerocc/data_guards.py``, may take
-    another side on one rank only). Only on the failing path are the calls
-    and lines gathered. The all-reduce is control traffic, not the step's:
+    another side on one rank only), and whether any rank ``failed`` at ``what``
+    before the call's collectives (its own compile: it raises its error, every
+    other rank a ``RankMismatchError`` naming it). Only on the failing path are
+    the calls, lines and errors gathered. The all-reduce is control traffic, not the step's:
     it runs with the user's dispatch modes off, so a collective counter
     (``runtime/comm_counter.py``) or a memory tracker sees the step's own
     collectives only.
@@ -261,12 +264,14 @@ def check_calls_agree(ranks: Ranks, call: str, lines: Sequence[str] = (), missed
         return missed
     code = CALLS.index(call) + 1
     digest = int.from_bytes(hashlib.sha256("\n".join(lines).encode()).digest()[:7], "big")   # fits an int64
-    extremes = torch.tensor([code, -code, digest, -digest, int(missed)], dtype=torch.int64,
+    extremes = torch.tensor([code, -code, digest, -digest, int(missed), int(failed is not None)], dtype=torch.int64,
                             device=_control_device(ranks))
     with _disable_current_modes():
         dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=ranks.group)
-    highest_code, negated_lowest_code, highest, negated_lowest, anyone_missed = extremes.tolist()
+    highest_code, negated_lowest_code, highest, negated_lowest, anyone_missed, anyone_failed = extremes.tolist()
     if highest_code == code == -negated_lowest_code and highest == digest == -negated_lowest:
+        if anyone_failed:
+            raise_if_any_rank_failed(ranks, failed, what)
         return bool(anyone_missed)
     gathered = [None] * ranks.world_size
     dist.all_gather_object(gathered, (call, list(lines)), group=ranks.group)
@@ -296,10 +301,14 @@ def check_calls_agree(ranks: Ranks, call: str, lines: Sequence[str] = (), missed
     )
 
 
-def meet(ranks: Ranks, call: str, step_number: int, timeout: float | None) -> None:
+def meet(ranks: Ranks, call: str, step_number: int, timeout: float | None, failed: BaseException | None = None,
+         what: str = "") -> None:
     """Before ``call`` (one of ``CALLS``) runs its collectives: every rank makes the same call here, or every rank
-    fails naming what each called; a rank that never comes is a ``RankFailureError`` after ``timeout``."""
+    fails naming what each called; a rank that never comes is a ``RankFailureError`` after ``timeout``. A rank
+    that ``failed`` at ``what`` on the way (compiling the call's program) raises its error, the others name it."""
     if ranks.group is None:
+        if failed is not None:
+            raise failed
         return
     with collective_failures(ranks, step_number, timeout, call=call):
-        check_calls_agree(ranks, call)
+        check_calls_agree(ranks, call, failed=failed, what=what)
