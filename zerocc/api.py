@@ -54,7 +54,7 @@ from .runtime.program import Program
 from .runtime.release import HeldInterrupt
 from .step_state import (StepState, check_no_optimizer_step_hooks, check_param_groups_unchanged,
                          check_requires_grad_unchanged, param_groups_of, requires_grad_of,
-                         check_module_tensors_unchanged, module_tensors_of)
+                         check_module_tensors_unchanged, module_tensors_of, ModuleTree)
 from .tracing import make_fake_mode
 from .user_tooling import saved_tensors_hooks_state, suspended_user_tooling
 
@@ -383,7 +383,7 @@ class CompiledStep:
         if state.param_groups is not None:
             check_param_groups_unchanged(state.param_groups, self.optimizer)
             check_requires_grad_unchanged(state.requires_grad, self.model)
-            check_module_tensors_unchanged(state.module_tensors, self.model)
+            check_module_tensors_unchanged(state, self.model)
             user_views.check_placeholders_unwritten(self)
         held = HeldInterrupt()   # runtime/release.py: Ctrl-C in the update is raised once the call has its new state
         try:
@@ -471,8 +471,11 @@ class CompiledStep:
         read of the flag, on programs that create state only).
         """
         program, slots = entry.program, self.state.slots
-        created = [s for s in program.output_slots if s.startswith("state:") and s not in program.argument_slots]
-        if created and mixed.FOUND_INF_SLOT in slots and bool(slots[mixed.FOUND_INF_SLOT] > 0):
+        if mixed.FOUND_INF_SLOT not in slots:   # no loss scaling: nothing to drop (every call comes here)
+            return
+        arguments = set(program.argument_slots)
+        created = [s for s in program.output_slots if s.startswith("state:") and s not in arguments]
+        if created and bool(slots[mixed.FOUND_INF_SLOT] > 0):
             for slot in created:
                 del slots[slot]
             # the next step is a first step again: the same program
@@ -640,6 +643,7 @@ class CompiledStep:
             _refuse_tensors_another_step_trains(self, captured)
             state.captured = captured
             state.module_tensors = module_tensors_of(self.model)
+            state.module_tree = ModuleTree(self.model)
             state.plan = compiled.ctx.shard_plan
             with compiled.stats.timed(compile_stats.SLOTS):
                 state.slots = slot_store.initial_slots(compiled.ctx.shard_plan, captured, self.model, self.optimizer,
@@ -1000,7 +1004,7 @@ class CompiledStep:
         """The model's output on ``inputs`` in eval mode: forward only, no gradient, no update (``zerocc/eval.py``)."""
         self._check_open()
         if self.state.started:   # it reads the step's slots as the tensors of the first call
-            check_module_tensors_unchanged(self.state.module_tensors, self.model)
+            check_module_tensors_unchanged(self.state, self.model)
             user_views.check_placeholders_unwritten(self)
         from .eval import eval_forward
         return eval_forward(self, inputs, keyword_inputs)

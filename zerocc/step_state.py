@@ -45,6 +45,10 @@ class StepState:
         self.requires_grad: tuple[tuple[torch.nn.Parameter, bool], ...] | None = None   # requires_grad_of, 1st call
         # module_tensors_of at the first compile: the tensor objects the slots stand for, by their names then
         self.module_tensors: dict[str, tuple[tuple[tuple[str, ...], torch.Tensor], ...]] | None = None
+        self.module_tree: ModuleTree | None = None      # the registrations then (check_module_tensors_unchanged)
+        # user_views.point_module_at_slots: the slot tensor each buffer (by name) and whole bucket (by index) of the
+        # module points at now
+        self.pointed_at: dict = {}
         self.first_batch: FirstBatch | None = None       # zerocc/batch.py: later batches keep its dtypes and devices
         self.full_model_depth = 0                        # inside step.full_model(): the module holds whole parameters
         self.reading_model_keys = False                  # model.state_dict() called for its keys only
@@ -90,10 +94,11 @@ class StepState:
 
     def reset(self) -> None:
         """Back to before the first compile (a first call that failed): the user's objects hold everything."""
-        self.slots = self.plan = self.captured = self.state_signature = self.module_tensors = None
+        self.slots = self.plan = self.captured = self.state_signature = self.module_tensors = self.module_tree = None
         self.param_groups = self.first_batch = self.requires_grad = None
         self.released_shapes = {}
         self.placeholder_versions = {}
+        self.pointed_at = {}
 
 
 def param_groups_of(optimizer: torch.optim.Optimizer) -> tuple[tuple[int, ...], ...]:
@@ -152,19 +157,46 @@ def module_tensors_of(model: torch.nn.Module) -> dict[str, tuple[tuple[tuple[str
     return {kind: tuple(named_tensors(model, kind)) for kind in ("param", "buffer")}
 
 
-def check_module_tensors_unchanged(compiled_for: dict[str, tuple[tuple[tuple[str, ...], torch.Tensor], ...]],
-                                   model: torch.nn.Module) -> None:
+class ModuleTree:
+    """Every module of a model with its children, parameters and buffers as registered at one moment (shallow
+    copies of the three dicts). ``unchanged()`` compares them by identity: a few hundred dict lookups, where a walk
+    of the tree by names builds every name (``check_module_tensors_unchanged``'s fast path, taken at every call:
+    on a GPU the host's time per call is step time)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.entries = [(module, dict(module._modules), dict(module._parameters), dict(module._buffers))
+                        for module in model.modules()]
+
+    def unchanged(self) -> bool:
+        return all(_same_entries(module._modules, children) and _same_entries(module._parameters, parameters)
+                   and _same_entries(module._buffers, buffers) for module, children, parameters, buffers in self.entries)
+
+
+_ABSENT = object()
+
+
+def _same_entries(now: dict, then: dict) -> bool:
+    """Whether ``now`` holds exactly ``then``'s keys, each with the same object."""
+    return len(now) == len(then) and all(now.get(key, _ABSENT) is value for key, value in then.items())
+
+
+def check_module_tensors_unchanged(state: "StepState", model: torch.nn.Module) -> None:
     """A parameter or buffer registered, removed, renamed or replaced by another tensor after the first call is
     refused, naming each: the step's slots hold the tensors of its first call, by their names then.
 
     The program would have gone on reading its own copy of a replaced buffer (a new mask: eager reads the new
     tensor), never read a newly registered one, and a renamed parameter (``prune.l1_unstructured`` moves
-    ``weight`` to ``weight_orig``) failed with a KeyError. Checked at every call (a walk of the module tree).
+    ``weight`` to ``weight_orig``) failed with a KeyError. Checked at every call: ``state.module_tree`` first (no
+    registration changed since it was taken), then, where one did, a walk of the module tree by names.
     """
+    if state.module_tree is not None and state.module_tree.unchanged():
+        return
+    compiled_for = state.module_tensors
     now = module_tensors_of(model)
     if all(len(now[kind]) == len(compiled_for[kind])
            and all(names == old_names and tensor is old for (names, tensor), (old_names, old)
                    in zip(now[kind], compiled_for[kind])) for kind in now):
+        state.module_tree = ModuleTree(model)   # a change that names the same tensors (a module without any added)
         return
     changes = []
     for kind, word in (("param", "parameter"), ("buffer", "buffer")):

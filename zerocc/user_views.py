@@ -168,6 +168,7 @@ def full_model(step, writeback: bool = True):
         step.state.full_model_depth -= 1
         for name, tensor in params.items():
             tensor.data = kept[name]
+        step.state.pointed_at.clear()   # the write-back may have replaced slots
         point_module_at_slots(step)
         _note_placeholder_versions(step)
 
@@ -197,17 +198,24 @@ def point_module_at_slots(step) -> None:
     holds them whole (``step.full_model()`` gathers them).
     """
     state = step.state
+    # the slots the module's tensors point at, as of the last time: with memory pools a step writes its updates
+    # into the same tensors, so nothing is pointed again (every call comes here; on a GPU host time is step time)
+    pointed = state.pointed_at
     buffers = state.tensors("buffer")
     for info in state.captured.buffers:
-        buffers[info.name].data = state.slots[decisions.buffer_slot(info.name)]
+        slot = state.slots[decisions.buffer_slot(info.name)]
+        if pointed.get(info.name) is not slot:
+            buffers[info.name].data = pointed[info.name] = slot
     if step.stage == 3:
         return
-    views = slot_store.parameter_views(state.plan, state.captured, {
-        b.index: state.slots[decisions.bucket_slot(b.index)] for b in state.plan.buckets
-        if not state.plan.holds_shard(b)})
+    whole = {b.index: state.slots[decisions.bucket_slot(b.index)] for b in state.plan.buckets
+             if not state.plan.holds_shard(b)}
+    whole = {index: bucket for index, bucket in whole.items() if pointed.get(index) is not bucket}
+    views = slot_store.parameter_views(state.plan, state.captured, whole)
     tensors = state.tensors("param")
     for index, view in views.items():
         tensors[state.captured.params[index].name].data = view
+    pointed.update(whole)
 
 
 def release_model_parameters(step) -> None:
@@ -219,6 +227,7 @@ def release_model_parameters(step) -> None:
         param = tensors[info.name]
         state.released_shapes[info.name] = info.shape
         param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+    state.pointed_at.clear()
     point_module_at_slots(step)
     _note_placeholder_versions(step)
 

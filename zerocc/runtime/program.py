@@ -10,6 +10,7 @@ which slots were lost.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import torch.fx as fx
@@ -19,6 +20,9 @@ from ..autocast import outside_autocast
 from ..errors import note_failing_node
 from .arenas import Arenas, is_arena_slot
 from .release import releases_slots
+
+
+_BATCH, _ARENA, _SLOT = "batch", "arena", "slot"
 
 
 @dataclasses.dataclass
@@ -32,6 +36,13 @@ class Program:
     released_slots: tuple[str, ...] = () # slots dropped at the release point (passes/release_slots.py)
     arena_sizes: tuple = ()              # (slot, bytes, device) of each arena this program writes into
     guards: tuple = ()                   # data guards (zerocc/data_guards.py): the batches this program is for
+
+    @functools.cached_property
+    def _argument_sources(self) -> list[tuple[object, object]]:
+        """Per placeholder, where its argument comes from (``_BATCH``, ``_ARENA`` or a slot) and its key there:
+        decided once, not at every call."""
+        return [(_BATCH, position) if slot is None else (_ARENA, slot) if is_arena_slot(slot) else (_SLOT, slot)
+                for slot, position in zip(self.argument_slots, self.input_positions)]
 
     @classmethod
     def from_graph(cls, gm: fx.GraphModule, arenas: Arenas | None = None) -> "Program":
@@ -67,14 +78,8 @@ class Program:
         for slot, nbytes, device in self.arena_sizes:   # another program may have run since
             self.arenas.fit(slot, nbytes, device)
         addresses = self.arenas.addresses()
-        arguments = []
-        for slot, position in zip(self.argument_slots, self.input_positions):
-            if slot is None:
-                arguments.append(batch[position])
-            elif is_arena_slot(slot):
-                arguments.append(self.arenas[slot])
-            else:
-                arguments.append(slots[slot])
+        arguments = [batch[key] if source is _BATCH else self.arenas[key] if source is _ARENA else slots[key]
+                     for source, key in self._argument_sources]
         # gm.forward, not gm(...): the program is no module of the user's, so global module hooks (a user's
         # MemTracker or ModTracker, zerocc/user_tooling.py) must not see it as one called every step
         if not releases_slots(self.gm):
