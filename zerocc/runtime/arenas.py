@@ -27,9 +27,20 @@ def is_arena_slot(slot: str | None) -> bool:
 
 def arena_view(arena: torch.Tensor, offset: int, size: tuple[int, ...], stride: tuple[int, ...],
                dtype: torch.dtype) -> torch.Tensor:
-    """A tensor of ``size``, ``stride`` and ``dtype`` over the bytes of ``arena`` from ``offset`` on."""
-    # offsets are multiples of 64 bytes (memory_plan.ALIGNMENT_BYTES): every dtype's element divides them
-    return arena.view(dtype).as_strided(size, stride, offset // dtype.itemsize)
+    """A tensor of ``size``, ``stride`` and ``dtype`` over the bytes of ``arena`` from ``offset`` on.
+
+    Made once per arena and placement, then kept on the arena: a program places about a thousand outputs per
+    step (a 12-layer GPT), and two view ops each were host time at every step (on a GPU, step time). A new
+    arena (``Arenas.fit``) starts with none. A kept view whose shape an op changed is made again."""
+    views = arena.__dict__.get("_zerocc_views")
+    if views is None:
+        views = arena.__dict__["_zerocc_views"] = {}
+    key = (offset, size, stride, dtype)
+    view = views.get(key)
+    if view is None or view.shape != size or view.stride() != stride:
+        # offsets are multiples of 64 bytes (memory_plan.ALIGNMENT_BYTES): every dtype's element divides them
+        view = views[key] = arena.view(dtype).as_strided(size, stride, offset // dtype.itemsize)
+    return view
 
 
 class Arenas:
