@@ -414,6 +414,20 @@ def test_a_hook_registered_or_removed_between_steps_trains_as_eager(stage, kind)
         assert torch.equal(full[key], value), key
 
 
+def _three_steps_beside_eager(step, reference, reference_optimizer):
+    """Three MSE steps of ``step`` against ``reference`` trained eagerly on the same batches, bit for bit; the
+    last batch's input."""
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x, y = torch.randn(4, 12, generator=generator), torch.randn(4, 5, generator=generator)
+        reference_optimizer.zero_grad(set_to_none=True)
+        expected = F.mse_loss(reference(x), y)
+        expected.backward()
+        reference_optimizer.step()
+        assert torch.equal(step(x, y), expected.detach())
+    return x
+
+
 class _HooksOnFirstCall(nn.Module):
     """Registers a forward hook on a submodule in its first forward, as transformers' output capturing does
     (SegFormer compiled twice: the first program was keyed on the model without the hook)."""
@@ -436,14 +450,7 @@ def test_hooks_a_first_forward_registers_compile_once(stage):
     reference = copy.deepcopy(model)
     optimizer, reference_optimizer = (torch.optim.AdamW(m.parameters(), lr=0.1) for m in (model, reference))
     step = zerocc.compile(model, optimizer, stage=stage, loss_fn=F.mse_loss)
-    generator = torch.Generator().manual_seed(1)
-    for _ in range(3):
-        x, y = torch.randn(4, 12, generator=generator), torch.randn(4, 5, generator=generator)
-        reference_optimizer.zero_grad(set_to_none=True)
-        expected = F.mse_loss(reference(x), y)
-        expected.backward()
-        reference_optimizer.step()
-        assert torch.equal(step(x, y), expected.detach())
+    _three_steps_beside_eager(step, reference, reference_optimizer)
     assert len(step.compile_stats) == 1
     full = step.full_state_dict()
     for key, value in reference.state_dict().items():
@@ -461,14 +468,7 @@ def test_a_model_or_block_wrapped_in_torch_compile_is_traced_through_its_own_cod
         model[0] = torch.compile(model[0])
     step = zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=0.1), stage=stage, loss_fn=F.mse_loss)
     reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.1)
-    generator = torch.Generator().manual_seed(1)
-    for _ in range(3):
-        x, y = torch.randn(4, 12, generator=generator), torch.randn(4, 5, generator=generator)
-        reference_optimizer.zero_grad(set_to_none=True)
-        expected = F.mse_loss(reference(x), y)
-        expected.backward()
-        reference_optimizer.step()
-        assert torch.equal(step(x, y), expected.detach())
+    x = _three_steps_beside_eager(step, reference, reference_optimizer)
     full = {key.replace("_orig_mod.", ""): value for key, value in step.full_state_dict().items()}
     assert full.keys() == reference.state_dict().keys()
     assert all(torch.equal(full[key], value) for key, value in reference.state_dict().items())
