@@ -41,7 +41,7 @@ from .compile_stats import CompileStats
 from .autocast import autocast_as, autocast_state, outside_autocast
 from .batch import BatchLayout
 from .data_guards import DataGuard, GuardRecorder, recording
-from .errors import CaptureError, ConfigError, ZeroccError, raised_by_user_code, user_frame
+from .errors import CaptureError, ConfigError, ZeroccError, defined_at, raised_by_user_code, user_frame
 from .optimizer_step import REPLICATE_IF_ELEMENTWISE, check_elementwise, splice_update
 from . import precision as mixed
 from .host_random import EXTREMES, HostDraws, same_program
@@ -187,10 +187,7 @@ def _one_number(loss: Any) -> bool:
 
 def _defined_at(function: Callable) -> str:
     """Where ``function`` is defined, as file:line (its name when Python does not say)."""
-    code = getattr(getattr(function, "func", function), "__code__", None)   # functools.partial: its function
-    if code is None:
-        return getattr(function, "__qualname__", type(function).__name__)
-    return f"{code.co_filename}:{code.co_firstlineno}"
+    return defined_at(function) or getattr(function, "__qualname__", type(function).__name__)
 
 
 def check_micro_batches(inputs: Sequence[Any], count: int, layout: BatchLayout) -> None:

@@ -5,6 +5,7 @@ why, and what to do. Internal invariants use ``assert`` instead.
 """
 from __future__ import annotations
 
+import inspect
 import linecache
 import os
 import sys
@@ -89,6 +90,15 @@ class MemoryBudgetError(ZeroccError):
 
 class PassError(ZeroccError):
     """A pass of the pipeline failed; the message names it."""
+
+
+def defined_at(function) -> str | None:
+    """Where ``function`` is defined, as 'file:line': a plain function, a ``functools.partial``'s, a decorated
+    function's (``__wrapped__``), or a callable object's ``__call__``; None where Python does not say."""
+    function = inspect.unwrap(getattr(function, "func", function))
+    call = vars(type(function)).get("__call__") if not hasattr(function, "__code__") else None
+    code = getattr(function, "__code__", None) or getattr(call, "__code__", None)
+    return None if code is None else f"{code.co_filename}:{code.co_firstlineno}"
 
 
 def user_frame(tb) -> str | None:

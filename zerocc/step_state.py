@@ -11,7 +11,6 @@ groups) and the batch checks' reference (the first batch).
 from __future__ import annotations
 
 import contextlib
-import inspect
 from typing import Iterator
 
 import torch
@@ -20,7 +19,7 @@ from . import precision
 from .batch import FirstBatch
 from .capture import Captured, named_tensors
 from .decisions import ShardPlan
-from .errors import ConfigError
+from .errors import ConfigError, defined_at
 from .program_cache import INITIAL_STATE
 
 
@@ -134,9 +133,8 @@ def check_no_optimizer_step_hooks(optimizer: torch.optim.Optimizer) -> None:
         return
 
     def where(hook) -> str:
-        code = getattr(inspect.unwrap(hook), "__code__", None)
-        defined = f" ({code.co_filename}:{code.co_firstlineno})" if code is not None else ""
-        return f"{getattr(hook, '__qualname__', repr(hook))}{defined}"
+        defined = defined_at(hook)
+        return f"{getattr(hook, '__qualname__', repr(hook))}" + (f" ({defined})" if defined else "")
     raise ConfigError(
         f"the optimizer has {len(hooks)} step hook(s) (register_step_pre_hook / register_step_post_hook): "
         f"{', '.join(where(h) for h in hooks)}\n"

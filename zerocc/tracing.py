@@ -35,7 +35,7 @@ from . import compile_stats, fake_kernels
 from . import graph as g
 from .compile_stats import CompileStats
 from .data_guards import GuardedShapeEnv
-from .errors import CaptureError, ObservedValueWarning, user_line_of_node, user_stacklevel
+from .errors import CaptureError, ObservedValueWarning, defined_at, user_line_of_node, user_stacklevel
 from .ops import batch_norm_with_stats, bernoulli_in_layout, binary_cross_entropy_with_logits
 
 aten = torch.ops.aten
@@ -329,9 +329,8 @@ def _containers_reached(model: torch.nn.Module, functions) -> list[tuple[str, An
             add(f"{name} (named by {what})", function.__globals__.get(name))
 
     def described(hook):
-        code = getattr(getattr(hook, "func", hook), "__code__", None)
-        name = getattr(hook, "__qualname__", type(hook).__name__)
-        return f"the hook {name}" + (f" at {code.co_filename}:{code.co_firstlineno}" if code is not None else "")
+        where = defined_at(hook)
+        return f"the hook {getattr(hook, '__qualname__', type(hook).__name__)}" + (f" at {where}" if where else "")
 
     for module_name, module in model.named_modules():
         for name, value in vars(module).items():

@@ -39,7 +39,7 @@ import torch.nn.modules.module as module_hooks
 import torch.optim.optimizer as optimizer_hooks
 from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode_stack
 
-from .errors import user_stacklevel
+from .errors import defined_at, user_stacklevel
 
 # The registries of hooks that fire for every module or every optimizer, by module and name.
 GLOBAL_HOOKS = (
@@ -101,7 +101,4 @@ def saved_tensors_hooks_state() -> tuple:
 
 
 def _defined_at(function) -> str:
-    code = getattr(function, "__code__", None) or getattr(type(function).__call__, "__code__", None)
-    if code is None:
-        return type(function).__qualname__
-    return f"{code.co_filename}:{code.co_firstlineno} {code.co_qualname}"
+    return f"{defined_at(function) or ''} {getattr(function, '__qualname__', type(function).__qualname__)}"
