@@ -515,6 +515,40 @@ def test_stage_3_accumulation_gathers_per_micro_batch_unless_told_not_to():
     assert kept_peak >= 1.9 * padded > 3 * one_peak   # kept: a forward and a backward copy of (nearly) every bucket
 
 
+def _clipped_with_a_bucket_one_rank_owns(rank, world_size):
+    """Stage 1 with clipping; the last bucket holds a 1-element bias alone, so rank 1 owns only its padding."""
+    def build_model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(12, 7), torch.nn.GELU(), torch.nn.Linear(7, 1))
+    x, y = torch.randn(16, 12, generator=torch.Generator().manual_seed(1)), torch.randn(16, 1)
+    local = [(x[rank * 8:(rank + 1) * 8], y[rank * 8:(rank + 1) * 8])] * 2
+    reference = build_model()
+    ddp = DistributedDataParallel(reference)
+    optimizer = sgd(reference)
+    expected = [eager_accumulated_step(ddp, optimizer, F.mse_loss, batch, 1, clip=0.05) for batch in local]
+    model = build_model()
+    step = zerocc.compile(model, sgd(model), stage=1, loss_fn=F.mse_loss, clip_grad_norm=0.05, bucket_bytes=32,
+                          memory_pools=False)
+    got = []
+    for batch in local:
+        got.append((step(*batch), step.last_grad_norm))
+    return expected, got, dict(reference.state_dict()), step.full_state_dict(), step.shard_plan
+
+
+@pytest.mark.multirank
+def test_clipping_at_stage_1_where_a_rank_owns_no_piece_of_the_last_bucket():
+    # the norm's all_reduce went after the last piece this rank clips: on rank 1, before the last bucket's
+    # reduce-scatter, on rank 0 after it (RankMismatchError: the ranks compiled different steps)
+    for expected, got, expected_state, state, plan in distributed.run(_clipped_with_a_bucket_one_rank_owns, 2):
+        last = plan.buckets[-1]
+        assert [segment.numel for segment in last.segments] == [1] and not list(last.pieces(1))
+        for (loss, norm), (expected_loss, expected_norm) in zip(got, expected):
+            assert expected_norm > 0.05   # the clip acts
+            torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(norm, expected_norm, rtol=1e-5, atol=1e-6)
+        for key, value in expected_state.items():
+            torch.testing.assert_close(state[key], value, rtol=1e-4, atol=1e-5)
+
 def _both_gather_modes(rank, world_size):
     data = [tuple(t[rank * 8:(rank + 1) * 8] for t in batch) for batch in batches("gpt", 2, 8 * world_size)]
     results = []

@@ -198,6 +198,7 @@ def compile(
     except ConfigError as error:
         refused = error
     ranks = _refused_on_every_rank(refused, model, group, timeout)
+    options = _budget_of_every_rank(options, ranks, timeout)
     steps_run, scaler = _close_earlier_steps(model, optimizer)
     step = CompiledStep(model, optimizer, options, group, ranks)
     step.steps = steps_run   # counted on from the step it took over from (checkpoints save the count)
@@ -231,6 +232,20 @@ def _refused_on_every_rank(refused: ConfigError | None, model, group, timeout) -
         raise ConfigError("zerocc.compile was refused on another rank, so no rank compiles (every rank must compile "
                           "the same step):\n" + "\n".join(f"  rank {rank}: {message}" for rank, message in failed))
     return ranks
+
+
+def _budget_of_every_rank(options: CompileOptions, ranks: Ranks | None, timeout) -> CompileOptions:
+    """``options`` with the smallest ``memory_budget`` any rank gave (None only where no rank gave one): every rank
+    plans the one step against it, as against the device's budget (``CompiledStep._device_budget``). A budget each
+    rank computes from its own device (a fraction of ``torch.cuda.mem_get_info()``) differs between ranks, and
+    ``place_remat`` meets the other ranks in a collective for each plan it measures: ranks deciding against their own
+    budget measured different plans, and their collectives paired with each other's (a hang, or an AttributeError
+    from another rank's object)."""
+    if ranks is None or ranks.group is None:
+        return options
+    with failures.collective_failures(ranks, 0, timeout, call="zerocc.compile"):
+        budget = failures.smallest_over_ranks(ranks, options.memory_budget)
+    return options if budget == options.memory_budget else dataclasses.replace(options, memory_budget=budget)
 
 
 # The step that holds a model's (and its optimizer's) state, once its first call has moved it into slots.

@@ -78,7 +78,12 @@ def clip_gradients(gm: fx.GraphModule, ctx: CompileContext, *, max_norm: float, 
         fakes = [torch.empty_like(value) for value in read_as]
     sub, _ = trace_functional(lambda grads: clip(grads), (fakes,), ctx.fake_mode)
 
-    anchor = max((node for _, _, node, _ in pieces), key=g.topological_index(gm).get, default=None)
+    # after every piece this rank clips and every bucket's reduction, on every rank: at stage 1 the reductions are
+    # interleaved with the pieces before the output, and a rank owning no piece of the last bucket (a 1-element
+    # bias at the end of the model, small buckets) would otherwise issue the norm's all_reduce before that
+    # bucket's reduce-scatter, where the other ranks issue it after (RankMismatchError)
+    anchor = max([*(node for _, _, node, _ in pieces), *markers.values()], key=g.topological_index(gm).get,
+                 default=None)
     added = []
     env = dict(zip(g.placeholders(sub), [node for _, _, node, _ in pieces]))
     with graph.inserting_before(anchor.next if anchor is not None else g.output_node(gm)):
