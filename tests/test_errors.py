@@ -201,6 +201,28 @@ def test_a_model_short_of_arguments_says_how_the_step_split_them():
         step(batches("mlp", 1, 4)[0][0])
 
 
+def test_a_keyword_the_model_does_not_take_names_its_forward_not_how_the_step_split_positional_arguments():
+    """A data collator's extra column (special_tokens_mask) passed with step(**batch): the error said to give compile
+    num_targets=, which has nothing to do with a keyword."""
+    class Tagger(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(12, 5)
+
+        def forward(self, x, labels):
+            return F.mse_loss(self.linear(x), labels)
+
+    model = Tagger()
+    step = zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = batches("mlp", 1, 4)[0]
+    with pytest.raises(zerocc.CaptureError, match=r"unexpected keyword argument 'special_tokens_mask' \(the step "
+                       r"passes every keyword of its call to the model, whose forward is at .*test_errors.py:\d+, as "
+                       r"eager's model\(\*\*batch\) does: leave out of the call the keys it does not take") as error:
+        step(x=x, labels=y, special_tokens_mask=y)
+    assert "num_targets" not in str(error.value)
+    step(x=x, labels=y)   # nothing changed: the batch without it trains
+
+
 def test_optimizer_that_needs_a_closure():
     model = MLP()
     step = zerocc.compile(model, torch.optim.LBFGS(model.parameters()), loss_fn=F.mse_loss)
@@ -295,7 +317,9 @@ def test_grad_accumulation_that_does_not_divide_the_batch():
     model = MLP()
     step = zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=F.mse_loss, grad_accumulation=3)
     with pytest.raises(zerocc.ConfigError, match=r"grad_accumulation=3 does not divide the batch along dim 0: "
-                       r"argument 0 has 4 rows, argument 1 has 4 rows; use a batch whose size is a multiple of 3"):
+                       r"argument 0 has 4 rows, argument 1 has 4 rows; use a batch whose size is a multiple of 3 "
+                       r"\(every micro-batch is the same size; an epoch's short last batch: DataLoader\(\.\.\., "
+                       r"drop_last=True\), or skip it in the loop\)"):
         step(*batches("mlp", 1, 4)[0])
 
 

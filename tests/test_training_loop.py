@@ -290,6 +290,106 @@ def test_world_size_2_matches_ddp():
         torch.testing.assert_close(output, per_rank[0]["eval"][0], rtol=0, atol=0)
 
 
+# -- loss normalized by a token count (transformers' num_items_in_batch) ------------------------------
+
+class TokenCountLM(torch.nn.Module):
+    """A language model whose loss is transformers' ``fixed_cross_entropy``: with ``num_items_in_batch`` the sum over
+    the tokens not ignored (-100) divided by that count, which the loop computes per step."""
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embedding = torch.nn.Embedding(32, 16)
+        self.head = torch.nn.Linear(16, 32)
+
+    def forward(self, input_ids, labels, num_items_in_batch=None):
+        logits = self.head(self.embedding(input_ids)).flatten(0, 1)
+        reduction = "sum" if num_items_in_batch is not None else "mean"
+        loss = F.cross_entropy(logits, labels.flatten(), ignore_index=-100, reduction=reduction)
+        return loss if num_items_in_batch is None else loss / num_items_in_batch
+
+
+def token_batches(steps, rows, seed=1):
+    """(input_ids, labels) with about a third of the labels ignored, a different count every step; the first rows of
+    the second batch all ignored (a micro-batch of padding only)."""
+    generator = torch.Generator().manual_seed(seed)
+    data = []
+    for index in range(steps):
+        ids = torch.randint(0, 32, (rows, 6), generator=generator)
+        labels = ids.masked_fill(torch.rand(rows, 6, generator=generator) < 0.35, -100)
+        if index == 1:
+            labels[:2] = -100
+        data.append((ids, labels))
+    return data
+
+
+def test_a_token_count_that_changes_every_step_trains_as_eager_with_one_program_as_a_tensor():
+    """A count passed as a 0-dim tensor is read by one program at every step, shared by the micro-batches, bit for
+    bit with eager (a micro-batch of padding only adds nothing); passed as an int, each new count compiled a program
+    of its own with no word until max_programs were exceeded: the first recompile now says so, naming it."""
+    reference = TokenCountLM()
+    reference_optimizer = sgd(reference)
+    model = TokenCountLM()
+    step = zerocc.compile(model, sgd(model), stage=3, grad_accumulation=2)
+    data = token_batches(4, 4)
+    counts = [int(labels.ne(-100).sum()) for _, labels in data]
+    assert len(set(counts)) == 3 and counts[0] != counts[1]   # another count at the second step
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # nothing to say: one program
+        for (ids, labels), count in zip(data, counts):
+            reference_optimizer.zero_grad()
+            expected = 0
+            for micro_ids, micro_labels in zip(ids.chunk(2), labels.chunk(2)):
+                loss = reference(micro_ids, micro_labels, num_items_in_batch=torch.tensor(count)) / 2
+                loss.backward()
+                expected = expected + loss.detach()
+            reference_optimizer.step()
+            assert torch.equal(step(input_ids=ids, labels=labels, num_items_in_batch=torch.tensor(count)), expected)
+    assert len(step.cache.programs()) == 2   # SGD with momentum: its first step's and the steady state's, every count
+    assert_same_state(step, reference)
+
+    model = TokenCountLM()
+    step = zerocc.compile(model, sgd(model), stage=3, grad_accumulation=2)
+    step(input_ids=data[0][0], labels=data[0][1], num_items_in_batch=counts[0])
+    with pytest.warns(zerocc.RecompileWarning, match=rf"a new program because Python values in the batch changed "
+                      rf"\(num_items_in_batch=int {counts[0]} -> int {counts[1]}\).*Pass such a number as a tensor "
+                      r"\(num_items_in_batch=torch.tensor\(n\)\)"):
+        step(input_ids=data[1][0], labels=data[1][1], num_items_in_batch=counts[1])
+
+
+def _token_counts_per_rank(rank, world_size):
+    """Each rank's own count as an int (refused on every rank, naming the values), then the global count as a tensor
+    divided by world size x accumulation: one process's training on the global batch, the loss over all its tokens."""
+    data = token_batches(3, 4 * world_size)
+    local = [(ids[rank * 4:(rank + 1) * 4], labels[rank * 4:(rank + 1) * 4]) for ids, labels in data]
+    model = TokenCountLM()
+    step = zerocc.compile(model, sgd(model), stage=3, grad_accumulation=2)
+    ids, labels = local[0]
+    try:
+        step(input_ids=ids, labels=labels, num_items_in_batch=int(labels.ne(-100).sum()))
+        refused = "no error"
+    except zerocc.RankMismatchError as error:
+        refused = str(error)
+    for (ids, labels), (_, global_labels) in zip(local, data):
+        step(input_ids=ids, labels=labels, num_items_in_batch=global_labels.ne(-100).sum() / (world_size * 2))
+    reference = TokenCountLM()
+    optimizer = sgd(reference)
+    for ids, labels in data:
+        optimizer.zero_grad()
+        reference(ids, labels, num_items_in_batch=labels.ne(-100).sum()).backward()
+        optimizer.step()
+    return refused, step.full_state_dict(), reference.state_dict()
+
+
+@pytest.mark.multirank
+def test_token_counts_across_ranks():
+    for rank, (refused, state, expected) in enumerate(distributed.run(_token_counts_per_rank, 2)):
+        assert "ranks [1] were called with other Python values in the batch than rank 0's" in refused, refused
+        assert "input 2 (num_items_in_batch=): Python int " in refused
+        assert "fix: pass a number that differs between ranks as a tensor" in refused
+        for key, value in expected.items():
+            torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank} {key}: {m}")
+
+
 # -- eval_forward ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("name,stage", [("mlp", 0), ("gpt", 3), ("cnn", 3)])

@@ -43,8 +43,9 @@ from .planning import communication, model_state_bytes
 from .precision import DynamicLossScale
 from .progress import CompileProgress
 from .autocast import autocast_state, outside_autocast
-from .program_cache import (INITIAL_STATE, attention_backends, CacheEntry, CacheKey, ProgramCache, changed_python_values, hook_ids,
-                            describe_signature, input_signature, python_sources, training_modes, values_read)
+from .program_cache import (INITIAL_STATE, attention_backends, CacheEntry, CacheKey, ProgramCache, changed_batch_values,
+                            changed_python_values, describe_signature, hook_ids, input_signature, python_sources,
+                            training_modes, values_read)
 from .runtime import failures
 from .runtime import slots as slot_store
 from .runtime.arenas import Arenas
@@ -354,6 +355,7 @@ class CompiledStep:
         self._python_sources = python_sources(model, options.loss_fn)   # where forward and the loss read Python values
         self._written_python: frozenset = frozenset()   # those forward writes itself (a counter): not in the key
         self._warned_python = False   # _say_which_python_values_changed: once per step
+        self._warned_batch_values = False   # _say_which_batch_values_changed: once per step
         self.compile_stats: list[CompileStats] = []   # per compiled program: seconds per phase (compile_stats.py)
         self._user_hooks: list = []          # zerocc/user_views.py, installed at the first compile
         self._hardware: HardwareProfile | None = None   # _hardware_profile: measured (or read) when first needed
@@ -532,6 +534,7 @@ class CompiledStep:
         self.cache.check_static_shapes(key.signature)
         self._say_which_settings_changed(key)
         self._say_which_python_values_changed(key)
+        self._say_which_batch_values_changed(key)
         started = time.perf_counter()
         before = values_read(self._python_sources)
         self._progress = CompileProgress(self.options.progress, self.ranks.rank)
@@ -604,6 +607,29 @@ class CompiledStep:
             f"memory_budget={budget:,} bytes was exceeded: the step's first run on this batch held {peak:,} bytes at "
             f"its peak{planned}: {why}Lower memory_budget by the difference ({peak - budget:,} bytes, more where "
             f"other batches route more unevenly) to leave them room.", MemoryBudgetWarning, stacklevel=user_stacklevel())
+
+    def _say_which_batch_values_changed(self, key: CacheKey) -> None:
+        """Warn, once per step, when a program is compiled because a Python value in the batch changed.
+
+        A number or string in the batch is traced into the program as a constant: a token count passed as an
+        ``int`` (``num_items_in_batch=n``, transformers' loss normalization) is another value almost every step,
+        and compiled a program per value without a word until ``max_programs`` were exceeded.
+        """
+        if self._warned_batch_values:
+            return
+        for known in list(self.cache.entries):
+            changed = changed_batch_values(known.signature, key.signature)
+            # the optimizer state's key aside: the first step's program (SGD with momentum) was compiled before it
+            if changed and dataclasses.replace(known, signature=key.signature, state=key.state) == key:
+                warnings.warn(
+                    "zerocc compiles a new program because Python values in the batch changed (" + "; ".join(changed[:4])
+                    + "): each is traced into the program as a constant, so a value that changes every batch (a token "
+                    "count such as num_items_in_batch, a sample id) compiles every batch. Pass such a number as a "
+                    "tensor (num_items_in_batch=torch.tensor(n)), which one program reads at every step and which "
+                    "trains as eager does with the number; keep a value forward does not read out of the step's "
+                    "arguments. Said once per zerocc.compile.", RecompileWarning, stacklevel=user_stacklevel())
+                self._warned_batch_values = True
+                return
 
     def _say_which_python_values_changed(self, key: CacheKey) -> None:
         """Warn, once per step, when a program is compiled because a Python value forward or the loss reads changed.

@@ -159,15 +159,19 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+PYTHON_VALUE = "Python "   # how agreement_lines starts a Python value's description
+
+
 def agreement_lines(batch: Sequence[Any], layout: BatchLayout) -> list[str]:
     """What every rank's batch must have in common at a call: each entry's shape and dtype (not its device).
 
-    Written as ``runtime/failures.agreement_lines`` writes a program's inputs ('input 0: float32[8, 12]').
+    Written as ``runtime/failures.agreement_lines`` writes a program's inputs ('input 0: float32[8, 12]'); a
+    Python value, which the program holds as a constant, as 'input 2 (num_items_in_batch=): Python int 30'.
     """
     def describe(value):
         if isinstance(value, torch.Tensor):
             return f"{_dtype_name(value.dtype)}{list(value.shape)}"
-        return repr(value)
+        return f"{PYTHON_VALUE}{type(value).__name__} {value!r}"
     named = layout.spec is not None   # containers: every leaf by its name
     return [f"input {i}{' (' + layout.name_of(i) + ')' if named or i >= layout.positional else ''}: {describe(v)}"
             for i, v in enumerate(batch)]

@@ -161,10 +161,15 @@ def extract_loss(output: Any, targets: Sequence[Any], loss_fn: Callable | None) 
     )
 
 
-def _split_hint(error: Exception, num_model_inputs: int, num_targets: int) -> str:
-    """For a call given the wrong arguments: how the step split its positional arguments."""
+def _split_hint(error: Exception, num_model_inputs: int, num_targets: int, model: nn.Module) -> str:
+    """For a call given the wrong arguments: how the step split its positional arguments, or, for a keyword the
+    model's forward does not take, that every keyword goes to the model."""
     if not (isinstance(error, TypeError) and "argument" in str(error)):
         return ""
+    if "unexpected keyword argument" in str(error):
+        return (f" (the step passes every keyword of its call to the model, whose forward is at "
+                f"{_defined_at(type(model).forward)}, as eager's model(**batch) does: leave out of the call the keys "
+                "it does not take, such as a data collator's extra columns)")
     return (f" (the step passed its first {num_model_inputs} positional argument(s) to the model and the last "
             f"{num_targets} to loss_fn as targets: give compile num_targets= to split them otherwise)")
 
@@ -198,7 +203,8 @@ def check_micro_batches(inputs: Sequence[Any], count: int, layout: BatchLayout) 
            if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] % count]
     if bad:
         raise ConfigError(f"grad_accumulation={count} does not divide the batch along dim 0: {', '.join(bad)}; "
-                          f"use a batch whose size is a multiple of {count} (every micro-batch is the same size)")
+                          f"use a batch whose size is a multiple of {count} (every micro-batch is the same size; an epoch's "
+                          "short last batch: DataLoader(..., drop_last=True), or skip it in the loop)")
 
 
 def micro_batches(batch: Sequence[Any], count: int) -> list[list[Any]]:
@@ -478,7 +484,7 @@ def trace_step(
             raise
         where = user_frame(error.__traceback__) or "(no user frame found)"
         raise CaptureError(f"tracing the training step failed at {where}: {type(error).__name__}: {error}"
-                           f"{_fake_value_hint(error)}{_split_hint(error, num_model_inputs, num_targets)}"
+                           f"{_fake_value_hint(error)}{_split_hint(error, num_model_inputs, num_targets, model)}"
                            f"{_empty_hint(inputs)}") from error
 
     _refuse_writes_to_parameters(gm, leaves, param_infos, frozen_infos)

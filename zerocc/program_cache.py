@@ -283,6 +283,24 @@ def _holds_python_value(entry: tuple) -> bool:
     return entry[0] == "python" or entry[0] in ("keyword", "leaf") and _holds_python_value(entry[2])
 
 
+def changed_batch_values(old: tuple, new: tuple) -> list[str]:
+    """The Python values of the batch that differ between two ``input_signature``s whose tensors, keywords and
+    structure are the same, as 'num_items_in_batch=int 30 -> int 32' (empty where anything else differs)."""
+    if len(old) != len(new):
+        return []
+    changed = []
+    for index, (before, after) in enumerate(zip(old, new)):
+        if before == after:
+            continue
+        if not (_holds_python_value(before) and _holds_python_value(after) and before[:2] == after[:2]):
+            return []   # a tensor, a keyword or the structure changed: not a value alone
+        named = {"keyword": f"{before[1]}=", "leaf": f"{before[1]}: "}.get(before[0], f"argument {index}: ")
+        while before[0] != "python":
+            before, after = before[2], after[2]
+        changed.append(f"{named}{before[1]} {before[2]} -> {after[1]} {after[2]}")
+    return changed
+
+
 def describe_signature(signature: tuple) -> str:
     """A batch signature as a person reads it: 'shapes (8, 12) float32, (8, 5) float32'."""
     def describe(entry):

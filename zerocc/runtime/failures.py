@@ -26,6 +26,7 @@ import torch.fx as fx
 
 from .. import graph as g
 from ..errors import ZeroccError
+from ..batch import PYTHON_VALUE
 from ..decisions import ShardPlan
 from .process_group import Ranks
 
@@ -293,12 +294,31 @@ def check_calls_agree(ranks: Ranks, call: str, lines: Sequence[str] = (), missed
         )
     differing = [rank for rank, (_, other) in enumerate(gathered) if other != gathered[0][1]]
     details = [f"  - rank {rank}: {'; '.join(gathered[rank][1])}" for rank in [0, *differing[:3]]]
+    if all(_only_python_values_differ(gathered[0][1], gathered[rank][1]) for rank in differing):
+        raise RankMismatchError(
+            f"ranks {differing} were called with other Python values in the batch than rank 0's in this call (the "
+            "same shapes): a Python value is traced into the program as a constant, and the ranks compile and run "
+            "one program together:\n" + "\n".join(details) + "\n"
+            "  fix: pass a number that differs between ranks as a tensor (a per-rank token count: "
+            "num_items_in_batch=torch.tensor(n), or the count all-reduced over the ranks first, as transformers' "
+            "Trainer does with average_tokens_across_devices), and keep values forward does not read (file names, "
+            "sample ids) out of the step's arguments."
+        )
     raise RankMismatchError(
         f"ranks {differing} were called with a batch of other shapes than rank 0's in this call; the ranks' "
         "programs would not match and the step would hang:\n" + "\n".join(details) + "\n"
         "  fix: give every rank a batch of the same shapes at every call (the same batch size per rank: "
         "drop_last=True or pad a short last batch; the same sequence length: pad to a fixed length)."
     )
+
+
+def _only_python_values_differ(lines: Sequence[str], other: Sequence[str]) -> bool:
+    """Whether two ranks' ``batch.agreement_lines`` differ in Python values alone, their tensors the same."""
+    def value_of(line: str) -> str:
+        return line.partition(": ")[2]
+    return len(lines) == len(other) and all(
+        a == b or value_of(a).startswith(PYTHON_VALUE) and value_of(b).startswith(PYTHON_VALUE)
+        for a, b in zip(lines, other))
 
 
 def meet(ranks: Ranks, call: str, step_number: int, timeout: float | None, failed: BaseException | None = None,
