@@ -45,7 +45,7 @@ from .progress import CompileProgress
 from .autocast import autocast_state, outside_autocast
 from .program_cache import (INITIAL_STATE, attention_backends, CacheEntry, CacheKey, ProgramCache, changed_batch_values,
                             changed_python_values, describe_signature, hook_ids, input_signature, python_sources,
-                            training_modes, values_read)
+                            training_modes, values_read, ValuesReader)
 from .runtime import failures
 from .runtime import slots as slot_store
 from .runtime.arenas import Arenas
@@ -353,6 +353,7 @@ class CompiledStep:
         # channels-last parameters, read in their strides by every program (the step keeps them in flat buckets)
         self._parameter_layouts = parameter_layouts(model)
         self._python_sources = python_sources(model, options.loss_fn)   # where forward and the loss read Python values
+        self._values_reader = ValuesReader(self._python_sources)   # values_read at every call, remembered
         self._written_python: frozenset = frozenset()   # those forward writes itself (a counter): not in the key
         self._warned_python = False   # _say_which_python_values_changed: once per step
         self._warned_batch_values = False   # _say_which_batch_values_changed: once per step
@@ -522,7 +523,7 @@ class CompiledStep:
     def values_read(self) -> tuple[tuple, tuple]:
         """The Python values and tensors forward and the loss read now, which a trace bakes in
         (``program_cache.values_read``), less those forward writes itself."""
-        return values_read(self._python_sources, self._written_python)
+        return self._values_reader(self._written_python)
 
     def _compile_for(self, key: CacheKey, batch, layout) -> tuple[CacheKey, CacheEntry]:
         """Compile the program for ``key`` and ``batch``'s side of its data guards, and keep it: the key it is kept

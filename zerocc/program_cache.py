@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import dis
+import operator
 import functools
 import types
 import warnings
@@ -210,6 +211,66 @@ def values_read(sources: tuple, skipped: frozenset = frozenset()) -> tuple[tuple
                 # 1 and 1.0 trace differently; a list as it is now
                 values.append((label, name, type(value), tuple(value) if type(value) is list else value))
     return tuple(values), tuple(tensors)
+
+
+class ValuesReader:
+    """``values_read`` of fixed ``sources``, remembered between calls (it runs at every call of the step; on a GPU
+    the host's time per call is step time, and a 12-layer model's modules hold thousands of attributes).
+
+    The last result stands while every namespace holds the same keys with the same objects (compared by identity,
+    in C: ``map(operator.is_, ...)``), every closure cell the same object, and every list among the values the same
+    items (a list is read by its contents); otherwise ``values_read`` reads everything again. Identity is stricter
+    than what ``values_read`` compares (an equal float in a new object reads again), never looser.
+    """
+
+    def __init__(self, sources: tuple):
+        self.sources = sources
+        self._result: tuple[tuple, tuple] | None = None
+        self._skipped: frozenset | None = None
+        self._seen: list = []
+        self._lists: list[tuple[list, list]] = []
+
+    def __call__(self, skipped: frozenset = frozenset()) -> tuple[tuple, tuple]:
+        if self._result is not None and skipped == self._skipped and self._unchanged():
+            return self._result
+        self._result, self._skipped = values_read(self.sources, skipped), skipped
+        self._seen, self._lists = [], []
+        for _, namespace, names in self.sources:
+            if namespace is None:   # a closure's cells
+                values = [_cell_contents(cell) for _, cell in names]
+                self._seen.append((None, names, values, None))
+            elif names is None:
+                values = list(namespace.values())
+                self._seen.append((namespace, None, values, list(namespace)))
+            else:
+                values = [namespace.get(name, _ABSENT) for name in names]
+                self._seen.append((namespace, names, values, None))
+            self._lists += [(value, list(value)) for value in values if type(value) is list]
+        return self._result
+
+    def _unchanged(self) -> bool:
+        for namespace, names, values, keys in self._seen:
+            if namespace is None:
+                now = [_cell_contents(cell) for _, cell in names]
+            elif names is None:
+                if len(namespace) != len(values) or not all(map(operator.is_, namespace, keys)):
+                    return False
+                now = namespace.values()
+            else:
+                now = [namespace.get(name, _ABSENT) for name in names]
+            if not all(map(operator.is_, now, values)):
+                return False
+        return all(len(value) == len(items) and all(map(operator.is_, value, items)) for value, items in self._lists)
+
+
+_ABSENT = object()
+
+
+def _cell_contents(cell):
+    try:
+        return cell.cell_contents
+    except ValueError:   # a closure variable not assigned yet
+        return _ABSENT
 
 
 def _globals_read(code) -> tuple[str, ...]:
