@@ -19,6 +19,7 @@ found, are in ``docs/fuzzing.md``:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import math
 import os
@@ -30,6 +31,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests import distributed
+from tests.helpers import foreach_as_on_cuda
 from tests.fuzz_reference import (ALL_MODELS, FREEZABLE, OPTIMIZERS, Case, compare, describe, precisions_of,
                                   run_case)
 
@@ -103,8 +105,14 @@ def test_world_size_1_long(case):
 
 # -- world size 2: within tolerance, several cases in one process group ----------------------
 
-def _run_cases(rank, world_size, drawn):
-    return [run_case(case, rank, world_size) for case in drawn]
+def _run_cases(rank, world_size, drawn, foreach_as_on_cuda=False):
+    with foreach_as_on_cuda_if(foreach_as_on_cuda):
+        return [run_case(case, rank, world_size) for case in drawn]
+
+
+def foreach_as_on_cuda_if(wanted: bool):
+    """``tests.helpers.foreach_as_on_cuda`` (the update torch.optim picks on CUDA, on the CPU) if ``wanted``."""
+    return foreach_as_on_cuda() if wanted else contextlib.nullcontext()
 
 
 DEFAULT_RANK_SEED = 7   # 2 cases: a CNN at stage 2, an MLP at stage 3 in fp16 with loss scaling
@@ -159,6 +167,8 @@ def main(argv=None) -> int:
     parser.add_argument("--examples", type=int, default=LONG_EXAMPLES)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--world-size", type=int, default=1)
+    parser.add_argument("--foreach-as-on-cuda", action="store_true",
+                        help="eager and zerocc run the optimizers' foreach update, as torch.optim picks on CUDA")
     parser.add_argument("--models", default=",".join(ALL_MODELS),
                         help=f"comma-separated models to draw from (default: all of {', '.join(ALL_MODELS)})")
     args = parser.parse_args(argv)
@@ -168,9 +178,12 @@ def main(argv=None) -> int:
         parser.error(f"unknown models {sorted(unknown)}; choose from {', '.join(ALL_MODELS)}")
     drawn = random_cases(args.examples, args.seed, models)
     if args.world_size == 1:   # one at a time, logged as it ends
-        outcomes = ([run_case(case)] for case in drawn)
+        def one(case):
+            with foreach_as_on_cuda_if(args.foreach_as_on_cuda):
+                return [run_case(case)]
+        outcomes = (one(case) for case in drawn)
     else:
-        outcomes = zip(*distributed.run(_run_cases, args.world_size, drawn))
+        outcomes = zip(*distributed.run(_run_cases, args.world_size, drawn, args.foreach_as_on_cuda))
     failures = 0
     for per_rank in outcomes:
         try:
