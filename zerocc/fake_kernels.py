@@ -239,6 +239,13 @@ class ZeroccFakeTensorMode(FakeTensorMode):
             return (torch.empty_like(first, memory_format=layout), *rest)
 
 
+# Higher-order ops find their fake rule by the mode's exact class: the functionalizing replay's
+# ``auto_functionalized`` (a custom op that writes into its arguments, zerocc/tracing.py) runs on
+# FakeTensorMode's rule in this mode too
+_auto_functionalized = torch._higher_order_ops.auto_functionalize.auto_functionalized
+_auto_functionalized.py_impl(ZeroccFakeTensorMode)(_auto_functionalized.python_key_table[FakeTensorMode])
+
+
 def _eager_collective_error(func) -> CaptureError:
     """A ``torch.distributed`` collective called in the step (CLIP's negatives gathered by ``dist.all_gather``)."""
     return CaptureError(

@@ -477,6 +477,7 @@ def trace_functional(fn: Callable[..., Any], args: tuple, fake_mode: FakeTensorM
     detached = [a.detach() if isinstance(a, torch.Tensor) else a for a in flat_args]
     with stats.timed(compile_stats.FUNCTIONALIZE), fake_mode, _use_lazy_graph_module(True):
         gm = make_fx(torch.func.functionalize(replay, remove="mutations"))(*detached)
+    _run_written_copies_as_a_function(gm)
     gm.meta[g.WRITTEN_INPUTS] = written_inputs(first)
     gm.meta[g.WRITTEN_CONSTANTS] = written_constants(first)
     gm.meta[g.SOURCE_FILES] = first.meta[g.SOURCE_FILES]
@@ -644,6 +645,49 @@ def _remove_profiler_nodes(gm: fx.GraphModule) -> None:
                 gm.graph.erase_node(node)
 
 
+def _writes_arguments_of_users_op(target) -> bool:
+    """A custom op (``torch.library.custom_op(..., mutates_args=...)``) that writes into some of its arguments."""
+    from torch._higher_order_ops.auto_functionalize import can_auto_functionalize
+    return isinstance(target, torch._ops.OpOverload) and can_auto_functionalize(target)
+
+
+def _written_back(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
+    """``op(*args, **kwargs)`` for a custom op that writes into its arguments, as functionalization can take it.
+
+    ``torch.func.functionalize`` refuses such an op ("a custom operator whose output has alias annotations");
+    ``auto_functionalized`` runs it on copies of the arguments it writes and returns them: copied back into the
+    arguments (``copy_``, which functionalization turns into new values, as it does for aten's in-place ops), the
+    write reaches a buffer it updates (a running statistic) as eager's does."""
+    from torch._higher_order_ops.auto_functionalize import auto_functionalized, get_mutable_args
+    schema = op._schema
+    named = dict(kwargs)
+    for argument, value in zip(schema.arguments, args):
+        named[argument.name] = value
+    out = auto_functionalized(op, **named)
+    written, _ = get_mutable_args(op)
+    returned = len(schema.returns) or 1   # an op returning nothing gives None in that place
+    for name, new in zip(written, out[returned:]):
+        if isinstance(named.get(name), torch.Tensor):
+            named[name].copy_(new)
+        elif isinstance(named.get(name), (list, tuple)):
+            for tensor, value in zip(named[name], new):
+                tensor.copy_(value)
+    if not schema.returns:
+        return None
+    return out[0] if len(schema.returns) == 1 else tuple(out[:returned])
+
+
+def _run_written_copies_as_a_function(gm: fx.GraphModule) -> None:
+    """Run ``auto_functionalized`` nodes (``_written_back``) by its plain function: copy the arguments the custom op
+    writes, run the op on the copies, return them. A higher-order op finds its rule by the dispatch mode's exact
+    class, which a mode active around the step (a profiler's, the user's own) does not have; the function's ops
+    (the copies, the custom op itself) are plain ops every mode sees."""
+    from torch._higher_order_ops.auto_functionalize import auto_functionalized, auto_functionalized_dense
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is auto_functionalized:
+            node.target = auto_functionalized_dense
+
+
 class _VisibleMutations(fx.Interpreter):
     """Replays a graph, rewriting ops whose schema hides an in-place update.
 
@@ -692,6 +736,8 @@ class _VisibleMutations(fx.Interpreter):
             return out, save_mean, save_invstd
         if target is aten.binary_cross_entropy_with_logits.default:   # functorch would swap in its own formula
             return binary_cross_entropy_with_logits(*args, **kwargs)
+        if _writes_arguments_of_users_op(target):
+            return _written_back(target, args, kwargs)
         if any(isinstance(a, torch.SymFloat) for a in args) and any(
                 isinstance(a, torch.Tensor) and a.is_complex() for a in args):
             # a complex tensor times a traced Python float (AdamW's decay of a complex parameter by
