@@ -165,6 +165,17 @@ _CPU_ELEMENTWISE_LAYOUT = {
 }
 
 
+# op namespaces that are PyTorch's or zerocc's own; an op of any other (torch.library.custom_op, a C++ extension's
+# TORCH_LIBRARY) is a user's custom op
+OWN_NAMESPACES = frozenset({"aten", "prim", "prims", "zerocc", "_c10d_functional", "c10d", "c10d_functional", "profiler",
+                             "rngprims", "debugprims"})
+
+
+def users_op(target) -> bool:
+    """Whether ``target`` is a user's custom op (``torch.library.custom_op``, a C++ extension's op)."""
+    return isinstance(target, torch._ops.OpOverload) and target.namespace not in OWN_NAMESPACES
+
+
 class ZeroccFakeTensorMode(FakeTensorMode):
     """The fake mode capture traces in: ops on CPU lay out their outputs as their CPU kernels do.
 
