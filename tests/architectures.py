@@ -179,6 +179,47 @@ class FrozenAndCustom(nn.Module):
         return F.mse_loss(self.head(h), y)
 
 
+@torch.library.custom_op("zerocc_tests::running_mean_", mutates_args=("running",))
+def running_mean_(running: torch.Tensor, x: torch.Tensor, momentum: float) -> None:
+    """A custom op that writes into its argument (a kernel updating a running statistic in place)."""
+    running.mul_(1 - momentum).add_(x.mean(0), alpha=momentum)
+
+
+@running_mean_.register_fake
+def _running_mean_fake(running, x, momentum):
+    return None
+
+
+@torch.library.custom_op("zerocc_tests::scaled_into", mutates_args=("out",))
+def scaled_into(x: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+    """A custom op with an ``out=`` argument: it writes its result into a tensor the caller made."""
+    torch.mul(x, scale, out=out)
+
+
+@scaled_into.register_fake
+def _scaled_into_fake(x, scale, out):
+    return None
+
+
+class WritingCustomOps(nn.Module):
+    """Custom ops declared with ``mutates_args``: one updates a buffer (``per_sample``: from the batch's mean,
+    which two ranks see apart; else by a constant), one writes into an ``out=`` tensor made in forward."""
+
+    def __init__(self, per_sample=True):
+        super().__init__()
+        self.per_sample = per_sample
+        self.embed = nn.Linear(12, 16)
+        self.register_buffer("running", torch.zeros(16))
+        self.head = nn.Linear(16, 5)
+
+    def forward(self, x, y):
+        h = torch.tanh(self.embed(x))
+        running_mean_(self.running, h.detach() if self.per_sample else torch.ones_like(h), 0.1)
+        out = torch.empty_like(h)
+        scaled_into(h.detach(), 0.5, out)
+        return F.mse_loss(self.head(h - self.running + out), y)
+
+
 class SlidingWindows(nn.Module):
     """Longformer's overlapping chunks: ``as_strided`` windows of an activation and of a parameter.
 

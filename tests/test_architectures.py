@@ -118,6 +118,54 @@ def test_a_custom_op_stays_one_opaque_node_in_every_graph():
     assert graph.count("torch.ops.zerocc_tests.scaled_tanh.default(") == 1   # forward only; backward is its own
 
 
+def _writing_custom_ops_batches(steps, rows):
+    generator = torch.Generator().manual_seed(1)
+    return [(torch.randn(rows, 12, generator=generator), torch.randn(rows, 5, generator=generator))
+            for _ in range(steps)]
+
+
+# torch.func.functionalize refused such an op ("a custom (non-ATen) operator whose output has alias annotations"),
+# naming no line of the model; the trace now runs it on copies of what it writes (zerocc/tracing.py, _written_back)
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_custom_ops_that_write_into_their_arguments_train_bit_for_bit(stage):
+    from tests.architectures import WritingCustomOps
+    torch.manual_seed(0)
+    reference = WritingCustomOps()
+    reference_optimizer = two_groups(reference)
+    torch.manual_seed(0)
+    model = WritingCustomOps()
+    step = zerocc.compile(model, two_groups(model), stage=stage)
+    for batch in _writing_custom_ops_batches(3, 8):
+        assert torch.equal(step(*batch), eager_step(reference, reference_optimizer, None, batch))
+    full = step.full_state_dict()
+    for key, value in reference.state_dict().items():   # the running buffer the op updates included
+        assert torch.equal(full[key], value), key
+
+
+def _writing_custom_ops_on_ranks(rank, world_size):
+    from tests.architectures import WritingCustomOps
+    torch.manual_seed(0)
+    model = WritingCustomOps(per_sample=False)
+    step = zerocc.compile(model, two_groups(model), stage=3)
+    losses = [step(*(t.chunk(world_size)[rank] for t in batch)) for batch in _writing_custom_ops_batches(3, 8)]
+    return losses, step.full_state_dict()
+
+
+@pytest.mark.multirank
+def test_custom_ops_that_write_into_their_arguments_on_two_ranks_train_as_one_process_on_the_global_batch():
+    from tests.architectures import WritingCustomOps
+    from tests.helpers import assert_rank_matches_reference
+    torch.manual_seed(0)
+    reference = WritingCustomOps(per_sample=False)
+    reference_optimizer = two_groups(reference)
+    expected = [eager_step(reference, reference_optimizer, None, batch) for batch in _writing_custom_ops_batches(3, 8)]
+    ranks = distributed.run(_writing_custom_ops_on_ranks, 2)
+    averaged = [(first + second) / 2 for first, second in zip(ranks[0][0], ranks[1][0])]   # halves of one batch
+    for rank, (_, state) in enumerate(ranks):
+        assert_rank_matches_reference(rank, averaged, expected, state, reference.state_dict(), state_rtol=1e-4,
+                                      state_atol=1e-5)
+
+
 def test_reversible_layers_accumulate_micro_batches_bit_for_bit():
     """Each micro-batch's gradients that the layers' own backward() writes into .grad are taken before the next."""
     from tests.reference import eager_accumulated_step

@@ -94,6 +94,66 @@ def test_eval_forward_under_autocast_casts_as_eager_and_has_its_own_program():
     assert len(step.eval_programs) == 2
 
 
+@torch.library.custom_op("zerocc_tests::gelu_linear", mutates_args=())
+def gelu_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """A custom op whose own code is torch code (a reference implementation of a fused kernel): under the caller's
+    autocast its matmul computes in bf16, as a custom op has no autocast rule; it returns its input's dtype."""
+    return F.gelu(x @ weight).to(x.dtype)
+
+
+@gelu_linear.register_fake
+def _gelu_linear_fake(x, weight):
+    return x.new_empty(x.shape[0], weight.shape[1])
+
+
+def _gelu_linear_backward(ctx, grad):
+    x, weight = ctx.saved_tensors
+    with torch.enable_grad():
+        x, weight = x.detach().requires_grad_(), weight.detach().requires_grad_()
+        return torch.autograd.grad(F.gelu(x @ weight), (x, weight), grad)
+
+
+gelu_linear.register_autograd(_gelu_linear_backward,
+                              setup_context=lambda ctx, inputs, output: ctx.save_for_backward(*inputs))
+
+
+class FusedKernels(nn.Module):
+    """The custom op under the caller's autocast, and once more inside a region that turns autocast off."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(16, 32)
+        self.first, self.second = nn.Parameter(torch.randn(32, 32) / 6), nn.Parameter(torch.randn(32, 32) / 6)
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x):
+        h = gelu_linear(self.embed(x).float(), self.first)
+        with torch.autocast("cpu", enabled=False):
+            h = gelu_linear(h, self.second)
+        return self.head(h)
+
+
+# the program runs outside autocast, so the op's own matmul computed in fp32 where eager's computed in bf16
+@pytest.mark.parametrize("stage,memory_pools", [(0, None), (3, None), (3, False)])
+def test_a_custom_op_under_autocast_computes_under_it_as_in_eager(stage, memory_pools):
+    torch.manual_seed(0)
+    reference = FusedKernels()
+    model = copy.deepcopy(reference)
+    reference_optimizer = adamw(reference)
+    step = zerocc.compile(model, adamw(model), stage=stage, loss_fn=F.cross_entropy, memory_pools=memory_pools)
+    for batch in batches(3):
+        expected = eager(reference, reference_optimizer, batch, torch.bfloat16)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert torch.equal(step(*batch), expected)
+    full = step.full_state_dict()
+    for key, value in reference.state_dict().items():
+        assert torch.equal(full[key], value), key
+    x = batches(4)[3][0]
+    reference.eval()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(step.eval_forward(x), reference(x))
+
+
 def _under_autocast_per_rank(rank, world_size):
     """Per rank: DDP's and the step's losses and final states, both stepping under bf16 autocast."""
     local = [(x[rank * 4:(rank + 1) * 4], y[rank * 4:(rank + 1) * 4]) for x, y in

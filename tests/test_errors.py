@@ -409,6 +409,33 @@ class PackedLSTM(nn.Module):
         return hidden.square().mean()
 
 
+@torch.library.custom_op("zerocc_tests::doubled_without_fake", mutates_args=())
+def _doubled_without_fake(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+_doubled_without_fake.register_autograd(lambda ctx, grad: grad * 2)
+
+
+class _KernelWithoutFake(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(12, 5)
+
+    def forward(self, x):
+        return _doubled_without_fake(self.linear(x))   # the op's line
+
+
+def test_a_custom_op_without_a_fake_implementation_names_the_op_and_the_line():
+    """zerocc traces on fake tensors: a torch.library.custom_op needs register_fake, as under torch.compile."""
+    model = _KernelWithoutFake()
+    step = zerocc.compile(model, torch.optim.AdamW(model.parameters()), stage=3, loss_fn=F.mse_loss)
+    with pytest.raises(zerocc.CaptureError, match=r"tracing the training step failed at .*test_errors\.py:\d+: "
+                                                  r"return _doubled_without_fake\(.*no fake impl registered for "
+                                                  r".*zerocc_tests::doubled_without_fake.*register_fake"):
+        step(*batches("mlp", 1, 4)[0])
+
+
 def test_a_packed_sequence_says_why_it_cannot_be_traced_and_to_pad_instead():
     model = PackedLSTM()
     step = zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), stage=3)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import io
+import re
 
 import pytest
 import torch
@@ -440,6 +441,65 @@ def test_a_module_registered_under_two_names_trains_bit_for_bit(stage):
         assert torch.equal(step(x, y), expected.detach())
     with torch.no_grad():
         assert torch.equal(step.eval_forward(x, y), reference(x, y))
+    full = step.full_state_dict()
+    assert all(torch.equal(full[key], value) for key, value in reference.state_dict().items())
+
+
+class _EncoderDecoder(torch.nn.Module):
+    """An encoder and a decoder whose weights are tied, or meant to be (``how``)."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.encode, self.decode = torch.nn.Linear(8, 6), torch.nn.Linear(6, 8)
+        if how == "parameter of a parameter":     # a new Parameter over the encoder's memory, not the encoder's
+            self.decode.weight = torch.nn.Parameter(self.encode.weight.t())
+        elif how == "buffer of its data":
+            self.register_buffer("snapshot", self.encode.weight.data)
+        elif how == "frozen views":               # both read only: nothing is updated through them
+            self.encode.requires_grad_(False)
+            self.decode.weight = torch.nn.Parameter(self.encode.weight.t(), requires_grad=False)
+        elif how == "pieces of one flat tensor":  # one memory, no element in two parameters
+            flat = torch.randn(96)
+            self.encode.weight = torch.nn.Parameter(flat[:48].view(6, 8))
+            self.decode.weight = torch.nn.Parameter(flat[48:].view(8, 6))
+
+    def forward(self, x, y):
+        return (self.decode(torch.tanh(self.encode(x))) - y).pow(2).mean()
+
+
+# the step trained such tensors apart (each in its own slot), where eager's optimizer updates their one memory
+# through each: losses and weights off from the second step on, without a word
+@pytest.mark.parametrize("how, named", [("parameter of a parameter", "parameter 'encode.weight' and parameter "
+                                                                     "'decode.weight'"),
+                                        ("buffer of its data", "parameter 'encode.weight' and buffer 'snapshot'")])
+@pytest.mark.parametrize("stage", [0, 3])
+def test_tensors_of_the_model_sharing_memory_are_refused_naming_them(stage, how, named):
+    torch.manual_seed(0)
+    model = _EncoderDecoder(how)
+    step = zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-2), stage=stage)
+    with pytest.raises(zerocc.ConfigError, match=re.escape(named) + r".*assign the same Parameter"):
+        step(torch.randn(4, 8), torch.randn(4, 8))
+    assert model.encode.weight.untyped_storage().nbytes() > 0   # nothing taken over
+
+
+@pytest.mark.parametrize("how", ["frozen views", "pieces of one flat tensor"])
+@pytest.mark.parametrize("stage", [0, 3])
+def test_tensors_sharing_memory_that_no_update_reaches_twice_train_bit_for_bit(stage, how):
+    torch.manual_seed(0)
+    reference = _EncoderDecoder(how)
+    torch.manual_seed(0)
+    model = _EncoderDecoder(how)
+    trained = [p for p in reference.parameters() if p.requires_grad]
+    reference_optimizer = torch.optim.AdamW(trained, lr=1e-2)
+    step = zerocc.compile(model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2),
+                          stage=stage)
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    for _ in range(3):
+        reference_optimizer.zero_grad(set_to_none=True)
+        expected = reference(x, y)
+        expected.backward()
+        reference_optimizer.step()
+        assert torch.equal(step(x, y), expected.detach())
     full = step.full_state_dict()
     assert all(torch.equal(full[key], value) for key, value in reference.state_dict().items())
 

@@ -261,6 +261,55 @@ def trained_parameters(model: nn.Module, optimizer: torch.optim.Optimizer) -> li
             if t.requires_grad and id(t) in group_of_id]
 
 
+def _memory_span(tensor: torch.Tensor) -> tuple[int, int, int] | None:
+    """(storage address, first byte, end byte) of the memory ``tensor`` reads; None for no memory (empty, meta, fake,
+    a stage-3 parameter the step released)."""
+    if tensor.numel() == 0 or tensor.device.type == "meta" or isinstance(tensor, torch._subclasses.FakeTensor):
+        return None
+    storage = tensor.untyped_storage()
+    if storage.nbytes() == 0:
+        return None
+    reach = sum((size - 1) * abs(stride) for size, stride in zip(tensor.shape, tensor.stride()))
+    first = tensor.storage_offset() - sum((size - 1) * abs(stride) for size, stride in zip(tensor.shape, tensor.stride())
+                                          if stride < 0)
+    return storage.data_ptr(), first * tensor.element_size(), (first + reach + 1) * tensor.element_size()
+
+
+def refuse_shared_memory(params: Sequence, buffers: Sequence, trained_ids: set[int]) -> None:
+    """Refuse a trained parameter whose memory another parameter or buffer of the model also reads.
+
+    ``nn.Parameter(tensor)`` keeps ``tensor``'s memory: ``self.head.weight = nn.Parameter(self.embed.weight)`` (or its
+    ``.t()``) makes two parameters over one memory, and a buffer registered as ``weight.data`` is a third name for it.
+    Eager's optimizer updates that memory through each of them in turn, and every other one sees the update; the step
+    keeps each trained parameter in its own slot, so it would train them apart. Tied weights (one Parameter object
+    under two names) and parameters that are disjoint views of one flat tensor are fine."""
+    spans = []
+    for kind, named in (("parameter", params), ("buffer", buffers)):
+        for names, tensor in named:
+            span = _memory_span(tensor)
+            if span is not None:
+                spans.append((span, kind, names[0], id(tensor) in trained_ids))
+    spans.sort(key=lambda entry: entry[0])
+    shared, reaching = [], None    # reaching: the entry reaching furthest so far in the current storage
+    for entry in spans:
+        (storage, first, end), _, _, _ = entry
+        if reaching is not None and reaching[0][0] == storage and first < reaching[0][2]:
+            if entry[3] or reaching[3]:
+                shared.append((reaching, entry))
+            if end <= reaching[0][2]:
+                continue
+        reaching = entry
+    if shared:
+        pairs = "; ".join(f"{a[1]} {a[2]!r} and {b[1]} {b[2]!r}" for a, b in shared)
+        raise ConfigError(
+            f"the model has tensors that share memory without being one tensor: {pairs}. nn.Parameter(tensor) keeps "
+            "tensor's memory (self.head.weight = nn.Parameter(self.embed.weight), or of its .t()), as does a buffer "
+            "registered as a parameter's .data: eager's optimizer then updates that memory through each of them and "
+            "every one sees the others' updates, where the step keeps each trained parameter apart. To tie weights, "
+            "assign the same Parameter (self.head.weight = self.embed.weight; for a transpose, use "
+            "F.linear(x, self.embed.weight.t()) in forward); to copy one, nn.Parameter(tensor.detach().clone())")
+
+
 def _fake_value_hint(error: BaseException) -> str:
     """Why a tensor used as a Python number fails while tracing, and the way out (PackedSequence: pad instead)."""
     if "FakeTensor" not in str(error):
@@ -338,6 +387,7 @@ def trace_step(
     frozen = [(names, t) for names, t in params_all if not (t.requires_grad and id(t) in group_of_id)]
     if not trained:
         raise ConfigError("the model has no parameter that both requires grad and is in the optimizer")
+    refuse_shared_memory(params_all, buffers_all, {id(t) for _, t in trained})
     gradient_hooks = _gradient_hooks_of(trained)
     parameter_shapes = parameter_shapes or {}
     parameter_layouts = parameter_layouts or {}

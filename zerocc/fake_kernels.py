@@ -165,6 +165,17 @@ _CPU_ELEMENTWISE_LAYOUT = {
 }
 
 
+# op namespaces that are PyTorch's or zerocc's own; an op of any other (torch.library.custom_op, a C++ extension's
+# TORCH_LIBRARY) is a user's custom op
+OWN_NAMESPACES = frozenset({"aten", "prim", "prims", "zerocc", "_c10d_functional", "c10d", "c10d_functional", "profiler",
+                             "rngprims", "debugprims"})
+
+
+def users_op(target) -> bool:
+    """Whether ``target`` is a user's custom op (``torch.library.custom_op``, a C++ extension's op)."""
+    return isinstance(target, torch._ops.OpOverload) and target.namespace not in OWN_NAMESPACES
+
+
 class ZeroccFakeTensorMode(FakeTensorMode):
     """The fake mode capture traces in: ops on CPU lay out their outputs as their CPU kernels do.
 
@@ -237,6 +248,13 @@ class ZeroccFakeTensorMode(FakeTensorMode):
         first, *rest = result
         with self:
             return (torch.empty_like(first, memory_format=layout), *rest)
+
+
+# Higher-order ops find their fake rule by the mode's exact class: the functionalizing replay's
+# ``auto_functionalized`` (a custom op that writes into its arguments, zerocc/tracing.py) runs on
+# FakeTensorMode's rule in this mode too
+_auto_functionalized = torch._higher_order_ops.auto_functionalize.auto_functionalized
+_auto_functionalized.py_impl(ZeroccFakeTensorMode)(_auto_functionalized.python_key_table[FakeTensorMode])
 
 
 def _eager_collective_error(func) -> CaptureError:

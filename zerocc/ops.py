@@ -12,6 +12,8 @@ functionalization would swap in another formula.
 """
 from __future__ import annotations
 
+import threading
+
 import torch
 
 _lib = torch.library.Library("zerocc", "DEF")
@@ -170,3 +172,32 @@ def _bucket_written_fake(bucket, writes):
 
 
 bucket_written = torch.ops.zerocc.bucket_written.default
+
+
+_users_op_autocast = threading.local()   # the state under_autocast runs its op in, while it runs
+
+
+def under_autocast(state: tuple, op, *args, **kwargs):
+    """``op(*args, **kwargs)`` under the autocast ``state`` (``autocast.autocast_state``) a user's custom op was
+    called in: the program runs outside autocast, and the op's own code (a reference implementation calling
+    ``F.linear``) computes under the caller's autocast in eager, as a custom op has no autocast rule of its own."""
+    from .autocast import autocast_as
+    _users_op_autocast.state = state
+    try:
+        with autocast_as(state):
+            return op(*args, **kwargs)
+    finally:
+        _users_op_autocast.state = ()
+
+
+def written_copies_under_autocast(state: tuple, _mutable_op, **kwargs):
+    """``under_autocast`` of a custom op that writes into its arguments, run on copies of them
+    (``auto_functionalized_dense``, zerocc/tracing.py)."""
+    from torch._higher_order_ops.auto_functionalize import auto_functionalized_dense
+    return under_autocast(state, auto_functionalized_dense, _mutable_op, **kwargs)
+
+
+def users_op_autocast() -> tuple:
+    """The autocast state of the user's custom op ``under_autocast`` is running (empty outside one): a dispatch
+    mode of zerocc's that sees the op runs it in that state, which the mode's own dispatch turns off."""
+    return getattr(_users_op_autocast, "state", ())

@@ -29,11 +29,13 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental import symbolic_shapes
-from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
+from torch.overrides import TorchFunctionMode
 
 from . import compile_stats, fake_kernels
 from . import graph as g
 from .compile_stats import CompileStats
+from .autocast import autocast_state
 from .data_guards import GuardedShapeEnv
 from .errors import CaptureError, ObservedValueWarning, defined_at, user_line_of_node, user_stacklevel
 from .ops import batch_norm_with_stats, bernoulli_in_layout, binary_cross_entropy_with_logits
@@ -449,7 +451,8 @@ def trace_functional(fn: Callable[..., Any], args: tuple, fake_mode: FakeTensorM
     out_spec_box: list[pytree.TreeSpec] = []
 
     def flat_fn(*leaves):
-        out = fn(*pytree.tree_unflatten(list(leaves), in_spec))
+        with _UsersOpsAutocast():
+            out = fn(*pytree.tree_unflatten(list(leaves), in_spec))
         flat_out, spec = pytree.tree_flatten(out)
         out_spec_box.append(spec)
         return flat_out
@@ -464,6 +467,7 @@ def trace_functional(fn: Callable[..., Any], args: tuple, fake_mode: FakeTensorM
     if check_written_constants is not None:
         check_written_constants(written_constants(first))
     if _is_functional(first):   # nothing to remove: the replay would rebuild the same graph (half the cost)
+        _run_users_ops_under_autocast(first)
         _storage_offsets_relative_to_their_tensor(first)
         _remove_profiler_nodes(first)
         first.graph.eliminate_dead_code()
@@ -477,6 +481,8 @@ def trace_functional(fn: Callable[..., Any], args: tuple, fake_mode: FakeTensorM
     detached = [a.detach() if isinstance(a, torch.Tensor) else a for a in flat_args]
     with stats.timed(compile_stats.FUNCTIONALIZE), fake_mode, _use_lazy_graph_module(True):
         gm = make_fx(torch.func.functionalize(replay, remove="mutations"))(*detached)
+    _run_written_copies_as_a_function(gm)
+    _run_users_ops_under_autocast(gm)
     gm.meta[g.WRITTEN_INPUTS] = written_inputs(first)
     gm.meta[g.WRITTEN_CONSTANTS] = written_constants(first)
     gm.meta[g.SOURCE_FILES] = first.meta[g.SOURCE_FILES]
@@ -644,6 +650,92 @@ def _remove_profiler_nodes(gm: fx.GraphModule) -> None:
                 gm.graph.erase_node(node)
 
 
+_AUTOCAST = "zerocc_autocast"   # in node.meta["custom"], which the functionalizing replay copies to its nodes
+
+
+class _UsersOpsAutocast(TorchFunctionMode):
+    """Marks the node of each call of a user's custom op made under ``torch.autocast`` with that autocast state.
+
+    Eager runs a custom op's own code under the caller's autocast (the op has no autocast rule: its inputs are not
+    cast, but a reference implementation calling ``F.linear`` inside computes in bf16), while the program runs
+    outside autocast. The state is read where the op is called: under the trace's dispatch modes every autocast
+    key is excluded, so ``torch.is_autocast_enabled()`` is false there whatever the caller's state."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        packet = getattr(func, "overloadpacket", func)
+        if isinstance(packet, torch._ops.OpOverloadPacket) and packet._qualified_op_name.split("::")[0] \
+                not in fake_kernels.OWN_NAMESPACES:
+            state = autocast_state()
+            tracer = getattr(get_proxy_mode(), "tracer", None)
+            if state and tracer is not None:
+                node = next((n for n in reversed(tracer.graph.nodes)
+                             if getattr(n.target, "overloadpacket", None) is packet), None)
+                if node is not None:
+                    node.meta["custom"] = {**node.meta.get("custom", {}), _AUTOCAST: state}
+        return result
+
+
+def _run_users_ops_under_autocast(gm: fx.GraphModule) -> None:
+    """Run each node ``_note_users_ops_autocast`` marked (or the copy-and-run of it, ``_written_back``) under its
+    autocast state (``ops.under_autocast``)."""
+    from torch._higher_order_ops.auto_functionalize import auto_functionalized_dense
+    from .ops import under_autocast, written_copies_under_autocast
+    for node in gm.graph.nodes:
+        state = (node.meta.get("custom") or {}).get(_AUTOCAST)
+        if not state or node.op != "call_function":
+            continue
+        if fake_kernels.users_op(node.target):
+            node.args = (state, node.target, *node.args)
+            node.target = under_autocast
+        elif node.target is auto_functionalized_dense:
+            node.args = (state, *node.args)
+            node.target = written_copies_under_autocast
+
+
+def _writes_arguments_of_users_op(target) -> bool:
+    """A custom op (``torch.library.custom_op(..., mutates_args=...)``) that writes into some of its arguments."""
+    from torch._higher_order_ops.auto_functionalize import can_auto_functionalize
+    return isinstance(target, torch._ops.OpOverload) and can_auto_functionalize(target)
+
+
+def _written_back(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
+    """``op(*args, **kwargs)`` for a custom op that writes into its arguments, as functionalization can take it.
+
+    ``torch.func.functionalize`` refuses such an op ("a custom operator whose output has alias annotations");
+    ``auto_functionalized`` runs it on copies of the arguments it writes and returns them: copied back into the
+    arguments (``copy_``, which functionalization turns into new values, as it does for aten's in-place ops), the
+    write reaches a buffer it updates (a running statistic) as eager's does."""
+    from torch._higher_order_ops.auto_functionalize import auto_functionalized, get_mutable_args
+    schema = op._schema
+    named = dict(kwargs)
+    for argument, value in zip(schema.arguments, args):
+        named[argument.name] = value
+    out = auto_functionalized(op, **named)
+    written, _ = get_mutable_args(op)
+    returned = len(schema.returns) or 1   # an op returning nothing gives None in that place
+    for name, new in zip(written, out[returned:]):
+        if isinstance(named.get(name), torch.Tensor):
+            named[name].copy_(new)
+        elif isinstance(named.get(name), (list, tuple)):
+            for tensor, value in zip(named[name], new):
+                tensor.copy_(value)
+    if not schema.returns:
+        return None
+    return out[0] if len(schema.returns) == 1 else tuple(out[:returned])
+
+
+def _run_written_copies_as_a_function(gm: fx.GraphModule) -> None:
+    """Run ``auto_functionalized`` nodes (``_written_back``) by its plain function: copy the arguments the custom op
+    writes, run the op on the copies, return them. A higher-order op finds its rule by the dispatch mode's exact
+    class, which a mode active around the step (a profiler's, the user's own) does not have; the function's ops
+    (the copies, the custom op itself) are plain ops every mode sees."""
+    from torch._higher_order_ops.auto_functionalize import auto_functionalized, auto_functionalized_dense
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is auto_functionalized:
+            node.target = auto_functionalized_dense
+
+
 class _VisibleMutations(fx.Interpreter):
     """Replays a graph, rewriting ops whose schema hides an in-place update.
 
@@ -692,6 +784,8 @@ class _VisibleMutations(fx.Interpreter):
             return out, save_mean, save_invstd
         if target is aten.binary_cross_entropy_with_logits.default:   # functorch would swap in its own formula
             return binary_cross_entropy_with_logits(*args, **kwargs)
+        if _writes_arguments_of_users_op(target):
+            return _written_back(target, args, kwargs)
         if any(isinstance(a, torch.SymFloat) for a in args) and any(
                 isinstance(a, torch.Tensor) and a.is_complex() for a in args):
             # a complex tensor times a traced Python float (AdamW's decay of a complex parameter by

@@ -17,6 +17,9 @@ import torch.utils._pytree as pytree
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..autocast import autocast_as
+from ..ops import users_op_autocast
+
 
 class LiveBytesTracker(TorchDispatchMode):
     """``with LiveBytesTracker(inputs) as tracker: run()`` then ``tracker.peak_bytes``."""
@@ -47,7 +50,8 @@ class LiveBytesTracker(TorchDispatchMode):
             self.live_bytes -= self._live.pop(key)[1]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        result = func(*args, **(kwargs or {}))
+        with autocast_as(users_op_autocast()):   # a user's op the program runs under autocast (zerocc/ops.py)
+            result = func(*args, **(kwargs or {}))
         for value in pytree.tree_leaves(result):
             if isinstance(value, torch.Tensor):
                 self._add(value)
