@@ -254,7 +254,8 @@ class ZeroccFakeTensorMode(FakeTensorMode):
 # ``auto_functionalized`` (a custom op that writes into its arguments, zerocc/tracing.py) runs on
 # FakeTensorMode's rule in this mode too
 _auto_functionalized = torch._higher_order_ops.auto_functionalize.auto_functionalized
-_auto_functionalized.py_impl(ZeroccFakeTensorMode)(_auto_functionalized.python_key_table[FakeTensorMode])
+if FakeTensorMode in _auto_functionalized.python_key_table:   # torch's own rule, where this torch has one
+    _auto_functionalized.py_impl(ZeroccFakeTensorMode)(_auto_functionalized.python_key_table[FakeTensorMode])
 
 
 def _eager_collective_error(func) -> CaptureError:
