@@ -502,6 +502,7 @@ def trace_step(
     if sparse:
         raise ConfigError(f"parameter(s) {', '.join(sparse)} get sparse gradients (nn.Embedding(sparse=True)?); "
                           "zerocc shards dense gradients only: use sparse=False")
+    step_nodes = set(gm.graph.nodes)   # forward and backward, before the optimizer's update is spliced in
     with stats.timed(compile_stats.OPTIMIZER_TRACE):
         new_param_nodes, new_state_dicts = _splice_optimizer(gm, fake_mode, optimizer, grad_nodes, group_of)
     new_state_keys = [tuple(sorted(d)) for d in new_state_dicts]
@@ -520,7 +521,7 @@ def trace_step(
         + [decisions.state_slot(param_infos[i].name, key) for i, keys in enumerate(new_state_keys) for key in keys]
     )
     gm.graph.eliminate_dead_code()
-    _tag_phases(gm, loss_node, [x for x in grad_nodes if x is not None], new_buffer_nodes)
+    _tag_phases(gm, loss_node, [x for x in grad_nodes if x is not None], new_buffer_nodes, step_nodes)
     for i in unused:   # a parameter the loss does not reach: not trained in this step
         placeholder = g.placeholders(gm, g.ROLE_PARAM)[i]
         placeholder.meta[g.UNUSED] = True
@@ -765,13 +766,17 @@ def _tag_placeholders(gm, layout, param_infos, frozen_infos, buffer_infos, state
         node.target = node.name
 
 
-def _tag_phases(gm, loss, grads, new_buffers) -> None:
+def _tag_phases(gm, loss, grads, new_buffers, step_nodes) -> None:
+    """Each node's phase: forward (what the loss and the written buffers need), backward (what the gradients need
+    besides), optimizer (the update spliced in after the trace). A node of the traced forward and backward that
+    neither needs is a draw whose value the step does not use (``shift = torch.randint(...)`` left over in an
+    augmentation), kept because it advances the generator as eager's does: it is forward's, where it was drawn."""
     forward = g.ancestors([loss, *[b for b in new_buffers if b.op != "placeholder"]])
     backward = g.ancestors(grads) - forward
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "output", "get_attr"):
             continue
-        if node in forward:
+        if node in forward or (node in step_nodes and node not in backward):
             node.meta[g.PHASE] = g.FORWARD
         elif node in backward:
             node.meta[g.PHASE] = g.BACKWARD
