@@ -45,7 +45,7 @@ from .errors import CaptureError, ConfigError, ZeroccError, defined_at, raised_b
 from .optimizer_step import REPLICATE_IF_ELEMENTWISE, check_elementwise, splice_update
 from . import precision as mixed
 from .host_random import EXTREMES, HostDraws, same_program
-from .model_recomputation import traced_recomputation
+from .model_recomputation import generators_reached, traced_recomputation
 from .tracing import (fakeify, module_conversions_as_eager, no_traced_values_left, record_source_lines_of,
                       trace_functional)
 from .user_tooling import suspended_user_tooling
@@ -387,7 +387,7 @@ def trace_step(
         total, grads = None, None
         # the model's checkpointing replays its dropout masks (model_recomputation.py); what Python's and
         # NumPy's generators give is noted: the trace would keep it as a constant (host_random.py)
-        with traced_recomputation(), host_draws.recording():
+        with traced_recomputation(generators), host_draws.recording():
             for micro in micro_batches(batch, grad_accumulation):
                 positional, keyword = layout.split(micro)
                 micro_inputs = tuple(positional[:num_model_inputs])
@@ -441,6 +441,7 @@ def trace_step(
     recorder = GuardRecorder(inputs, input_positions)
     attributes = tensor_attributes(model)
     host_draws = HostDraws(model, loss_fn)
+    generators = generators_reached(model, loss_fn, inputs)   # torch.Generator objects the step may draw from
 
     def traced(recorder, fake_args, stats=stats):
         with recording(fake_mode, recorder), _restored(attributes), no_traced_values_left(model, loss_fn), \
