@@ -271,6 +271,8 @@ def input_signature(batch, layout: BatchLayout) -> tuple:
     for index, value in enumerate(batch):
         if isinstance(value, torch.Tensor):
             entry = (tuple(value.shape), value.dtype, str(value.device), value.requires_grad, *memory_layout(value))
+        elif isinstance(value, torch.Generator):   # the generator itself: the program holds another Python object
+            entry = ("python", "Generator", f"<torch.Generator {value._cdata:#x}>")   # for it, so an id is reused
         else:
             entry = ("python", type(value).__name__, repr(value))
         if layout.spec is not None:   # containers: each leaf by its name ('argument 0['ids']', 'extra[1]=')
