@@ -320,3 +320,25 @@ def test_fork_rng_then_a_draw_of_another_size_is_refused_naming_the_fork():
                                                   r"\d+: with torch\.random\.fork_rng\(\):.*drew with aten\.randn\.default"
                                                   r" at .*on other sizes or arguments"):
         step(*batches(1)[0])
+
+
+class CheckpointedNoise(nn.Module):
+    """A checkpointed block that draws its noise from a generator of its own, which checkpointing does not rewind."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner, self.linear, self.generator = nn.Linear(8, 8), nn.Linear(8, 1), torch.Generator().manual_seed(1)
+
+    def block(self, x):
+        return torch.tanh(self.inner(x) + torch.randn(x.shape, generator=self.generator))
+
+    def forward(self, x, y):
+        return F.mse_loss(self.linear(F.dropout(checkpoint(self.block, x, use_reentrant=False), 0.2)), y)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_checkpointed_block_drawing_from_a_generator_of_its_own_draws_anew_in_the_recomputation(stage):
+    """torch.utils.checkpoint rewinds torch's generators only: eager's recomputation draws new noise from the
+    block's own generator (which advances twice a step). The program replayed the forward's noise instead, as for
+    a draw from torch's generator: other gradients and another generator state than eager's, silently."""
+    assert_trains_like_eager(CheckpointedNoise, stage, batches())

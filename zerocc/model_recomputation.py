@@ -85,7 +85,7 @@ class _Sequence(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if not draws_random_numbers(func, args, kwargs):
+        if not draws_random_numbers(func, args, kwargs) or _draws_from_its_own_generator(func, args, kwargs):
             return func(*args, **kwargs)
         if self.reseeded is not None:
             raise CaptureError(
@@ -126,13 +126,28 @@ class _Sequence(TorchDispatchMode):
 _MARKER_SEED = 0x5EED_0F_2E2000CC
 
 
-def generator_of(func, args, kwargs) -> torch.Generator | None:
-    """The generator a random op draws from: its ``generator`` argument, else its device's default one."""
+def _generator_argument(func, args, kwargs) -> torch.Generator | None:
     for argument, value in zip(func._schema.arguments, args):
         if argument.name == "generator" and value is not None:
             return value
-    if kwargs.get("generator") is not None:
-        return kwargs["generator"]
+    return kwargs.get("generator")
+
+
+def _draws_from_its_own_generator(func, args, kwargs) -> bool:
+    """Whether a random op draws from a ``torch.Generator`` of the user's (``generator=self.gen``), which
+    ``torch.set_rng_state`` and ``torch.manual_seed`` leave alone: a recomputation draws from it anew, as eager."""
+    generator = _generator_argument(func, args, kwargs)
+    if generator is None:
+        return False
+    defaults = (torch.default_generator, *(torch.cuda.default_generators if torch.cuda.is_available() else ()))
+    return all(generator._cdata != default._cdata for default in defaults)
+
+
+def generator_of(func, args, kwargs) -> torch.Generator | None:
+    """The generator a random op draws from: its ``generator`` argument, else its device's default one."""
+    generator = _generator_argument(func, args, kwargs)
+    if generator is not None:
+        return generator
     device = kwargs.get("device")
     if device is None:
         device = next((t.device for t in pytree.tree_leaves(args) if isinstance(t, torch.Tensor)), torch.device("cpu"))
