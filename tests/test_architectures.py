@@ -234,6 +234,49 @@ def test_diffusion_unet_drawing_noise_in_the_step_equals_eager_bit_for_bit(dtype
         assert torch.equal(full[key], value), key
 
 
+class AugmentedDenoiser(torch.nn.Module):
+    """Augmentation in forward with torch ops (a random flip per image), a draw left over from a switched-off
+    augmentation (its value unused), dropout, and a denoising loss that draws its noise."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.SiLU(), torch.nn.Dropout(0.2),
+                                       torch.nn.Conv2d(8, 3, 3, padding=1))
+        self.crop = False
+
+    def forward(self, images):
+        flip = torch.rand(images.shape[0], 1, 1, 1) < 0.5
+        images = torch.where(flip, images.flip(-1), images)
+        shift = torch.randint(-2, 3, (2,))   # drawn, as eager draws it, even with the crop switched off
+        if self.crop:
+            images = torch.roll(images, tuple(shift.tolist()), (-2, -1))
+        noise = torch.randn_like(images)
+        return torch.nn.functional.mse_loss(self.net(images + noise), noise)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_random_draw_the_step_does_not_use_still_advances_the_generator(stage):
+    """A draw whose value the step does not use was tagged as the optimizer's (neither the loss nor the gradients
+    need it): stages 1-3 refused the step ("AdamW.step() is not elementwise per parameter: aten.randint"). It is
+    forward's, drawn where eager draws it, so the draws after it are eager's."""
+    from tests.reference import eager_accumulated_step
+    torch.manual_seed(0)
+    reference = AugmentedDenoiser()
+    model = copy.deepcopy(reference)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    step = zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-2), stage=stage, grad_accumulation=2)
+    generator = torch.Generator().manual_seed(1)
+    for seed in range(3):
+        batch = (torch.randn(4, 3, 8, 8, generator=generator),)
+        torch.manual_seed(seed)
+        expected, _ = eager_accumulated_step(reference, reference_optimizer, None, batch, 2)
+        torch.manual_seed(seed)
+        assert torch.equal(step(*batch), expected), seed
+    full = step.full_state_dict()
+    for key, value in reference.state_dict().items():
+        assert torch.equal(full[key], value), key
+
+
 class ContrastivePairs(torch.nn.Module):
     """CLIP's loss as users write it: a learnable temperature, every rank's embeddings gathered as negatives."""
 

@@ -412,6 +412,51 @@ def test_every_program_of_a_step_is_stored_and_a_new_step_loads_each(tmp_path):
     assert [o.split(",")[0] for o in outcomes] == ["miss (no entry)", "miss (no entry)", "loaded", "loaded"], outcomes
 
 
+class _Noising(torch.nn.Module):
+    """A denoiser whose forward draws its noise and timesteps from a generator it holds."""
+
+    def __init__(self, seed):
+        super().__init__()
+        self.net = torch.nn.Linear(9, 8)
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def forward(self, x):
+        noise = torch.randn(x.shape, generator=self.generator)
+        t = torch.randint(0, 10, (x.shape[0], 1), generator=self.generator).float()
+        return ((self.net(torch.cat([x + noise, t / 10], 1)) - noise) ** 2).mean()
+
+
+_GLOBAL_GENERATOR = torch.Generator().manual_seed(1)
+
+
+class _NoisingFromAGlobal(_Noising):
+    def forward(self, x):
+        return ((self.net(torch.cat([x, x[:, :1]], 1)) - torch.randn(x.shape, generator=_GLOBAL_GENERATOR)) ** 2).mean()
+
+
+def test_a_loaded_program_draws_from_the_models_own_generator(tmp_path):
+    """A program that draws from a torch.Generator the model holds was stored with a copy of that generator: a
+    later process loading it drew from the copy (in the state it had when stored), and the model's own generator,
+    seeded otherwise, never moved. The entry names the generator, as it names the modules; a generator held
+    elsewhere (a global) is not stored."""
+    data = [torch.randn(4, 8, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    for seed in (1, 2):   # the second model's generator is seeded otherwise: only the entry can be the same
+        torch.manual_seed(0)
+        model = _Noising(seed)
+        reference = copy.deepcopy(model)
+        reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+        step = zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-2), stage=3, cache_dir=tmp_path)
+        for batch in data:
+            assert torch.equal(step(batch), eager_step(reference, reference_optimizer, None, (batch,)))
+        assert torch.equal(model.generator.get_state(), reference.generator.get_state())
+    assert step.report()["compile_cache"] == "loaded"
+    model = _NoisingFromAGlobal(1)
+    step = zerocc.compile(model, torch.optim.AdamW(model.parameters()), cache_dir=tmp_path / "global")
+    step(data[0])
+    assert step.report()["compile_cache"] == ("miss (no entry), then not stored: the step draws from a torch.Generator "
+                                              "that is no attribute of the model's modules")
+
+
 def test_a_hugging_face_config_switch_misses(tmp_path):
     """The attention implementation lives in the model's config (a private attribute), not in its modules'
     structure or its source: the fingerprint reads config objects whole."""

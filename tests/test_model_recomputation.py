@@ -244,3 +244,101 @@ def test_selective_checkpointing_saves_what_its_policy_says_and_trains_bit_for_b
     program = str(step.graph("capture"))
     assert program.count("aten.gelu.default") == 4   # two blocks' forward and recomputation
     assert program.count("aten.addmm.default") == 6   # embed, two per block, head: none recomputed
+
+
+SAVED_STATE = torch.Generator().manual_seed(5).get_state()
+
+
+class SetsAGenerator(nn.Module):
+    """Forward seeds or sets a generator with the generator's own methods (which zerocc cannot patch), then or
+    before drawing from it."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.linear, self.how, self.generator = nn.Linear(8, 1), how, torch.Generator()
+
+    def forward(self, x, y):
+        if self.how == "own generator seeded":
+            self.generator.manual_seed(0)
+            noise = torch.randn(x.shape, generator=self.generator)
+        elif self.how == "default generator seeded":
+            torch.default_generator.manual_seed(100)   # the state the loop seeds before the first call
+            noise = torch.randn_like(x)
+        elif self.how == "state set back":
+            state = torch.default_generator.get_state()
+            noise = torch.randn_like(x)
+            torch.default_generator.set_state(state)
+            noise = noise + torch.randn_like(x)
+        elif self.how == "state of its own":
+            torch.set_rng_state(SAVED_STATE)
+            noise = torch.randn_like(x)
+        else:   # "seeded after drawing"
+            noise = torch.randn(x.shape, generator=self.generator)
+            self.generator.manual_seed(3)
+        return F.mse_loss(self.linear(x + noise), y)
+
+
+@pytest.mark.parametrize("how", ["own generator seeded", "default generator seeded", "state set back",
+                                 "state of its own", "seeded after drawing"])
+def test_a_generator_seeded_or_set_inside_the_step_is_refused_naming_the_draw(how):
+    """A trace runs Generator.manual_seed / set_state once; the program draws on from the generator's state without
+    them: each of these trained with other random numbers than eager's, silently, from the second step on (the
+    first, too, for a seed after the draw)."""
+    model = SetsAGenerator(how)
+    step = zerocc.compile(model, adamw(model), stage=0)
+    torch.manual_seed(100)
+    with pytest.raises(zerocc.CaptureError, match=r"seeds or sets the state of a random generator between .* and "
+                                                  r"(.*test_model_recomputation\.py:\d+: .*randn|the step's end).*"
+                                                  r"Seed or set the generator before calling the step"):
+        step(*batches(1)[0])
+
+
+class ForksTheGenerator(nn.Module):
+    """Noise drawn inside torch.random.fork_rng (the global generator set back after it), then drawn again."""
+
+    def __init__(self, again):
+        super().__init__()
+        self.linear, self.again = nn.Linear(8, 1), again
+
+    def forward(self, x, y):
+        with torch.random.fork_rng():
+            noise = torch.randn(x.shape)
+        noise = noise + torch.randn(x.shape if self.again == "alike" else (x.shape[0], 1))
+        return F.mse_loss(F.dropout(self.linear(x + noise), 0.5), y)
+
+
+def test_fork_rng_in_forward_replays_its_draws_as_eager_draws_them_again():
+    assert_trains_like_eager(lambda: ForksTheGenerator("alike"), 0, batches())
+
+
+def test_fork_rng_then_a_draw_of_another_size_is_refused_naming_the_fork():
+    """After the rewind eager draws 6 numbers, the first one the forked draw's; the replay handed back the forked
+    draw's (6, 1) tensor instead, silently (broadcast into the sum)."""
+    model = ForksTheGenerator("other size")
+    step = zerocc.compile(model, adamw(model), stage=0)
+    with pytest.raises(zerocc.CaptureError, match=r"(?s)rewound the random generator at .*test_model_recomputation\.py:"
+                                                  r"\d+: with torch\.random\.fork_rng\(\):.*drew with aten\.randn\.default"
+                                                  r" at .*on other sizes or arguments"):
+        step(*batches(1)[0])
+
+
+class CheckpointedNoise(nn.Module):
+    """A checkpointed block that draws its noise from a generator of its own, which checkpointing does not rewind."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner, self.linear, self.generator = nn.Linear(8, 8), nn.Linear(8, 1), torch.Generator().manual_seed(1)
+
+    def block(self, x):
+        return torch.tanh(self.inner(x) + torch.randn(x.shape, generator=self.generator))
+
+    def forward(self, x, y):
+        return F.mse_loss(self.linear(F.dropout(checkpoint(self.block, x, use_reentrant=False), 0.2)), y)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_checkpointed_block_drawing_from_a_generator_of_its_own_draws_anew_in_the_recomputation(stage):
+    """torch.utils.checkpoint rewinds torch's generators only: eager's recomputation draws new noise from the
+    block's own generator (which advances twice a step). The program replayed the forward's noise instead, as for
+    a draw from torch's generator: other gradients and another generator state than eager's, silently."""
+    assert_trains_like_eager(CheckpointedNoise, stage, batches())

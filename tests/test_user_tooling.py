@@ -685,6 +685,91 @@ def test_a_tensor_replaced_between_steps_trains_as_eager(stage, replaced, monkey
     assert len(step.compile_stats) == 2   # the first program, and the replaced tensor's
 
 
+NOISE = torch.Generator().manual_seed(7)   # a global generator forward draws from: the loop below replaces it
+
+
+class Noisy(nn.Module):
+    """Forward draws noise from a generator it holds and from a global one (``torch.randn(..., generator=...)``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(12, 3)
+        self.generator = torch.Generator().manual_seed(3)
+
+    def forward(self, x):
+        x = x + torch.randn(x.shape, generator=self.generator)
+        return self.linear(x) + torch.randn(3, generator=NOISE)
+
+
+@pytest.mark.parametrize("replaced", ["attribute", "global"])
+def test_a_generator_replaced_between_steps_trains_as_eager(replaced, monkeypatch):
+    """A trace reads the torch.Generator forward draws from as a constant: `self.generator = torch.Generator()
+    .manual_seed(s)` between steps went on drawing from the old generator, silently. The generators' identities are
+    part of the program's key; reseeding the same generator needs no new program."""
+    torch.manual_seed(0)
+    model = Noisy()
+    reference = copy.deepcopy(model)   # a generator of its own, in the same state
+    optimizer, reference_optimizer = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference))
+    step = zerocc.compile(model, optimizer, stage=3, loss_fn=F.cross_entropy)
+    generator = torch.Generator().manual_seed(1)
+    for index in range(4):
+        if index == 1 and replaced == "attribute":
+            model.generator, reference.generator = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+        if index == 1 and replaced == "global":
+            monkeypatch.setattr(sys.modules[__name__], "NOISE", torch.Generator().manual_seed(5))
+        if index == 2:   # reseeded in place: the program draws from it as it is
+            model.generator.manual_seed(9)
+            reference.generator.manual_seed(9)
+        x, y = torch.randn(4, 12, generator=generator), torch.randint(0, 3, (4,), generator=generator)
+        state = NOISE.get_state()
+        reference_optimizer.zero_grad(set_to_none=True)
+        expected = F.cross_entropy(reference(x), y)
+        expected.backward()
+        reference_optimizer.step()
+        NOISE.set_state(state)   # the step draws what eager drew
+        assert torch.equal(step(x, y), expected.detach()), index
+        assert torch.equal(model.generator.get_state(), reference.generator.get_state()), index
+    assert len(step.compile_stats) == 2   # the first program, and the replaced generator's
+
+
+class NoisyFrom(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(12, 3)
+
+    def forward(self, x, generator):
+        return self.linear(x + torch.randn(x.shape, generator=generator))
+
+
+def test_a_generator_passed_to_the_step_trains_as_eager_and_a_new_one_per_call_is_named_in_the_warning():
+    """The step draws from the generator passed to it, as eager: the same one at every call needs one program. A
+    new one is another program (the trace holds the generator), and the warning said to pass numbers as tensors;
+    it says to pass the same generator."""
+    torch.manual_seed(0)
+    model = NoisyFrom()
+    reference = copy.deepcopy(model)
+    optimizer, reference_optimizer = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference))
+    step = zerocc.compile(model, optimizer, stage=3, loss_fn=F.cross_entropy)
+    data = torch.Generator().manual_seed(1)
+    passed, mine = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+
+    def train(passed, mine):
+        x, y = torch.randn(4, 12, generator=data), torch.randint(0, 3, (4,), generator=data)
+        reference_optimizer.zero_grad(set_to_none=True)
+        expected = F.cross_entropy(reference(x, mine), y)
+        expected.backward()
+        reference_optimizer.step()
+        assert torch.equal(step(x, y, generator=passed), expected.detach())
+        assert torch.equal(passed.get_state(), mine.get_state())
+
+    for _ in range(2):
+        train(passed, mine)
+    assert len(step.compile_stats) == 1
+    with pytest.warns(zerocc.RecompileWarning, match="pass the same one at every call"):
+        train(torch.Generator().manual_seed(8), torch.Generator().manual_seed(8))
+    assert len(step.compile_stats) == 2
+
+
 @pytest.mark.parametrize("stage", [0, 3])
 def test_eval_forward_reads_a_replaced_tensor_and_hooks_added_between_calls(stage):
     """eval_forward kept one program per batch shape and Python values: a tensor attribute replaced between calls

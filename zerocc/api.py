@@ -628,7 +628,10 @@ class CompiledStep:
                     "count such as num_items_in_batch, a sample id) compiles every batch. Pass such a number as a "
                     "tensor (num_items_in_batch=torch.tensor(n)), which one program reads at every step and which "
                     "trains as eager does with the number; keep a value forward does not read out of the step's "
-                    "arguments. Said once per zerocc.compile.", RecompileWarning, stacklevel=user_stacklevel())
+                    "arguments." + (" A torch.Generator passed to the step is the program's: pass the same one at "
+                    "every call (reseed it with manual_seed, as eager would), not a new one per call."
+                    if any("Generator" in change for change in changed) else "")
+                    + " Said once per zerocc.compile.", RecompileWarning, stacklevel=user_stacklevel())
                 self._warned_batch_values = True
                 return
 

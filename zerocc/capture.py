@@ -45,7 +45,7 @@ from .errors import CaptureError, ConfigError, ZeroccError, defined_at, raised_b
 from .optimizer_step import REPLICATE_IF_ELEMENTWISE, check_elementwise, splice_update
 from . import precision as mixed
 from .host_random import EXTREMES, HostDraws, same_program
-from .model_recomputation import traced_recomputation
+from .model_recomputation import generators_reached, traced_recomputation
 from .tracing import (fakeify, module_conversions_as_eager, no_traced_values_left, record_source_lines_of,
                       trace_functional)
 from .user_tooling import suspended_user_tooling
@@ -437,7 +437,7 @@ def trace_step(
         total, grads = None, None
         # the model's checkpointing replays its dropout masks (model_recomputation.py); what Python's and
         # NumPy's generators give is noted: the trace would keep it as a constant (host_random.py)
-        with traced_recomputation(), host_draws.recording():
+        with traced_recomputation(generators), host_draws.recording():
             for micro in micro_batches(batch, grad_accumulation):
                 positional, keyword = layout.split(micro)
                 micro_inputs = tuple(positional[:num_model_inputs])
@@ -491,6 +491,7 @@ def trace_step(
     recorder = GuardRecorder(inputs, input_positions)
     attributes = tensor_attributes(model)
     host_draws = HostDraws(model, loss_fn)
+    generators = generators_reached(model, loss_fn, inputs)   # torch.Generator objects the step may draw from
 
     def traced(recorder, fake_args, stats=stats):
         with recording(fake_mode, recorder), _restored(attributes), no_traced_values_left(model, loss_fn), \
@@ -552,6 +553,7 @@ def trace_step(
     if sparse:
         raise ConfigError(f"parameter(s) {', '.join(sparse)} get sparse gradients (nn.Embedding(sparse=True)?); "
                           "zerocc shards dense gradients only: use sparse=False")
+    step_nodes = set(gm.graph.nodes)   # forward and backward, before the optimizer's update is spliced in
     with stats.timed(compile_stats.OPTIMIZER_TRACE):
         new_param_nodes, new_state_dicts = _splice_optimizer(gm, fake_mode, optimizer, grad_nodes, group_of)
     new_state_keys = [tuple(sorted(d)) for d in new_state_dicts]
@@ -570,7 +572,7 @@ def trace_step(
         + [decisions.state_slot(param_infos[i].name, key) for i, keys in enumerate(new_state_keys) for key in keys]
     )
     gm.graph.eliminate_dead_code()
-    _tag_phases(gm, loss_node, [x for x in grad_nodes if x is not None], new_buffer_nodes)
+    _tag_phases(gm, loss_node, [x for x in grad_nodes if x is not None], new_buffer_nodes, step_nodes)
     for i in unused:   # a parameter the loss does not reach: not trained in this step
         placeholder = g.placeholders(gm, g.ROLE_PARAM)[i]
         placeholder.meta[g.UNUSED] = True
@@ -815,13 +817,17 @@ def _tag_placeholders(gm, layout, param_infos, frozen_infos, buffer_infos, state
         node.target = node.name
 
 
-def _tag_phases(gm, loss, grads, new_buffers) -> None:
+def _tag_phases(gm, loss, grads, new_buffers, step_nodes) -> None:
+    """Each node's phase: forward (what the loss and the written buffers need), backward (what the gradients need
+    besides), optimizer (the update spliced in after the trace). A node of the traced forward and backward that
+    neither needs is a draw whose value the step does not use (``shift = torch.randint(...)`` left over in an
+    augmentation), kept because it advances the generator as eager's does: it is forward's, where it was drawn."""
     forward = g.ancestors([loss, *[b for b in new_buffers if b.op != "placeholder"]])
     backward = g.ancestors(grads) - forward
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "output", "get_attr"):
             continue
-        if node in forward:
+        if node in forward or (node in step_nodes and node not in backward):
             node.meta[g.PHASE] = g.FORWARD
         elif node in backward:
             node.meta[g.PHASE] = g.BACKWARD

@@ -324,7 +324,7 @@ class DiskCache:
         payload["history"] = StoredHistory(self._path(digest, ".history.pkl"), objects, fake_mode)
         return payload
 
-    def store(self, fingerprint: Fingerprint, sources: dict[str, str], payload: dict, names: dict[int, str]) -> str:
+    def store(self, fingerprint: Fingerprint, sources: dict[str, str], payload: dict, names: dict) -> str:
         """Write the entry (atomically: a reader never sees half of one); returns what happened, for the report."""
         payload = dict(payload)
         history = payload.pop("history")
@@ -410,11 +410,19 @@ def _short(path: str) -> str:
 
 
 def user_objects(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The caller's objects a stored compile names instead of copying, by the names it uses."""
-    return {"optimizer": optimizer, **{f"module:{name}": module for name, module in model.named_modules()}}
+    """The caller's objects a stored compile names instead of copying, by the names it uses: the optimizer, the
+    modules, and the ``torch.Generator`` objects the modules hold (``torch.randn(..., generator=self.gen)`` draws
+    from the object traced in: a loaded program must advance the loading process's, not a copy pickled with it)."""
+    objects = {"optimizer": optimizer}
+    for name, module in model.named_modules():
+        objects[f"module:{name}"] = module
+        objects.update({f"generator:{name}.{attribute}": value for attribute, value in vars(module).items()
+                        if isinstance(value, torch.Generator)})
+    return objects
 
 
-def names_of(objects: dict[str, Any]) -> dict[int, str]:
-    """``user_objects`` by id(), as ``graph_pickle.dumps`` reads them (named_modules lists each module once)."""
-    return {id(thing): name for name, thing in objects.items()}
+def names_of(objects: dict[str, Any]) -> dict:
+    """``user_objects`` by ``graph_pickle.identity``, as ``graph_pickle.dumps`` reads them (named_modules lists each
+    module once)."""
+    return {graph_pickle.identity(thing): name for name, thing in objects.items()}
 

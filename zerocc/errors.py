@@ -103,15 +103,15 @@ def defined_at(function) -> str | None:
 
 def user_frame(tb) -> str | None:
     """The innermost frame of a traceback that is the user's code, as 'file:line: code'."""
-    return innermost_frame(traceback.extract_tb(tb), _is_users)
+    return innermost_frame(traceback.extract_tb(tb), is_users)
 
 
 def user_frame_here() -> str | None:
     """The innermost frame of the running stack that is the user's code, as 'file:line: code'."""
-    return innermost_frame(traceback.extract_stack(), _is_users)
+    return innermost_frame(traceback.extract_stack(), is_users)
 
 
-def _is_users(path: str) -> bool:
+def is_users(path: str) -> bool:
     return not (path.startswith(_LIBRARY_DIRS) or path.startswith("<"))
 
 

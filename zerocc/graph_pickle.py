@@ -15,8 +15,10 @@ module teaches it the rest:
 - a fake tensor is its shape, strides, dtype and device, made again under
   the loading process's fake mode; the fake mode itself is that mode;
 - an operator (``torch.ops.aten.mm.default``) is its name;
-- the caller's own objects (its optimizer, its modules) are written as names
-  and resolved to the loading process's objects, never copied.
+- the caller's own objects (its optimizer, its modules, the ``torch.Generator``
+  objects its modules hold) are written as names and resolved to the loading
+  process's objects, never copied; another generator the program draws from
+  (a global, the loss function's) is not written: the compile is not cached.
 
 Meta used only while tracing (torch.fx's ``from_node``, ``unbacked_bindings``
 and symbolic scalars, zerocc's ``graph.TRACING_META``) is not kept. Anything else pickle cannot write raises
@@ -64,10 +66,16 @@ def _plain_meta(meta: dict) -> dict:
     return kept
 
 
-class _Writer(pickle.Pickler):
-    """Pickles a compilation; ``names`` maps id() of the caller's objects to the names they load as."""
+def identity(thing) -> int | tuple:
+    """What ``dumps``' ``names`` knows a caller's object by: its id(), or for a ``torch.Generator`` the generator
+    itself (a traced program holds another Python object for the module's generator)."""
+    return ("generator", thing._cdata) if isinstance(thing, torch.Generator) else id(thing)
 
-    def __init__(self, file, names: dict[int, str]):
+
+class _Writer(pickle.Pickler):
+    """Pickles a compilation; ``names`` maps the ``identity`` of the caller's objects to the names they load as."""
+
+    def __init__(self, file, names: dict):
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self.names = names
         self._stand_ins: dict[str, _NodeName] = {}
@@ -110,7 +118,7 @@ class _Writer(pickle.Pickler):
     # Called for every object but atomic ones (not for ints, strings, tuples, dicts: a persistent_id, called for
     # every object, was most of a dump); what it returns is memoized, so a value shared by snapshots is made once
     def reducer_override(self, obj):
-        name = self.names.get(id(obj))
+        name = self.names.get(identity(obj))
         if name is not None:
             return _caller_object, (name,)
         if isinstance(obj, FakeTensorMode):
@@ -139,6 +147,8 @@ class _Writer(pickle.Pickler):
             return _record, (obj.codegen, self._rows(obj.nodes))
         if isinstance(obj, fx.Node):
             raise NotPicklable(f"node {obj.name} is named outside its graph's arguments (in meta or a decision)")
+        if isinstance(obj, torch.Generator):   # a copy would draw in place of the caller's generator
+            raise NotPicklable("the step draws from a torch.Generator that is no attribute of the model's modules")
         return NotImplemented
 
 
@@ -249,8 +259,8 @@ def keep_code(gm: fx.GraphModule) -> None:
         gm.graph.python_code = _StoredCode(gm.graph.python_code(root_module="self"))
 
 
-def dumps(obj, names: dict[int, str]) -> bytes:
-    """``obj`` pickled; ``names``: id() of each caller's object that is written by name instead."""
+def dumps(obj, names: dict) -> bytes:
+    """``obj`` pickled; ``names``: the ``identity`` of each caller's object that is written by name instead."""
     buffer = io.BytesIO()
     try:
         _Writer(buffer, names).dump(obj)

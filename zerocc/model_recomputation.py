@@ -27,6 +27,7 @@ stack; the trace refuses it at the ``checkpoint`` call instead, naming it.
 from __future__ import annotations
 
 import contextlib
+import traceback
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +37,7 @@ import torch.utils.checkpoint as checkpointing
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .analysis.remat import draws_random_numbers
-from .errors import CaptureError, user_frame_here
+from .errors import CaptureError, innermost_frame, is_users, user_frame_here
 
 aten = torch.ops.aten
 
@@ -47,6 +48,18 @@ class _Draw:
     func: torch._ops.OpOverload
     drawn: Any             # the op's result with its tensors copied; for an op writing in place, its written tensors
     where: str
+    signature: Any = None  # _signature of its arguments: a replay must draw as many numbers alike
+
+
+def _signature(args, kwargs):
+    """An op's arguments as a replay compares them: tensors by shape and dtype; None where a size is symbolic."""
+    def one(value):
+        if isinstance(value, torch.Tensor):
+            return ("tensor", tuple(value.shape), value.dtype)
+        return "generator" if isinstance(value, torch.Generator) else value
+    signature = pytree.tree_map(one, (args, kwargs))
+    symbolic = any(isinstance(leaf, (torch.SymInt, torch.SymFloat, torch.SymBool)) for leaf in pytree.tree_leaves(signature))
+    return None if symbolic else signature
 
 
 def _written(func, args, kwargs) -> list[torch.Tensor]:
@@ -68,10 +81,11 @@ class _Sequence(TorchDispatchMode):
         self.draws: list[_Draw] = []
         self.position = 0
         self.reseeded: str | None = None   # where the model called torch.manual_seed / torch.seed, if it did
+        self.rewound_at: str | None = None   # where the step last set back a state torch.get_rng_state gave
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if not draws_random_numbers(func, args, kwargs):
+        if not draws_random_numbers(func, args, kwargs) or _draws_from_its_own_generator(func, args, kwargs):
             return func(*args, **kwargs)
         if self.reseeded is not None:
             raise CaptureError(
@@ -83,22 +97,156 @@ class _Sequence(TorchDispatchMode):
         written = _written(func, args, kwargs)
         if self.position == len(self.draws):   # a new draw: run it, keep a copy for a rewind to replay
             result = func(*args, **kwargs)
-            self.draws.append(_Draw(func, _copied(written or result), _where()))
+            self.draws.append(_Draw(func, _copied(written or result), _where(), _signature(args, kwargs)))
             self.position += 1
             return result
         recorded = self.draws[self.position]
         self.position += 1
-        if func is not recorded.func:
+        signature = _signature(args, kwargs)
+        if func is not recorded.func or (None not in (signature, recorded.signature) and signature != recorded.signature):
+            at = f" at {self.rewound_at}" if self.rewound_at else ""
             raise CaptureError(
-                f"a recomputation rewound the random generator (torch.utils.checkpoint's preserve_rng_state) and "
-                f"then drew with {func} at {_where()}, where the forward drew with {recorded.func} at "
-                f"{recorded.where}: zerocc replays the forward's draws and needs the same random ops in the same "
-                f"order. Recompute the same code, or pass preserve_rng_state=False if new draws are intended")
+                f"the step rewound the random generator{at} (torch.set_rng_state with a state torch.get_rng_state "
+                f"gave: torch.random.fork_rng, torch.utils.checkpoint's preserve_rng_state) and then drew with {func} "
+                f"at {_where()}, where the forward drew with {recorded.func} at {recorded.where} before the rewind"
+                f"{'' if func is not recorded.func else ' on other sizes or arguments'}: zerocc replays the draws "
+                f"made since the saved state and needs the same random ops, on the same sizes, in the same order. "
+                f"Draw the same ops again; to draw without disturbing torch's generator, draw from a torch.Generator "
+                f"of your own instead of inside fork_rng; in a checkpoint, recompute the same code or pass "
+                f"preserve_rng_state=False if new draws are intended")
         if not written:   # no draw: the recorded one stands in
             return _copied(recorded.drawn)
         for target, drawn in zip(written, recorded.drawn):
             aten.copy_.default(target, drawn)
         return written[0] if len(written) == 1 else tuple(written)
+
+
+# the states the trace gives a generator after each draw from it (manual_seed of these): a state the step's own code
+# saved and sets back, or a seed it sets, is then another state at the next draw
+_MARKER_SEED = 0x5EED_0F_2E2000CC
+
+
+def _generator_argument(func, args, kwargs) -> torch.Generator | None:
+    for argument, value in zip(func._schema.arguments, args):
+        if argument.name == "generator" and value is not None:
+            return value
+    return kwargs.get("generator")
+
+
+def _draws_from_its_own_generator(func, args, kwargs) -> bool:
+    """Whether a random op draws from a ``torch.Generator`` of the user's (``generator=self.gen``), which
+    ``torch.set_rng_state`` and ``torch.manual_seed`` leave alone: a recomputation draws from it anew, as eager."""
+    generator = _generator_argument(func, args, kwargs)
+    if generator is None:
+        return False
+    defaults = (torch.default_generator, *(torch.cuda.default_generators if torch.cuda.is_available() else ()))
+    return all(generator._cdata != default._cdata for default in defaults)
+
+
+def generator_of(func, args, kwargs) -> torch.Generator | None:
+    """The generator a random op draws from: its ``generator`` argument, else its device's default one."""
+    generator = _generator_argument(func, args, kwargs)
+    if generator is not None:
+        return generator
+    device = kwargs.get("device")
+    if device is None:
+        device = next((t.device for t in pytree.tree_leaves(args) if isinstance(t, torch.Tensor)), torch.device("cpu"))
+    device = torch.device(device)
+    if device.type == "cpu":
+        return torch.default_generator
+    if device.type == "cuda":
+        return torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+    return None
+
+
+def generators_reached(model, loss_fn, inputs) -> list[torch.Generator]:
+    """The ``torch.Generator`` objects the step may draw from besides the default ones: those the model's modules,
+    the globals their ``forward`` names and the loss function hold (where ``program_cache.python_sources`` looks
+    for the values a trace reads), and those in the batch."""
+    from .program_cache import _closure_items, python_sources
+    found = [value for value in pytree.tree_leaves(list(inputs)) if isinstance(value, torch.Generator)]
+    for _, namespace, names in python_sources(model, loss_fn):
+        if namespace is None:
+            items = _closure_items(names)
+        else:
+            items = namespace.items() if names is None else [(n, namespace[n]) for n in names if n in namespace]
+        found += [value for _, value in items if isinstance(value, torch.Generator)]
+    return found
+
+
+class _SetGenerators(TorchDispatchMode):
+    """Refuses a draw from a generator the step itself seeded or set (``self.gen.manual_seed(0)``,
+    ``torch.default_generator.set_state(saved)``, ``torch.set_rng_state`` with a state of its own).
+
+    A trace runs such a call once, before the program first runs, and the program's draws do not advance the
+    real generator while it is traced: the program would draw on from where the generator was, every step, where
+    eager draws from the state just set. Python cannot patch a generator's methods, so the states tell: after each
+    draw the trace gives the generator a state of its own (``_MARKER_SEED``), and a draw that finds another state
+    was preceded by a set. Each generator gets back its state from before the trace.
+    """
+
+    def __init__(self, known):
+        super().__init__()
+        self.generators: dict[int, tuple[torch.Generator, torch.Tensor]] = {}   # _cdata -> (generator, state before)
+        self.expected: dict[int, torch.Tensor] = {}   # the state each should have at its next draw
+        self.last_draw: dict[int, str] = {}
+        self.draws = 0
+        for generator in known:
+            self._know(generator, mark=True)
+
+    def _know(self, generator, mark=False):
+        if generator._cdata not in self.generators:
+            self.generators[generator._cdata] = (generator, generator.get_state())
+            if mark:   # known before the step: a set before its first draw then changes its state, whatever it sets
+                self._mark(generator)
+            else:
+                self.expected[generator._cdata] = generator.get_state()
+
+    def _mark(self, generator):
+        self.draws += 1
+        generator.manual_seed(_MARKER_SEED + self.draws)
+        self.expected[generator._cdata] = generator.get_state()
+
+    def _error(self, key, where):
+        since = f"the draw at {self.last_draw[key]}" if key in self.last_draw else "the step's start"
+        return CaptureError(
+            f"the step seeds or sets the state of a random generator between {since} and {where}: the compiled "
+            f"program draws from the generator as the step runs, and a seed or state set inside the step "
+            f"(Generator.manual_seed, Generator.set_state, torch.default_generator.set_state, torch.set_rng_state "
+            f"with a state of your own) runs once, while tracing, so the draws would not be eager's. Seed or set the "
+            f"generator before calling the step; to draw without disturbing a generator, draw from a torch.Generator "
+            f"of your own")
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not draws_random_numbers(func, args, kwargs):
+            return func(*args, **kwargs)
+        generator = generator_of(func, args, kwargs)
+        if generator is None:
+            return func(*args, **kwargs)
+        self._know(generator)
+        key = generator._cdata
+        if not torch.equal(generator.get_state(), self.expected[key]):
+            raise self._error(key, _where())
+        result = func(*args, **kwargs)
+        self._mark(generator)
+        self.last_draw[key] = _where()
+        return result
+
+    def finish(self, failed: bool) -> None:
+        """Give each generator its state from before the trace back, but one the step set and never drew from
+        (a ``torch.manual_seed`` in forward with nothing drawn after it); refuse a set after a generator's last
+        draw."""
+        changed = []
+        for key, (generator, state) in self.generators.items():
+            if not torch.equal(generator.get_state(), self.expected[key]):
+                changed.append(key)
+                if key not in self.last_draw:
+                    continue
+            generator.set_state(state)
+        drawn = [key for key in changed if key in self.last_draw]
+        if drawn and not failed:
+            raise self._error(drawn[0], "the step's end")
 
 
 def _refuse_reentrant(*args, **kwargs):
@@ -110,16 +258,27 @@ def _refuse_reentrant(*args, **kwargs):
         f"default)")
 
 
+def _outside_python(path: str) -> bool:
+    from .disk_cache import _in_python_itself
+    return is_users(path) and not _in_python_itself(path)
+
+
 def _where() -> str:
     return user_frame_here() or "(no user frame found)"
 
 
 @contextlib.contextmanager
-def traced_recomputation():
+def traced_recomputation(generators=()):
     """Refuse reentrant checkpointing; trace ``get_rng_state``/``set_rng_state`` as positions among the random ops.
 
-    A ``torch.manual_seed`` or ``torch.seed`` in the step is refused at the first random op drawn after it.
+    A ``torch.manual_seed`` or ``torch.seed`` in the step is refused at the first random op drawn after it; a
+    draw from a generator the step seeded or set otherwise (``_SetGenerators``; ``generators``: those the step may
+    reach besides the default ones, whose states before the step tell a set before their first draw) too.
     """
+    defaults = [torch.default_generator]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        defaults += list(torch.cuda.default_generators)
+    set_generators = _SetGenerators([*defaults, *generators])
     sequence = _Sequence()
     saved: dict[int, tuple[torch.Tensor, int]] = {}   # id of a state handed out -> (the state, its position)
     entered = []
@@ -142,6 +301,8 @@ def traced_recomputation():
         def set_rng_state(state, *args, **kwargs):
             if id(state) in saved and saved[id(state)][0] is state:
                 sequence.position = saved[id(state)][1]
+                # the user's line, not contextlib's (fork_rng sets the state back in its generator's exit)
+                sequence.rewound_at = innermost_frame(traceback.extract_stack(), _outside_python)
                 return None
             return original(state, *args, **kwargs)
         return set_rng_state
@@ -171,8 +332,11 @@ def traced_recomputation():
     # is traced as eager runs it: the policy's saved ops are kept, the others recomputed in the traced backward
     is_compiling = checkpointing._is_compiling
     checkpointing._is_compiling = lambda func, args, kwargs: False
+    set_generators.__enter__()   # below _Sequence, entered at the first saved state: a draw it replays draws nothing
+    failed = True
     try:
         yield
+        failed = False
     finally:
         checkpointing._is_compiling = is_compiling
         if reentrant is None:
@@ -183,3 +347,5 @@ def traced_recomputation():
             setattr(module, name, original)
         if entered:
             sequence.__exit__(None, None, None)
+        set_generators.__exit__(None, None, None)
+        set_generators.finish(failed)

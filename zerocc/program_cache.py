@@ -190,7 +190,10 @@ def values_read(sources: tuple, skipped: frozenset = frozenset()) -> tuple[tuple
     the tensors, by identity: a trace reads the tensor object it finds (a loss module's class weights, a plain
     tensor attribute, a global) as a constant, so one replaced by another object (``loss_fn.weight = new``) gets
     a program of its own; writing into the same tensor (``weight.mul_(2)``) needs none, the program reads its
-    current values. Identities mean nothing in another process: the compile cache on disk keys on the values
+    current values. A ``torch.Generator`` is read the same way (``torch.randn(..., generator=self.gen)`` draws
+    from the object traced in): one replaced (``self.gen = torch.Generator().manual_seed(s)``) gets a program
+    of its own, where the old program would go on drawing from the old generator; reseeding the same one
+    (``self.gen.manual_seed(s)``) needs none. Identities mean nothing in another process: the compile cache on disk keys on the values
     only. ``skipped`` are the (label, name) pairs forward itself writes (a call counter), which would otherwise
     compile every step.
     """
@@ -207,6 +210,8 @@ def values_read(sources: tuple, skipped: frozenset = frozenset()) -> tuple[tuple
                 continue
             if isinstance(value, torch.Tensor):
                 tensors.append((label, name, id(value)))
+            elif isinstance(value, torch.Generator):   # the graph holds another Python object for the same generator
+                tensors.append((label, name, value._cdata))
             elif name not in _MODULE_INTERNALS and name not in _IDENTITIES and _plain(value):
                 # 1 and 1.0 trace differently; a list as it is now
                 values.append((label, name, type(value), tuple(value) if type(value) is list else value))
@@ -327,6 +332,8 @@ def input_signature(batch, layout: BatchLayout) -> tuple:
     for index, value in enumerate(batch):
         if isinstance(value, torch.Tensor):
             entry = (tuple(value.shape), value.dtype, str(value.device), value.requires_grad, *memory_layout(value))
+        elif isinstance(value, torch.Generator):   # the generator itself: the program holds another Python object
+            entry = ("python", "Generator", f"<torch.Generator {value._cdata:#x}>")   # for it, so an id is reused
         else:
             entry = ("python", type(value).__name__, repr(value))
         if layout.spec is not None:   # containers: each leaf by its name ('argument 0['ids']', 'extra[1]=')
