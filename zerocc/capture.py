@@ -437,7 +437,7 @@ def trace_step(
         total, grads = None, None
         # the model's checkpointing replays its dropout masks (model_recomputation.py); what Python's and
         # NumPy's generators give is noted: the trace would keep it as a constant (host_random.py)
-        with traced_recomputation(generators), host_draws.recording():
+        with traced_recomputation(fake_mode, generators), host_draws.recording():
             for micro in micro_batches(batch, grad_accumulation):
                 positional, keyword = layout.split(micro)
                 micro_inputs = tuple(positional[:num_model_inputs])

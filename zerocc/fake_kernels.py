@@ -195,9 +195,16 @@ class ZeroccFakeTensorMode(FakeTensorMode):
             raise _BypassDispatchCache("zerocc: laid out as its CPU kernel")
         return super()._cache_key(state, func, args, kwargs)
 
+    # model_recomputation's check of the random generators' states, while the step is traced (else None): it sees
+    # each op tagged as seeded here, where every op passes anyway
+    draw_observer = None
+
     def dispatch(self, func, types, args=(), kwargs=None):
         if func.namespace == "c10d":
             raise _eager_collective_error(func)
+        if self.draw_observer is not None and torch.Tag.nondeterministic_seeded in func.tags:
+            return self.draw_observer.draw(func, args, kwargs or {}, lambda: super(ZeroccFakeTensorMode, self).dispatch(
+                func, types, args, kwargs or {}))
         if func is aten._local_scalar_dense.default:   # .item(), .tolist() of values computed from the batch alone
             recorder = getattr(self.shape_env, "recorder", None)   # are read on the real batch and guarded
             value = recorder.read(args[0]) if recorder is not None else None   # (zerocc/data_guards.py)
