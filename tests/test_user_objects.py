@@ -409,6 +409,16 @@ def test_model_load_state_dict_on_placeholders_says_to_load_inside_full_model(st
     assert all(torch.equal(full[key], halved[key]) for key in halved)
 
 
+def _steps_beside_eager(step, reference, reference_optimizer, x, y, steps):
+    """``steps`` steps of a model whose forward returns its loss, on one batch, bit for bit with the reference's."""
+    for _ in range(steps):
+        reference_optimizer.zero_grad(set_to_none=True)
+        expected = reference(x, y)
+        expected.backward()
+        reference_optimizer.step()
+        assert torch.equal(step(x, y), expected.detach())
+
+
 class _SharedModule(torch.nn.Module):
     """One Linear registered under two names (self.b = self.a), as Hugging Face's set_input_embeddings does
     (BART's resize_token_embeddings: shared, encoder.embed_tokens and decoder.embed_tokens become one module)."""
@@ -433,12 +443,7 @@ def test_a_module_registered_under_two_names_trains_bit_for_bit(stage):
     reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     step = zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-2), stage=stage)
     x, y = torch.randn(4, 8), torch.randn(4, 8)
-    for _ in range(2):
-        reference_optimizer.zero_grad(set_to_none=True)
-        expected = reference(x, y)
-        expected.backward()
-        reference_optimizer.step()
-        assert torch.equal(step(x, y), expected.detach())
+    _steps_beside_eager(step, reference, reference_optimizer, x, y, 2)
     with torch.no_grad():
         assert torch.equal(step.eval_forward(x, y), reference(x, y))
     full = step.full_state_dict()
@@ -494,12 +499,7 @@ def test_tensors_sharing_memory_that_no_update_reaches_twice_train_bit_for_bit(s
     step = zerocc.compile(model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2),
                           stage=stage)
     x, y = torch.randn(4, 8), torch.randn(4, 8)
-    for _ in range(3):
-        reference_optimizer.zero_grad(set_to_none=True)
-        expected = reference(x, y)
-        expected.backward()
-        reference_optimizer.step()
-        assert torch.equal(step(x, y), expected.detach())
+    _steps_beside_eager(step, reference, reference_optimizer, x, y, 3)
     full = step.full_state_dict()
     assert all(torch.equal(full[key], value) for key, value in reference.state_dict().items())
 
