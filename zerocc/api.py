@@ -597,7 +597,7 @@ class CompiledStep:
         planned = (f" (the plan's: {final_peak(entry.ctx, self.options.memory_pools):,})"
                    if entry.ctx.memory_plan is not None else "")
         lines = list(dict.fromkeys(line for node in entry.program.gm.graph.nodes
-                                   if any(g.is_data_dependent(v) for v in _tensors_of(node.meta.get(g.VAL)))
+                                   if any(g.is_data_dependent(v) for v in g.values_of(node.meta.get(g.VAL)))
                                    and (line := user_line_of_node(node))))
         if lines:
             why = (f"the plan leaves out the tensors whose size the data decides, known only as the step runs, made "
@@ -1149,8 +1149,3 @@ def _state_signature_of(captured: Captured) -> list[dict[str, tuple[bool, torch.
             entry[key] = (value.dim() == 0, value.dtype)
         signature.append(entry)
     return signature
-
-
-def _tensors_of(value) -> tuple:
-    """A node's value as a tuple of what it holds (one tensor, or a tuple or list of outputs)."""
-    return tuple(value) if isinstance(value, (tuple, list)) else (value,)

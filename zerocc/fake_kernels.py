@@ -172,7 +172,10 @@ OWN_NAMESPACES = frozenset({"aten", "prim", "prims", "zerocc", "_c10d_functional
 
 
 def users_op(target) -> bool:
-    """Whether ``target`` is a user's custom op (``torch.library.custom_op``, a C++ extension's op)."""
+    """Whether ``target`` (an op overload, or its packet: ``torch.ops.mylib.op``) is a user's custom op
+    (``torch.library.custom_op``, a C++ extension's op)."""
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return target._qualified_op_name.split("::")[0] not in OWN_NAMESPACES
     return isinstance(target, torch._ops.OpOverload) and target.namespace not in OWN_NAMESPACES
 
 

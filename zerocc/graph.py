@@ -126,14 +126,18 @@ def is_data_dependent(value) -> bool:
     return isinstance(value, torch.Tensor) and not all(is_concrete_int(x) for x in (*value.shape, *value.stride()))
 
 
+def values_of(value) -> tuple:
+    """A node's value as a tuple of what it holds: its outputs (a tuple or list of them), or the one value."""
+    return tuple(value) if isinstance(value, (tuple, list)) else (value,)
+
+
 def known_bytes(value) -> int:
     """Bytes of the tensors in ``value`` (one, or a tuple of them), those whose size depends on the data left out.
 
     A size may be a SymInt whose expression is a number (``torch.bincount(x, minlength=E)`` traces its length so):
     ``int`` makes it one, where the product would otherwise stay a SymInt and the cost model's seconds a SymFloat.
     """
-    values = value if isinstance(value, (tuple, list)) else (value,)
-    return sum(int(v.numel()) * v.element_size() for v in values
+    return sum(int(v.numel()) * v.element_size() for v in values_of(value)
                if isinstance(v, torch.Tensor) and not is_data_dependent(v))
 
 

@@ -163,14 +163,10 @@ def generators_reached(model, loss_fn, inputs) -> list[torch.Generator]:
     """The ``torch.Generator`` objects the step may draw from besides the default ones: those the model's modules,
     the globals their ``forward`` names and the loss function hold (where ``program_cache.python_sources`` looks
     for the values a trace reads), and those in the batch."""
-    from .program_cache import _closure_items, python_sources
+    from .program_cache import python_sources, source_items
     found = [value for value in pytree.tree_leaves(list(inputs)) if isinstance(value, torch.Generator)]
     for _, namespace, names in python_sources(model, loss_fn):
-        if namespace is None:
-            items = _closure_items(names)
-        else:
-            items = namespace.items() if names is None else [(n, namespace[n]) for n in names if n in namespace]
-        found += [value for _, value in items if isinstance(value, torch.Generator)]
+        found += [value for _, value in source_items(namespace, names) if isinstance(value, torch.Generator)]
     return found
 
 

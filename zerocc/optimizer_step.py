@@ -101,28 +101,21 @@ def _read_settings(optimizer: torch.optim.Optimizer, values: Sequence[torch.Tens
     return read
 
 
-def eager_picks_foreach(params: Sequence[torch.Tensor], differentiable: bool) -> bool:
-    """Whether eager's ``step()`` runs these parameters with ``foreach=None`` on its multi-tensor (foreach) path.
+def eager_picks_foreach(settings: dict, params: Sequence[torch.Tensor]) -> bool:
+    """Whether eager's ``step()`` runs a param group with ``settings`` over ``params`` (fakes of its parameters) on
+    its multi-tensor (foreach) path.
 
-    torch.optim decides by the parameters' type, device and dtype (``_default_to_fused_or_foreach``): on CUDA the
-    foreach kernels, on the CPU the single-tensor ones. Under tracing the parameters are fake tensors, a type it
-    does not list, so left to itself it would trace the single-tensor update on CUDA, whose kernels round otherwise
-    than the foreach ones eager runs. The decision is made here on what the fakes stand for.
+    With ``foreach=None`` torch.optim decides by the parameters' type and device (``_default_to_fused_or_foreach``):
+    on CUDA the foreach kernels, on the CPU the single-tensor ones. Under tracing the parameters are fake tensors, a
+    type it does not list, so left to itself it would trace the single-tensor update on CUDA, whose kernels round
+    otherwise than the foreach ones eager runs. The decision is made here on what the fakes stand for.
     """
-    if differentiable:
-        return False
-    devices = torch_optimizer._get_foreach_kernels_supported_devices()
-    return all(p.device.type in devices for p in params)
-
-
-def _runs_foreach(optimizer: torch.optim.Optimizer, group: int, params: Sequence[torch.Tensor]) -> bool:
-    """Whether eager's update of param group ``group`` (over ``params``, fakes of its parameters) is foreach."""
-    settings = optimizer.param_groups[group]
     if "foreach" not in settings or settings.get("fused") or settings.get("differentiable"):
         return False
-    if settings["foreach"] is None:
-        return eager_picks_foreach(params, False)
-    return bool(settings["foreach"])
+    if settings["foreach"] is not None:
+        return bool(settings["foreach"])
+    devices = torch_optimizer._get_foreach_kernels_supported_devices()
+    return all(p.device.type in devices for p in params)
 
 
 def optimizer_update(
@@ -148,7 +141,7 @@ def optimizer_update(
         settings["params"] = [p for p, owner in zip(params, group_of) if owner == index]
         settings.update(read[index])
         if "foreach" in settings and settings["foreach"] is None and not settings.get("fused"):
-            settings["foreach"] = eager_picks_foreach(settings["params"], settings.get("differentiable", False))
+            settings["foreach"] = eager_picks_foreach(settings, settings["params"])
         shadow.param_groups.append(settings)
     for param, grad, state in zip(params, grads, states):
         param.grad = grad
@@ -349,8 +342,8 @@ def splice_update(
         value = node.meta[g.VAL]
         return (tuple(value.shape), value.dtype, str(value.device))
 
-    foreach_groups = {index for index in set(group_of) if replicate and _runs_foreach(
-        optimizer, index, [params[i].meta[g.VAL] for i in range(len(params)) if group_of[i] == index])}
+    foreach_groups = {index for index in set(group_of) if replicate and eager_picks_foreach(
+        optimizer.param_groups[index], [params[i].meta[g.VAL] for i in range(len(params)) if group_of[i] == index])}
     members: dict[tuple, list[int]] = collections.OrderedDict()
     for i in range(len(params)):
         if not replicate:

@@ -23,7 +23,7 @@ import operator
 import functools
 import types
 import warnings
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -199,13 +199,7 @@ def values_read(sources: tuple, skipped: frozenset = frozenset()) -> tuple[tuple
     """
     values, tensors = [], []
     for label, namespace, names in sources:
-        if namespace is None:   # a closure
-            items = _closure_items(names)
-        elif names is None:
-            items = namespace.items()
-        else:
-            items = [(name, namespace[name]) for name in names if name in namespace]
-        for name, value in items:
+        for name, value in source_items(namespace, names):
             if (label, name) in skipped:
                 continue
             if isinstance(value, torch.Tensor):
@@ -289,14 +283,15 @@ def _globals_read(code) -> tuple[str, ...]:
     return tuple(sorted(names))
 
 
-def _closure_items(cells) -> list:
-    items = []
-    for name, cell in cells:
-        try:
-            items.append((name, cell.cell_contents))
-        except ValueError:   # a closure variable not assigned yet
-            pass
-    return items
+def source_items(namespace: dict | None, names) -> list[tuple[str, Any]]:
+    """The (name, value) pairs one of ``python_sources``' entries holds now: a namespace's every item (``names``
+    None), or the names it lists that it has, or a closure's (``namespace`` None, ``names`` its (name, cell) pairs)
+    variables that are assigned."""
+    if namespace is None:
+        return [(name, value) for name, cell in names if (value := _cell_contents(cell)) is not _ABSENT]
+    if names is None:
+        return list(namespace.items())
+    return [(name, namespace[name]) for name in names if name in namespace]
 
 
 def changed_python_values(old: tuple, new: tuple) -> list[str]:

@@ -664,8 +664,7 @@ class _UsersOpsAutocast(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         result = func(*args, **(kwargs or {}))
         packet = getattr(func, "overloadpacket", func)
-        if isinstance(packet, torch._ops.OpOverloadPacket) and packet._qualified_op_name.split("::")[0] \
-                not in fake_kernels.OWN_NAMESPACES:
+        if isinstance(packet, torch._ops.OpOverloadPacket) and fake_kernels.users_op(packet):
             state = autocast_state()
             tracer = getattr(get_proxy_mode(), "tracer", None)
             if state and tracer is not None:
@@ -677,7 +676,7 @@ class _UsersOpsAutocast(TorchFunctionMode):
 
 
 def _run_users_ops_under_autocast(gm: fx.GraphModule) -> None:
-    """Run each node ``_note_users_ops_autocast`` marked (or the copy-and-run of it, ``_written_back``) under its
+    """Run each node ``_UsersOpsAutocast`` marked (or the copy-and-run of it, ``_written_back``) under its
     autocast state (``ops.under_autocast``)."""
     from torch._higher_order_ops.auto_functionalize import auto_functionalized_dense
     from .ops import under_autocast, written_copies_under_autocast

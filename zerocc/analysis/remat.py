@@ -180,7 +180,7 @@ class Recomputation:
         if node.target._schema.is_mutable or node.is_impure():
             return False
         value = node.meta.get(g.VAL)
-        if any(g.is_data_dependent(v) for v in (value if isinstance(value, (tuple, list)) else (value,))):
+        if any(g.is_data_dependent(v) for v in g.values_of(value)):
             return False   # sized by the data: unplanned, so recomputing it frees nothing the plan sees
         return _is_tensor_value(value)
 
@@ -348,6 +348,5 @@ def flops_of(node: fx.Node) -> int:
         pass
     if target is operator.getitem:
         return 0
-    values = value if isinstance(value, (tuple, list)) else (value,)
     # a size the data decides (a boolean mask's rows, an expert's tokens) is unknown here: counted as no work
-    return sum(int(v.numel()) for v in values if isinstance(v, torch.Tensor) and not g.is_data_dependent(v))
+    return sum(int(v.numel()) for v in g.values_of(value) if isinstance(v, torch.Tensor) and not g.is_data_dependent(v))

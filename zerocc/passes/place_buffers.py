@@ -271,8 +271,7 @@ def _read_until(user: fx.Node, position: dict[str, int]) -> int:
 
 
 def _values(node: fx.Node) -> list:
-    value = node.meta.get(g.VAL)
-    return list(value) if isinstance(value, (tuple, list)) else [value]
+    return list(g.values_of(node.meta.get(g.VAL)))
 
 
 def _placeable_outputs(node: fx.Node, buffers: list[Buffer], last: int) -> list[Buffer] | str:
