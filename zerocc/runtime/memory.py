@@ -7,9 +7,18 @@ distinct storage once (views share their base's storage), and notices a
 storage's release through a weak reference. The peak is taken after every op,
 so it is the most bytes alive between ops: an op's own workspace inside a
 kernel is not seen, nor is allocator caching or fragmentation.
+
+A reduction's input (a gradient bucket) dies at the reduction's wait in the
+plan, but gloo's worker thread drops its own reference a moment after the
+wait returns, and only once it holds the GIL: about one wait in five, the
+bucket was still counted a few ops later, and a budget met with a bucket to
+spare measured over it. The tracker gives the thread that moment (at most
+``_RELEASE_WAIT`` seconds per reduction), so what it measures is the
+program's order of releases, not the thread's timing.
 """
 from __future__ import annotations
 
+import time
 from typing import Iterable
 
 import torch
@@ -21,6 +30,12 @@ from ..autocast import autocast_as
 from ..ops import users_op_autocast
 
 
+_REDUCTIONS = {torch.ops._c10d_functional.all_to_all_single.default,
+               torch.ops._c10d_functional.reduce_scatter_tensor.default}
+_WAIT = torch.ops._c10d_functional.wait_tensor.default
+_RELEASE_WAIT = 1e-3
+
+
 class LiveBytesTracker(TorchDispatchMode):
     """``with LiveBytesTracker(inputs) as tracker: run()`` then ``tracker.peak_bytes``."""
 
@@ -29,9 +44,11 @@ class LiveBytesTracker(TorchDispatchMode):
         self._live: dict[int, tuple[StorageWeakRef, int]] = {}
         self.live_bytes = 0
         self.peak_bytes = 0
+        self._reduced: dict[int, StorageWeakRef] = {}   # a reduction's output storage -> its input's
         for tensor in tensors:
             self._add(tensor)
         self.peak_bytes = self.live_bytes
+        self._given = set(self._live)   # the slots, the batch and the memory pools: alive all along
 
     def _add(self, tensor: torch.Tensor) -> None:
         storage = tensor.untyped_storage()
@@ -52,6 +69,12 @@ class LiveBytesTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         with autocast_as(users_op_autocast()):   # a user's op the program runs under autocast (zerocc/ops.py)
             result = func(*args, **(kwargs or {}))
+        if func in _REDUCTIONS and (reduced := StorageWeakRef(args[0].untyped_storage())).cdata not in self._given:
+            self._reduced[result.untyped_storage()._cdata] = reduced
+        elif func is _WAIT and (reduced := self._reduced.pop(result.untyped_storage()._cdata, None)) is not None:
+            deadline = time.perf_counter() + _RELEASE_WAIT
+            while not reduced.expired() and time.perf_counter() < deadline:
+                time.sleep(0)   # the worker thread needs the GIL to drop the input
         for value in pytree.tree_leaves(result):
             if isinstance(value, torch.Tensor):
                 self._add(value)
