@@ -461,7 +461,8 @@ class CompiledStep:
             return
         tensors = [(t, t.data) for t in [*self.model.parameters(), *self.model.buffers()]]
         grads = [(p, p.grad) for p in self.model.parameters()]
-        optimizer_state = dict(self.optimizer.state)
+        held_state = self.optimizer.state
+        optimizer_state = dict(held_state)
         try:
             yield
         except BaseException:
@@ -469,6 +470,7 @@ class CompiledStep:
                 tensor.data = data
             for parameter, grad in grads:
                 parameter.grad = grad
+            self.optimizer.state = held_state
             self.optimizer.state.clear()
             self.optimizer.state.update(optimizer_state)
             self.state.reset()
@@ -694,7 +696,8 @@ class CompiledStep:
                 state.slots = slot_store.initial_slots(compiled.ctx.shard_plan, captured, self.model, self.optimizer,
                                                        fresh_state=fresh)
             state.slots.update(state.initial_scaler)   # created (or loaded from a checkpoint) before the first step
-            self.optimizer.state.clear()   # the step owns the (sharded) optimizer state from now on
+            # the step owns the (sharded) optimizer state from now on: reading it from optimizer.state says where it is
+            self.optimizer.state = user_views.HeldOptimizerState(self)
             for info in captured.params:   # its gradients live in its buckets: a .grad left by eager steps before
                 # compiling would read as the step's own, and hold a whole copy of the parameter on every rank
                 self.model.get_parameter(info.name).grad = None
