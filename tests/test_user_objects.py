@@ -651,3 +651,34 @@ def test_what_a_loop_does_around_the_step_trains_as_the_same_eager_loop(stage, t
     saved = torch.load(tmp_path / "model.pt")
     for key, value in reference.state_dict().items():
         assert torch.equal(saved[key], value), key
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_training_loading_or_closing_inside_full_model_is_refused_and_training_goes_on_as_eager(stage, tmp_path):
+    """A loop wrapped in ``with step.full_model():`` (to call or log the whole model between steps) trained inside
+    it, and leaving the block wrote the whole copies taken on entering it back over the trained weights: the steps
+    taken inside were silently undone (and, with writeback=False, the module showed weights steps old). A checkpoint
+    loaded there was undone the same way, and ``step.close()`` failed on a TypeError. Each is refused now, changing
+    nothing, and the loop trains on as eager after the block."""
+    model, _, loss_fn = build("mlp")
+    reference = copy.deepcopy(model)
+    optimizer, reference_optimizer = adamw(model), adamw(reference)
+    step = zerocc.compile(model, optimizer, stage=stage, loss_fn=loss_fn)
+    data = batches("mlp", 3, 8)
+    assert torch.equal(step(*data[0]), eager_step(reference, reference_optimizer, loss_fn, data[0]))
+    zerocc.save_checkpoint(step, tmp_path / "ckpt")
+    saved = copy.deepcopy(step.state_dict())
+    assert torch.equal(step(*data[1]), eager_step(reference, reference_optimizer, loss_fn, data[1]))
+    for writeback in (True, False):
+        for call, what in ((lambda: step(*data[2]), "the training step"),
+                           (lambda: step.load_state_dict(saved), "step.load_state_dict"),
+                           (lambda: zerocc.load_checkpoint(step, tmp_path / "ckpt"), "zerocc.load_checkpoint"),
+                           (step.close, "step.close")):
+            with pytest.raises(zerocc.ConfigError, match=rf"{re.escape(what)} inside `with step.full_model\(\):`.*"
+                                                         r"Call it after the block"):
+                with step.full_model(writeback=writeback):
+                    call()
+    assert torch.equal(step(*data[2]), eager_step(reference, reference_optimizer, loss_fn, data[2]))
+    full = step.full_state_dict()
+    for key, value in reference.state_dict().items():
+        assert torch.equal(full[key], value), key

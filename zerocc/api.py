@@ -385,6 +385,7 @@ class CompiledStep:
     # -- the step ----------------------------------------------------------------
     def __call__(self, *inputs, **keyword_inputs):
         self._check_open()
+        user_views.refuse_inside_full_model(self, "the training step")
         if torch.is_inference_mode_enabled():
             raise ConfigError("the training step was called under torch.inference_mode(), where no gradient can be "
                               "computed (eager's loss.backward() fails there too): call it outside inference_mode; "
@@ -928,6 +929,7 @@ class CompiledStep:
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a state dict from ``state_dict()`` that ``dcp.load`` filled (any world size or stage saved it)."""
         self._check_open()
+        user_views.refuse_inside_full_model(self, "step.load_state_dict")
         state_dict_module.load_state_dict(self, state_dict)
 
     # -- reading it back --------------------------------------------------------
@@ -991,6 +993,7 @@ class CompiledStep:
         """
         if self.closed:
             return
+        user_views.refuse_inside_full_model(self, "step.close")
         if self.state.started:
             if self.ranks.world_size > 1 and (self.stage > 0 or self._gathers):
                 failures.meet(self.ranks, "step.close", self.steps, self.timeout)

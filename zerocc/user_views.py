@@ -210,6 +210,19 @@ def full_model(step, writeback: bool = True):
         _note_placeholder_versions(step)
 
 
+def refuse_inside_full_model(step, call: str) -> None:
+    """``call`` (a training step, a load, ``close``) inside ``with step.full_model():`` changes the step's state while
+    the module holds whole copies of the parameters taken on entering the block: leaving it wrote those stale copies
+    back over what ``call`` did (the steps taken inside, a loaded checkpoint: silently undone; ``close`` failed on a
+    ``TypeError``). Refused before it changes anything."""
+    if step.state.full_model_depth:
+        raise ConfigError(
+            f"{call} inside `with step.full_model():`: the module holds whole copies of the parameters for the block, "
+            f"taken on entering it, which {call} does not update, and leaving the block writes them back into the step "
+            f"(writeback=True), undoing what {call} changed. Call it after the block; inside it, read, evaluate or "
+            "edit the whole model")
+
+
 def _write_back(step, buckets: dict[int, torch.Tensor], params: dict[str, torch.Tensor]) -> None:
     plan, captured, slots = step.state.plan, step.state.captured, step.state.slots
     with torch.no_grad():
