@@ -1,6 +1,7 @@
 """After compile the user's model and optimizer tell the truth: current values, ``step.full_model()``, or clear errors."""
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import io
@@ -506,21 +507,25 @@ def test_tensors_sharing_memory_that_no_update_reaches_twice_train_bit_for_bit(s
 
 def _model_state_dict_refusal(rank, world_size, stage, param_dtype):
     model, _, loss_fn = build("gpt")
-    step = zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-2), stage=stage, loss_fn=loss_fn,
-                          param_dtype=param_dtype)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step = zerocc.compile(model, optimizer, stage=stage, loss_fn=loss_fn, param_dtype=param_dtype)
     step(*(t[rank * 4:(rank + 1) * 4] for t in batches("gpt", 1, 8)[0]))
     with pytest.raises(zerocc.ConfigError) as refused:
         model.state_dict()   # what model.save_pretrained() calls first
-    return str(refused.value)
+    with pytest.raises(zerocc.ConfigError) as state_read:
+        optimizer.state[next(model.parameters())]
+    return str(refused.value), str(state_read.value)
 
 
 @pytest.mark.multirank
 def test_model_state_dict_across_ranks_names_the_stage_and_param_dtype_that_shard_the_parameters():
     """At stage 1 under param_dtype on 2 ranks (a Hugging Face model's save_pretrained) the refusal said
     "after compile at stage 3": the masters are sharded there by param_dtype, at stage 1."""
-    [message, _] = distributed.run(_model_state_dict_refusal, 2, 1, torch.bfloat16)
+    [(message, state_read), _] = distributed.run(_model_state_dict_refusal, 2, 1, torch.bfloat16)
     assert "at stage 1 under param_dtype (the fp32 masters are sharded) over 2 ranks" in message, message
     assert "step.full_state_dict() on every rank" in message
+    # optimizer.state[p] across ranks points to this rank's pieces, not to optimizer.state_dict(), which raises there
+    assert "Read it from step.state_dict() (this rank's pieces, under 'optim/<parameter>/<key>')" in state_read
 
 
 def test_a_parameter_written_in_place_outside_full_model_at_stage_3_is_refused_and_inside_trains_as_eager():
@@ -553,3 +558,127 @@ def test_a_parameter_written_in_place_outside_full_model_at_stage_3_is_refused_a
         assert torch.equal(step(*batch), eager_step(reference, reference_optimizer, loss_fn, batch))
     full = step.full_state_dict()
     assert all(torch.equal(full[key], value) for key, value in reference.state_dict().items())
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_reading_a_parameters_optimizer_state_after_a_step_names_where_it_is(stage):
+    """A loop logging Adam's moments or step count from ``optimizer.state[p]`` got an empty dict after a compiled
+    step (the step holds the state in its buckets) and a bare ``KeyError: 'exp_avg'``; an edit there would have
+    changed nothing. The read raises now, naming the parameter and where the state is; a frozen parameter's state
+    is empty as eager's, the optimizer copies and pickles, and ``step.close()`` hands the state back to it."""
+    model, _, loss_fn = build("mlp")
+    reference = copy.deepcopy(model)
+    for net in (model, reference):
+        net.net[0].bias.requires_grad_(False)
+    optimizer, reference_optimizer = adamw(model), adamw(reference)
+    step = zerocc.compile(model, optimizer, stage=stage, loss_fn=loss_fn)
+    data = batches("mlp", 3, 8)
+    for batch in data[:2]:
+        assert torch.equal(step(*batch), eager_step(reference, reference_optimizer, loss_fn, batch))
+    weight = model.net[0].weight
+    with pytest.raises(zerocc.ConfigError, match=r"optimizer.state\['net.0.weight'\] after the compiled step's first "
+                                                 r"call: .* Read it from optimizer.state_dict\(\)\['state'\]"):
+        optimizer.state[weight]["exp_avg"]
+    assert optimizer.state[model.net[0].bias] == reference_optimizer.state[reference.net[0].bias] == {}
+    got = optimizer.state_dict()["state"]   # world size 1: current at every stage
+    for index, entries in reference_optimizer.state_dict()["state"].items():
+        assert all(torch.equal(got[index][key], value) for key, value in entries.items()), index
+    for copied in (copy.deepcopy(optimizer), _saved_and_loaded(optimizer)):
+        assert type(copied.state) is collections.defaultdict and copied.state[copied.param_groups[0]["params"][0]] == {}
+    assert torch.equal(step(*data[2]), eager_step(reference, reference_optimizer, loss_fn, data[2]))
+    step.close()
+    for param, expected in zip(model.parameters(), reference.parameters()):
+        assert optimizer.state[param].keys() == reference_optimizer.state[expected].keys()
+        for key, value in reference_optimizer.state[expected].items():
+            assert torch.equal(optimizer.state[param][key], value), key
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_what_a_loop_does_around_the_step_trains_as_the_same_eager_loop(stage, tmp_path):
+    """docs/guide/getting-started.md's "What your loop does around the step": a learning rate written between
+    steps, ReduceLROnPlateau on an evaluation loss, the model evaluated by calling it, the best weights kept and
+    restored (model.load_state_dict, and step.load_state_dict with the optimizer state), a leftover
+    loss.backward() refused, and the model saved at the end: bit for bit with the same eager loop."""
+    model, _, loss_fn = build("mlp")
+    reference = copy.deepcopy(model)
+    optimizer, reference_optimizer = adamw(model), adamw(reference)
+    step = zerocc.compile(model, optimizer, stage=stage, loss_fn=loss_fn)
+    schedulers = [torch.optim.lr_scheduler.ReduceLROnPlateau(o, factor=0.5, patience=0)
+                  for o in (optimizer, reference_optimizer)]
+    data, (x, y) = batches("mlp", 9, 8), batches("mlp", 1, 8, seed=9)[0]
+
+    def whole(writeback=False):   # the model as eager's: at stage 3 inside full_model
+        return step.full_model(writeback=writeback) if stage == 3 else contextlib.nullcontext()
+
+    def evaluate(net):
+        net.eval()
+        with torch.no_grad():
+            loss = loss_fn(net(x), y)
+        net.train()
+        return loss
+
+    for number, batch in enumerate(data):
+        loss = step(*batch)
+        assert torch.equal(loss, eager_step(reference, reference_optimizer, loss_fn, batch)), number
+        with pytest.raises(RuntimeError, match="does not require grad"):
+            loss.backward()
+        optimizer.zero_grad(set_to_none=False)
+        model.zero_grad()
+        if stage == 3:
+            with pytest.raises(zerocc.ConfigError, match="step.eval_forward"):
+                model(x)
+        with whole():
+            evaluated = evaluate(model)
+        assert torch.equal(evaluated, evaluate(reference))
+        for scheduler, value in zip(schedulers, (evaluated, evaluated)):
+            scheduler.step(value)
+        if number == 1:
+            for o in (optimizer, reference_optimizer):
+                o.param_groups[0]["lr"] = 2e-2
+        if number == 2:
+            best = [copy.deepcopy(model.state_dict()), copy.deepcopy(step.state_dict())]
+            expected_best = copy.deepcopy([reference.state_dict(), reference_optimizer.state_dict()])
+        if number == 4:   # the weights only
+            with whole(writeback=True):
+                model.load_state_dict(best[0])
+            reference.load_state_dict(expected_best[0])
+        if number == 6:   # weights and optimizer state
+            step.load_state_dict(best[1])
+            reference.load_state_dict(expected_best[0])
+            reference_optimizer.load_state_dict(expected_best[1])
+        assert optimizer.param_groups[0]["lr"] == reference_optimizer.param_groups[0]["lr"], number
+    torch.save(model.state_dict(), tmp_path / "model.pt")
+    saved = torch.load(tmp_path / "model.pt")
+    for key, value in reference.state_dict().items():
+        assert torch.equal(saved[key], value), key
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_training_loading_or_closing_inside_full_model_is_refused_and_training_goes_on_as_eager(stage, tmp_path):
+    """A loop wrapped in ``with step.full_model():`` (to call or log the whole model between steps) trained inside
+    it, and leaving the block wrote the whole copies taken on entering it back over the trained weights: the steps
+    taken inside were silently undone (and, with writeback=False, the module showed weights steps old). A checkpoint
+    loaded there was undone the same way, and ``step.close()`` failed on a TypeError. Each is refused now, changing
+    nothing, and the loop trains on as eager after the block."""
+    model, _, loss_fn = build("mlp")
+    reference = copy.deepcopy(model)
+    optimizer, reference_optimizer = adamw(model), adamw(reference)
+    step = zerocc.compile(model, optimizer, stage=stage, loss_fn=loss_fn)
+    data = batches("mlp", 3, 8)
+    assert torch.equal(step(*data[0]), eager_step(reference, reference_optimizer, loss_fn, data[0]))
+    zerocc.save_checkpoint(step, tmp_path / "ckpt")
+    saved = copy.deepcopy(step.state_dict())
+    assert torch.equal(step(*data[1]), eager_step(reference, reference_optimizer, loss_fn, data[1]))
+    for writeback in (True, False):
+        for call, what in ((lambda: step(*data[2]), "the training step"),
+                           (lambda: step.load_state_dict(saved), "step.load_state_dict"),
+                           (lambda: zerocc.load_checkpoint(step, tmp_path / "ckpt"), "zerocc.load_checkpoint"),
+                           (step.close, "step.close")):
+            with pytest.raises(zerocc.ConfigError, match=rf"{re.escape(what)} inside `with step.full_model\(\):`.*"
+                                                         r"Call it after the block"):
+                with step.full_model(writeback=writeback):
+                    call()
+    assert torch.equal(step(*data[2]), eager_step(reference, reference_optimizer, loss_fn, data[2]))
+    full = step.full_state_dict()
+    for key, value in reference.state_dict().items():
+        assert torch.equal(full[key], value), key

@@ -385,6 +385,7 @@ class CompiledStep:
     # -- the step ----------------------------------------------------------------
     def __call__(self, *inputs, **keyword_inputs):
         self._check_open()
+        user_views.refuse_inside_full_model(self, "the training step")
         if torch.is_inference_mode_enabled():
             raise ConfigError("the training step was called under torch.inference_mode(), where no gradient can be "
                               "computed (eager's loss.backward() fails there too): call it outside inference_mode; "
@@ -461,7 +462,8 @@ class CompiledStep:
             return
         tensors = [(t, t.data) for t in [*self.model.parameters(), *self.model.buffers()]]
         grads = [(p, p.grad) for p in self.model.parameters()]
-        optimizer_state = dict(self.optimizer.state)
+        held_state = self.optimizer.state
+        optimizer_state = dict(held_state)
         try:
             yield
         except BaseException:
@@ -469,6 +471,7 @@ class CompiledStep:
                 tensor.data = data
             for parameter, grad in grads:
                 parameter.grad = grad
+            self.optimizer.state = held_state
             self.optimizer.state.clear()
             self.optimizer.state.update(optimizer_state)
             self.state.reset()
@@ -694,7 +697,8 @@ class CompiledStep:
                 state.slots = slot_store.initial_slots(compiled.ctx.shard_plan, captured, self.model, self.optimizer,
                                                        fresh_state=fresh)
             state.slots.update(state.initial_scaler)   # created (or loaded from a checkpoint) before the first step
-            self.optimizer.state.clear()   # the step owns the (sharded) optimizer state from now on
+            # the step owns the (sharded) optimizer state from now on: reading it from optimizer.state says where it is
+            self.optimizer.state = user_views.HeldOptimizerState(self)
             for info in captured.params:   # its gradients live in its buckets: a .grad left by eager steps before
                 # compiling would read as the step's own, and hold a whole copy of the parameter on every rank
                 self.model.get_parameter(info.name).grad = None
@@ -925,6 +929,7 @@ class CompiledStep:
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a state dict from ``state_dict()`` that ``dcp.load`` filled (any world size or stage saved it)."""
         self._check_open()
+        user_views.refuse_inside_full_model(self, "step.load_state_dict")
         state_dict_module.load_state_dict(self, state_dict)
 
     # -- reading it back --------------------------------------------------------
@@ -988,6 +993,7 @@ class CompiledStep:
         """
         if self.closed:
             return
+        user_views.refuse_inside_full_model(self, "step.close")
         if self.state.started:
             if self.ranks.world_size > 1 and (self.stage > 0 or self._gathers):
                 failures.meet(self.ranks, "step.close", self.steps, self.timeout)

@@ -60,6 +60,7 @@ from .capture import named_tensors, state_dict_names
 from .optimizer_step import initial_state_layout
 from .runtime import failures, slots as slot_store
 from .errors import CheckpointError, ConfigError
+from .user_views import refuse_inside_full_model
 
 META_FILE = "zerocc.json"
 FORMAT_VERSION = 1
@@ -683,6 +684,7 @@ def _barrier(ranks) -> None:
 def load_checkpoint(step, path: str) -> None:
     """Load a checkpoint saved at any world size and stage into ``step`` (before or after its first call)."""
     _check_step_and_path("zerocc.load_checkpoint", step, path)
+    refuse_inside_full_model(step, "zerocc.load_checkpoint")
     with failures.collective_failures(step.ranks, step.steps, step.timeout, call="zerocc.load_checkpoint"):
         _load(step, os.path.abspath(path))
 

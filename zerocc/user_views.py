@@ -11,7 +11,9 @@ empty copies (stage 3 releases parameters to shape ``(0,)``; the optimizer's
   has them without a collective, else raises, pointing at ``step.full_state_dict()``;
 - ``optimizer.state_dict()`` holds the current state in torch's format where
   this rank holds all of it, else raises; ``optimizer.load_state_dict`` raises,
-  pointing at ``step.load_state_dict`` and ``zerocc.load_checkpoint``.
+  pointing at ``step.load_state_dict`` and ``zerocc.load_checkpoint``;
+- ``optimizer.state[param]`` of a trained parameter raises (``HeldOptimizerState``),
+  pointing at what holds it now.
 
 ``full_model(step)`` is the in-place full model FSDP's ``summon_full_params``
 and DeepSpeed's ``GatheredParameters`` give: the parameters gathered into the
@@ -19,7 +21,9 @@ module for the block, written back into the step's shards on exit.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
+import weakref
 
 import torch
 
@@ -135,6 +139,39 @@ def _current_optimizer_state(step, state: dict) -> dict:
     return state
 
 
+class HeldOptimizerState(collections.defaultdict):
+    """``optimizer.state`` while a started step holds the optimizer state in its slots: empty.
+
+    A user reading a trained parameter's state after a step (``optimizer.state[p]["exp_avg"]`` to log it, Adam's
+    ``step`` count) got an empty dict and a bare ``KeyError: 'exp_avg'`` (and an in-place edit of it would change
+    nothing the step trains on): that read raises now, naming the parameter and what holds its state. Anything else
+    (a frozen parameter's empty state, ``.get``, iteration: empty) is a plain ``defaultdict(dict)``'s, and a copy or
+    pickle of the optimizer holds one."""
+
+    def __init__(self, step):
+        super().__init__(dict)
+        self._zerocc_step = weakref.ref(step)
+
+    def __missing__(self, key):
+        step = self._zerocc_step()
+        if step is not None and not step.closed and step.state.started:
+            tensors, params = step.state.tensors("param"), step.state.captured.params
+            names = [params[i].name for i in step.state.param_indices() if tensors[params[i].name] is key]
+            if names:
+                current = ("optimizer.state_dict()['state'] (current, indexed like its param_groups' params)"
+                           if step.ranks.world_size == 1 or step.stage == 0 else
+                           "step.state_dict() (this rank's pieces, under 'optim/<parameter>/<key>')")
+                raise ConfigError(
+                    f"optimizer.state[{names[0]!r}] after the compiled step's first call: the step holds the "
+                    f"optimizer state in its own buckets (stage {step.stage}), and optimizer.state is left empty. "
+                    f"Read it from {current}; change it with step.load_state_dict or zerocc.load_checkpoint; "
+                    "step.close() hands it back to optimizer.state")
+        return super().__missing__(key)
+
+    def __reduce__(self):   # copy.deepcopy(optimizer), torch.save(optimizer): a plain defaultdict, no step
+        return collections.defaultdict, (dict,), None, None, iter(self.items())
+
+
 def _refuse_optimizer_load() -> None:
     raise ConfigError(
         "optimizer.load_state_dict() after compile: the compiled step holds the optimizer state now. Load "
@@ -171,6 +208,19 @@ def full_model(step, writeback: bool = True):
         step.state.pointed_at.clear()   # the write-back may have replaced slots
         point_module_at_slots(step)
         _note_placeholder_versions(step)
+
+
+def refuse_inside_full_model(step, call: str) -> None:
+    """``call`` (a training step, a load, ``close``) inside ``with step.full_model():`` changes the step's state while
+    the module holds whole copies of the parameters taken on entering the block: leaving it wrote those stale copies
+    back over what ``call`` did (the steps taken inside, a loaded checkpoint: silently undone; ``close`` failed on a
+    ``TypeError``). Refused before it changes anything."""
+    if step.state.full_model_depth:
+        raise ConfigError(
+            f"{call} inside `with step.full_model():`: the module holds whole copies of the parameters for the block, "
+            f"taken on entering it, which {call} does not update, and leaving the block writes them back into the step "
+            f"(writeback=True), undoing what {call} changed. Call it after the block; inside it, read, evaluate or "
+            "edit the whole model")
 
 
 def _write_back(step, buckets: dict[int, torch.Tensor], params: dict[str, torch.Tensor]) -> None:
@@ -271,6 +321,6 @@ def hand_back(step, optimizer_state: dict[str, dict[str, torch.Tensor]]) -> None
             if kind == "param":
                 params[names[0]] = tensor
     step.state.released_shapes = {}
-    step.optimizer.state.clear()
+    step.optimizer.state = collections.defaultdict(dict)
     for fqn, entries in optimizer_state.items():
         step.optimizer.state[params[fqn]] = entries
