@@ -399,6 +399,31 @@ def _planner(name):
     return zerocc.planning.Planner(model, torch.optim.AdamW(model.parameters(), lr=1e-2), example_inputs=data[0])
 
 
+def test_a_budgeted_compile_takes_the_chosen_plans_measured_run_as_its_rest(monkeypatch):
+    """place_remat ran the passes after it on a copy of the chosen plan when it measured it: the compile takes that
+    run instead of running them again, and every pass's program, the memory plan and the schedule are what running
+    them again gives (verify=True runs them again: it checks every pass's output)."""
+    from zerocc.pipeline import LaterRun
+    planner = _planner("gpt")
+    budget = int(planner.plan(3, 2).memory_plan.planned_peak_bytes * 1.2)
+    adopted = []
+    adopt_into = LaterRun.adopt_into
+    monkeypatch.setattr(LaterRun, "adopt_into", lambda run, ctx: adopted.append(run) or adopt_into(run, ctx))
+    taken = planner.plan(3, 2, memory_budget=budget)
+    assert len(adopted) == 1
+    again = planner.plan(3, 2, memory_budget=budget, verify=True)
+    assert len(adopted) == 1
+    assert [s.name for s in taken.history] == [s.name for s in again.history]
+    for shot in taken.history:
+        assert taken.graph(shot.name).code == again.graph(shot.name).code, shot.name
+    assert taken.memory_plan.planned_peak_bytes == again.memory_plan.planned_peak_bytes
+    assert taken.ctx.schedule == again.ctx.schedule and taken.ctx.update_order == again.ctx.update_order
+    assert taken.remat_plan.considered == again.remat_plan.considered
+    timings = ("compile_seconds_by_phase", "plan_seconds")
+    assert ({k: v for k, v in taken.report().items() if k not in timings}
+            == {k: v for k, v in again.report().items() if k not in timings})
+
+
 def test_plan_with_memory_budget_fits_on_fake_tensors_and_copies_come_after_forward():
     planner = _planner("gpt")
     before = planner.plan(3, 1, memory_budget=10**12).remat_plan

@@ -42,6 +42,9 @@ class CompileContext:
     # set by the runner (pipeline.run_pipeline) while a pass runs: the passes after it as one (gm, ctx) -> gm,
     # for a pass that measures what the rest of the pipeline makes of a candidate (place_remat)
     rest_of_pipeline: Callable[[Any, "CompileContext"], Any] | None = None
+    # set by such a pass when it chose a candidate whose rest it ran recorded (pipeline.LaterRun): the runner takes
+    # that run as the rest of the compile
+    later_run: Any = None
 
     def from_every_rank(self, value: Any) -> list:
         """``value`` from every rank of the group, by rank (one ``all_gather_object``): for a pass whose

@@ -88,6 +88,7 @@ class Pass:
     run: PassFn
     requires: tuple[str, ...] = ()     # passes that must have run before this one
     essential: str = ""                # why the runtime cannot do without it
+    users: bool = False                # registered by the user (register_pass)
 
 
 # Gathered (or unreduced) bytes a step may have in flight: one 4 MiB bucket ahead. Measured with
@@ -165,7 +166,7 @@ def build_pipeline(stage: int, disable: Sequence[str] = (), prefetch_bytes: int 
                               f"{'after' if user.after is not None else 'before'}; the passes are: "
                               f"{', '.join(['capture', *names])}")
         position = names.index(user.anchor) + (1 if user.after is not None else 0)
-        passes.insert(position, Pass(user.name, user.run, tuple(user.requires)))
+        passes.insert(position, Pass(user.name, user.run, tuple(user.requires), users=True))
 
     names = [p.name for p in passes]
     renamed = [name for name in disable if name in RENAMED_PASSES]
@@ -355,7 +356,7 @@ def run_pipeline(gm: fx.GraphModule, ctx: CompileContext, passes: list[Pass], *,
         _dump(dump_dir, history[-1])
     for index, step in enumerate(passes, start=1):
         started = time.perf_counter()
-        ctx.rest_of_pipeline = functools.partial(_run_passes, passes[index:])
+        ctx.rest_of_pipeline = LaterPasses(passes[index:], index + 1)
         try:
             result = step.run(gm, ctx)
             if not isinstance(result, fx.GraphModule):
@@ -382,6 +383,23 @@ def run_pipeline(gm: fx.GraphModule, ctx: CompileContext, passes: list[Pass], *,
             progress(f"pass {step.name}: {elapsed:.1f} s")
         if dump_dir:
             _dump(dump_dir, history[-1])
+        later, ctx.later_run = ctx.later_run, None
+        if later is not None and not verify:
+            # the pass ran the passes after it on a copy of what it returned, and chose that copy: take their run
+            # as this compile's instead of running them again (LaterPasses.recorded)
+            gm = later.adopt_into(ctx)
+            # their seconds were part of this pass's: counted once, as theirs
+            measuring = sum(shot.seconds for shot in later.shots)
+            stats.add(compile_stats.pass_phase(step.name), -measuring)
+            history[-1].seconds -= measuring
+            for shot in later.shots:
+                stats.add(compile_stats.pass_phase(shot.name), shot.seconds)
+                history.append(shot)
+                if progress is not None:
+                    progress(f"pass {shot.name}: {shot.seconds:.1f} s (run while {step.name} measured it)")
+                if dump_dir:
+                    _dump(dump_dir, shot)
+            break
     ctx.rest_of_pipeline = None
     if dump_dir:
         memory_plan = getattr(ctx, "memory_plan", None)
@@ -407,13 +425,62 @@ def deferring_codegen(gm: fx.GraphModule) -> fx.GraphModule:
     return lazy
 
 
-def _run_passes(passes: Sequence[Pass], gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
-    """``passes`` over ``gm``, bare: no snapshots, dumps or checks. A pass measuring what the passes after
-    it make of a candidate runs them so on a copy (``ctx.rest_of_pipeline``): the compiler's own list, not a copy
-    of part of it."""
-    for later in passes:
-        gm = later.run(gm, ctx)
-    return gm
+class LaterPasses:
+    """The passes after the one running, as ``ctx.rest_of_pipeline``: for a pass that measures what they make of
+    a candidate rewrite (``place_remat``), on a copy of the graph and a scratch context. The compiler's own list,
+    not a copy of part of it: registered passes in, disabled ones out.
+
+    ``later(gm, ctx)`` runs them bare (no snapshots, dumps or checks) and returns the graph. ``recorded(gm,
+    ctx)`` runs them taking the program after each as the runner would, and returns a ``LaterRun``: a pass that
+    chooses the candidate so measured sets it as ``ctx.later_run``, and the runner takes it as the rest of the
+    compile instead of running the same passes again on the same graph (a budgeted compile of the 98M GPT paid
+    that run, about a second, on top of its measurements). Not where a registered pass is among them: it may
+    read what the scratch context holds only provisionally.
+    """
+
+    def __init__(self, passes: Sequence[Pass], first_index: int):
+        self.passes, self.first_index = list(passes), first_index
+
+    def __call__(self, gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
+        for later in self.passes:
+            gm = later.run(gm, ctx)
+        return gm
+
+    def recorded(self, gm: fx.GraphModule, ctx: CompileContext) -> LaterRun:
+        """Run them as ``__call__`` does, keeping the program after each (not where a registered pass is among
+        them: a bare run, ``shots`` None)."""
+        if any(later.users for later in self.passes):
+            return LaterRun(self(gm, ctx), ctx, None)
+        shots: list[GraphSnapshot] = []
+        counts = g.count_targets(gm)
+        for index, later in enumerate(self.passes, start=self.first_index):
+            started = time.perf_counter()
+            gm = later.run(gm, ctx)
+            elapsed = time.perf_counter() - started
+            shots.append(snapshot(index, later.name, gm, counts, ctx.notes.get(later.name, "")))
+            shots[-1].seconds, counts = elapsed, shots[-1].node_counts
+        return LaterRun(gm, ctx, shots)
+
+
+@dataclasses.dataclass
+class LaterRun:
+    """What ``LaterPasses.recorded`` made: the final graph, the scratch context the passes filled in, and the
+    program after each pass (None: not recorded, not to be taken)."""
+    gm: fx.GraphModule
+    ctx: CompileContext
+    shots: list[GraphSnapshot] | None
+
+    def adopt_into(self, ctx: CompileContext) -> fx.GraphModule:
+        """Make ``ctx`` hold what the passes decided on the scratch context; the final graph, its Python deferred.
+        The deciding pass's own decisions (on ``ctx`` already: the scratch one held a provisional copy) stay."""
+        deciding = {"remat_plan", "rest_of_pipeline", "later_run", "notes"}
+        for name, value in vars(self.ctx).items():
+            if name not in deciding:
+                setattr(ctx, name, value)
+        ctx.notes.update(self.ctx.notes)
+        final = _LazyGraphModule(self.gm, self.gm.graph)
+        final.meta = self.gm.meta
+        return final
 
 
 def write_dumps(folder: str, history: Sequence[GraphSnapshot]) -> None:

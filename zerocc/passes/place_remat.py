@@ -127,6 +127,7 @@ def place_remat(gm: fx.GraphModule, ctx: CompileContext, *, memory_budget: int |
     profile = hardware or named_profile(DEFAULT_HARDWARE)
     analysis = Recomputation(gm)
     peaks: dict[tuple[frozenset | None, int], _Peak] = {}
+    runs: dict[tuple[frozenset | None, int], object] = {}   # the later passes' recorded run of each plan that fits
     considered: list[ConsideredPlan] = []
 
     def peak_of(recompute: frozenset | None, keep: int = DEFAULT) -> _Peak:
@@ -134,8 +135,11 @@ def place_remat(gm: fx.GraphModule, ctx: CompileContext, *, memory_budget: int |
         nothing) and forward's gathers kept for backward as ``keep`` says (DEFAULT, EVERY, or extra bytes)."""
         recompute = recompute or None
         if (recompute, keep) not in peaks:
-            peak = _highest_over_ranks(_measure(gm, ctx, recompute, memory_pools, keep, profile), ctx)
+            measured, run = _measure(gm, ctx, recompute, memory_pools, keep, profile)
+            peak = _highest_over_ranks(measured, ctx)
             peaks[recompute, keep] = peak
+            if peak.bytes <= memory_budget and run is not None:
+                runs[recompute, keep] = run
             considered.append(ConsideredPlan(_keep_name(keep), len(recompute or ()), peak.bytes, peak.seconds,
                                              peak.moved_bytes, peak.bytes <= memory_budget))
         return peaks[recompute, keep]
@@ -233,6 +237,8 @@ def place_remat(gm: fx.GraphModule, ctx: CompileContext, *, memory_budget: int |
         g.eliminate_dead_code(gm)
         gm.graph.lint()
         gm.recompile()
+    # the passes after this one ran on a copy of this very graph when the plan was measured: the runner takes that run
+    ctx.later_run = runs.get((recompute or None, keep))
     cloned = sorted(clones, key=analysis.position.get)
     recomputed = tuple(RecomputedTensor(node.name, g.short_name(node.target),
                                         analysis.bytes_of(node) if node in analysis.read_by_backward
@@ -355,9 +361,11 @@ class _Unemitted(fx.GraphModule):
 
 
 def _measure(gm: fx.GraphModule, ctx: CompileContext, recompute: set[fx.Node] | None, memory_pools: bool,
-             keep: int, profile: HardwareProfile) -> _Peak:
+             keep: int, profile: HardwareProfile) -> tuple[_Peak, object]:
     """The peak the final memory plan reports once ``recompute`` is recomputed (None: as it is) with forward's
-    gathers kept as ``keep`` says, and the final graph's step time on ``profile``.
+    gathers kept as ``keep`` says, and the final graph's step time on ``profile``; and the later passes' recorded
+    run (``pipeline.LaterRun``; None where a registered pass is among them), which the compile takes if this plan
+    is chosen.
 
     The passes after this one in the pipeline being built (``ctx.rest_of_pipeline``, handed over by the
     runner: the registered ones in, the disabled ones out) run on a copy with a scratch context; the peak
@@ -382,11 +390,11 @@ def _measure(gm: fx.GraphModule, ctx: CompileContext, recompute: set[fx.Node] | 
                                  unbounded_schedule=keep == EVERY, keep_extra_bytes=max(keep, 0))
     scratch = dataclasses.replace(ctx, notes={}, remat_plan=provisional, schedule=None, update_order=None,
                                   memory_plan=None)
-    ctx.rest_of_pipeline(copy, scratch)
+    run = ctx.rest_of_pipeline.recorded(copy, scratch)
     plan = scratch.memory_plan
     peak = plan.planned_peak_bytes if memory_pools else plan.live_peak_bytes
-    step = predict(copy, ctx.world_size, profile)
-    return _Peak(peak, plan.alive_at_live_peak(), step.seconds, step.moved_bytes)
+    step = predict(run.gm, ctx.world_size, profile)
+    return _Peak(peak, plan.alive_at_live_peak(), step.seconds, step.moved_bytes), run if run.shots is not None else None
 
 
 def _gathers_in_backward(ctx: CompileContext) -> bool:
