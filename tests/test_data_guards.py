@@ -310,3 +310,77 @@ def test_ranks_whose_batches_have_other_grids_compile_together_and_train_as_ddp(
             distributed.run(_ranks_with_other_grids, 2, timeout=300)):
         assert_rank_matches_reference(rank, losses, expected, state, expected_state, state_rtol=1e-5, state_atol=1e-6)
         assert compiles == 3   # the first batch, then each step a rank's grid changed, on both ranks
+
+
+class VariationalPolicy(nn.Module):
+    """torch.distributions in forward with their default argument checks (``validate_args``): a VAE's
+    ``Normal.rsample`` and KL to the prior, a policy's ``Categorical.log_prob``. Each check is a Python branch on
+    activations (``if not torch._is_all_true(valid): raise ValueError``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.encode, self.decode, self.policy = nn.Linear(6, 8), nn.Linear(4, 6), nn.Linear(6, 5)
+
+    def forward(self, x, actions):
+        mu, log_var = self.encode(x).chunk(2, -1)
+        posterior = torch.distributions.Normal(mu, (0.5 * log_var).exp())
+        prior = torch.distributions.Normal(torch.zeros_like(mu), torch.ones_like(mu))
+        kl = torch.distributions.kl_divergence(posterior, prior).sum(-1).mean()
+        reconstruction = F.mse_loss(self.decode(posterior.rsample()), x)
+        policy = torch.distributions.Categorical(logits=self.policy(x))
+        return reconstruction + kl - policy.log_prob(actions).mean() - 0.01 * policy.entropy().mean()
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_distributions_checking_their_arguments_train_like_eager(stage):
+    """The checks on activations were refused as data-dependent control flow; the program now checks them as an op
+    (the random draw of ``rsample`` is the program's, seeded alike)."""
+    generator = torch.Generator().manual_seed(1)
+    data = [(torch.randn(4, 6, generator=generator), torch.randint(0, 5, (4,), generator=generator)) for _ in range(3)]
+    torch.manual_seed(0)
+    model = VariationalPolicy()
+    reference = copy.deepcopy(model)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    step = zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-2), stage=stage)
+    for number, batch in enumerate(data):
+        torch.manual_seed(100 + number)
+        expected = eager(reference, reference_optimizer, *batch)
+        torch.manual_seed(100 + number)
+        assert torch.equal(step(*batch), expected), number
+    full = step.full_state_dict()
+    for key, value in reference.state_dict().items():
+        assert torch.equal(full[key], value), key
+
+
+class LearnedScale(nn.Module):
+    """A Normal whose scale is a linear layer's output, unconstrained: a batch can make it negative."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(3, 2)
+        with torch.no_grad():
+            self.linear.bias.copy_(torch.tensor([0.0, 10.0]))
+
+    def forward(self, x):
+        loc, scale = self.linear(x).unbind(-1)
+        return -torch.distributions.Normal(loc, scale).log_prob(torch.zeros_like(loc)).mean()
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_distribution_argument_breaking_its_constraint_raises_in_the_step_and_changes_nothing(stage):
+    torch.manual_seed(0)
+    model = LearnedScale()
+    reference = copy.deepcopy(model)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.01)
+    step = zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.01), stage=stage)
+    good = torch.randn(4, 3, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(step(good), eager(reference, reference_optimizer, good))
+    bad = -1000.0 * reference.linear.weight[1].detach().sign().expand(4, 3).clone()   # a negative scale
+    with pytest.raises(ValueError, match="Expected parameter scale"):
+        reference(bad)
+    before = {key: value.clone() for key, value in step.full_state_dict().items()}
+    with pytest.raises(RuntimeError, match=r"torch.distributions argument or sample broke its constraint "
+                                           r"\(validate_args\) at .*test_data_guards.py:\d+: .*Normal\(loc, scale\)"):
+        step(bad)
+    assert all(torch.equal(value, before[key]) for key, value in step.full_state_dict().items())
+    assert torch.equal(step(good), eager(reference, reference_optimizer, good))

@@ -713,3 +713,25 @@ def test_an_empty_batch_says_so():
     with pytest.raises(zerocc.CaptureError, match=r"this batch has empty tensors \(argument 0 \(0, \d+\), argument 1 "
                                                   r"\(0, \d+\)\).*skip empty batches"):
         step(x[:0], y[:0])
+
+
+@pytest.mark.parametrize("embedding", [nn.Embedding(10, 4, max_norm=1.0), nn.EmbeddingBag(10, 4, max_norm=1.0)],
+                         ids=["Embedding", "EmbeddingBag"])
+def test_an_embedding_with_max_norm_is_refused_naming_it_and_the_line(embedding):
+    """max_norm rescales the weight's looked-up rows in place in forward (embedding_renorm_), which the program,
+    over sharded parameters that only the optimizer updates, would lose."""
+    class Lookup(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embedding, self.head = embedding, nn.Linear(4, 1)
+
+        def forward(self, tokens, target):
+            return F.mse_loss(self.head(self.embedding(tokens)).squeeze(-1), target)
+
+    model = Lookup()
+    step = zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), stage=3)
+    with pytest.raises(zerocc.CaptureError, match=r"(?s)parameter 'embedding.weight' by embedding_renorm_ at "
+                                                  r".*test_errors.py:\d+: return F.mse_loss\(self.head\(self.embedding"
+                                                  r".*max_norm=.*fix: build the embedding with max_norm=None"):
+        step(torch.tensor([[1, 2], [3, 4]]), torch.zeros(2) if isinstance(embedding, nn.EmbeddingBag)
+             else torch.zeros(2, 2))

@@ -408,3 +408,64 @@ def test_a_recomputed_mse_loss_under_a_budget_is_not_placed_in_an_arena(capfd):
     assert step.remat_plan.recomputed
     targets = {node.target for node in step.graph("place_buffers").graph_module.graph.nodes}
     assert torch.ops.aten.mse_loss.default in targets and torch.ops.aten.mse_loss.out not in targets
+
+
+# -- out= kernels that tell their outputs apart by storage (analysis/kernels.py's STORAGE_COMPARING_OUT) ---------
+
+def _writes_every_output_in_one_storage(op, out, args) -> bool:
+    """Whether ``out``, ``op``'s out= overload, given its outputs as views of one buffer (an arena), computes what
+    ``op`` does."""
+    expected = op(*args)
+    arena = torch.full((1 << 14,), float("nan"))
+    outs, offset = [], 0
+    for result in expected:
+        outs.append(arena[offset:].view(result.dtype).as_strided(result.shape, result.stride()))
+        offset += result.numel() + 16
+    out(*args, **{argument.name: view for argument, view in zip(
+        [argument for argument in out._schema.arguments if argument.is_out], outs)})
+    return all(torch.equal(got, want) for got, want in zip(outs, expected))
+
+
+def test_the_kernels_that_compare_their_outputs_storage_get_no_out_variant_and_the_others_keep_theirs():
+    from zerocc.analysis.kernels import STORAGE_COMPARING_OUT
+    a = torch.randn(3, 4, 4, generator=torch.Generator().manual_seed(0))
+    spd = a @ a.mT + torch.eye(4)
+    assert STORAGE_COMPARING_OUT == {aten.linalg_qr.default}
+    assert not _writes_every_output_in_one_storage(aten.linalg_qr.default, aten.linalg_qr.out, (a,))   # still
+    assert out_variant(aten.linalg_qr.default) is None   # true of this PyTorch: else drop it
+    for op, args in {aten._linalg_eigh.default: (spd,), aten._linalg_svd.default: (a,),
+                     aten.linalg_lu.default: (a,), aten.linalg_cholesky_ex.default: (spd,),
+                     aten._linalg_slogdet.default: (a,), aten.geqrf.default: (a,)}.items():
+        assert out_variant(op) is not None, op
+        assert _writes_every_output_in_one_storage(op, out_variant(op)[0], args), op
+
+
+class _QRHead(nn.Module):
+    """torch.linalg.qr in forward (an orthogonalizing layer): Q and R both feed the loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.project, self.head = nn.Linear(6, 16), nn.Linear(4, 1)
+
+    def forward(self, x, y):
+        q, r = torch.linalg.qr(self.project(x).view(-1, 4, 4))
+        return F.mse_loss(self.head((q @ r.tril()).sum(-1)).squeeze(-1), y)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_linalg_qr_in_forward_trains_bit_for_bit_with_memory_pools(stage):
+    """Q and R placed in one arena: linalg_qr.out took R for the tensor it had factored in (the same storage as
+    Q) and never wrote it; the loss was inf from the first step."""
+    generator = torch.Generator().manual_seed(1)
+    data = [(torch.randn(4, 6, generator=generator), torch.randn(4, generator=generator)) for _ in range(3)]
+    torch.manual_seed(0)
+    reference = _QRHead()
+    torch.manual_seed(0)
+    model = _QRHead()
+    reference_optimizer = adamw(reference)
+    step = zerocc.compile(model, adamw(model), stage=stage, memory_pools=True)
+    for batch in data:
+        assert torch.equal(step(*batch), eager_step(reference, reference_optimizer, None, batch))
+    full = step.full_state_dict()
+    for key, value in reference.state_dict().items():
+        assert torch.equal(full[key], value), key

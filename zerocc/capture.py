@@ -684,12 +684,18 @@ def _refuse_writes_to_parameters(gm, layout, param_infos, frozen_infos) -> None:
     problems = [f"  - parameter {(param_infos if role == g.ROLE_PARAM else frozen_infos)[index].name!r} {how}"
                 for role, index, how in _writes_into_inputs(gm, layout, (g.ROLE_PARAM, g.ROLE_FROZEN))]
     if problems:
+        renorm = any(" by embedding_renorm_ at " in problem for problem in problems)
         raise CaptureError(
             "the model writes into its parameters in place during the step:\n" + "\n".join(problems) + "\n"
             "  why: the compiled step is one functional graph over the sharded parameters; only the optimizer "
             "updates them, so this write would be lost.\n"
-            "  fix: compute a new tensor instead (w = w * s), keep the value in a buffer (register_buffer), "
-            "or change the parameters outside the step (before compiling, or through load_checkpoint).")
+            + ("  note: embedding_renorm_ is nn.Embedding's or nn.EmbeddingBag's max_norm=, which rescales the "
+               "rows it looks up in its weight, in place, in every forward (across ranks each rank would rescale "
+               "the rows of its own batch).\n  fix: build the embedding with max_norm=None; to keep its vectors "
+               "short, renormalize what it returns (v * (max_norm / v.norm(dim=-1, keepdim=True)).clamp(max=1)) "
+               "or penalize their norm in the loss." if renorm else
+               "  fix: compute a new tensor instead (w = w * s), keep the value in a buffer (register_buffer), "
+               "or change the parameters outside the step (before compiling, or through load_checkpoint)."))
 
 
 def _refuse_writes_to_the_batch(gm, leaves, layout: BatchLayout) -> None:

@@ -320,7 +320,8 @@ def recording(fake_mode, recorder: GuardRecorder):
     assert isinstance(shape_env, GuardedShapeEnv), "make the fake mode with tracing.make_fake_mode"
     shape_env.recorder = recorder
     try:
-        with _masks_decided_on_the_batch(recorder), _tensors_of_values_read():
+        with _masks_decided_on_the_batch(recorder), _tensors_of_values_read(), \
+                _distribution_checks_in_the_program(recorder):
             yield recorder
     finally:
         shape_env.recorder = None
@@ -374,6 +375,31 @@ def _tensors_of_values_read():
         yield
     finally:
         torch.tensor = original
+
+
+@contextlib.contextmanager
+def _distribution_checks_in_the_program(recorder: GuardRecorder):
+    """``torch.distributions`` checks its arguments and samples against their constraints (``validate_args``, on by
+    default) with ``if not torch._is_all_true(valid): raise ValueError``: a branch on activations (a VAE's scale,
+    a policy's logits) that no trace can decide. Where the batch alone does not decide it, the program checks it
+    instead, as an op (``aten._assert_async``) that raises when a value breaks the constraint, as eager raises
+    there, before the step changes anything; the trace goes on on the valid side."""
+    original = torch._is_all_true
+
+    def is_all_true(valid):
+        from torch._subclasses.fake_tensor import is_fake
+        if not is_fake(valid) or get_proxy_mode() is None or recorder.can_decide_on(valid):
+            return original(valid)
+        where = user_frame_of_stack() or "(no user frame found)"
+        torch._assert_async(valid.all(), f"a torch.distributions argument or sample broke its constraint "
+                                         f"(validate_args) at {where}: eager raises ValueError there")
+        return True
+
+    torch._is_all_true = is_all_true
+    try:
+        yield
+    finally:
+        torch._is_all_true = original
 
 
 def user_frame_of_stack() -> str | None:

@@ -32,6 +32,13 @@ SCRATCH_OUT = frozenset({
     aten.binary_cross_entropy.default,
 })
 
+# Ops whose out= kernel tells its outputs apart by storage (``Tensor.is_alias_of``) instead of by the memory they
+# cover: given outputs that are views of one arena, ``linalg_qr.out`` (reduced mode, the default) factors into Q,
+# takes R for the tensor it factored in, and never writes R, which keeps whatever the arena held (a user's
+# ``torch.linalg.qr`` trained to inf). Their results go to PyTorch's allocator. tests/test_memory_pools.py
+# checks the kernels: each of these still misbehaves so, and the other multi-output kernels tried do not.
+STORAGE_COMPARING_OUT = frozenset({aten.linalg_qr.default})
+
 
 @functools.cache
 def has_backend_kernel(op: torch._ops.OpOverload, device: torch.device) -> bool:
@@ -46,11 +53,11 @@ def out_variant(op: torch._ops.OpOverload) -> tuple[torch._ops.OpOverload, tuple
 
     It must take the same arguments as ``op`` (names and types) plus one
     ``out`` argument per result, as ``aten.mm.out`` does for ``aten.mm``;
-    ops in ``SCRATCH_OUT`` have none to use.
+    ops in ``SCRATCH_OUT`` and ``STORAGE_COMPARING_OUT`` have none to use.
     """
     if op in COLLECTIVE_OUT:
         return COLLECTIVE_OUT[op], ("out",)
-    if op in SCRATCH_OUT:
+    if op in SCRATCH_OUT or op in STORAGE_COMPARING_OUT:
         return None
     schema = op._schema
     if not schema.returns or any(r.alias_info is not None or str(r.type) != "Tensor" for r in schema.returns):
