@@ -649,6 +649,55 @@ def test_clipping_at_stage_1_where_a_rank_owns_no_piece_of_the_last_bucket():
         for key, value in expected_state.items():
             torch.testing.assert_close(state[key], value, rtol=1e-4, atol=1e-5)
 
+
+class _FrozenWithATemperature(torch.nn.Module):
+    """A frozen layer and one trained 0-dim temperature: fewer trained elements than ranks."""
+
+    def __init__(self):
+        super().__init__()
+        self.frozen = torch.nn.Linear(12, 5).requires_grad_(False)
+        self.temperature = torch.nn.Parameter(torch.tensor(2.0))
+
+    def forward(self, x):
+        return self.frozen(x) / self.temperature
+
+
+def _clipped_where_ranks_own_nothing(rank, world_size):
+    def build_model():
+        torch.manual_seed(0)
+        return _FrozenWithATemperature()
+    generator = torch.Generator().manual_seed(1)
+    x, y = torch.randn(4 * world_size, 12, generator=generator), torch.randn(4 * world_size, 5, generator=generator)
+    local = [(x[rank * 4:(rank + 1) * 4], y[rank * 4:(rank + 1) * 4])] * 2
+    reference = build_model()
+    optimizer = sgd(reference)
+    ddp = DistributedDataParallel(reference)
+    expected = [eager_accumulated_step(ddp, optimizer, F.mse_loss, batch, 1, clip=0.01) for batch in local]
+    results = {}
+    for stage in (1, 2, 3):
+        model = build_model()
+        step = zerocc.compile(model, sgd(model), stage=stage, loss_fn=F.mse_loss, clip_grad_norm=0.01)
+        got = [(step(*batch), step.last_grad_norm) for batch in local]
+        results[stage] = (got, step.full_state_dict(), list(step.shard_plan.owned_pieces()))
+    return expected, dict(reference.state_dict()), results
+
+
+@pytest.mark.multirank
+def test_clipping_at_world_size_3_where_two_ranks_own_no_piece_of_any_parameter():
+    """Only a 0-dim temperature trains, so at stages 1-3 ranks 1 and 2 own nothing but padding. Their gradient norm
+    was get_total_norm's torch.tensor(0.0) of no gradients, a constant the trace folds by running each op on it:
+    those ranks ran the norm's all_reduce for real while compiling, and every rank hung."""
+    for rank, (expected, expected_state, results) in enumerate(distributed.run(_clipped_where_ranks_own_nothing, 3)):
+        for stage, (got, state, owned) in results.items():
+            assert bool(owned) is (rank == 0), (stage, rank)
+            for (loss, norm), (expected_loss, expected_norm) in zip(got, expected):
+                assert expected_norm > 0.01   # the clip acts
+                torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=1e-6)
+                torch.testing.assert_close(norm, expected_norm, rtol=1e-5, atol=1e-6)
+            for key, value in expected_state.items():
+                torch.testing.assert_close(state[key], value, rtol=1e-4, atol=1e-5)
+
+
 def _both_gather_modes(rank, world_size):
     data = [tuple(t[rank * 8:(rank + 1) * 8] for t in batch) for batch in batches("gpt", 2, 8 * world_size)]
     results = []

@@ -23,6 +23,7 @@ zero), and every rank issues it at the same point of the same program.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -60,10 +61,14 @@ def clip_gradients(gm: fx.GraphModule, ctx: CompileContext, *, max_norm: float, 
     pieces.sort(key=lambda item: item[:2])   # the user's parameter order, as clip_grad_norm_(model.parameters())
     across_ranks = ctx.stage != 0 and ctx.world_size > 1
     read_as = [node.meta[g.VAL] for _, _, node, _ in pieces]   # each clipped piece replaces a node of its shape
+    params_dtype = functools.reduce(torch.promote_types, [info.dtype for info in ctx.captured.params])
 
     def clip(grads):
         grads = [grad.view(shape) for grad, (*_, shape) in zip(grads, pieces)]
-        total = torch.nn.utils.get_total_norm(grads, norm_type)
+        # a rank that owns no piece (a model smaller than the world size) adds a zero norm, made by a traced op:
+        # get_total_norm's torch.tensor(0.0) is a constant, and the trace runs an op on constants for real, so that
+        # rank ran the all_reduce below while tracing, unmatched by the others (hang)
+        total = torch.nn.utils.get_total_norm(grads, norm_type) if grads else torch.zeros((), dtype=params_dtype)
         if across_ranks:
             finite = not math.isinf(norm_type)
             local = (total ** norm_type if finite else total).reshape(1)
@@ -93,7 +98,7 @@ def clip_gradients(gm: fx.GraphModule, ctx: CompileContext, *, max_norm: float, 
             if node.op == "output":
                 total, *clipped = [env[n] for n in node.args[0]]
                 break
-            if node.op == "get_attr":   # a constant (the zero norm of a rank that owns no piece)
+            if node.op == "get_attr":   # a constant tensor the trace folded
                 name = g.unique_attribute(gm, "clip_" + node.target)
                 gm.register_buffer(name, getattr(sub, node.target))
                 copied = graph.get_attr(name)
