@@ -61,7 +61,8 @@ def clip_gradients(gm: fx.GraphModule, ctx: CompileContext, *, max_norm: float, 
     pieces.sort(key=lambda item: item[:2])   # the user's parameter order, as clip_grad_norm_(model.parameters())
     across_ranks = ctx.stage != 0 and ctx.world_size > 1
     read_as = [node.meta[g.VAL] for _, _, node, _ in pieces]   # each clipped piece replaces a node of its shape
-    params_dtype = functools.reduce(torch.promote_types, [info.dtype for info in ctx.captured.params])
+    dtypes = [info.dtype for info in ctx.captured.params]
+    params_dtype = functools.reduce(torch.promote_types, dtypes) if dtypes else torch.get_default_dtype()
 
     def clip(grads):
         grads = [grad.view(shape) for grad, (*_, shape) in zip(grads, pieces)]
