@@ -446,14 +446,20 @@ class LaterPasses:
             gm = later.run(gm, ctx)
         return gm
 
-    def recorded(self, gm: fx.GraphModule, ctx: CompileContext) -> LaterRun:
+    def recorded(self, gm: fx.GraphModule, ctx: CompileContext,
+                 over: Callable[[CompileContext], bool] | None = None) -> LaterRun:
         """Run them as ``__call__`` does, keeping the program after each (not where a registered pass is among
-        them: a bare run, ``shots`` None)."""
+        them: a bare run, ``shots`` None). ``over(ctx)``, asked once ``plan_memory`` has run with only
+        ``place_buffers`` left, ends the run there when it says the live peak is over what is wanted: a layout in
+        arenas only adds fragmentation to it, so the candidate cannot fit (``shots`` None: not to be taken)."""
         if any(later.users for later in self.passes):
             return LaterRun(self(gm, ctx), ctx, None)
         shots: list[GraphSnapshot] = []
         counts = g.count_targets(gm)
         for index, later in enumerate(self.passes, start=self.first_index):
+            if (over is not None and later.name == "place_buffers" and shots and shots[-1].name == "plan_memory"
+                    and index == self.first_index + len(self.passes) - 1 and over(ctx)):
+                return LaterRun(gm, ctx, None, stopped_before="place_buffers")
             started = time.perf_counter()
             gm = later.run(gm, ctx)
             elapsed = time.perf_counter() - started
@@ -469,6 +475,7 @@ class LaterRun:
     gm: fx.GraphModule
     ctx: CompileContext
     shots: list[GraphSnapshot] | None
+    stopped_before: str | None = None   # the pass the run ended before (``over``), None where it ran them all
 
     def adopt_into(self, ctx: CompileContext) -> fx.GraphModule:
         """Make ``ctx`` hold what the passes decided on the scratch context; the final graph, its Python deferred.

@@ -28,7 +28,8 @@ copy, then the passes after this one in the pipeline being built (which the
 runner hands over as ``ctx.rest_of_pipeline``: registered passes in, disabled
 ones out; no pass is imported here), giving the final memory plan's peak (the
 live peak, or with memory pools the pooled layout's; the bytes a cut counts
-are only a proxy) and the final graph's step time by the cost model
+are only a proxy; a candidate whose live peak is already over the budget is not laid out in arenas, which
+could only add fragmentation: its peak is the live one) and the final graph's step time by the cost model
 (``zerocc/analysis/step_time.py``) on ``hardware``: this machine's measured
 profile for a compile, a named one for ``zerocc.plan``. Peaks and times are
 the highest over ranks, so every rank decides alike. Of the candidates that
@@ -128,20 +129,24 @@ def place_remat(gm: fx.GraphModule, ctx: CompileContext, *, memory_budget: int |
     analysis = Recomputation(gm)
     peaks: dict[tuple[frozenset | None, int], _Peak] = {}
     runs: dict[tuple[frozenset | None, int], object] = {}   # the later passes' recorded run of each plan that fits
-    considered: list[ConsideredPlan] = []
+    considered: dict[tuple[frozenset | None, int], ConsideredPlan] = {}   # in the order measured
 
-    def peak_of(recompute: frozenset | None, keep: int = DEFAULT) -> _Peak:
+    def peak_of(recompute: frozenset | None, keep: int = DEFAULT, laid_out: bool = False) -> _Peak:
         """The step's peak and predicted time (the highest over ranks) with ``recompute`` recomputed (None:
-        nothing) and forward's gathers kept for backward as ``keep`` says (DEFAULT, EVERY, or extra bytes)."""
+        nothing) and forward's gathers kept for backward as ``keep`` says (DEFAULT, EVERY, or extra bytes).
+        ``laid_out``: the pooled layout's peak even where the live peak is over the budget (``_measure``)."""
         recompute = recompute or None
+        if (recompute, keep) in peaks and laid_out and not peaks[recompute, keep].laid_out:
+            del peaks[recompute, keep]
         if (recompute, keep) not in peaks:
-            measured, run = _measure(gm, ctx, recompute, memory_pools, keep, profile)
+            measured, run = _measure(gm, ctx, recompute, memory_pools, keep, profile,
+                                     None if laid_out else memory_budget)
             peak = _highest_over_ranks(measured, ctx)
             peaks[recompute, keep] = peak
             if peak.bytes <= memory_budget and run is not None:
                 runs[recompute, keep] = run
-            considered.append(ConsideredPlan(_keep_name(keep), len(recompute or ()), peak.bytes, peak.seconds,
-                                             peak.moved_bytes, peak.bytes <= memory_budget))
+            considered[recompute, keep] = ConsideredPlan(_keep_name(keep), len(recompute or ()), peak.bytes,
+                                                         peak.seconds, peak.moved_bytes, peak.bytes <= memory_budget)
         return peaks[recompute, keep]
 
     fitting: list[tuple[float, float, frozenset, int]] = []   # (predicted seconds, bytes moved, recompute, keep)
@@ -191,7 +196,7 @@ def place_remat(gm: fx.GraphModule, ctx: CompileContext, *, memory_budget: int |
         # 1. every forward gather kept, nothing recomputed: the fastest plan there is; when it fits, nothing
         # else is measured
         consider(None, EVERY)
-    before = peaks[None, EVERY] if fitting else peak_of(None)
+    before = peaks[None, EVERY] if fitting else peak_of(None, laid_out=True)   # the default plan's peak, reported
     if not fitting:
         consider(None, DEFAULT)
         # Each family below is searched only when one of its plans could still be chosen (could_win): its plans
@@ -226,9 +231,8 @@ def place_remat(gm: fx.GraphModule, ctx: CompileContext, *, memory_budget: int |
             if first is not None:
                 consider(plans[first], DEFAULT)
     if not fitting:
-        _refuse(memory_budget, before, min([p for (_, keep), p in peaks.items() if keep == DEFAULT],
-                                          key=lambda p: p.bytes, default=before),
-                len(analysis.candidates))
+        smallest = min([key for key in peaks if key[1] == DEFAULT], key=lambda key: peaks[key].bytes)
+        _refuse(memory_budget, before, peak_of(*smallest, laid_out=True), len(analysis.candidates))
     seconds, _, recompute, keep = _choose(fitting)
     peak = peaks[recompute or None, keep]
     clones: dict[fx.Node, fx.Node] = {}
@@ -250,7 +254,7 @@ def place_remat(gm: fx.GraphModule, ctx: CompileContext, *, memory_budget: int |
         extra_flops=sum(r.flops for r in recomputed), forward_flops=analysis.forward_flops,
         candidates=len(analysis.candidates), evaluations=len(peaks), unbounded_schedule=keep == EVERY,
         keep_extra_bytes=max(keep, 0), predicted_seconds=seconds, hardware=profile.name,
-        considered=tuple(considered))
+        considered=tuple(considered.values()))
     ctx.notes["place_remat"] = (f"{sum(1 for r in recomputed if r.bytes)} of {len(analysis.candidates)} stored "
                                 f"tensors recomputed ({len(recomputed)} nodes copied into backward), "
                                 f"{_keep_name(keep)} schedule: peak {megabytes(before.bytes)} -> "
@@ -351,6 +355,7 @@ class _Peak:
     by_role: tuple[tuple[str, int], ...] = ()
     seconds: float = 0.0   # the final graph's predicted step time
     moved_bytes: float = 0.0   # bytes this rank sends or receives per step
+    laid_out: bool = True   # False: the live peak of a plan over the budget, not laid out in arenas (_measure)
 
 
 class _Unemitted(fx.GraphModule):
@@ -361,11 +366,13 @@ class _Unemitted(fx.GraphModule):
 
 
 def _measure(gm: fx.GraphModule, ctx: CompileContext, recompute: set[fx.Node] | None, memory_pools: bool,
-             keep: int, profile: HardwareProfile) -> tuple[_Peak, object]:
+             keep: int, profile: HardwareProfile, budget: int | None) -> tuple[_Peak, object]:
     """The peak the final memory plan reports once ``recompute`` is recomputed (None: as it is) with forward's
     gathers kept as ``keep`` says, and the final graph's step time on ``profile``; and the later passes' recorded
     run (``pipeline.LaterRun``; None where a registered pass is among them), which the compile takes if this plan
-    is chosen.
+    is chosen. With memory pools, a plan whose live peak is already over ``budget`` (None: laid out whatever
+    its peak) is not laid out in arenas (a layout only adds fragmentation: it cannot fit); its peak is then
+    the live peak, ``laid_out`` False.
 
     The passes after this one in the pipeline being built (``ctx.rest_of_pipeline``, handed over by the
     runner: the registered ones in, the disabled ones out) run on a copy with a scratch context; the peak
@@ -390,11 +397,14 @@ def _measure(gm: fx.GraphModule, ctx: CompileContext, recompute: set[fx.Node] | 
                                  unbounded_schedule=keep == EVERY, keep_extra_bytes=max(keep, 0))
     scratch = dataclasses.replace(ctx, notes={}, remat_plan=provisional, schedule=None, update_order=None,
                                   memory_plan=None)
-    run = ctx.rest_of_pipeline.recorded(copy, scratch)
+    run = ctx.rest_of_pipeline.recorded(copy, scratch,
+                                        over=lambda done: memory_pools and budget is not None
+                                        and done.memory_plan.live_peak_bytes > budget)
     plan = scratch.memory_plan
-    peak = plan.planned_peak_bytes if memory_pools else plan.live_peak_bytes
+    peak = plan.planned_peak_bytes if memory_pools and run.stopped_before is None else plan.live_peak_bytes
     step = predict(run.gm, ctx.world_size, profile)
-    return _Peak(peak, plan.alive_at_live_peak(), step.seconds, step.moved_bytes), run if run.shots is not None else None
+    return (_Peak(peak, plan.alive_at_live_peak(), step.seconds, step.moved_bytes, run.stopped_before is None),
+            run if run.shots is not None else None)
 
 
 def _gathers_in_backward(ctx: CompileContext) -> bool:
@@ -413,7 +423,7 @@ def _highest_over_ranks(peak: _Peak, ctx: CompileContext) -> _Peak:
     every = ctx.from_every_rank(peak)
     highest = max(every, key=lambda p: p.bytes)
     return dataclasses.replace(highest, seconds=max(p.seconds for p in every),
-                               moved_bytes=max(p.moved_bytes for p in every))
+                               moved_bytes=max(p.moved_bytes for p in every), laid_out=all(p.laid_out for p in every))
 
 
 def _first_fitting(count: int, fits, settled: Callable[[int, int], bool] | None = None) -> int | None:
