@@ -42,7 +42,7 @@ from .autocast import autocast_as, autocast_state, outside_autocast
 from .batch import BatchLayout
 from .data_guards import DataGuard, GuardRecorder, recording
 from .errors import CaptureError, ConfigError, ZeroccError, defined_at, raised_by_user_code, user_frame
-from .optimizer_step import REPLICATE_IF_ELEMENTWISE, check_elementwise, splice_update
+from .optimizer_step import REPLICATE_IF_ELEMENTWISE, check_elementwise, check_state_shapes, splice_update
 from . import precision as mixed
 from .host_random import EXTREMES, HostDraws, same_program
 from .model_recomputation import generators_reached, traced_recomputation
@@ -556,6 +556,8 @@ def trace_step(
     step_nodes = set(gm.graph.nodes)   # forward and backward, before the optimizer's update is spliced in
     with stats.timed(compile_stats.OPTIMIZER_TRACE):
         new_param_nodes, new_state_dicts = _splice_optimizer(gm, fake_mode, optimizer, grad_nodes, group_of)
+    check_state_shapes(new_state_dicts, [info.shape for info in param_infos], [info.name for info in param_infos],
+                       optimizer)
     new_state_keys = [tuple(sorted(d)) for d in new_state_dicts]
     unused = [i for i, grad in enumerate(grad_nodes) if grad is None]
     for i, grad in enumerate(grad_nodes):

@@ -179,6 +179,10 @@ def users_op(target) -> bool:
     return isinstance(target, torch._ops.OpOverload) and target.namespace not in OWN_NAMESPACES
 
 
+# Subtractions whose fake result is made by the matching addition when alpha is symbolic (``_dispatch_impl``).
+_SUB_AS_ADD = {aten.sub.Tensor: aten.add.Tensor, aten.sub_.Tensor: aten.add_.Tensor, aten.sub.out: aten.add.out}
+
+
 class ZeroccFakeTensorMode(FakeTensorMode):
     """The fake mode capture traces in: ops on CPU lay out their outputs as their CPU kernels do.
 
@@ -227,6 +231,11 @@ class ZeroccFakeTensorMode(FakeTensorMode):
         leaves = pytree.arg_tree_leaves(*args, **kwargs)
         if not any(isinstance(leaf, (torch.SymInt, torch.SymFloat, torch.SymBool)) for leaf in leaves):
             return self._laid_out_as_on_cpu(func, types, args, kwargs)
+        if func in _SUB_AS_ADD and isinstance(kwargs.get("alpha"), (torch.SymInt, torch.SymFloat)):
+            # ``p.sub_(update, alpha=lr)`` with the step's symbolic lr: torch's fake kernel (its reference
+            # ``torch._refs.sub``) branches on ``alpha != 1``; the result is ``add``'s with ``-alpha`` (ATen's sub
+            # kernel is its add kernel given -alpha), and the graph keeps the op the optimizer called
+            func, kwargs = _SUB_AS_ADD[func], {**kwargs, "alpha": -kwargs["alpha"]}
         constants = [(leaf, leaf.constant) for leaf in leaves if isinstance(leaf, FakeTensor) and leaf.constant is not None]
         writes = isinstance(func, torch._ops.OpOverload) and func._schema.is_mutable
         for tensor, constant in constants:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import functools
 import numbers
 import inspect
 import operator
@@ -131,13 +132,15 @@ def optimizer_update(
     Called inside a trace: ``params`` and the rest are fake tensors. The user's
     optimizer object is not modified; a shallow copy gets its own groups and state.
     """
-    record_source_lines_of(type(optimizer).step)
+    for function in (type(optimizer).step, *_optimizer_functions(type(optimizer))):
+        record_source_lines_of(function)
     shadow = copy.copy(optimizer)
     shadow.state = collections.defaultdict(dict)
     shadow.param_groups = []
     read = _read_settings(optimizer, learning_rates)
     for index, group in enumerate(optimizer.param_groups):
-        settings = {key: value for key, value in group.items() if key != "params"}
+        settings = {key: _known_constant(value) if isinstance(value, torch.Tensor) else value
+                    for key, value in group.items() if key != "params"}
         settings["params"] = [p for p, owner in zip(params, group_of) if owner == index]
         settings.update(read[index])
         if "foreach" in settings and settings["foreach"] is None and not settings.get("fused"):
@@ -193,11 +196,26 @@ def optimizer_update(
     return list(params), new_states
 
 
+def _known_constant(value: torch.Tensor) -> torch.Tensor:
+    """A tensor setting (``weight_decay=torch.tensor(0.01)``) made again inside the trace from its values.
+
+    The trace then knows its value, so the optimizer's branches on it (``if weight_decay != 0``) are decided as
+    eager decides them, where the tensor itself would be a constant of unknown value; the program is keyed on the
+    value (``hyperparameter_signature``). The update still computes with a tensor of its dtype, as eager does.
+    """
+    return torch.tensor(value.tolist(), dtype=value.dtype, device=value.device)
+
+
 def _optimizer_branch(error: BaseException, optimizer_class: type) -> str | None:
     """'file:line: code' of the optimizer's own branch on a traced value that ``error`` stopped at, if it is one."""
     from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
     if not isinstance(error, GuardOnDataDependentSymNode):
         return None
+    return innermost_frame(traceback.extract_tb(error.__traceback__), _optimizer_files(optimizer_class).__contains__)
+
+
+def _optimizer_files(optimizer_class: type) -> set[str]:
+    """The source files of the optimizer class's own functions and of those it inherits (not the base class's)."""
     files = set()
     for cls in optimizer_class.__mro__:
         if cls in (torch.optim.Optimizer, object):   # not the base class's step() wrappers
@@ -210,7 +228,49 @@ def _optimizer_branch(error: BaseException, optimizer_class: type) -> str | None
                 files.add(os.path.abspath(inspect.getsourcefile(source) or ""))
             except TypeError:
                 continue
-    return innermost_frame(traceback.extract_tb(error.__traceback__), files.__contains__)
+    return files
+
+
+def _optimizer_line_of_node(node: fx.Node, optimizer_class: type) -> str | None:
+    """'file:line: code' of the innermost frame of the optimizer's own source in ``node``'s stack trace.
+
+    For torch.optim's optimizers, whose files ``user_line_of_node`` leaves out as library code.
+    """
+    stack = node.meta.get(g.STACK_TRACE)
+    if not stack:
+        return None
+    files = _optimizer_files(optimizer_class)
+    lines = [line.strip() for line in stack.strip().splitlines()]
+    found = None
+    for i, line in enumerate(lines):   # outermost first: the last match is the innermost
+        if not (line.startswith("File ") and ", line " in line):
+            continue
+        filename = line.split('"')[1]
+        if os.path.abspath(filename) in files:
+            lineno = line.split(", line ")[1].split(",")[0]
+            code = lines[i + 1] if i + 1 < len(lines) and not lines[i + 1].startswith("File ") else ""
+            found = f"{filename}:{lineno}: {code}"
+    return found
+
+
+@functools.lru_cache(maxsize=None)
+def _optimizer_functions(optimizer_class: type) -> tuple:
+    """The functions of torch's modules that define the optimizer class's own methods (torch.optim.Muon's step()
+    calls its module's ``muon``, which calls ``_zeropower_via_newtonschulz``): their lines go into the traced nodes.
+
+    Only torch's: a user's module may hold the training loop too, whose frames would then be kept in every node's
+    stack trace; a user's optimizer has the lines of its own step() in any case.
+    """
+    modules = set()
+    for cls in optimizer_class.__mro__:
+        if cls in (torch.optim.Optimizer, object):
+            continue
+        for function in vars(cls).values():
+            module = inspect.getmodule(inspect.unwrap(function)) if callable(function) else None
+            if module is not None and module.__name__.startswith("torch."):
+                modules.add(module)
+    return tuple(function for module in modules for function in vars(module).values()
+                 if inspect.isfunction(function) and function.__module__ == module.__name__)
 
 
 # Ops an elementwise update may use besides those tagged pointwise.
@@ -276,7 +336,8 @@ def check_elementwise(nodes: Sequence[fx.Node], optimizer: torch.optim.Optimizer
             by_op.setdefault(g.short_name(node.target), []).append(node)
         lines = []
         for op, nodes in by_op.items():
-            where = user_line_of_node(nodes[0]) or f"graph node {nodes[0].name}"
+            where = (_optimizer_line_of_node(nodes[0], type(optimizer)) or user_line_of_node(nodes[0])
+                     or f"graph node {nodes[0].name}")
             lines.append(f"  - aten.{op}, {len(nodes)} call(s), first at {where}")
         raise UnsupportedOptimizerError(
             f"{type(optimizer).__name__}.step() is not elementwise per parameter:\n" + "\n".join(lines) + "\n"
@@ -285,6 +346,29 @@ def check_elementwise(nodes: Sequence[fx.Node], optimizer: torch.optim.Optimizer
             "  fix: use an elementwise optimizer (SGD, Adam, AdamW, Adagrad, RMSprop, ...), or stage=0, "
             "which updates whole parameters."
         )
+
+
+def check_state_shapes(states: Sequence[dict[str, fx.Node]], shapes: Sequence[tuple[int, ...]],
+                       names: Sequence[str], optimizer: torch.optim.Optimizer) -> None:
+    """Refuse per-parameter state that is neither shaped like its parameter nor 0-dim (a factored second moment).
+
+    Every stage lays out a state tensor as its parameter is laid out, flat in the parameter's bucket (1/N of it
+    per rank at stages 1-3): a tensor of another shape has no place there.
+    """
+    for state, shape, name in zip(states, shapes, names):
+        for key, node in sorted(state.items()):
+            value = node.meta.get(g.VAL)
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and tuple(value.shape) != tuple(shape):
+                where = _optimizer_line_of_node(node, type(optimizer)) or user_line_of_node(node)
+                raise UnsupportedOptimizerError(
+                    f"{type(optimizer).__name__}.step() keeps state {key!r} of shape {tuple(value.shape)} for "
+                    f"parameter {name!r} of shape {tuple(shape)}{f', made at {where}' if where else ''}\n"
+                    "  why: zerocc lays out each optimizer state tensor as its parameter is laid out, flat in the "
+                    "parameter's bucket (1/N of it per rank at stages 1-3), at every stage: it holds state shaped like "
+                    "its parameter, or 0-dim (a step count), not a factored statistic (per-row or per-column "
+                    "moments).\n"
+                    "  fix: keep each state tensor shaped like its parameter or 0-dim, or use an optimizer that does "
+                    "(SGD, Adam, AdamW, Adagrad, RMSprop, ...)")
 
 
 REPLICATE_IF_ELEMENTWISE = "if elementwise"

@@ -187,8 +187,25 @@ def check_stage(stage) -> None:
 def check_model_and_optimizer(model, optimizer) -> None:
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(optimizer, (list, tuple)) and optimizer and all(
+            isinstance(o, torch.optim.Optimizer) for o in optimizer):
+        raise ConfigError(
+            f"zerocc.compile takes one optimizer, got a {type(optimizer).__name__} of {len(optimizer)} "
+            f"({', '.join(type(o).__name__ for o in optimizer)}): the step traces one optimizer's step() after "
+            "backward.\n  fix: one torch.optim.Optimizer whose param groups choose their update (a flag in each "
+            "group, as Muon-with-AdamW recipes keep: `use_muon=True` for the hidden matrices, AdamW for embeddings, "
+            "norms and biases), its state tensors shaped like their parameters or 0-dim; an update that is not "
+            "elementwise (Muon's) trains at stage=0 only. docs/guide/stages.md has an example")
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ConfigError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if type(optimizer).__name__ == "ZeroRedundancyOptimizer" and type(optimizer).__module__.startswith(
+            "torch.distributed.optim"):
+        raise ConfigError(
+            "the optimizer is a ZeroRedundancyOptimizer: it shards its state across ranks and broadcasts the "
+            "updated parameters itself (ZeRO-1), which zerocc does (stage=1; stages 2 and 3 shard more).\n"
+            f"  fix: pass the optimizer it wraps, built on the model's parameters: "
+            f"{optimizer.optim.__class__.__name__}(model.parameters(), ...), to zerocc.compile(model, optimizer, "
+            "stage=1)")
     if next(model.parameters(), None) is None:
         raise ConfigError(f"the model ({type(model).__name__}) has no parameters: there is nothing to train or shard; "
                           "pass the module that holds the trained parameters")

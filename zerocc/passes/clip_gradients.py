@@ -54,7 +54,9 @@ def clip_gradients(gm: fx.GraphModule, ctx: CompileContext, *, max_norm: float, 
     for bucket, _, piece in plan.owned_pieces():
         node = slices[(bucket.index, piece.shard_offset)]
         info = ctx.captured.params[piece.param]
-        if not info.shape:   # a 0-dim parameter: the optimizer reads shard's 0-dim view of the slice
+        if [user.target for user in node.users] == [aten.view.default]:
+            # the optimizer reads shard's view of the slice in the parameter's shape (a 0-dim parameter; at stage
+            # 0 every parameter of more than one dimension)
             (node,) = node.users
         shape = list(info.shape) if piece.numel == info.numel else [piece.numel]
         pieces.append((piece.param, piece.param_offset, node, shape))

@@ -111,11 +111,13 @@ def shard(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
                 param_piece = g.call(graph, ctx.fake_mode, aten.slice.Tensor, placeholder, 0, base + start, base + start + piece.numel)
                 grad_piece = g.call(graph, ctx.fake_mode, aten.slice.Tensor, reduced, 0, grad_base + start, grad_base + start + piece.numel)
                 added = [param_piece, grad_piece]
-                if _is_zero_dim(ctx, piece):
-                    # the optimizer sees a 0-dim parameter as eager does: its state is 0-dim too
-                    # (a 1-element piece would meet 0-dim state, which every scalar state also is)
-                    param_piece = g.call(graph, ctx.fake_mode, aten.view.default, param_piece, [])
-                    grad_piece = g.call(graph, ctx.fake_mode, aten.view.default, grad_piece, [])
+                shape = _update_shape(ctx, piece)
+                if shape is not None:
+                    # the optimizer sees the parameter as eager does: a 0-dim one with 0-dim state (a 1-element piece
+                    # would meet 0-dim state, which every scalar state also is); at stage 0 each whole parameter in
+                    # its shape, as an update that is not elementwise (Muon's matrix products) needs it
+                    param_piece = g.call(graph, ctx.fake_mode, aten.view.default, param_piece, shape)
+                    grad_piece = g.call(graph, ctx.fake_mode, aten.view.default, grad_piece, shape)
                     added += [param_piece, grad_piece]
                 for node in added:
                     node.meta[g.PHASE] = g.OPTIMIZER
@@ -132,8 +134,19 @@ def shard(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
             states[key] = last = _state_placeholder(
                 gm, ctx, last, decisions.state_slot(decisions.piece_owner(bucket.index, number), key),
                 key, shape, value.dtype, value.device)
+            if ctx.stage == 0 and value.dim() > 0:   # the slot is flat; the update reads it in its own shape
+                with graph.inserting_before(output):
+                    states[key] = g.call(graph, ctx.fake_mode, aten.view.default, states[key], list(value.shape))
+                states[key].meta[g.PHASE] = g.OPTIMIZER
         state_nodes.append(states)
     new_pieces, new_states = _inline_optimizer(gm, ctx, piece_inputs, state_nodes, lr_nodes)
+    if ctx.stage == 0:   # new state in its slot's flat shape
+        with graph.inserting_before(output):
+            for states in new_states:
+                for key, node in states.items():
+                    if node.meta[g.VAL].dim() > 1:
+                        states[key] = g.call(graph, ctx.fake_mode, aten.reshape.default, node, [-1])
+                        states[key].meta[g.PHASE] = g.OPTIMIZER
 
     # new buckets from the new pieces
     with graph.inserting_before(output):
@@ -144,8 +157,8 @@ def shard(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
                     continue
                 if piece.shard_offset > cursor:
                     parts.append(_zeros(graph, ctx, piece.shard_offset - cursor, bucket.dtype, device))
-                if _is_zero_dim(ctx, piece):
-                    new = g.call(graph, ctx.fake_mode, aten.view.default, new, [1])
+                if _update_shape(ctx, piece) is not None:
+                    new = g.call(graph, ctx.fake_mode, aten.reshape.default, new, [piece.numel])
                 parts.append(new)
                 cursor = piece.shard_offset + piece.numel
             if bucket.shard_numel > cursor and ctx.stage != 0:
@@ -238,9 +251,11 @@ def choose_buckets(gm: fx.GraphModule, ctx: CompileContext, trained: list[fx.Nod
     return decisions.ShardPlan(ctx.stage, ctx.world_size, ctx.rank, tuple(buckets), ctx.bucket_bytes, param_dtype)
 
 
-def _is_zero_dim(ctx: CompileContext, piece: decisions.Piece) -> bool:
-    """Whether ``piece`` is a whole 0-dim parameter (CLIP's ``logit_scale``)."""
-    return len(ctx.captured.params[piece.param].shape) == 0
+def _update_shape(ctx: CompileContext, piece: decisions.Piece) -> list[int] | None:
+    """The shape the optimizer sees ``piece`` in, where not flat: a whole 0-dim parameter (CLIP's ``logit_scale``),
+    and at stage 0, where every piece is a whole parameter, any parameter of more than one dimension."""
+    shape = list(ctx.captured.params[piece.param].shape)
+    return shape if len(shape) == 0 or (ctx.stage == 0 and len(shape) > 1) else None
 
 
 def _empty(ctx: CompileContext, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
