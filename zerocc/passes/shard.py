@@ -29,7 +29,7 @@ import torch.fx as fx
 from .. import graph as g
 from .. import ops, decisions
 from ..context import CompileContext
-from ..optimizer_step import REPLICATE_IF_ELEMENTWISE, splice_update
+from ..optimizer_step import REPLICATE_IF_ELEMENTWISE, elementwise_offenders, splice_update
 
 aten = torch.ops.aten
 
@@ -41,6 +41,11 @@ def shard(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     trained = [p for p in old_params if not p.meta.get(g.UNUSED)]
     plan = choose_buckets(gm, ctx, trained)
     ctx.shard_plan = plan
+    # at stage 0 an update that is not elementwise (Muon's matrix products) sees each parameter, gradient and state
+    # in its shape; an elementwise one reads them flat, as at every stage (views of each would cost the host four
+    # more ops per parameter per step: 3,519 -> 4,041 on benchmarks/host_ops.py's GPT)
+    shaped = ctx.stage == 0 and bool(elementwise_offenders([n for n in graph.nodes
+                                                            if n.meta.get(g.PHASE) == g.OPTIMIZER]))
     param_node = {p.meta[g.INDEX]: p for p in old_params}
     grad_node = {i: n for n in graph.nodes for i in n.meta.get(g.GRAD_OF, ())}
     old_state = {}
@@ -111,7 +116,7 @@ def shard(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
                 param_piece = g.call(graph, ctx.fake_mode, aten.slice.Tensor, placeholder, 0, base + start, base + start + piece.numel)
                 grad_piece = g.call(graph, ctx.fake_mode, aten.slice.Tensor, reduced, 0, grad_base + start, grad_base + start + piece.numel)
                 added = [param_piece, grad_piece]
-                shape = _update_shape(ctx, piece)
+                shape = _update_shape(ctx, piece, shaped)
                 if shape is not None:
                     # the optimizer sees the parameter as eager does: a 0-dim one with 0-dim state (a 1-element piece
                     # would meet 0-dim state, which every scalar state also is); at stage 0 each whole parameter in
@@ -134,13 +139,13 @@ def shard(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
             states[key] = last = _state_placeholder(
                 gm, ctx, last, decisions.state_slot(decisions.piece_owner(bucket.index, number), key),
                 key, shape, value.dtype, value.device)
-            if ctx.stage == 0 and value.dim() > 0:   # the slot is flat; the update reads it in its own shape
+            if shaped and value.dim() > 0:   # the slot is flat; the update reads it in its own shape
                 with graph.inserting_before(output):
                     states[key] = g.call(graph, ctx.fake_mode, aten.view.default, states[key], list(value.shape))
                 states[key].meta[g.PHASE] = g.OPTIMIZER
         state_nodes.append(states)
     new_pieces, new_states = _inline_optimizer(gm, ctx, piece_inputs, state_nodes, lr_nodes)
-    if ctx.stage == 0:   # new state in its slot's flat shape
+    if shaped:   # new state in its slot's flat shape
         with graph.inserting_before(output):
             for states in new_states:
                 for key, node in states.items():
@@ -157,7 +162,7 @@ def shard(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
                     continue
                 if piece.shard_offset > cursor:
                     parts.append(_zeros(graph, ctx, piece.shard_offset - cursor, bucket.dtype, device))
-                if _update_shape(ctx, piece) is not None:
+                if _update_shape(ctx, piece, shaped) is not None:
                     new = g.call(graph, ctx.fake_mode, aten.reshape.default, new, [piece.numel])
                 parts.append(new)
                 cursor = piece.shard_offset + piece.numel
@@ -251,11 +256,12 @@ def choose_buckets(gm: fx.GraphModule, ctx: CompileContext, trained: list[fx.Nod
     return decisions.ShardPlan(ctx.stage, ctx.world_size, ctx.rank, tuple(buckets), ctx.bucket_bytes, param_dtype)
 
 
-def _update_shape(ctx: CompileContext, piece: decisions.Piece) -> list[int] | None:
+def _update_shape(ctx: CompileContext, piece: decisions.Piece, shaped: bool) -> list[int] | None:
     """The shape the optimizer sees ``piece`` in, where not flat: a whole 0-dim parameter (CLIP's ``logit_scale``),
-    and at stage 0, where every piece is a whole parameter, any parameter of more than one dimension."""
+    and where ``shaped`` (stage 0, where every piece is a whole parameter, with an update that is not elementwise)
+    any parameter of more than one dimension."""
     shape = list(ctx.captured.params[piece.param].shape)
-    return shape if len(shape) == 0 or (ctx.stage == 0 and len(shape) > 1) else None
+    return shape if len(shape) == 0 or (shaped and len(shape) > 1) else None
 
 
 def _empty(ctx: CompileContext, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
