@@ -8,6 +8,7 @@ all the second compile could find.
 from __future__ import annotations
 
 import copy
+import errno
 import importlib.util
 import os
 import re
@@ -292,7 +293,8 @@ def test_a_loaded_compile_still_writes_its_dumps(tmp_path):
     step(*data[0])
     assert step.report()["compile_cache"] == "loaded"
     written = sorted(os.listdir(tmp_path / "dumps"))
-    assert written == [f"{i:03d}_{name}.py" for i, name in enumerate(step.passes)], written   # capture first
+    # capture first; the memory plan too, as a compile writes it
+    assert written == [f"{i:03d}_{name}.py" for i, name in enumerate(step.passes)] + ["memory_plan.json"], written
 
 
 def test_the_cache_folder_is_checked_and_off_without_one(tmp_path, monkeypatch):
@@ -508,3 +510,89 @@ def test_a_stored_program_larger_than_what_the_device_offers_now_misses(tmp_path
     assert step.report()["compile_cache"].startswith(
         "miss (its peak does not fit what the device offers now (a smaller device)), then stored")
     assert step.report()["planned_peak_bytes"] <= small and step.remat_plan.budget_source == "a smaller device"
+
+
+def _entry_files(folder, suffix):
+    return sorted(os.path.join(root, f) for root, _, files in os.walk(folder) for f in files if f.endswith(suffix)
+                  and not f.startswith("."))
+
+
+def test_a_file_that_is_not_the_one_its_entry_was_written_with_is_never_loaded(tmp_path):
+    """An entry's index records its files' digests: a program file replaced by another entry's (copied over, or
+    rewritten by another process between this one's reads of the index and of the file) was loaded, and the
+    step ran the other batch shape's program (a RuntimeError inside the step, or wrong training)."""
+    full, half = batches("gpt", 1, 8)[0], batches("gpt", 1, 4, seed=2)[0]
+    _compiled(tmp_path)(*full)
+    [full_entry] = [p for p in _entry_files(tmp_path, ".pkl") if "history" not in p]
+    step = _compiled(tmp_path)
+    step(*half)
+    [half_entry] = [p for p in _entry_files(tmp_path, ".pkl") if "history" not in p and p != full_entry]
+    shutil.copyfile(half_entry, full_entry)   # a complete, readable program: of the other entry
+    step = _compiled(tmp_path)
+    with pytest.warns(CompileCacheWarning, match="could not read .*not what the entry's index was written with"):
+        loss = step(*full)
+    assert torch.equal(loss, _eager_losses("gpt", 0, 1, [full])[0])
+    assert step.report()["compile_cache"].startswith("miss (unreadable entry), then stored")
+
+
+def test_a_dump_dir_over_an_entry_whose_graphs_are_unreadable_compiles_instead_of_raising(tmp_path):
+    """A loaded program writes its graphs after each pass into dump_dir, read from the entry's history file: an
+    empty one raised CompileCacheError out of the step's first call."""
+    data = batches("gpt", 1, 8)
+    _compiled(tmp_path / "cache")(*data[0])
+    [history] = _entry_files(tmp_path, ".history.pkl")
+    open(history, "wb").close()
+    step = _compiled(tmp_path / "cache", dump_dir=str(tmp_path / "dumps"))
+    with pytest.warns(CompileCacheWarning, match="could not read .*history.pkl"):
+        loss = step(*data[0])
+    assert torch.equal(loss, _eager_losses("gpt", 0, 1, data)[0])
+    assert step.report()["compile_cache"].startswith("miss (unreadable entry), then stored")
+    assert len(os.listdir(tmp_path / "dumps")) == len(step.passes) + 1   # and memory_plan.json
+
+
+def test_an_index_of_another_format_is_no_entry(tmp_path):
+    """An index another version wrote (its parts not a mapping) crashed the explanation of a miss."""
+    data = batches("gpt", 1, 8)
+    _compiled(tmp_path)(*data[0])
+    [index] = _entry_files(tmp_path, ".json")
+    with open(index, "w") as file:
+        file.write('{"parts": ["format 3"], "sources": {}}')
+    step = _compiled(tmp_path, bucket_bytes=1 << 12)   # a miss, explained against the entries there
+    assert torch.equal(step(*data[0]), _eager_losses("gpt", 0, 1, data)[0])
+    assert step.report()["compile_cache"].startswith("miss (no entry), then stored")
+
+
+def test_a_miss_names_what_changed_since_the_nearest_entry(tmp_path):
+    """With entries of the same model under other options, a miss was explained against whichever entry's file
+    name sorted first: a changed model read as "model modules, options" where the options were the same."""
+    data = batches("gpt", 1, 8)
+    for bucket_bytes in (None, 1 << 12, 1 << 13, 1 << 14, 1 << 15, 1 << 16):
+        _compiled(tmp_path, **({} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}))(*data[0])
+    step = _compiled(tmp_path)
+    step.model.note = "changed"   # a plain attribute of a module: part of the fingerprint
+    with pytest.warns(CompileCacheWarning, match="changed since the entry for this program: model modules") as caught:
+        step(*data[0])
+    assert "options" not in str(caught[0].message), caught[0].message   # the default options' entry is there
+
+
+def test_a_full_disk_leaves_no_part_of_an_entry_and_the_step_trains(tmp_path, monkeypatch):
+    from zerocc import disk_cache
+    written = disk_cache._write_atomically
+
+    def disk_full_at_the_history(path, data):
+        if path.endswith(".history.pkl"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        written(path, data)
+
+    monkeypatch.setattr(disk_cache, "_write_atomically", disk_full_at_the_history)
+    data = batches("gpt", 1, 8)
+    step = _compiled(tmp_path)
+    with pytest.warns(CompileCacheWarning, match="could not write .*No space left on device"):
+        assert torch.equal(step(*data[0]), _eager_losses("gpt", 0, 1, data)[0])
+    assert step.report()["compile_cache"].startswith("miss (no entry), then not stored: [Errno 28]")
+    assert _entry_files(tmp_path, "") == []   # not the program file written before the history
+    monkeypatch.setattr(disk_cache, "_write_atomically", written)
+    _compiled(tmp_path)(*data[0])
+    step = _compiled(tmp_path)
+    step(*data[0])
+    assert step.report()["compile_cache"] == "loaded"

@@ -36,6 +36,7 @@ pass the ranks' agreement check before their first collective.
 from __future__ import annotations
 
 import collections.abc
+import contextlib
 import dataclasses
 import enum
 import functools
@@ -59,7 +60,7 @@ from . import graph_pickle
 from .errors import CompileCacheError, CompileCacheWarning, ConfigError, user_stacklevel
 
 CACHE_DIR_VARIABLE = "ZEROCC_CACHE_DIR"
-FORMAT = 1   # bumped when what an entry holds changes shape
+FORMAT = 2   # bumped when what an entry holds changes shape
 
 # the parts that say which of a step's programs an entry is (one per batch shape, ...): a miss is explained
 # against an entry for the same program only
@@ -293,13 +294,17 @@ class DiskCache:
             names = sorted(os.listdir(self.folder))
         except OSError:
             return "no entry"
+        changes = []   # per entry for the same program: what changed since it
         for name in names:
             if not name.endswith(".json") or name.startswith("."):
                 continue
             parts = (self._read_json(os.path.join(self.folder, name)) or {}).get("parts", {})
             if all(parts.get(part) == now.get(part) for part in PROGRAM_PARTS):
-                return "changed since the entry for this program: " + ", ".join(fingerprint.changed_since(parts))
-        return "no entry"
+                changes.append(fingerprint.changed_since(parts))
+        if not changes:
+            return "no entry"
+        # the nearest entry: against any other (the same model under other options) more would seem to have changed
+        return "changed since the entry for this program: " + ", ".join(min(changes, key=len))
 
     @staticmethod
     def _read_json(path: str) -> dict | None:
@@ -308,20 +313,28 @@ class DiskCache:
                 index = json.load(file)
         except (OSError, ValueError):
             return None
-        return index if isinstance(index, dict) and isinstance(index.get("sources", {}), dict) else None
+        # another format's index (a newer zerocc's, edited by hand) is no entry
+        return index if isinstance(index, dict) and all(
+            isinstance(index.get(part, {}), dict) for part in ("parts", "sources", "digests")) else None
 
-    def load(self, digest: str, objects: dict[str, Any], fake_mode) -> dict | None:
-        """The stored compile, or None (with a warning) if the file cannot be read. Its ``history`` (the
-        graph after every pass) is read when first used: most runs never print one."""
+    def load(self, digest: str, index: dict, objects: dict[str, Any], fake_mode, history_now: bool = False
+             ) -> dict | None:
+        """The stored compile, or None (with a warning) if the file cannot be read or is not the one ``index``
+        names (its content's digest: a file truncated, changed, or of another write). Its ``history`` (the graph
+        after every pass) is read when first used, as most runs never print one, or now (``history_now``: a
+        ``dump_dir`` writes it)."""
         path = self._path(digest, ".pkl")
         try:
-            with open(path, "rb") as file:
-                payload = graph_pickle.loads(file.read(), objects, fake_mode)
+            payload = graph_pickle.loads(_read_verified(path, index, "program"), objects, fake_mode)
+            payload["history"] = StoredHistory(self._path(digest, ".history.pkl"), index, objects, fake_mode)
+            if history_now:
+                path = payload["history"].path
+                payload["history"] = list(graph_pickle.loads(_read_verified(path, index, "history"), objects,
+                                                             fake_mode))
         except Exception as error:   # a truncated or foreign file: compile, and write it again
             warnings.warn(f"zerocc compile cache: could not read {path} ({type(error).__name__}: {error}); "
                           "compiling instead, and replacing it", CompileCacheWarning, stacklevel=user_stacklevel())
             return None
-        payload["history"] = StoredHistory(self._path(digest, ".history.pkl"), objects, fake_mode)
         return payload
 
     def store(self, fingerprint: Fingerprint, sources: dict[str, str], payload: dict, names: dict) -> str:
@@ -333,13 +346,21 @@ class DiskCache:
             history_data = graph_pickle.dumps(list(history), names)
         except graph_pickle.NotPicklable as error:
             return f"not stored: {error}"
-        index = {"parts": dict(fingerprint.parts), "sources": sources, "created": time.strftime("%Y-%m-%d %H:%M:%S")}
+        # the files' digests: a load reads only the files this index was written with (not one half written on a
+        # file system without atomic renames, changed since, or replaced by another process's write in between)
+        index = {"parts": dict(fingerprint.parts), "sources": sources, "created": time.strftime("%Y-%m-%d %H:%M:%S"),
+                 "digests": {"program": _sha(data), "history": _sha(history_data)}}
+        files = [self._path(fingerprint.digest, suffix) for suffix in (".pkl", ".history.pkl")]
         try:
             os.makedirs(self.folder, exist_ok=True)
-            _write_atomically(self._path(fingerprint.digest, ".pkl"), data)
-            _write_atomically(self._path(fingerprint.digest, ".history.pkl"), history_data)
+            _write_atomically(files[0], data)
+            _write_atomically(files[1], history_data)
             self._write_index(fingerprint.digest, index)   # last: it marks the entry complete
         except OSError as error:
+            if not os.path.exists(self._path(fingerprint.digest, ".json")):   # no entry: no files of one left
+                for path in files:
+                    with contextlib.suppress(OSError):
+                        os.unlink(path)
             warnings.warn(f"zerocc compile cache: could not write to {self.folder} ({error}); the step runs "
                           "without storing its program", CompileCacheWarning, stacklevel=user_stacklevel())
             return f"not stored: {error}"
@@ -364,18 +385,18 @@ class DiskCache:
 class StoredHistory(collections.abc.Sequence):
     """An entry's graph after every pass, read from its file at the first use."""
 
-    def __init__(self, path: str, objects: dict[str, Any], fake_mode):
-        self._path, self._objects, self._fake_mode = path, objects, fake_mode
+    def __init__(self, path: str, index: dict, objects: dict[str, Any], fake_mode):
+        self.path, self._index, self._objects, self._fake_mode = path, index, objects, fake_mode
         self._snapshots: list | None = None
 
     def _read(self) -> list:
         if self._snapshots is None:
             try:
-                with open(self._path, "rb") as file:
-                    self._snapshots = graph_pickle.loads(file.read(), self._objects, self._fake_mode)
+                self._snapshots = graph_pickle.loads(_read_verified(self.path, self._index, "history"), self._objects,
+                                                     self._fake_mode)
             except Exception as error:
                 raise CompileCacheError(
-                    f"the graphs after each pass of this loaded program could not be read from {self._path} "
+                    f"the graphs after each pass of this loaded program could not be read from {self.path} "
                     f"({type(error).__name__}: {error}); the program itself runs. Remove the file's folder to "
                     "compile (and store) again") from error
             self._objects = self._fake_mode = None
@@ -386,6 +407,16 @@ class StoredHistory(collections.abc.Sequence):
 
     def __len__(self) -> int:
         return len(self._read())
+
+
+def _read_verified(path: str, index: dict, name: str) -> bytes:
+    """The content of an entry's file, if it is what ``index`` was written with (``digests[name]``)."""
+    with open(path, "rb") as file:
+        data = file.read()
+    if _sha(data) != index.get("digests", {}).get(name):
+        raise ValueError(f"its content is not what the entry's index was written with ({len(data):,} bytes: "
+                         "truncated, changed or written by another process since)")
+    return data
 
 
 def _write_atomically(path: str, data: bytes) -> None:
