@@ -396,6 +396,56 @@ def test_a_hugging_face_model_loads_in_an_interpreter_with_another_hash_seed(tmp
     assert outcomes[1] == "loaded", outcomes
 
 
+_SCRIPT_WITH_ITS_OWN_NET = """
+import copy, sys, torch, torch.nn.functional as F, zerocc
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(6, 8), torch.nn.Linear(8, 2)
+    def forward(self, x):
+        return self.b(F.ACTIVATION(self.a(x)))
+torch.manual_seed(0)
+model = Net()
+reference = copy.deepcopy(model)
+x, y = torch.randn(4, 6), torch.randn(4, 2)
+step = zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), stage=3, loss_fn=F.mse_loss,
+                      cache_dir=sys.argv[1])
+optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+for _ in range(2):
+    expected = F.mse_loss(reference(x), y)
+    optimizer.zero_grad()
+    expected.backward()
+    optimizer.step()
+    assert torch.equal(step(x, y), expected.detach()), "trained otherwise than eager"
+print(step.report()["compile_cache"])
+"""
+
+
+@pytest.mark.slow   # four new interpreters
+def test_two_scripts_each_with_its_own_net_do_not_load_each_others_program(tmp_path):
+    """Two scripts sharing a cache folder, each defining its own ``Net`` (one gelu, one relu): both were
+    ``__main__.Net`` in the fingerprint and the entry's source check read only the first script's file, so the
+    second loaded the first's program and trained with gelu. From standard input (a notebook alike) no file was
+    checked at all: an edited forward loaded the program traced before the edit."""
+    environment = dict(os.environ, PYTHONPATH=os.pathsep.join([
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.environ.get("PYTHONPATH", "")]))
+
+    def run(activation, folder, from_file):
+        source = _SCRIPT_WITH_ITS_OWN_NET.replace("ACTIVATION", activation)
+        script = tmp_path / f"train_{activation}.py"
+        script.write_text(source)
+        done = subprocess.run([sys.executable, str(script) if from_file else "-", str(tmp_path / folder)],
+                              input=None if from_file else source, env=environment, capture_output=True, text=True,
+                              timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.stdout.strip().splitlines()[-1]
+
+    for from_file, folder in ((True, "scripts"), (False, "stdin")):
+        first, second = run("gelu", folder, from_file), run("relu", folder, from_file)
+        assert first.startswith("miss (no entry), then stored"), first
+        assert second.startswith("miss (changed since the entry for this program: code), then stored"), second
+
+
 def test_every_program_of_a_step_is_stored_and_a_new_step_loads_each(tmp_path):
     """A second batch shape compiles a second program over the first one's buckets: both are stored, and a
     new step loads both, in the same order."""

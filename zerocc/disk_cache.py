@@ -11,8 +11,8 @@ The fingerprint is what decides a program without tracing it:
 
 - zerocc's own source, torch's and Python's versions, torch's default dtype
   and deterministic-algorithms setting, the ``$ZEROCC_*`` settings;
-- the model's modules (class, plain attributes such as ``in_features`` or
-  ``p``, hooks) and its parameters and buffers (names, shapes, dtypes,
+- the model's modules (class, the file it is defined in, plain attributes
+  such as ``in_features`` or ``p``, hooks) and its parameters and buffers (names, shapes, dtypes,
   devices, ``requires_grad``, which are tied);
 - the optimizer (class, which parameters each group holds, every group
   setting traced into the program);
@@ -203,6 +203,7 @@ def fingerprint(step, key, released_shapes: dict[str, tuple[int, ...]], previous
         ("model modules", _sha(modules)[:24]),
         ("model tensors", _sha(tensors)[:24]),
         ("optimizer", f"{type(optimizer).__module__}.{type(optimizer).__qualname__} " + _sha(groups)[:16]),
+        ("code", _code_identity(step)),
         ("options", _sha(option_text)[:24]),
         ("passes", _sha(passes)[:24]),
         ("ranks", f"rank {step.ranks.rank} of {step.ranks.world_size}"),
@@ -217,6 +218,65 @@ def fingerprint(step, key, released_shapes: dict[str, tuple[int, ...]], previous
         ("earlier buckets", _sha(_stable(previous_plan))[:24]),
     )
     return Fingerprint(parts)
+
+
+def _code_identity(step) -> str:
+    """Where the code of the model's module classes, the optimizer's class and the loss function lives, and, when
+    the script is no file (``python -c``, standard input, a notebook), that code itself.
+
+    Classes are named by module and name, and the entry's source check reads the files of the run that stored it:
+    two scripts sharing a folder, each with its own ``__main__.Net`` (one ``F.gelu``, one ``F.relu``), had one
+    fingerprint, and the second loaded the first's program, its files unchanged. Code no file holds was in no
+    source check at all: an edited ``forward`` in a notebook loaded the program traced before the edit.
+    """
+    things = {type(m) for m in step.model.modules()} | {type(step.optimizer)}
+    if step.options.loss_fn is not None:
+        things.add(step.options.loss_fn)
+    text = "\n".join(sorted(f"{_stable(thing)}@{_source_path(thing)}" for thing in things))
+    main = sys.modules.get("__main__")
+    if main is not None and not os.path.isfile(getattr(main, "__file__", None) or ""):
+        text += "\n" + _interactive_code(main)
+    return _sha(text)[:24]
+
+
+def _source_path(thing) -> str:
+    try:
+        return os.path.abspath(inspect.getsourcefile(thing) or "?")
+    except (TypeError, OSError):
+        return "?"
+
+
+def _interactive_code(main) -> str:
+    """The code of the functions and classes defined in ``__main__`` (bytecode, names, constants, defaults) and its
+    plain values (a constant ``forward`` reads), in a text the same in every process of one Python version."""
+    lines = []
+    for name, value in sorted(vars(main).items()):
+        if name.startswith("__"):
+            continue
+        if isinstance(value, (bool, int, float, str)) or value is None:
+            lines.append(f"{name}={value!r}")
+        elif getattr(value, "__module__", None) == "__main__" and (inspect.isfunction(value) or inspect.isclass(value)):
+            functions = [value] if inspect.isfunction(value) else [
+                getattr(member, "fget", None) or getattr(member, "__func__", member) for _, member in
+                sorted(vars(value).items()) if isinstance(member, (staticmethod, classmethod, property))
+                or inspect.isfunction(member)]
+            lines.append(f"{name}:" + ",".join(_function_text(f) for f in functions if inspect.isfunction(f)))
+    return _sha("\n".join(lines))
+
+
+def _function_text(function) -> str:
+    return _code_text(function.__code__) + _stable(function.__defaults__) + _stable(function.__kwdefaults__)
+
+
+def _code_text(code) -> str:
+    def constant(value) -> str:
+        if inspect.iscode(value):
+            return _code_text(value)
+        if isinstance(value, (tuple, frozenset)):   # a frozenset's order follows the process's string hashes
+            texts = [constant(v) for v in value]
+            return "(" + ",".join(sorted(texts) if isinstance(value, frozenset) else texts) + ")"
+        return repr(value)
+    return f"{code.co_code.hex()}{code.co_names}{','.join(constant(c) for c in code.co_consts)}"
 
 
 def source_files(captured, step) -> dict[str, str]:
