@@ -446,6 +446,38 @@ def test_two_scripts_each_with_its_own_net_do_not_load_each_others_program(tmp_p
         assert second.startswith("miss (changed since the entry for this program: code), then stored"), second
 
 
+_SCRIPT_WITH_ITS_OWN_ACTIVATION = """
+import copy, sys, torch, torch.nn.functional as F, zerocc
+from shared_net import Net
+def act(x):
+    return F.ACTIVATION(x)
+torch.manual_seed(0)
+model = Net(act)
+""" + _SCRIPT_WITH_ITS_OWN_NET.split("model = Net()")[1]
+
+
+@pytest.mark.slow   # two new interpreters
+def test_two_scripts_handing_their_own_function_to_one_model_class_do_not_load_each_others_program(tmp_path):
+    """The model's class in a shared module, each script's own ``act`` function an attribute of it: both were
+    ``__main__.act`` in the fingerprint, and the second script loaded the first's program."""
+    (tmp_path / "shared_net.py").write_text(
+        "import torch\n\n\nclass Net(torch.nn.Module):\n    def __init__(self, act):\n        super().__init__()\n"
+        "        self.a, self.b, self.act = torch.nn.Linear(6, 8), torch.nn.Linear(8, 2), act\n\n"
+        "    def forward(self, x):\n        return self.b(self.act(self.a(x)))\n")
+    environment = dict(os.environ, PYTHONPATH=os.pathsep.join([
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    outcomes = []
+    for activation in ("gelu", "relu"):
+        script = tmp_path / f"train_{activation}.py"
+        script.write_text(_SCRIPT_WITH_ITS_OWN_ACTIVATION.replace("ACTIVATION", activation))
+        done = subprocess.run([sys.executable, str(script), str(tmp_path / "cache")], env=environment,
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        outcomes.append(done.stdout.strip().splitlines()[-1])
+    assert outcomes[0].startswith("miss (no entry), then stored"), outcomes
+    assert outcomes[1].startswith("miss (changed since the entry for this program: model modules"), outcomes
+
+
 def test_every_program_of_a_step_is_stored_and_a_new_step_loads_each(tmp_path):
     """A second batch shape compiles a second program over the first one's buckets: both are stored, and a
     new step loads both, in the same order."""

@@ -146,13 +146,24 @@ def _stable(value: Any, depth: int = 0) -> str:
     if isinstance(value, functools.partial):
         return f"partial({_stable(value.func, depth + 1)},{_stable(value.args, depth + 1)})"
     if callable(value) or isinstance(value, type):
-        return f"{getattr(value, '__module__', '?')}.{getattr(value, '__qualname__', type(value).__qualname__)}"
+        return _code_name(value)
     if isinstance(value, enum.Enum):
         return repr(value)
     if hasattr(value, "__dict__"):   # a config object, its private attributes too (Hugging Face's
         # _attn_implementation_internal picks the attention's code path)
         return type(value).__qualname__ + _stable(vars(value), depth + 1)
     return type(value).__qualname__
+
+
+def _code_name(thing) -> str:
+    """A function's or class's name and the file it is defined in: two projects' ``utils.act`` (or two scripts'
+    ``__main__.act``) are not one function, and the entry's source check reads the storing run's files only. A
+    function no file holds (a lambda typed at a prompt or in a notebook) is its code."""
+    name = f"{getattr(thing, '__module__', '?')}.{getattr(thing, '__qualname__', type(thing).__qualname__)}"
+    path = _source_path(thing)
+    if inspect.isfunction(thing) and not os.path.isfile(path):
+        name += ":" + _sha(_function_text(thing))[:16]
+    return f"{name}@{path}"
 
 
 def _module_attributes(module: nn.Module) -> str:
@@ -232,7 +243,7 @@ def _code_identity(step) -> str:
     things = {type(m) for m in step.model.modules()} | {type(step.optimizer)}
     if step.options.loss_fn is not None:
         things.add(step.options.loss_fn)
-    text = "\n".join(sorted(f"{_stable(thing)}@{_source_path(thing)}" for thing in things))
+    text = "\n".join(sorted(_code_name(thing) for thing in things))
     main = sys.modules.get("__main__")
     if main is not None and not os.path.isfile(getattr(main, "__file__", None) or ""):
         text += "\n" + _interactive_code(main)
