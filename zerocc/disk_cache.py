@@ -258,21 +258,26 @@ def _source_path(thing) -> str:
 
 
 def _interactive_code(main) -> str:
-    """The code of the functions and classes defined in ``__main__`` (bytecode, names, constants, defaults) and its
-    plain values (a constant ``forward`` reads), in a text the same in every process of one Python version."""
-    lines = []
+    """The code of the functions and classes defined in ``__main__`` (bytecode, names, constants, defaults) and the
+    plain values of its globals that code reads (``SCALE`` in ``x * SCALE``; not a notebook's ``lr`` or history
+    variables), in a text the same in every process of one Python version."""
+    lines, read = [], set()
     for name, value in sorted(vars(main).items()):
-        if name.startswith("__"):
-            continue
-        if isinstance(value, (bool, int, float, str)) or value is None:
-            lines.append(f"{name}={value!r}")
-        elif getattr(value, "__module__", None) == "__main__" and (inspect.isfunction(value) or inspect.isclass(value)):
+        if getattr(value, "__module__", None) == "__main__" and (inspect.isfunction(value) or inspect.isclass(value)):
             functions = [value] if inspect.isfunction(value) else [
                 getattr(member, "fget", None) or getattr(member, "__func__", member) for _, member in
                 sorted(vars(value).items()) if isinstance(member, (staticmethod, classmethod, property))
                 or inspect.isfunction(member)]
-            lines.append(f"{name}:" + ",".join(_function_text(f) for f in functions if inspect.isfunction(f)))
+            functions = [f for f in functions if inspect.isfunction(f)]
+            lines.append(f"{name}:" + ",".join(_function_text(f) for f in functions))
+            read.update(name for f in functions for name in _names_read(f.__code__))
+    lines += [f"{name}={value!r}" for name, value in sorted(vars(main).items()) if name in read
+              and (value is None or isinstance(value, (bool, int, float, str)))]
     return _sha("\n".join(lines))
+
+
+def _names_read(code) -> set[str]:
+    return set(code.co_names).union(*(_names_read(c) for c in code.co_consts if inspect.iscode(c)))
 
 
 def _function_text(function) -> str:
