@@ -678,3 +678,21 @@ def test_a_full_disk_leaves_no_part_of_an_entry_and_the_step_trains(tmp_path, mo
     step = _compiled(tmp_path)
     step(*data[0])
     assert step.report()["compile_cache"] == "loaded"
+
+
+def test_an_entry_copied_under_another_entrys_name_is_not_loaded(tmp_path):
+    """An entry's files (index, program, graphs) copied under another fingerprint's name (another rank's folder, a
+    warmed cache copied to another node) were loaded: rank 0's program ran on rank 1 of two, both ranks 'loaded',
+    and trained 4.05 away from eager. The index's parts must be the fingerprint's."""
+    data = batches("gpt", 2, 8)
+    _compiled(tmp_path)(*data[0])
+    [plain] = _entry_files(tmp_path, ".json")
+    _compiled(tmp_path, clip_grad_norm=1e-3)(*data[0])
+    [clipped] = [p for p in _entry_files(tmp_path, ".json") if p != plain]
+    for suffix in (".json", ".pkl", ".history.pkl"):
+        shutil.copyfile(clipped[:-len(".json")] + suffix, plain[:-len(".json")] + suffix)
+    step = _compiled(tmp_path)
+    with pytest.warns(CompileCacheWarning, match="the entry under this name was stored for another step: options"):
+        losses = [step(*batch) for batch in data]
+    assert all(torch.equal(a, b) for a, b in zip(losses, _eager_losses("gpt", 0, 2, data)))
+    assert step.report()["compile_cache"].startswith("miss (the entry under this name was stored for another step")

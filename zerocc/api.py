@@ -854,7 +854,7 @@ class CompiledStep:
             if payload is not None:
                 why = "another rank has no entry"
             cache.last_outcome = f"miss ({why})"
-            if why.startswith(("changed", "source changed")):
+            if why.startswith(("changed", "source changed", "the entry under this name")):
                 warnings.warn(f"zerocc compile cache: compiling, the stored program for {type(self.model).__name__} "
                               f"does not fit: {why}", CompileCacheWarning, stacklevel=user_stacklevel())
             return None

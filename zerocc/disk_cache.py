@@ -356,6 +356,9 @@ class DiskCache:
         index = self._read_json(self._path(fingerprint.digest, ".json"))
         if index is None:
             return None, self._why_missing(fingerprint)
+        if index.get("parts") != dict(fingerprint.parts):   # renamed or copied from another entry (another rank's)
+            changed = fingerprint.changed_since(index.get("parts", {}))
+            return None, "the entry under this name was stored for another step: " + ", ".join(changed)
         changed = [path for path, digest in index.get("sources", {}).items() if _file_digest(path) != digest]
         if changed:
             return None, "source changed: " + ", ".join(_short(p) for p in changed[:3]) + \
