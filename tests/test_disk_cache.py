@@ -8,6 +8,7 @@ all the second compile could find.
 from __future__ import annotations
 
 import copy
+import errno
 import importlib.util
 import os
 import re
@@ -292,7 +293,8 @@ def test_a_loaded_compile_still_writes_its_dumps(tmp_path):
     step(*data[0])
     assert step.report()["compile_cache"] == "loaded"
     written = sorted(os.listdir(tmp_path / "dumps"))
-    assert written == [f"{i:03d}_{name}.py" for i, name in enumerate(step.passes)], written   # capture first
+    # capture first; the memory plan too, as a compile writes it
+    assert written == [f"{i:03d}_{name}.py" for i, name in enumerate(step.passes)] + ["memory_plan.json"], written
 
 
 def test_the_cache_folder_is_checked_and_off_without_one(tmp_path, monkeypatch):
@@ -392,6 +394,88 @@ def test_a_hugging_face_model_loads_in_an_interpreter_with_another_hash_seed(tmp
         outcomes.append(done.stdout.strip().splitlines()[-1])
     assert outcomes[0].startswith("miss (no entry), then stored"), outcomes
     assert outcomes[1] == "loaded", outcomes
+
+
+_SCRIPT_WITH_ITS_OWN_NET = """
+import copy, sys, torch, torch.nn.functional as F, zerocc
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(6, 8), torch.nn.Linear(8, 2)
+    def forward(self, x):
+        return self.b(F.ACTIVATION(self.a(x)))
+torch.manual_seed(0)
+model = Net()
+reference = copy.deepcopy(model)
+x, y = torch.randn(4, 6), torch.randn(4, 2)
+step = zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), stage=3, loss_fn=F.mse_loss,
+                      cache_dir=sys.argv[1])
+optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+for _ in range(2):
+    expected = F.mse_loss(reference(x), y)
+    optimizer.zero_grad()
+    expected.backward()
+    optimizer.step()
+    assert torch.equal(step(x, y), expected.detach()), "trained otherwise than eager"
+print(step.report()["compile_cache"])
+"""
+
+
+@pytest.mark.slow   # four new interpreters
+def test_two_scripts_each_with_its_own_net_do_not_load_each_others_program(tmp_path):
+    """Two scripts sharing a cache folder, each defining its own ``Net`` (one gelu, one relu): both were
+    ``__main__.Net`` in the fingerprint and the entry's source check read only the first script's file, so the
+    second loaded the first's program and trained with gelu. From standard input (a notebook alike) no file was
+    checked at all: an edited forward loaded the program traced before the edit."""
+    environment = dict(os.environ, PYTHONPATH=os.pathsep.join([
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.environ.get("PYTHONPATH", "")]))
+
+    def run(activation, folder, from_file):
+        source = _SCRIPT_WITH_ITS_OWN_NET.replace("ACTIVATION", activation)
+        script = tmp_path / f"train_{activation}.py"
+        script.write_text(source)
+        done = subprocess.run([sys.executable, str(script) if from_file else "-", str(tmp_path / folder)],
+                              input=None if from_file else source, env=environment, capture_output=True, text=True,
+                              timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.stdout.strip().splitlines()[-1]
+
+    for from_file, folder in ((True, "scripts"), (False, "stdin")):
+        first, second = run("gelu", folder, from_file), run("relu", folder, from_file)
+        assert first.startswith("miss (no entry), then stored"), first
+        assert second.startswith("miss (changed since the entry for this program: code), then stored"), second
+
+
+_SCRIPT_WITH_ITS_OWN_ACTIVATION = """
+import copy, sys, torch, torch.nn.functional as F, zerocc
+from shared_net import Net
+def act(x):
+    return F.ACTIVATION(x)
+torch.manual_seed(0)
+model = Net(act)
+""" + _SCRIPT_WITH_ITS_OWN_NET.split("model = Net()")[1]
+
+
+@pytest.mark.slow   # two new interpreters
+def test_two_scripts_handing_their_own_function_to_one_model_class_do_not_load_each_others_program(tmp_path):
+    """The model's class in a shared module, each script's own ``act`` function an attribute of it: both were
+    ``__main__.act`` in the fingerprint, and the second script loaded the first's program."""
+    (tmp_path / "shared_net.py").write_text(
+        "import torch\n\n\nclass Net(torch.nn.Module):\n    def __init__(self, act):\n        super().__init__()\n"
+        "        self.a, self.b, self.act = torch.nn.Linear(6, 8), torch.nn.Linear(8, 2), act\n\n"
+        "    def forward(self, x):\n        return self.b(self.act(self.a(x)))\n")
+    environment = dict(os.environ, PYTHONPATH=os.pathsep.join([
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    outcomes = []
+    for activation in ("gelu", "relu"):
+        script = tmp_path / f"train_{activation}.py"
+        script.write_text(_SCRIPT_WITH_ITS_OWN_ACTIVATION.replace("ACTIVATION", activation))
+        done = subprocess.run([sys.executable, str(script), str(tmp_path / "cache")], env=environment,
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        outcomes.append(done.stdout.strip().splitlines()[-1])
+    assert outcomes[0].startswith("miss (no entry), then stored"), outcomes
+    assert outcomes[1].startswith("miss (changed since the entry for this program: model modules"), outcomes
 
 
 def test_every_program_of_a_step_is_stored_and_a_new_step_loads_each(tmp_path):
@@ -508,3 +592,107 @@ def test_a_stored_program_larger_than_what_the_device_offers_now_misses(tmp_path
     assert step.report()["compile_cache"].startswith(
         "miss (its peak does not fit what the device offers now (a smaller device)), then stored")
     assert step.report()["planned_peak_bytes"] <= small and step.remat_plan.budget_source == "a smaller device"
+
+
+def _entry_files(folder, suffix):
+    return sorted(os.path.join(root, f) for root, _, files in os.walk(folder) for f in files if f.endswith(suffix)
+                  and not f.startswith("."))
+
+
+def test_a_file_that_is_not_the_one_its_entry_was_written_with_is_never_loaded(tmp_path):
+    """An entry's index records its files' digests: a program file replaced by another entry's (copied over, or
+    rewritten by another process between this one's reads of the index and of the file) was loaded, and the
+    step ran the other batch shape's program (a RuntimeError inside the step, or wrong training)."""
+    full, half = batches("gpt", 1, 8)[0], batches("gpt", 1, 4, seed=2)[0]
+    _compiled(tmp_path)(*full)
+    [full_entry] = [p for p in _entry_files(tmp_path, ".pkl") if "history" not in p]
+    step = _compiled(tmp_path)
+    step(*half)
+    [half_entry] = [p for p in _entry_files(tmp_path, ".pkl") if "history" not in p and p != full_entry]
+    shutil.copyfile(half_entry, full_entry)   # a complete, readable program: of the other entry
+    step = _compiled(tmp_path)
+    with pytest.warns(CompileCacheWarning, match="could not read .*not what the entry's index was written with"):
+        loss = step(*full)
+    assert torch.equal(loss, _eager_losses("gpt", 0, 1, [full])[0])
+    assert step.report()["compile_cache"].startswith("miss (unreadable entry), then stored")
+
+
+def test_a_dump_dir_over_an_entry_whose_graphs_are_unreadable_compiles_instead_of_raising(tmp_path):
+    """A loaded program writes its graphs after each pass into dump_dir, read from the entry's history file: an
+    empty one raised CompileCacheError out of the step's first call."""
+    data = batches("gpt", 1, 8)
+    _compiled(tmp_path / "cache")(*data[0])
+    [history] = _entry_files(tmp_path, ".history.pkl")
+    open(history, "wb").close()
+    step = _compiled(tmp_path / "cache", dump_dir=str(tmp_path / "dumps"))
+    with pytest.warns(CompileCacheWarning, match="could not read .*history.pkl"):
+        loss = step(*data[0])
+    assert torch.equal(loss, _eager_losses("gpt", 0, 1, data)[0])
+    assert step.report()["compile_cache"].startswith("miss (unreadable entry), then stored")
+    assert len(os.listdir(tmp_path / "dumps")) == len(step.passes) + 1   # and memory_plan.json
+
+
+def test_an_index_of_another_format_is_no_entry(tmp_path):
+    """An index another version wrote (its parts not a mapping) crashed the explanation of a miss."""
+    data = batches("gpt", 1, 8)
+    _compiled(tmp_path)(*data[0])
+    [index] = _entry_files(tmp_path, ".json")
+    with open(index, "w") as file:
+        file.write('{"parts": ["format 3"], "sources": {}}')
+    step = _compiled(tmp_path, bucket_bytes=1 << 12)   # a miss, explained against the entries there
+    assert torch.equal(step(*data[0]), _eager_losses("gpt", 0, 1, data)[0])
+    assert step.report()["compile_cache"].startswith("miss (no entry), then stored")
+
+
+def test_a_miss_names_what_changed_since_the_nearest_entry(tmp_path):
+    """With entries of the same model under other options, a miss was explained against whichever entry's file
+    name sorted first: a changed model read as "model modules, options" where the options were the same."""
+    data = batches("gpt", 1, 8)
+    for bucket_bytes in (None, 1 << 12, 1 << 13, 1 << 14, 1 << 15, 1 << 16):
+        _compiled(tmp_path, **({} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}))(*data[0])
+    step = _compiled(tmp_path)
+    step.model.note = "changed"   # a plain attribute of a module: part of the fingerprint
+    with pytest.warns(CompileCacheWarning, match="changed since the entry for this program: model modules") as caught:
+        step(*data[0])
+    assert "options" not in str(caught[0].message), caught[0].message   # the default options' entry is there
+
+
+def test_a_full_disk_leaves_no_part_of_an_entry_and_the_step_trains(tmp_path, monkeypatch):
+    from zerocc import disk_cache
+    written = disk_cache._write_atomically
+
+    def disk_full_at_the_history(path, data):
+        if path.endswith(".history.pkl"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        written(path, data)
+
+    monkeypatch.setattr(disk_cache, "_write_atomically", disk_full_at_the_history)
+    data = batches("gpt", 1, 8)
+    step = _compiled(tmp_path)
+    with pytest.warns(CompileCacheWarning, match="could not write .*No space left on device"):
+        assert torch.equal(step(*data[0]), _eager_losses("gpt", 0, 1, data)[0])
+    assert step.report()["compile_cache"].startswith("miss (no entry), then not stored: [Errno 28]")
+    assert _entry_files(tmp_path, "") == []   # not the program file written before the history
+    monkeypatch.setattr(disk_cache, "_write_atomically", written)
+    _compiled(tmp_path)(*data[0])
+    step = _compiled(tmp_path)
+    step(*data[0])
+    assert step.report()["compile_cache"] == "loaded"
+
+
+def test_an_entry_copied_under_another_entrys_name_is_not_loaded(tmp_path):
+    """An entry's files (index, program, graphs) copied under another fingerprint's name (another rank's folder, a
+    warmed cache copied to another node) were loaded: rank 0's program ran on rank 1 of two, both ranks 'loaded',
+    and trained 4.05 away from eager. The index's parts must be the fingerprint's."""
+    data = batches("gpt", 2, 8)
+    _compiled(tmp_path)(*data[0])
+    [plain] = _entry_files(tmp_path, ".json")
+    _compiled(tmp_path, clip_grad_norm=1e-3)(*data[0])
+    [clipped] = [p for p in _entry_files(tmp_path, ".json") if p != plain]
+    for suffix in (".json", ".pkl", ".history.pkl"):
+        shutil.copyfile(clipped[:-len(".json")] + suffix, plain[:-len(".json")] + suffix)
+    step = _compiled(tmp_path)
+    with pytest.warns(CompileCacheWarning, match="the entry under this name was stored for another step: options"):
+        losses = [step(*batch) for batch in data]
+    assert all(torch.equal(a, b) for a, b in zip(losses, _eager_losses("gpt", 0, 2, data)))
+    assert step.report()["compile_cache"].startswith("miss (the entry under this name was stored for another step")

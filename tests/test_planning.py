@@ -256,6 +256,19 @@ def test_a_meta_model_plans_on_a_batch_built_on_the_cpu():
     assert all(t.device.type == "cpu" for t in batch)   # the caller's batch stays where it was
 
 
+def test_a_cpu_model_planned_on_a_meta_batch_is_refused_saying_where_each_is():
+    """The reverse of the above: a CPU model with a meta batch failed inside the model's forward, "tracing the step
+    failed at (no user frame found): FakeTensorDeviceMismatchError"."""
+    model, _, loss_fn = build("gpt")
+    batch = [t.to("meta") for t in batches("gpt", 1, 4)[0]]
+    with pytest.raises(zerocc.ConfigError, match=r"example inputs are on the meta device but the model's parameters "
+                                                 r"are on cpu: give the batch on cpu .* torch.device\('meta'\)"):
+        zerocc.plan(model, torch.optim.AdamW(model.parameters(), lr=1e-2), loss_fn=loss_fn, example_inputs=batch)
+    with pytest.raises(zerocc.ConfigError, match="example inputs are on the meta device"):
+        zerocc.plan(model, torch.optim.AdamW(model.parameters(), lr=1e-2), loss_fn=loss_fn,
+                    example_keyword_inputs={"tokens": batch[0], "targets": batch[1]})
+
+
 def test_a_meta_plan_of_scaled_dot_product_attention_keeps_what_the_cpu_kernel_keeps():
     """On the meta device PyTorch picks the math attention, which keeps the seq x seq weights for backward; the CPU
     (like the GPU's fused kernels) keeps a logsumexp per row. The meta plan traces the CPU's choice: the same live

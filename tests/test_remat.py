@@ -203,6 +203,21 @@ def test_every_rank_prices_and_plans_the_same(monkeypatch):
     assert costs_0 == costs_1 and plans_0 == plans_1
 
 
+def test_an_unreachable_budget_names_the_smallest_peak_reached_whatever_the_budget():
+    """Where the bound on what a plan saves let the last plan of a family fit, and measured it did not (the peak is
+    not monotone in the plans), the plans between were skipped unmeasured: at half the default peak the refusal
+    named the peak with nothing recomputed as the smallest the planner reaches, 29% above the one it names at
+    other budgets, and 'raise memory_budget to at least' that."""
+    default = _plan_gpt_two_ranks(None).memory_plan.live_peak_bytes
+    named = set()
+    for fraction in (0.001, 0.5, 0.7):
+        with pytest.raises(MemoryBudgetError) as caught:
+            _plan_gpt_two_ranks(int(default * fraction))
+        named.add(caught.value.smallest_peak_bytes)
+    [smallest] = named
+    assert smallest < default and _plan_gpt_two_ranks(smallest).remat_plan.peak_bytes <= smallest
+
+
 def test_a_budget_below_the_floor_of_the_users_buckets_tries_smaller_ones(monkeypatch):
     # the test GPT's parameters fit in a few 16 KiB buckets: let the planner halve them down to 4 KiB
     monkeypatch.setattr(driver, "MIN_BUDGET_BUCKET_BYTES", 4 * 1024)

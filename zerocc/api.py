@@ -38,7 +38,7 @@ from .optimizer_step import hyperparameter_signature, live_layout, live_settings
 from .options import (DEFAULT_BUCKET_BYTES, DEFAULT_MAX_PROGRAMS, CompileOptions, check_model_and_optimizer,
                       check_not_meta, check_stage, check_timeout)
 from .passes.clip_gradients import GRAD_NORM_SLOT
-from .pipeline import DEFAULT_PREFETCH_BYTES, GraphSnapshot, dump_dir_of, write_dumps
+from .pipeline import DEFAULT_PREFETCH_BYTES, GraphSnapshot, dump_dir_of, write_dumps, write_memory_plan
 from .planning import communication, model_state_bytes
 from .precision import DynamicLossScale
 from .progress import CompileProgress
@@ -826,6 +826,7 @@ class CompiledStep:
         returns it, or None; every rank loads, or none does."""
         cache, state = self.disk_cache, self.state
         stats = CompileStats("loaded")
+        dump_dir = dump_dir_of(self.options.dump_dir, self.ranks.rank, self.ranks.world_size)
         with stats.timed(compile_stats.CACHE_FIND):
             index, why = cache.find(fingerprint)
             fresh = None
@@ -833,9 +834,9 @@ class CompiledStep:
                 fresh = self._initial_optimizer_state()
         payload = None
         if index is not None:
-            with stats.timed(compile_stats.CACHE_LOAD):
-                payload = cache.load(fingerprint.digest, disk_cache.user_objects(self.model, self.optimizer),
-                                     make_fake_mode())
+            with stats.timed(compile_stats.CACHE_LOAD):   # a dump_dir writes its history: read (and checked) now
+                payload = cache.load(fingerprint.digest, index, disk_cache.user_objects(self.model, self.optimizer),
+                                     make_fake_mode(), history_now=bool(dump_dir))
             if payload is not None and payload["reads_initial_state"] != (fresh is not None):
                 payload, why = None, "the optimizer's initial state is made otherwise"
             elif payload is not None and not all_hold(payload["captured"].guards, batch):
@@ -853,15 +854,15 @@ class CompiledStep:
             if payload is not None:
                 why = "another rank has no entry"
             cache.last_outcome = f"miss ({why})"
-            if why.startswith(("changed", "source changed")):
+            if why.startswith(("changed", "source changed", "the entry under this name")):
                 warnings.warn(f"zerocc compile cache: compiling, the stored program for {type(self.model).__name__} "
                               f"does not fit: {why}", CompileCacheWarning, stacklevel=user_stacklevel())
             return None
         cache.last_outcome = "loaded"
         compiled = Compiled(payload["gm"], payload["ctx"], payload["history"], stats)
-        dump_dir = dump_dir_of(self.options.dump_dir, self.ranks.rank, self.ranks.world_size)
         if dump_dir:   # a compile writes them as its passes run
             write_dumps(dump_dir, compiled.history)
+            write_memory_plan(dump_dir, compiled.ctx)
         return _Made(payload["captured"], compiled, fresh if payload["reads_initial_state"] else None,
                      payload["state_signature"], index.get("measured_peak_bytes"), fingerprint.digest)
 

@@ -11,8 +11,8 @@ The fingerprint is what decides a program without tracing it:
 
 - zerocc's own source, torch's and Python's versions, torch's default dtype
   and deterministic-algorithms setting, the ``$ZEROCC_*`` settings;
-- the model's modules (class, plain attributes such as ``in_features`` or
-  ``p``, hooks) and its parameters and buffers (names, shapes, dtypes,
+- the model's modules (class, the file it is defined in, plain attributes
+  such as ``in_features`` or ``p``, hooks) and its parameters and buffers (names, shapes, dtypes,
   devices, ``requires_grad``, which are tied);
 - the optimizer (class, which parameters each group holds, every group
   setting traced into the program);
@@ -36,6 +36,7 @@ pass the ranks' agreement check before their first collective.
 from __future__ import annotations
 
 import collections.abc
+import contextlib
 import dataclasses
 import enum
 import functools
@@ -59,7 +60,7 @@ from . import graph_pickle
 from .errors import CompileCacheError, CompileCacheWarning, ConfigError, user_stacklevel
 
 CACHE_DIR_VARIABLE = "ZEROCC_CACHE_DIR"
-FORMAT = 1   # bumped when what an entry holds changes shape
+FORMAT = 2   # bumped when what an entry holds changes shape
 
 # the parts that say which of a step's programs an entry is (one per batch shape, ...): a miss is explained
 # against an entry for the same program only
@@ -145,13 +146,24 @@ def _stable(value: Any, depth: int = 0) -> str:
     if isinstance(value, functools.partial):
         return f"partial({_stable(value.func, depth + 1)},{_stable(value.args, depth + 1)})"
     if callable(value) or isinstance(value, type):
-        return f"{getattr(value, '__module__', '?')}.{getattr(value, '__qualname__', type(value).__qualname__)}"
+        return _code_name(value)
     if isinstance(value, enum.Enum):
         return repr(value)
     if hasattr(value, "__dict__"):   # a config object, its private attributes too (Hugging Face's
         # _attn_implementation_internal picks the attention's code path)
         return type(value).__qualname__ + _stable(vars(value), depth + 1)
     return type(value).__qualname__
+
+
+def _code_name(thing) -> str:
+    """A function's or class's name and the file it is defined in: two projects' ``utils.act`` (or two scripts'
+    ``__main__.act``) are not one function, and the entry's source check reads the storing run's files only. A
+    function no file holds (a lambda typed at a prompt or in a notebook) is its code."""
+    name = f"{getattr(thing, '__module__', '?')}.{getattr(thing, '__qualname__', type(thing).__qualname__)}"
+    path = _source_path(thing)
+    if inspect.isfunction(thing) and not os.path.isfile(path):
+        name += ":" + _sha(_function_text(thing))[:16]
+    return f"{name}@{path}"
 
 
 def _module_attributes(module: nn.Module) -> str:
@@ -202,6 +214,7 @@ def fingerprint(step, key, released_shapes: dict[str, tuple[int, ...]], previous
         ("model modules", _sha(modules)[:24]),
         ("model tensors", _sha(tensors)[:24]),
         ("optimizer", f"{type(optimizer).__module__}.{type(optimizer).__qualname__} " + _sha(groups)[:16]),
+        ("code", _code_identity(step)),
         ("options", _sha(option_text)[:24]),
         ("passes", _sha(passes)[:24]),
         ("ranks", f"rank {step.ranks.rank} of {step.ranks.world_size}"),
@@ -216,6 +229,70 @@ def fingerprint(step, key, released_shapes: dict[str, tuple[int, ...]], previous
         ("earlier buckets", _sha(_stable(previous_plan))[:24]),
     )
     return Fingerprint(parts)
+
+
+def _code_identity(step) -> str:
+    """Where the code of the model's module classes, the optimizer's class and the loss function lives, and, when
+    the script is no file (``python -c``, standard input, a notebook), that code itself.
+
+    Classes are named by module and name, and the entry's source check reads the files of the run that stored it:
+    two scripts sharing a folder, each with its own ``__main__.Net`` (one ``F.gelu``, one ``F.relu``), had one
+    fingerprint, and the second loaded the first's program, its files unchanged. Code no file holds was in no
+    source check at all: an edited ``forward`` in a notebook loaded the program traced before the edit.
+    """
+    things = {type(m) for m in step.model.modules()} | {type(step.optimizer)}
+    if step.options.loss_fn is not None:
+        things.add(step.options.loss_fn)
+    text = "\n".join(sorted(_code_name(thing) for thing in things))
+    main = sys.modules.get("__main__")
+    if main is not None and not os.path.isfile(getattr(main, "__file__", None) or ""):
+        text += "\n" + _interactive_code(main)
+    return _sha(text)[:24]
+
+
+def _source_path(thing) -> str:
+    try:
+        return os.path.abspath(inspect.getsourcefile(thing) or "?")
+    except (TypeError, OSError):
+        return "?"
+
+
+def _interactive_code(main) -> str:
+    """The code of the functions and classes defined in ``__main__`` (bytecode, names, constants, defaults) and the
+    plain values of its globals that code reads (``SCALE`` in ``x * SCALE``; not a notebook's ``lr`` or history
+    variables), in a text the same in every process of one Python version."""
+    lines, read = [], set()
+    for name, value in sorted(vars(main).items()):
+        if getattr(value, "__module__", None) == "__main__" and (inspect.isfunction(value) or inspect.isclass(value)):
+            functions = [value] if inspect.isfunction(value) else [
+                getattr(member, "fget", None) or getattr(member, "__func__", member) for _, member in
+                sorted(vars(value).items()) if isinstance(member, (staticmethod, classmethod, property))
+                or inspect.isfunction(member)]
+            functions = [f for f in functions if inspect.isfunction(f)]
+            lines.append(f"{name}:" + ",".join(_function_text(f) for f in functions))
+            read.update(name for f in functions for name in _names_read(f.__code__))
+    lines += [f"{name}={value!r}" for name, value in sorted(vars(main).items()) if name in read
+              and (value is None or isinstance(value, (bool, int, float, str)))]
+    return _sha("\n".join(lines))
+
+
+def _names_read(code) -> set[str]:
+    return set(code.co_names).union(*(_names_read(c) for c in code.co_consts if inspect.iscode(c)))
+
+
+def _function_text(function) -> str:
+    return _code_text(function.__code__) + _stable(function.__defaults__) + _stable(function.__kwdefaults__)
+
+
+def _code_text(code) -> str:
+    def constant(value) -> str:
+        if inspect.iscode(value):
+            return _code_text(value)
+        if isinstance(value, (tuple, frozenset)):   # a frozenset's order follows the process's string hashes
+            texts = [constant(v) for v in value]
+            return "(" + ",".join(sorted(texts) if isinstance(value, frozenset) else texts) + ")"
+        return repr(value)
+    return f"{code.co_code.hex()}{code.co_names}{','.join(constant(c) for c in code.co_consts)}"
 
 
 def source_files(captured, step) -> dict[str, str]:
@@ -279,6 +356,9 @@ class DiskCache:
         index = self._read_json(self._path(fingerprint.digest, ".json"))
         if index is None:
             return None, self._why_missing(fingerprint)
+        if index.get("parts") != dict(fingerprint.parts):   # renamed or copied from another entry (another rank's)
+            changed = fingerprint.changed_since(index.get("parts", {}))
+            return None, "the entry under this name was stored for another step: " + ", ".join(changed)
         changed = [path for path, digest in index.get("sources", {}).items() if _file_digest(path) != digest]
         if changed:
             return None, "source changed: " + ", ".join(_short(p) for p in changed[:3]) + \
@@ -293,13 +373,17 @@ class DiskCache:
             names = sorted(os.listdir(self.folder))
         except OSError:
             return "no entry"
+        changes = []   # per entry for the same program: what changed since it
         for name in names:
             if not name.endswith(".json") or name.startswith("."):
                 continue
             parts = (self._read_json(os.path.join(self.folder, name)) or {}).get("parts", {})
             if all(parts.get(part) == now.get(part) for part in PROGRAM_PARTS):
-                return "changed since the entry for this program: " + ", ".join(fingerprint.changed_since(parts))
-        return "no entry"
+                changes.append(fingerprint.changed_since(parts))
+        if not changes:
+            return "no entry"
+        # the nearest entry: against any other (the same model under other options) more would seem to have changed
+        return "changed since the entry for this program: " + ", ".join(min(changes, key=len))
 
     @staticmethod
     def _read_json(path: str) -> dict | None:
@@ -308,20 +392,28 @@ class DiskCache:
                 index = json.load(file)
         except (OSError, ValueError):
             return None
-        return index if isinstance(index, dict) and isinstance(index.get("sources", {}), dict) else None
+        # another format's index (a newer zerocc's, edited by hand) is no entry
+        return index if isinstance(index, dict) and all(
+            isinstance(index.get(part, {}), dict) for part in ("parts", "sources", "digests")) else None
 
-    def load(self, digest: str, objects: dict[str, Any], fake_mode) -> dict | None:
-        """The stored compile, or None (with a warning) if the file cannot be read. Its ``history`` (the
-        graph after every pass) is read when first used: most runs never print one."""
+    def load(self, digest: str, index: dict, objects: dict[str, Any], fake_mode, history_now: bool = False
+             ) -> dict | None:
+        """The stored compile, or None (with a warning) if the file cannot be read or is not the one ``index``
+        names (its content's digest: a file truncated, changed, or of another write). Its ``history`` (the graph
+        after every pass) is read when first used, as most runs never print one, or now (``history_now``: a
+        ``dump_dir`` writes it)."""
         path = self._path(digest, ".pkl")
         try:
-            with open(path, "rb") as file:
-                payload = graph_pickle.loads(file.read(), objects, fake_mode)
+            payload = graph_pickle.loads(_read_verified(path, index, "program"), objects, fake_mode)
+            payload["history"] = StoredHistory(self._path(digest, ".history.pkl"), index, objects, fake_mode)
+            if history_now:
+                path = payload["history"].path
+                payload["history"] = list(graph_pickle.loads(_read_verified(path, index, "history"), objects,
+                                                             fake_mode))
         except Exception as error:   # a truncated or foreign file: compile, and write it again
             warnings.warn(f"zerocc compile cache: could not read {path} ({type(error).__name__}: {error}); "
                           "compiling instead, and replacing it", CompileCacheWarning, stacklevel=user_stacklevel())
             return None
-        payload["history"] = StoredHistory(self._path(digest, ".history.pkl"), objects, fake_mode)
         return payload
 
     def store(self, fingerprint: Fingerprint, sources: dict[str, str], payload: dict, names: dict) -> str:
@@ -333,13 +425,21 @@ class DiskCache:
             history_data = graph_pickle.dumps(list(history), names)
         except graph_pickle.NotPicklable as error:
             return f"not stored: {error}"
-        index = {"parts": dict(fingerprint.parts), "sources": sources, "created": time.strftime("%Y-%m-%d %H:%M:%S")}
+        # the files' digests: a load reads only the files this index was written with (not one half written on a
+        # file system without atomic renames, changed since, or replaced by another process's write in between)
+        index = {"parts": dict(fingerprint.parts), "sources": sources, "created": time.strftime("%Y-%m-%d %H:%M:%S"),
+                 "digests": {"program": _sha(data), "history": _sha(history_data)}}
+        files = [self._path(fingerprint.digest, suffix) for suffix in (".pkl", ".history.pkl")]
         try:
             os.makedirs(self.folder, exist_ok=True)
-            _write_atomically(self._path(fingerprint.digest, ".pkl"), data)
-            _write_atomically(self._path(fingerprint.digest, ".history.pkl"), history_data)
+            _write_atomically(files[0], data)
+            _write_atomically(files[1], history_data)
             self._write_index(fingerprint.digest, index)   # last: it marks the entry complete
         except OSError as error:
+            if not os.path.exists(self._path(fingerprint.digest, ".json")):   # no entry: no files of one left
+                for path in files:
+                    with contextlib.suppress(OSError):
+                        os.unlink(path)
             warnings.warn(f"zerocc compile cache: could not write to {self.folder} ({error}); the step runs "
                           "without storing its program", CompileCacheWarning, stacklevel=user_stacklevel())
             return f"not stored: {error}"
@@ -364,18 +464,18 @@ class DiskCache:
 class StoredHistory(collections.abc.Sequence):
     """An entry's graph after every pass, read from its file at the first use."""
 
-    def __init__(self, path: str, objects: dict[str, Any], fake_mode):
-        self._path, self._objects, self._fake_mode = path, objects, fake_mode
+    def __init__(self, path: str, index: dict, objects: dict[str, Any], fake_mode):
+        self.path, self._index, self._objects, self._fake_mode = path, index, objects, fake_mode
         self._snapshots: list | None = None
 
     def _read(self) -> list:
         if self._snapshots is None:
             try:
-                with open(self._path, "rb") as file:
-                    self._snapshots = graph_pickle.loads(file.read(), self._objects, self._fake_mode)
+                self._snapshots = graph_pickle.loads(_read_verified(self.path, self._index, "history"), self._objects,
+                                                     self._fake_mode)
             except Exception as error:
                 raise CompileCacheError(
-                    f"the graphs after each pass of this loaded program could not be read from {self._path} "
+                    f"the graphs after each pass of this loaded program could not be read from {self.path} "
                     f"({type(error).__name__}: {error}); the program itself runs. Remove the file's folder to "
                     "compile (and store) again") from error
             self._objects = self._fake_mode = None
@@ -386,6 +486,16 @@ class StoredHistory(collections.abc.Sequence):
 
     def __len__(self) -> int:
         return len(self._read())
+
+
+def _read_verified(path: str, index: dict, name: str) -> bytes:
+    """The content of an entry's file, if it is what ``index`` was written with (``digests[name]``)."""
+    with open(path, "rb") as file:
+        data = file.read()
+    if _sha(data) != index.get("digests", {}).get(name):
+        raise ValueError(f"its content is not what the entry's index was written with ({len(data):,} bytes: "
+                         "truncated, changed or written by another process since)")
+    return data
 
 
 def _write_atomically(path: str, data: bytes) -> None:

@@ -402,11 +402,16 @@ def run_pipeline(gm: fx.GraphModule, ctx: CompileContext, passes: list[Pass], *,
             break
     ctx.rest_of_pipeline = None
     if dump_dir:
-        memory_plan = getattr(ctx, "memory_plan", None)
-        if memory_plan is not None and hasattr(memory_plan, "to_dict"):
-            with open(os.path.join(dump_dir, "memory_plan.json"), "w") as file:
-                json.dump(memory_plan.to_dict(), file, indent=1, default=str)
+        write_memory_plan(dump_dir, ctx)
     return gm, history
+
+
+def write_memory_plan(folder: str, ctx) -> None:
+    """``memory_plan.json`` in a ``dump_dir``: the memory plan a pass made, if one did."""
+    memory_plan = getattr(ctx, "memory_plan", None)
+    if memory_plan is not None and hasattr(memory_plan, "to_dict"):
+        with open(os.path.join(folder, "memory_plan.json"), "w") as file:
+            json.dump(memory_plan.to_dict(), file, indent=1, default=str)
 
 
 def deferring_codegen(gm: fx.GraphModule) -> fx.GraphModule:

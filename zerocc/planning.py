@@ -117,6 +117,18 @@ def check_runtime_only(keywords: dict) -> None:
         raise TypeError(f"zerocc.plan() got unexpected keyword argument(s) {', '.join(map(repr, unknown))}")
 
 
+def check_no_meta_inputs(model: nn.Module, example_inputs, example_keyword_inputs) -> None:
+    """Meta example inputs for a model that is not on the meta device: the trace would fail deep inside the model
+    on a device mismatch, and the values a model reads from its batch (a mask, token ids) are not there to read."""
+    flat, _ = pytree.tree_flatten((tuple(example_inputs), example_keyword_inputs or {}))
+    if any(isinstance(t, torch.Tensor) and t.is_meta for t in flat):
+        device = next(model.parameters()).device
+        raise ConfigError(
+            f"zerocc.plan: the example inputs are on the meta device but the model's parameters are on {device}: "
+            f"give the batch on {device} (its values are read where the model branches on them), or build the "
+            "model under torch.device('meta') too (its example inputs are then taken to the meta device)")
+
+
 class Planner:
     """Captures a model's step once (per stage kind) and plans it for many stages and world sizes."""
 
@@ -145,6 +157,8 @@ class Planner:
         if any(param.is_meta for param in model.parameters()):   # a batch built on the CPU would meet meta weights
             example_inputs, example_keyword_inputs = pytree.tree_map_only(
                 torch.Tensor, lambda t: t.to("meta"), (tuple(example_inputs), example_keyword_inputs))
+        else:
+            check_no_meta_inputs(model, example_inputs, example_keyword_inputs)
         self.layout = BatchLayout.of(tuple(example_inputs), example_keyword_inputs or {})
         self.example_inputs = tuple(self.layout.flatten(tuple(example_inputs), example_keyword_inputs or {}))
         self.param_dtype = accounting_dtype   # the paper's accounting (None: count the graph as compiled)

@@ -230,6 +230,14 @@ def place_remat(gm: fx.GraphModule, ctx: CompileContext, *, memory_budget: int |
                                    peak_of(plans[i]).bytes <= memory_budget, settled(plans, DEFAULT, before))
             if first is not None:
                 consider(plans[first], DEFAULT)
+    if not fitting and before.bytes > memory_budget:
+        # refusing: the smallest peak it names is measured over family 4's samples, as a search that finds none
+        # fitting measures them. could_fit skips a sample unmeasured where the family's last plan could fit by the
+        # bound, but that plan, measured, need not (the peak is not monotone in the plans): the refusal then named
+        # the peak with nothing recomputed as the smallest the planner reaches
+        plans = plans or analysis.plans()
+        for i in _spread(len(plans) - 1) if plans else ():
+            consider(plans[i], DEFAULT)
     if not fitting:
         smallest = min([key for key in peaks if key[1] == DEFAULT], key=lambda key: peaks[key].bytes)
         _refuse(memory_budget, before, peak_of(*smallest, laid_out=True), len(analysis.candidates))
