@@ -902,7 +902,7 @@ class CompiledStep:
         """Every rank starts from rank 0's parameters and buffers, as DDP does."""
         with torch.no_grad():
             for tensor in [*self.model.parameters(), *self.model.buffers()]:
-                dist.broadcast(tensor.data, src=0, group=self.ranks.group)
+                dist.broadcast(tensor.data, group_src=0, group=self.ranks.group)   # the group's first rank
 
     def _fake_state(self, fake_mode) -> list[dict[str, torch.Tensor]]:
         states = []

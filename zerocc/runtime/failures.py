@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 import torch.fx as fx
 
 from .. import graph as g
-from ..errors import ZeroccError
+from ..errors import ConfigError, ZeroccError
 from ..batch import PYTHON_VALUE
 from ..decisions import ShardPlan
 from .process_group import Ranks
@@ -46,9 +46,13 @@ def with_timeout(ranks: Ranks, timeout: float | None) -> Ranks:
     if timeout <= 0:
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     members = [dist.get_global_rank(ranks.group, r) for r in range(ranks.world_size)]
+    # Over a subgroup (group=dist.new_group([0, 1]) of 4 ranks, a DeviceMesh dimension) only its members make the
+    # new group: new_group is otherwise a collective of every rank of the default group, which the other ranks
+    # (compiling their own step over their own subgroup, or not compiling at all) never join in the same order
+    local = ranks.world_size < dist.get_world_size()
     try:   # every rank makes the group: a rank that never reaches zerocc.compile leaves the others waiting here
         group = dist.new_group(members, timeout=datetime.timedelta(seconds=timeout),
-                               backend=dist.get_backend(ranks.group))
+                               backend=dist.get_backend(ranks.group), use_local_synchronization=local)
     except (RuntimeError, dist.DistError) as error:   # a TCP store's DistStoreError, a file store's RuntimeError
         if not is_collective_failure(error):
             raise
@@ -208,8 +212,10 @@ def check_ranks_agree(ranks: Ranks, gm: fx.GraphModule, plan: ShardPlan | None) 
 
 
 def _control_device(ranks: Ranks):
-    """Where the ranks' own small all-reduces run: the CPU on gloo, this rank's GPU on NCCL."""
-    return "cpu" if dist.get_backend(ranks.group) == "gloo" else torch.device("cuda", torch.cuda.current_device())
+    """Where the ranks' own small all-reduces run: the CPU where the group has a backend for it (gloo, also when
+    named as ``"cpu:gloo"`` or ``"cpu:gloo,cuda:nccl"``), else this rank's GPU (NCCL alone)."""
+    devices = {entry.split(":")[0] for entry in dist.get_backend_config(ranks.group).split(",")}
+    return "cpu" if "cpu" in devices else torch.device("cuda", torch.cuda.current_device())
 
 
 def every_rank_has(ranks: Ranks, found: bool) -> bool:
@@ -263,6 +269,7 @@ def check_calls_agree(ranks: Ranks, call: str, lines: Sequence[str] = (), missed
     """
     if ranks.group is None:
         return missed
+    check_group_alive(ranks, call)
     code = CALLS.index(call) + 1
     digest = int.from_bytes(hashlib.sha256("\n".join(lines).encode()).digest()[:7], "big")   # fits an int64
     extremes = torch.tensor([code, -code, digest, -digest, int(missed), int(failed is not None)], dtype=torch.int64,
@@ -310,6 +317,19 @@ def check_calls_agree(ranks: Ranks, call: str, lines: Sequence[str] = (), missed
         "  fix: give every rank a batch of the same shapes at every call (the same batch size per rank: "
         "drop_last=True or pad a short last batch; the same sequence length: pad to a fixed length)."
     )
+
+
+def check_group_alive(ranks: Ranks, call: str) -> None:
+    """A ``ConfigError`` where the step's process group was destroyed (``dist.destroy_process_group()`` before
+    ``step.close()``): torch's collectives over a destroyed group fail with "Invariant encountered: value was None"."""
+    try:
+        dist.get_process_group_ranks(ranks.group)
+    except (KeyError, ValueError, RuntimeError):   # torch 2.13 raises KeyError for a group no longer registered
+        raise ConfigError(
+            f"{call} after dist.destroy_process_group(): the step's process group is gone, and {call} runs "
+            "collectives over it (every rank's shards are needed)\n  fix: call dist.destroy_process_group() last, "
+            "after step.close() (which hands the model and optimizer back whole) or after saving with "
+            "zerocc.save_checkpoint") from None
 
 
 def _only_python_values_differ(lines: Sequence[str], other: Sequence[str]) -> bool:

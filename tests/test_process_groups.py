@@ -1,0 +1,103 @@
+"""The process groups users hand zerocc.compile: subgroups, DeviceMesh dimensions, backend strings, destroyed groups.
+
+Data parallelism over a subgroup (``group=dist.new_group([0, 1])`` of 4 ranks,
+or one dimension of a 2-D ``DeviceMesh``) trains each replica as one process
+trains its replica's global batch; ``docs/launch.md`` says what is supported.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import zerocc
+from tests import distributed
+from tests.models import batches, build, eager_step
+from tests.reference import adamw
+
+STEPS = 3
+ROWS = 4   # per rank
+
+
+def _replica_group(rank, kind):
+    """This rank's data-parallel group and its replica's number: 2 replicas of 2 ranks each."""
+    if kind == "new_group":   # replicas {0, 1} and {2, 3}; every rank makes both groups, in the same order
+        groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        return groups[rank // 2], rank // 2
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "x"))   # the "dp" groups are {0, 2} and {1, 3}
+    return mesh.get_group("dp"), rank % 2
+
+
+def _train_replica(rank, world_size, kind, stage, timeout):
+    group, replica = _replica_group(rank, kind)
+    model, _, loss_fn = build("mlp", seed=rank)   # differs per rank: the step starts from its group's first rank's
+    step = zerocc.compile(model, adamw(model), stage=stage, loss_fn=loss_fn, group=group, timeout=timeout)
+    me = dist.get_rank(group)
+    for batch in batches("mlp", STEPS, 2 * ROWS, seed=10 + replica):
+        step(*(t[me * ROWS:(me + 1) * ROWS] for t in batch))
+    return replica, dist.get_global_rank(group, 0), step.full_state_dict()
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("kind,stage,timeout", [("new_group", 3, 60), ("mesh", 1, None)])
+def test_data_parallel_over_a_subgroup_trains_each_replica_like_one_process(kind, stage, timeout):
+    """Every rank failed in zerocc.compile: the initial broadcast named global rank 0 (``src=0``), not in the
+    second replica's group, and with ``timeout=`` each replica's ranks made the timeout group with
+    ``dist.new_group(members)``, a collective of every rank of the default group (each replica's differs)."""
+    results = distributed.run(_train_replica, 4, kind, stage, timeout, timeout=120)
+    for replica, first, state in results:
+        model, _, loss_fn = build("mlp", seed=first)
+        optimizer = adamw(model)
+        for batch in batches("mlp", STEPS, 2 * ROWS, seed=10 + replica):
+            eager_step(model, optimizer, loss_fn, batch)
+        for name, value in model.state_dict().items():
+            torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6, msg=f"replica {replica}: {name}")
+
+
+def _backend_string(rank, world_size):
+    group = dist.new_group(backend="cpu:gloo")   # the device-to-backend form init_process_group takes too
+    model, _, loss_fn = build("mlp")
+    step = zerocc.compile(model, adamw(model), stage=2, loss_fn=loss_fn, group=group, timeout=60)
+    for batch in batches("mlp", STEPS, 2 * ROWS):
+        step(*(t[rank * ROWS:(rank + 1) * ROWS] for t in batch))
+    return step.full_state_dict()
+
+
+@pytest.mark.multirank
+def test_a_group_with_a_backend_string_trains_like_one_process():
+    """``dist.init_process_group("cpu:gloo")``: zerocc's control all-reduces ran on CUDA ("Torch not compiled with
+    CUDA enabled"), as anything but a backend named exactly "gloo" was taken for NCCL."""
+    states = distributed.run(_backend_string, 2)
+    model, _, loss_fn = build("mlp")
+    optimizer = adamw(model)
+    for batch in batches("mlp", STEPS, 2 * ROWS):
+        eager_step(model, optimizer, loss_fn, batch)
+    for state in states:
+        for name, value in model.state_dict().items():
+            torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _destroyed_before_close(rank, world_size):
+    group = dist.new_group([0, 1])
+    model, _, loss_fn = build("mlp")
+    step = zerocc.compile(model, adamw(model), stage=3, loss_fn=loss_fn, group=group)
+    batch = batches("mlp", 1, ROWS, seed=rank)[0]
+    step(*batch)
+    dist.destroy_process_group(group)
+    errors = []
+    for call in (step.close, lambda: step(*batch)):
+        try:
+            call()
+        except zerocc.ConfigError as error:
+            errors.append(str(error))
+    return errors
+
+
+@pytest.mark.multirank
+def test_a_step_whose_group_was_destroyed_says_so():
+    """step.close() after dist.destroy_process_group() raised TypeError: Invariant encountered: value was None."""
+    for errors in distributed.run(_destroyed_before_close, 2):
+        assert [e.split(":")[0] for e in errors] == ["step.close after dist.destroy_process_group()",
+                                                      "the training step after dist.destroy_process_group()"], errors
+        assert all("fix: call dist.destroy_process_group() last, after step.close()" in e for e in errors), errors
