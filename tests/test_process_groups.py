@@ -101,3 +101,36 @@ def test_a_step_whose_group_was_destroyed_says_so():
         assert [e.split(":")[0] for e in errors] == ["step.close after dist.destroy_process_group()",
                                                       "the training step after dist.destroy_process_group()"], errors
         assert all("fix: call dist.destroy_process_group() last, after step.close()" in e for e in errors), errors
+
+
+def _two_steps_over_two_groups(rank, world_size):
+    groups = {"a": ([0, 1], dist.new_group([0, 1])), "b": ([1, 2], dist.new_group([1, 2]))}
+    steps = {}
+    for name, (members, group) in groups.items():   # rank 1 holds both steps, ranks 0 and 2 one each
+        if rank in members:
+            model, _, loss_fn = build("mlp")
+            steps[name] = zerocc.compile(model, adamw(model), stage=3, loss_fn=loss_fn, group=group, timeout=60)
+    for i in range(STEPS):
+        for name, step in steps.items():
+            me = dist.get_rank(groups[name][1])
+            batch = batches("mlp", STEPS, 2 * ROWS, seed=ord(name))[i]
+            step(*(t[me * ROWS:(me + 1) * ROWS] for t in batch))
+    return {name: step.full_state_dict() for name, step in steps.items()}
+
+
+@pytest.mark.multirank
+def test_two_steps_over_two_subgroups_in_one_process_with_a_timeout():
+    """Rank 1 (in both groups) and rank 2 named the second step's timeout group differently (torch hashes the
+    number of groups a process holds into a locally made group's name): both waited for the other, and failed
+    with "the other ranks did not reach zerocc.compile" after the timeout."""
+    results = distributed.run(_two_steps_over_two_groups, 3, timeout=120)
+    assert [sorted(r) for r in results] == [["a"], ["a", "b"], ["b"]]
+    for name in "ab":
+        model, _, loss_fn = build("mlp")
+        optimizer = adamw(model)
+        for batch in batches("mlp", STEPS, 2 * ROWS, seed=ord(name)):
+            eager_step(model, optimizer, loss_fn, batch)
+        for states in results:
+            for key, value in model.state_dict().items():
+                if name in states:
+                    torch.testing.assert_close(states[name][key], value, rtol=1e-5, atol=1e-6, msg=f"{name}: {key}")

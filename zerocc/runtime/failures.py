@@ -14,6 +14,7 @@ Two guards around the program the runtime runs:
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import datetime
 import hashlib
@@ -46,13 +47,8 @@ def with_timeout(ranks: Ranks, timeout: float | None) -> Ranks:
     if timeout <= 0:
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     members = [dist.get_global_rank(ranks.group, r) for r in range(ranks.world_size)]
-    # Over a subgroup (group=dist.new_group([0, 1]) of 4 ranks, a DeviceMesh dimension) only its members make the
-    # new group: new_group is otherwise a collective of every rank of the default group, which the other ranks
-    # (compiling their own step over their own subgroup, or not compiling at all) never join in the same order
-    local = ranks.world_size < dist.get_world_size()
     try:   # every rank makes the group: a rank that never reaches zerocc.compile leaves the others waiting here
-        group = dist.new_group(members, timeout=datetime.timedelta(seconds=timeout),
-                               backend=dist.get_backend(ranks.group), use_local_synchronization=local)
+        group = _new_group(members, datetime.timedelta(seconds=timeout), dist.get_backend(ranks.group))
     except (RuntimeError, dist.DistError) as error:   # a TCP store's DistStoreError, a file store's RuntimeError
         if not is_collective_failure(error):
             raise
@@ -62,6 +58,39 @@ def with_timeout(ranks: Ranks, timeout: float | None) -> Ranks:
             "  why: zerocc.compile is a collective: every rank must call it; another rank probably died, hangs, or "
             "runs other code\n  fix: look at the other ranks' output for the first error") from error
     return Ranks(ranks.world_size, ranks.rank, group, group.group_name)
+
+
+# How many groups this process made over each proper subset of the ranks (``_new_group``'s names)
+_SUBGROUPS_MADE: collections.Counter = collections.Counter()
+
+
+def _new_group(members: list[int], timeout: datetime.timedelta, backend: str):
+    """A new group of ``members`` (global ranks), made by them alone.
+
+    ``dist.new_group`` is a collective of every rank of the default group: over
+    a subgroup (``group=dist.new_group([0, 1])`` of 4 ranks, a ``DeviceMesh``
+    dimension) the ranks outside it (training their own replica over their own
+    subgroup, or not compiling at all) never join it in the same order, and
+    every rank hung or failed. Made by its members alone
+    (``use_local_synchronization``), torch names the group by a hash of the
+    members and of how many groups this process holds, which differs on a rank
+    that holds another step's group too (two steps over two groups in one
+    process): the members then waited for each other under different names.
+    Here it is named by the members and how many such groups this process made
+    over them, the same on every member.
+    """
+    if len(members) == dist.get_world_size():
+        return dist.new_group(members, timeout=timeout, backend=backend)
+    key = tuple(members)
+    name = f"zerocc-{'_'.join(map(str, members))}-{_SUBGROUPS_MADE[key]}"
+    _SUBGROUPS_MADE[key] += 1
+    c10d = dist.distributed_c10d
+    torch_names = c10d._process_group_name
+    c10d._process_group_name = lambda ranks, use_hashed_name: c10d.GroupName(name)
+    try:
+        return dist.new_group(members, timeout=timeout, backend=backend, use_local_synchronization=True)
+    finally:
+        c10d._process_group_name = torch_names
 
 
 @contextlib.contextmanager
