@@ -134,3 +134,29 @@ def test_two_steps_over_two_subgroups_in_one_process_with_a_timeout():
             for key, value in model.state_dict().items():
                 if name in states:
                     torch.testing.assert_close(states[name][key], value, rtol=1e-5, atol=1e-6, msg=f"{name}: {key}")
+
+
+def _groups_differ(rank, world_size, scenario):
+    first = dist.new_group([0, 1])
+    other = dist.new_group([0, 1])
+    group = {"on rank 0 only": first if rank == 0 else None,     # rank 1 takes the default group (the same ranks)
+             "another object per rank": first if rank == 0 else other,
+             "other ranks": first if rank == 0 else None}[scenario]   # at 4 ranks: [0, 1] against [0, 1, 2, 3]
+    model, _, loss_fn = build("mlp")
+    try:
+        zerocc.compile(model, adamw(model), stage=3, loss_fn=loss_fn, group=group)
+    except zerocc.ConfigError as error:
+        return str(error)
+    return "compiled"
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("scenario,world_size", [("on rank 0 only", 2), ("another object per rank", 2),
+                                                 ("other ranks", 4)])
+def test_different_groups_on_different_ranks_are_refused_on_every_rank(scenario, world_size):
+    """Each rank waited forever in zerocc.compile's first collective, over its own group, for ranks that passed
+    another."""
+    messages = distributed.run(_groups_differ, world_size, scenario, timeout=60)
+    assert all(m.startswith("zerocc.compile") and "different process groups" in m or "refused it" in m
+               for m in messages), messages
+    assert sum("fix: pass the same group= on every rank" in m for m in messages) >= 2, messages

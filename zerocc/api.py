@@ -223,8 +223,11 @@ def _refused_on_every_rank(refused: ConfigError | None, model, group, timeout) -
         check_timeout(timeout)
     except ConfigError:
         timeout = None
-    ranks = failures.with_timeout(resolve(group if isinstance(group, dist.ProcessGroup) else None,
-                                          None if parameter is None else parameter.device), timeout)
+    ranks = resolve(group if isinstance(group, dist.ProcessGroup) else None,
+                    None if parameter is None else parameter.device)
+    if ranks.group is not None:
+        failures.check_same_group(ranks, timeout)
+    ranks = failures.with_timeout(ranks, timeout)
     with failures.collective_failures(ranks, 0, timeout, call="zerocc.compile"):
         failed = failures.failed_ranks(ranks, None if refused is None else str(refused))
     if refused is not None:

@@ -52,12 +52,95 @@ def with_timeout(ranks: Ranks, timeout: float | None) -> Ranks:
     except (RuntimeError, dist.DistError) as error:   # a TCP store's DistStoreError, a file store's RuntimeError
         if not is_collective_failure(error):
             raise
-        raise RankFailureError(
-            f"rank {ranks.rank} of {ranks.world_size}: the other ranks did not reach zerocc.compile within {timeout:g} "
-            f"s ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})\n"
-            "  why: zerocc.compile is a collective: every rank must call it; another rank probably died, hangs, or "
-            "runs other code\n  fix: look at the other ranks' output for the first error") from error
+        raise _not_reached(ranks, timeout, f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+                           ) from error
     return Ranks(ranks.world_size, ranks.rank, group, group.group_name)
+
+
+def _not_reached(ranks: Ranks, timeout: float, what: str) -> RankFailureError:
+    return RankFailureError(
+        f"rank {ranks.rank} of {ranks.world_size}: the other ranks did not reach zerocc.compile within {timeout:g} "
+        f"s ({what})\n"
+        "  why: zerocc.compile is a collective: every rank must call it; another rank probably died, hangs, or "
+        "runs other code\n  fix: look at the other ranks' output for the first error")
+
+
+# How many compiles this process began over each set of ranks (``check_same_group``'s meeting places)
+_COMPILES: collections.Counter = collections.Counter()
+_POLL = datetime.timedelta(seconds=0.5)
+
+
+def check_same_group(ranks: Ranks, timeout: float | None) -> None:
+    """A ``ConfigError`` on every rank where the ranks of one compile passed different groups (``group=`` on some
+    ranks only, another ``dist.new_group`` object per rank, groups of other ranks), before any collective over them.
+
+    A rank's collectives over its group pair only with those of the ranks that
+    passed the same group object: with ``group=`` on rank 0 alone, each rank
+    waited in zerocc.compile's first collective for the other, forever. The
+    ranks meet in the default group's store (every rank reaches it, whatever
+    group it passed), under the member set of the group each passed and how
+    many compiles this process began over it: each counts the ranks that came
+    and those that came with its group's name. A rank whose member rank waits in
+    another compile over a set that holds this rank (their groups differ) would
+    wait for it forever: both raise instead, and mark themselves refused for the
+    ranks waiting on them.
+    """
+    store = dist.distributed_c10d._get_default_store()
+    me = dist.get_rank()
+    members = [dist.get_global_rank(ranks.group, r) for r in range(ranks.world_size)]
+    place = f"zerocc/compile/{'_'.join(map(str, members))}/{_COMPILES[tuple(members)]}"
+    _COMPILES[tuple(members)] += 1
+    store.set(f"zerocc/at/{me}", f"waiting|{place}|{','.join(map(str, members))}")
+    store.set(f"{place}/group/{me}", ranks.group_name)
+    store.add(f"{place}/name/{ranks.group_name}", 1)
+    if store.add(f"{place}/arrived", 1) == len(members):
+        store.set(f"{place}/all", "1")
+    waited = datetime.timedelta()
+    limit = datetime.timedelta(seconds=timeout) if timeout is not None else dist.default_pg_timeout
+    while True:
+        try:
+            store.wait([f"{place}/all"], _POLL)
+            break
+        except (RuntimeError, dist.DistError):   # not yet (a file store's RuntimeError, a TCP store's DistStoreError)
+            waited += _POLL
+        problem = _waits_elsewhere(store, me, place, members)
+        if problem is None and waited >= limit:
+            problem = "timeout"
+        if problem is not None:
+            store.set(f"zerocc/at/{me}", "refused|" + problem.replace("|", "/"))
+            if problem == "timeout":
+                raise _not_reached(ranks, limit.total_seconds(), "no rank of its group came to meet it") from None
+            raise ConfigError(problem)
+    store.set(f"zerocc/at/{me}", f"met|{place}|")
+    if store.add(f"{place}/name/{ranks.group_name}", 0) == len(members):
+        return
+    names = {rank: store.get(f"{place}/group/{rank}").decode() for rank in members}
+    raise ConfigError(
+        "zerocc.compile was given different process groups on different ranks (each rank's collectives pair only with "
+        "those of ranks that passed the same group object, so they would wait for each other forever):\n"
+        + "\n".join(f"  rank {rank}: group {name!r}{' (the default group)' if name == dist.group.WORLD.group_name else ''}"
+                     for rank, name in names.items())
+        + "\n  fix: pass the same group= on every rank of it (the one dist.new_group(ranks) every rank made in the "
+        "same order, or mesh.get_group(dim)), or leave group= out on every rank")
+
+
+def _waits_elsewhere(store, me: int, place: str, members: list[int]) -> str | None:
+    """Why this rank would wait forever: a member refused, or waits in a compile over another set of ranks that
+    holds this rank (neither comes to the other's). None while the members may still come."""
+    at = [f"zerocc/at/{rank}" for rank in members if rank != me]
+    if not store.check(at):
+        return None   # a member that has not compiled yet
+    for rank, key in zip([r for r in members if r != me], at):
+        state, other_place, other_members = (store.get(key).decode().split("|") + ["", ""])[:3]
+        if state == "refused":
+            return f"zerocc.compile on rank {me}: rank {rank} of its group refused it:\n{other_place}"
+        if state == "waiting" and other_place != place and str(me) in other_members.split(","):
+            return (f"zerocc.compile was given different process groups on different ranks: rank {me} passed a group "
+                    f"of ranks [{', '.join(map(str, members))}], rank {rank} one of ranks [{other_members.replace(',', ', ')}]; "
+                    "each waits in its own for the other\n  fix: pass the same group= on every rank of it (the "
+                    "one dist.new_group(ranks) every rank made in the same order, or mesh.get_group(dim)), or leave "
+                    "group= out on every rank")
+    return None
 
 
 # How many groups this process made over each proper subset of the ranks (``_new_group``'s names)
