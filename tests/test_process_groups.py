@@ -160,3 +160,17 @@ def test_different_groups_on_different_ranks_are_refused_on_every_rank(scenario,
     assert all(m.startswith("zerocc.compile") and "different process groups" in m or "refused it" in m
                for m in messages), messages
     assert sum("fix: pass the same group= on every rank" in m for m in messages) >= 2, messages
+
+
+def test_world_size_set_without_a_rendezvous_says_how_to_launch(monkeypatch):
+    """WORLD_SIZE=2 set by hand (no torchrun): torch's ValueError about MASTER_ADDR, not saying why zerocc.compile
+    tried to make a process group at all."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    model, _, loss_fn = build("mlp")
+    with pytest.raises(zerocc.ConfigError, match=r"WORLD_SIZE=2 is set, so it initialized the default process group "
+                                                 r"from the environment \(env://\), which failed: .*MASTER_ADDR"
+                                                 r"(.|\n)*fix: launch with torchrun"):
+        zerocc.compile(model, adamw(model), stage=3, loss_fn=loss_fn)
+    assert not dist.is_initialized()
