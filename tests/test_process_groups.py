@@ -174,3 +174,23 @@ def test_world_size_set_without_a_rendezvous_says_how_to_launch(monkeypatch):
                                                  r"(.|\n)*fix: launch with torchrun"):
         zerocc.compile(model, adamw(model), stage=3, loss_fn=loss_fn)
     assert not dist.is_initialized()
+
+
+def _not_a_member(rank, world_size):
+    group = dist.new_group([0, 1])   # rank 2 gets GroupMember.NON_GROUP_MEMBER
+    model, _, loss_fn = build("mlp")
+    try:
+        step = zerocc.compile(model, adamw(model), stage=3, loss_fn=loss_fn, group=group)
+    except zerocc.ConfigError as error:
+        return str(error)
+    step(*batches("mlp", 1, ROWS, seed=rank)[0])
+    return "trained"
+
+
+@pytest.mark.multirank
+def test_a_rank_outside_the_group_it_passes_is_refused_and_the_group_trains():
+    """Rank 2 took the int NON_GROUP_MEMBER for a bad group, and waited over the default group for ranks 0 and 1 to
+    join its refusal, forever (they trained over their own group)."""
+    messages = distributed.run(_not_a_member, 3, timeout=60)
+    assert messages[:2] == ["trained", "trained"], messages
+    assert messages[2].startswith("group= is a group rank 2 is not in"), messages[2]

@@ -179,6 +179,12 @@ def compile(
     (the trace, each pass, the program) on rank 0's stderr, so a long compile is not taken for a hang;
     ``True`` says every phase of every compile, ``False`` nothing, and a function gets each line instead.
     """
+    if isinstance(group, int) and group == dist.GroupMember.NON_GROUP_MEMBER:   # raised here alone: its members go on
+        raise ConfigError(
+            f"group= is a group rank {dist.get_rank()} is not in (dist.new_group(ranks) returns "
+            "GroupMember.NON_GROUP_MEMBER on the ranks it leaves out): its ranks compile and train without this one\n"
+            "  fix: compile only on the group's ranks (`if dist.get_rank() in ranks:`), or pass each rank a group it "
+            "is in (groups = [dist.new_group(r) for r in replicas] on every rank, then the one holding this rank)")
     refused = None
     try:
         check_stage(stage)
