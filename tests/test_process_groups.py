@@ -194,3 +194,33 @@ def test_a_rank_outside_the_group_it_passes_is_refused_and_the_group_trains():
     messages = distributed.run(_not_a_member, 3, timeout=60)
     assert messages[:2] == ["trained", "trained"], messages
     assert messages[2].startswith("group= is a group rank 2 is not in"), messages[2]
+
+
+def _save_per_replica_then_resume_on_all(rank, world_size, folder):
+    group, replica = _replica_group(rank, "new_group")
+    model, _, loss_fn = build("mlp")
+    step = zerocc.compile(model, adamw(model), stage=3, loss_fn=loss_fn, group=group)
+    me = dist.get_rank(group)
+    data = batches("mlp", STEPS, 2 * ROWS, seed=10 + replica)
+    for batch in data[:-1]:
+        step(*(t[me * ROWS:(me + 1) * ROWS] for t in batch))
+    zerocc.save_checkpoint(step, f"{folder}/replica{replica}")   # each replica's ranks save their shards
+    step.close()
+    model, _, loss_fn = build("mlp", seed=5)
+    step = zerocc.compile(model, adamw(model), stage=1, loss_fn=loss_fn)   # all 4 ranks go on from replica 1
+    zerocc.load_checkpoint(step, f"{folder}/replica1")
+    batch = batches("mlp", STEPS, 2 * ROWS, seed=11)[-1]
+    step(*(t[rank * 2:(rank + 1) * 2] for t in batch))
+    return step.full_state_dict()
+
+
+@pytest.mark.multirank
+def test_a_checkpoint_saved_over_a_subgroup_resumes_on_another_number_of_ranks(tmp_path):
+    states = distributed.run(_save_per_replica_then_resume_on_all, 4, str(tmp_path), timeout=120)
+    model, _, loss_fn = build("mlp")
+    optimizer = adamw(model)
+    for batch in batches("mlp", STEPS, 2 * ROWS, seed=11):
+        eager_step(model, optimizer, loss_fn, batch)
+    for state in states:
+        for name, value in model.state_dict().items():
+            torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6, msg=name)
