@@ -68,6 +68,7 @@ def _not_reached(ranks: Ranks, timeout: float, what: str) -> RankFailureError:
 # How many compiles this process began over each set of ranks (``check_same_group``'s meeting places)
 _COMPILES: collections.Counter = collections.Counter()
 _POLL = datetime.timedelta(seconds=0.5)
+_LONGEST_POLL = datetime.timedelta(seconds=8)
 
 
 def check_same_group(ranks: Ranks, timeout: float | None) -> None:
@@ -95,14 +96,15 @@ def check_same_group(ranks: Ranks, timeout: float | None) -> None:
     store.add(f"{place}/name/{ranks.group_name}", 1)
     if store.add(f"{place}/arrived", 1) == len(members):
         store.set(f"{place}/all", "1")
-    waited = datetime.timedelta()
+    waited, poll = datetime.timedelta(), _POLL
     limit = datetime.timedelta(seconds=timeout) if timeout is not None else dist.default_pg_timeout
     while True:
         try:
-            store.wait([f"{place}/all"], _POLL)
+            store.wait([f"{place}/all"], poll)
             break
         except (RuntimeError, dist.DistError):   # not yet (a file store's RuntimeError, a TCP store's DistStoreError)
-            waited += _POLL
+            waited += poll
+            poll = min(2 * poll, _LONGEST_POLL)   # a rank still loading data: ask the store less and less often
         problem = _waits_elsewhere(store, me, place, members)
         if problem is None and waited >= limit:
             problem = "timeout"
@@ -127,11 +129,12 @@ def check_same_group(ranks: Ranks, timeout: float | None) -> None:
 def _waits_elsewhere(store, me: int, place: str, members: list[int]) -> str | None:
     """Why this rank would wait forever: a member refused, or waits in a compile over another set of ranks that
     holds this rank (neither comes to the other's). None while the members may still come."""
-    at = [f"zerocc/at/{rank}" for rank in members if rank != me]
+    others = [rank for rank in members if rank != me]
+    at = [f"zerocc/at/{rank}" for rank in others]
     if not store.check(at):
         return None   # a member that has not compiled yet
-    for rank, key in zip([r for r in members if r != me], at):
-        state, other_place, other_members = (store.get(key).decode().split("|") + ["", ""])[:3]
+    for rank, value in zip(others, store.multi_get(at)):   # one request to the store, however many ranks
+        state, other_place, other_members = (value.decode().split("|") + ["", ""])[:3]
         if state == "refused":
             return f"zerocc.compile on rank {me}: rank {rank} of its group refused it:\n{other_place}"
         if state == "waiting" and other_place != place and str(me) in other_members.split(","):
