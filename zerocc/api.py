@@ -101,7 +101,9 @@ def compile(
     ``num_targets``, as many as ``loss_fn`` requires after the output (``zerocc/options.py``'s ``targets_of``).
     Gradients are averaged over the ranks of ``group`` (default: the default
     process group, initialized from torchrun's environment if needed; world
-    size 1 without one). ``prefetch_bytes`` bounds the gathered parameter
+    size 1 without one): a subgroup (``dist.new_group(ranks)``, ``mesh.get_group(dim)``) trains data parallel
+    over its ranks, each rank of it passing the same group object (``docs/launch.md``, "Process groups").
+    ``prefetch_bytes`` bounds the gathered parameter
     bytes (and the unreduced gradient bytes) that may be in flight at once.
     ``timeout`` (seconds) bounds how long a collective waits for the other
     ranks: a rank that died turns into a ``RankFailureError`` on the others
