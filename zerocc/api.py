@@ -101,7 +101,9 @@ def compile(
     ``num_targets``, as many as ``loss_fn`` requires after the output (``zerocc/options.py``'s ``targets_of``).
     Gradients are averaged over the ranks of ``group`` (default: the default
     process group, initialized from torchrun's environment if needed; world
-    size 1 without one). ``prefetch_bytes`` bounds the gathered parameter
+    size 1 without one): a subgroup (``dist.new_group(ranks)``, ``mesh.get_group(dim)``) trains data parallel
+    over its ranks, each rank of it passing the same group object (``docs/launch.md``, "Process groups").
+    ``prefetch_bytes`` bounds the gathered parameter
     bytes (and the unreduced gradient bytes) that may be in flight at once.
     ``timeout`` (seconds) bounds how long a collective waits for the other
     ranks: a rank that died turns into a ``RankFailureError`` on the others
@@ -179,6 +181,12 @@ def compile(
     (the trace, each pass, the program) on rank 0's stderr, so a long compile is not taken for a hang;
     ``True`` says every phase of every compile, ``False`` nothing, and a function gets each line instead.
     """
+    if isinstance(group, int) and group == dist.GroupMember.NON_GROUP_MEMBER:   # raised here alone: its members go on
+        raise ConfigError(
+            f"group= is a group rank {dist.get_rank()} is not in (dist.new_group(ranks) returns "
+            "GroupMember.NON_GROUP_MEMBER on the ranks it leaves out): its ranks compile and train without this one\n"
+            "  fix: compile only on the group's ranks (`if dist.get_rank() in ranks:`), or pass each rank a group it "
+            "is in (groups = [dist.new_group(r) for r in replicas] on every rank, then the one holding this rank)")
     refused = None
     try:
         check_stage(stage)
@@ -223,8 +231,11 @@ def _refused_on_every_rank(refused: ConfigError | None, model, group, timeout) -
         check_timeout(timeout)
     except ConfigError:
         timeout = None
-    ranks = failures.with_timeout(resolve(group if isinstance(group, dist.ProcessGroup) else None,
-                                          None if parameter is None else parameter.device), timeout)
+    ranks = resolve(group if isinstance(group, dist.ProcessGroup) else None,
+                    None if parameter is None else parameter.device)
+    if ranks.group is not None:
+        failures.check_same_group(ranks, timeout)
+    ranks = failures.with_timeout(ranks, timeout)
     with failures.collective_failures(ranks, 0, timeout, call="zerocc.compile"):
         failed = failures.failed_ranks(ranks, None if refused is None else str(refused))
     if refused is not None:
@@ -903,7 +914,7 @@ class CompiledStep:
         """Every rank starts from rank 0's parameters and buffers, as DDP does."""
         with torch.no_grad():
             for tensor in [*self.model.parameters(), *self.model.buffers()]:
-                dist.broadcast(tensor.data, src=0, group=self.ranks.group)
+                dist.broadcast(tensor.data, group_src=0, group=self.ranks.group)   # the group's first rank
 
     def _fake_state(self, fake_mode) -> list[dict[str, torch.Tensor]]:
         states = []

@@ -14,6 +14,7 @@ Two guards around the program the runtime runs:
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import datetime
 import hashlib
@@ -25,7 +26,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 import torch.fx as fx
 
 from .. import graph as g
-from ..errors import ZeroccError
+from ..errors import ConfigError, ZeroccError
 from ..batch import PYTHON_VALUE
 from ..decisions import ShardPlan
 from .process_group import Ranks
@@ -47,17 +48,135 @@ def with_timeout(ranks: Ranks, timeout: float | None) -> Ranks:
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     members = [dist.get_global_rank(ranks.group, r) for r in range(ranks.world_size)]
     try:   # every rank makes the group: a rank that never reaches zerocc.compile leaves the others waiting here
-        group = dist.new_group(members, timeout=datetime.timedelta(seconds=timeout),
-                               backend=dist.get_backend(ranks.group))
+        group = _new_group(members, datetime.timedelta(seconds=timeout), dist.get_backend(ranks.group))
     except (RuntimeError, dist.DistError) as error:   # a TCP store's DistStoreError, a file store's RuntimeError
         if not is_collective_failure(error):
             raise
-        raise RankFailureError(
-            f"rank {ranks.rank} of {ranks.world_size}: the other ranks did not reach zerocc.compile within {timeout:g} "
-            f"s ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})\n"
-            "  why: zerocc.compile is a collective: every rank must call it; another rank probably died, hangs, or "
-            "runs other code\n  fix: look at the other ranks' output for the first error") from error
+        raise _not_reached(ranks, timeout, f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+                           ) from error
     return Ranks(ranks.world_size, ranks.rank, group, group.group_name)
+
+
+def _not_reached(ranks: Ranks, timeout: float, what: str) -> RankFailureError:
+    return RankFailureError(
+        f"rank {ranks.rank} of {ranks.world_size}: the other ranks did not reach zerocc.compile within {timeout:g} "
+        f"s ({what})\n"
+        "  why: zerocc.compile is a collective: every rank must call it; another rank probably died, hangs, or "
+        "runs other code\n  fix: look at the other ranks' output for the first error")
+
+
+# How many compiles this process began over each set of ranks (``check_same_group``'s meeting places)
+_COMPILES: collections.Counter = collections.Counter()
+_POLL = datetime.timedelta(seconds=0.5)
+_LONGEST_POLL = datetime.timedelta(seconds=8)
+
+
+def check_same_group(ranks: Ranks, timeout: float | None) -> None:
+    """A ``ConfigError`` on every rank where the ranks of one compile passed different groups (``group=`` on some
+    ranks only, another ``dist.new_group`` object per rank, groups of other ranks), before any collective over them.
+
+    A rank's collectives over its group pair only with those of the ranks that
+    passed the same group object: with ``group=`` on rank 0 alone, each rank
+    waited in zerocc.compile's first collective for the other, forever. The
+    ranks meet in the default group's store (every rank reaches it, whatever
+    group it passed), under the member set of the group each passed and how
+    many compiles this process began over it: each counts the ranks that came
+    and those that came with its group's name. A rank whose member rank waits in
+    another compile over a set that holds this rank (their groups differ) would
+    wait for it forever: both raise instead, and mark themselves refused for the
+    ranks waiting on them.
+    """
+    store = dist.distributed_c10d._get_default_store()
+    me = dist.get_rank()
+    members = [dist.get_global_rank(ranks.group, r) for r in range(ranks.world_size)]
+    place = f"zerocc/compile/{'_'.join(map(str, members))}/{_COMPILES[tuple(members)]}"
+    _COMPILES[tuple(members)] += 1
+    store.set(f"zerocc/at/{me}", f"waiting|{place}|{','.join(map(str, members))}")
+    store.set(f"{place}/group/{me}", ranks.group_name)
+    store.add(f"{place}/name/{ranks.group_name}", 1)
+    if store.add(f"{place}/arrived", 1) == len(members):
+        store.set(f"{place}/all", "1")
+    waited, poll = datetime.timedelta(), _POLL
+    limit = datetime.timedelta(seconds=timeout) if timeout is not None else dist.default_pg_timeout
+    while True:
+        try:
+            store.wait([f"{place}/all"], poll)
+            break
+        except (RuntimeError, dist.DistError):   # not yet (a file store's RuntimeError, a TCP store's DistStoreError)
+            waited += poll
+            poll = min(2 * poll, _LONGEST_POLL)   # a rank still loading data: ask the store less and less often
+        problem = _waits_elsewhere(store, me, place, members)
+        if problem is None and waited >= limit:
+            problem = "timeout"
+        if problem is not None:
+            store.set(f"zerocc/at/{me}", "refused|" + problem.replace("|", "/"))
+            if problem == "timeout":
+                raise _not_reached(ranks, limit.total_seconds(), "no rank of its group came to meet it") from None
+            raise ConfigError(problem)
+    store.set(f"zerocc/at/{me}", f"met|{place}|")
+    if store.add(f"{place}/name/{ranks.group_name}", 0) == len(members):
+        return
+    names = {rank: store.get(f"{place}/group/{rank}").decode() for rank in members}
+    raise ConfigError(
+        "zerocc.compile was given different process groups on different ranks (each rank's collectives pair only with "
+        "those of ranks that passed the same group object, so they would wait for each other forever):\n"
+        + "\n".join(f"  rank {rank}: group {name!r}{' (the default group)' if name == dist.group.WORLD.group_name else ''}"
+                     for rank, name in names.items())
+        + "\n  fix: pass the same group= on every rank of it (the one dist.new_group(ranks) every rank made in the "
+        "same order, or mesh.get_group(dim)), or leave group= out on every rank")
+
+
+def _waits_elsewhere(store, me: int, place: str, members: list[int]) -> str | None:
+    """Why this rank would wait forever: a member refused, or waits in a compile over another set of ranks that
+    holds this rank (neither comes to the other's). None while the members may still come."""
+    others = [rank for rank in members if rank != me]
+    at = [f"zerocc/at/{rank}" for rank in others]
+    if not store.check(at):
+        return None   # a member that has not compiled yet
+    for rank, value in zip(others, store.multi_get(at)):   # one request to the store, however many ranks
+        state, other_place, other_members = (value.decode().split("|") + ["", ""])[:3]
+        if state == "refused":
+            return f"zerocc.compile on rank {me}: rank {rank} of its group refused it:\n{other_place}"
+        if state == "waiting" and other_place != place and str(me) in other_members.split(","):
+            return (f"zerocc.compile was given different process groups on different ranks: rank {me} passed a group "
+                    f"of ranks [{', '.join(map(str, members))}], rank {rank} one of ranks [{other_members.replace(',', ', ')}]; "
+                    "each waits in its own for the other\n  fix: pass the same group= on every rank of it (the "
+                    "one dist.new_group(ranks) every rank made in the same order, or mesh.get_group(dim)), or leave "
+                    "group= out on every rank")
+    return None
+
+
+# How many groups this process made over each proper subset of the ranks (``_new_group``'s names)
+_SUBGROUPS_MADE: collections.Counter = collections.Counter()
+
+
+def _new_group(members: list[int], timeout: datetime.timedelta, backend: str):
+    """A new group of ``members`` (global ranks), made by them alone.
+
+    ``dist.new_group`` is a collective of every rank of the default group: over
+    a subgroup (``group=dist.new_group([0, 1])`` of 4 ranks, a ``DeviceMesh``
+    dimension) the ranks outside it (training their own replica over their own
+    subgroup, or not compiling at all) never join it in the same order, and
+    every rank hung or failed. Made by its members alone
+    (``use_local_synchronization``), torch names the group by a hash of the
+    members and of how many groups this process holds, which differs on a rank
+    that holds another step's group too (two steps over two groups in one
+    process): the members then waited for each other under different names.
+    Here it is named by the members and how many such groups this process made
+    over them, the same on every member.
+    """
+    if len(members) == dist.get_world_size():
+        return dist.new_group(members, timeout=timeout, backend=backend)
+    key = tuple(members)
+    name = f"zerocc-{'_'.join(map(str, members))}-{_SUBGROUPS_MADE[key]}"
+    _SUBGROUPS_MADE[key] += 1
+    c10d = dist.distributed_c10d
+    torch_names = c10d._process_group_name
+    c10d._process_group_name = lambda ranks, use_hashed_name: c10d.GroupName(name)
+    try:
+        return dist.new_group(members, timeout=timeout, backend=backend, use_local_synchronization=True)
+    finally:
+        c10d._process_group_name = torch_names
 
 
 @contextlib.contextmanager
@@ -208,8 +327,10 @@ def check_ranks_agree(ranks: Ranks, gm: fx.GraphModule, plan: ShardPlan | None) 
 
 
 def _control_device(ranks: Ranks):
-    """Where the ranks' own small all-reduces run: the CPU on gloo, this rank's GPU on NCCL."""
-    return "cpu" if dist.get_backend(ranks.group) == "gloo" else torch.device("cuda", torch.cuda.current_device())
+    """Where the ranks' own small all-reduces run: the CPU where the group has a backend for it (gloo, also when
+    named as ``"cpu:gloo"`` or ``"cpu:gloo,cuda:nccl"``), else this rank's GPU (NCCL alone)."""
+    devices = {entry.split(":")[0] for entry in dist.get_backend_config(ranks.group).split(",")}
+    return "cpu" if "cpu" in devices else torch.device("cuda", torch.cuda.current_device())
 
 
 def every_rank_has(ranks: Ranks, found: bool) -> bool:
@@ -263,6 +384,7 @@ def check_calls_agree(ranks: Ranks, call: str, lines: Sequence[str] = (), missed
     """
     if ranks.group is None:
         return missed
+    check_group_alive(ranks, call)
     code = CALLS.index(call) + 1
     digest = int.from_bytes(hashlib.sha256("\n".join(lines).encode()).digest()[:7], "big")   # fits an int64
     extremes = torch.tensor([code, -code, digest, -digest, int(missed), int(failed is not None)], dtype=torch.int64,
@@ -310,6 +432,19 @@ def check_calls_agree(ranks: Ranks, call: str, lines: Sequence[str] = (), missed
         "  fix: give every rank a batch of the same shapes at every call (the same batch size per rank: "
         "drop_last=True or pad a short last batch; the same sequence length: pad to a fixed length)."
     )
+
+
+def check_group_alive(ranks: Ranks, call: str) -> None:
+    """A ``ConfigError`` where the step's process group was destroyed (``dist.destroy_process_group()`` before
+    ``step.close()``): torch's collectives over a destroyed group fail with "Invariant encountered: value was None"."""
+    try:
+        dist.get_process_group_ranks(ranks.group)
+    except (KeyError, ValueError, RuntimeError):   # torch 2.13 raises KeyError for a group no longer registered
+        raise ConfigError(
+            f"{call} after dist.destroy_process_group(): the step's process group is gone, and {call} runs "
+            "collectives over it (every rank's shards are needed)\n  fix: call dist.destroy_process_group() last, "
+            "after step.close() (which hands the model and optimizer back whole) or after saving with "
+            "zerocc.save_checkpoint") from None
 
 
 def _only_python_values_differ(lines: Sequence[str], other: Sequence[str]) -> bool:

@@ -7,6 +7,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from ..errors import ConfigError
+
 
 @dataclasses.dataclass(frozen=True)
 class Ranks:
@@ -25,7 +27,15 @@ def resolve(group=None, device: torch.device | None = None) -> Ranks:
                 # NCCL binds a communicator to the current device: without this every rank would
                 # claim cuda:0 ("Duplicate GPU detected") whatever device the model is on
                 torch.cuda.set_device(_cuda_device(device))
-            dist.init_process_group(backend=backend)
+            try:
+                dist.init_process_group(backend=backend)
+            except ValueError as error:   # env:// without MASTER_ADDR/MASTER_PORT/RANK: WORLD_SIZE set by hand
+                raise ConfigError(
+                    f"zerocc.compile: WORLD_SIZE={os.environ['WORLD_SIZE']} is set, so it initialized the default "
+                    f"process group from the environment (env://), which failed: {error}\n  fix: launch with "
+                    "torchrun (it sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT), call "
+                    "dist.init_process_group yourself before zerocc.compile, or unset WORLD_SIZE to train in one "
+                    "process") from error
         if not dist.is_initialized():
             return Ranks(1, 0, None, None)
         group = dist.group.WORLD
