@@ -172,7 +172,8 @@ def _new_group(members: list[int], timeout: datetime.timedelta, backend: str):
     _SUBGROUPS_MADE[key] += 1
     c10d = dist.distributed_c10d
     torch_names = c10d._process_group_name
-    c10d._process_group_name = lambda ranks, use_hashed_name: c10d.GroupName(name)
+    named = getattr(c10d, "GroupName", str)(name)   # a str subtype on torch 2.13, a plain str before
+    c10d._process_group_name = lambda ranks, use_hashed_name: named
     try:
         return dist.new_group(members, timeout=timeout, backend=backend, use_local_synchronization=True)
     finally:
