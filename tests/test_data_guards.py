@@ -287,7 +287,9 @@ def test_values_read_from_the_batch_that_must_be_numbers_are_read_one_program_pe
 
 
 def test_planning_sizes_read_from_a_meta_batch_is_refused_naming_the_line():
-    model = PerImage()
+    # a model on the meta device (a model on the CPU given a meta batch is refused before tracing: test_planning.py)
+    with torch.device("meta"):
+        model = PerImage()
     with pytest.raises(zerocc.CaptureError, match=r"(?s)cannot be traced at .*test_data_guards.py.*F.pad.*sizes"):
         zerocc.plan(model, torch.optim.SGD(model.parameters(), lr=0.1), stage=3,
                     example_inputs=(torch.randn(16, 6, device="meta"), torch.tensor(GRIDS[0], device="meta")))
