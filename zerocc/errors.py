@@ -133,8 +133,9 @@ def raised_by_user_code(error: BaseException) -> bool:
                                  or frames[-1].filename.startswith("<"))
 
 
-def user_line_of_node(node) -> str | None:
-    """The user's source line recorded on an FX node's stack trace, if any."""
+def user_line_of_node(node, wanted=None) -> str | None:
+    """The user's source line recorded on an FX node's stack trace, if any: the innermost frame outside the
+    libraries, or whose absolute file path ``wanted`` accepts (an optimizer's own files, inside torch)."""
     stack = node.meta.get(g.STACK_TRACE)
     if not stack:
         return None
@@ -145,7 +146,7 @@ def user_line_of_node(node) -> str | None:
         if line.startswith("File ") and ", line " in line:
             filename = line.split('"')[1]
             path = os.path.abspath(filename)
-            if path.startswith(_LIBRARY_DIRS) or filename.startswith("<"):
+            if filename.startswith("<") or not (wanted(path) if wanted else not path.startswith(_LIBRARY_DIRS)):
                 continue
             lineno = line.split(", line ")[1].split(",")[0]
             code = lines[i + 1] if i + 1 < len(lines) and not lines[i + 1].startswith("File ") else ""

@@ -234,23 +234,9 @@ def _optimizer_files(optimizer_class: type) -> set[str]:
 def _optimizer_line_of_node(node: fx.Node, optimizer_class: type) -> str | None:
     """'file:line: code' of the innermost frame of the optimizer's own source in ``node``'s stack trace.
 
-    For torch.optim's optimizers, whose files ``user_line_of_node`` leaves out as library code.
+    For torch.optim's optimizers, whose files ``user_line_of_node`` leaves out as library code by default.
     """
-    stack = node.meta.get(g.STACK_TRACE)
-    if not stack:
-        return None
-    files = _optimizer_files(optimizer_class)
-    lines = [line.strip() for line in stack.strip().splitlines()]
-    found = None
-    for i, line in enumerate(lines):   # outermost first: the last match is the innermost
-        if not (line.startswith("File ") and ", line " in line):
-            continue
-        filename = line.split('"')[1]
-        if os.path.abspath(filename) in files:
-            lineno = line.split(", line ")[1].split(",")[0]
-            code = lines[i + 1] if i + 1 < len(lines) and not lines[i + 1].startswith("File ") else ""
-            found = f"{filename}:{lineno}: {code}"
-    return found
+    return user_line_of_node(node, wanted=_optimizer_files(optimizer_class).__contains__)
 
 
 @functools.lru_cache(maxsize=None)

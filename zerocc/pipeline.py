@@ -462,8 +462,8 @@ class LaterPasses:
         shots: list[GraphSnapshot] = []
         counts = g.count_targets(gm)
         for index, later in enumerate(self.passes, start=self.first_index):
-            if (over is not None and later.name == "place_buffers" and shots and shots[-1].name == "plan_memory"
-                    and index == self.first_index + len(self.passes) - 1 and over(ctx)):
+            if (over is not None and later is self.passes[-1] and later.name == "place_buffers" and shots
+                    and shots[-1].name == "plan_memory" and over(ctx)):
                 return LaterRun(gm, ctx, None, stopped_before="place_buffers")
             started = time.perf_counter()
             gm = later.run(gm, ctx)
