@@ -642,12 +642,18 @@ def test_clipping_at_stage_1_where_a_rank_owns_no_piece_of_the_last_bucket():
     for expected, got, expected_state, state, plan in distributed.run(_clipped_with_a_bucket_one_rank_owns, 2):
         last = plan.buckets[-1]
         assert [segment.numel for segment in last.segments] == [1] and not list(last.pieces(1))
-        for (loss, norm), (expected_loss, expected_norm) in zip(got, expected):
-            assert expected_norm > 0.05   # the clip acts
-            torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=1e-6)
-            torch.testing.assert_close(norm, expected_norm, rtol=1e-5, atol=1e-6)
-        for key, value in expected_state.items():
-            torch.testing.assert_close(state[key], value, rtol=1e-4, atol=1e-5)
+        _assert_clipped_as_ddp(got, expected, state, expected_state, acting_norm=0.05)
+
+
+def _assert_clipped_as_ddp(got, expected, state, expected_state, acting_norm):
+    """Losses and gradient norms per step, then the trained state, within float rounding of DDP + clip_grad_norm_;
+    every expected norm above ``acting_norm`` (the clip acts)."""
+    for (loss, norm), (expected_loss, expected_norm) in zip(got, expected):
+        assert expected_norm > acting_norm
+        torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(norm, expected_norm, rtol=1e-5, atol=1e-6)
+    for key, value in expected_state.items():
+        torch.testing.assert_close(state[key], value, rtol=1e-4, atol=1e-5)
 
 
 class _FrozenWithATemperature(torch.nn.Module):
@@ -690,12 +696,7 @@ def test_clipping_at_world_size_3_where_two_ranks_own_no_piece_of_any_parameter(
     for rank, (expected, expected_state, results) in enumerate(distributed.run(_clipped_where_ranks_own_nothing, 3)):
         for stage, (got, state, owned) in results.items():
             assert bool(owned) is (rank == 0), (stage, rank)
-            for (loss, norm), (expected_loss, expected_norm) in zip(got, expected):
-                assert expected_norm > 0.01   # the clip acts
-                torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=1e-6)
-                torch.testing.assert_close(norm, expected_norm, rtol=1e-5, atol=1e-6)
-            for key, value in expected_state.items():
-                torch.testing.assert_close(state[key], value, rtol=1e-4, atol=1e-5)
+            _assert_clipped_as_ddp(got, expected, state, expected_state, acting_norm=0.01)
 
 
 def _both_gather_modes(rank, world_size):
