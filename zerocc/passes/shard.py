@@ -29,7 +29,7 @@ import torch.fx as fx
 from .. import graph as g
 from .. import ops, decisions
 from ..context import CompileContext
-from ..optimizer_step import REPLICATE_IF_ELEMENTWISE, elementwise_offenders, splice_update
+from ..optimizer_step import elementwise_offenders, splice_update
 
 aten = torch.ops.aten
 
@@ -42,8 +42,9 @@ def shard(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     plan = choose_buckets(gm, ctx, trained)
     ctx.shard_plan = plan
     # at stage 0 an update that is not elementwise (Muon's matrix products) sees each parameter, gradient and state
-    # in its shape; an elementwise one reads them flat, as at every stage (views of each would cost the host four
-    # more ops per parameter per step: 3,519 -> 4,041 on benchmarks/host_ops.py's GPT)
+    # in its shape, and is traced over all of them at once; an elementwise one reads them flat, as at every stage
+    # (views of each would cost the host four more ops per parameter per step: 3,519 -> 4,041 on
+    # benchmarks/host_ops.py's GPT), traced once per class of look-alike pieces
     shaped = ctx.stage == 0 and bool(elementwise_offenders([n for n in graph.nodes
                                                             if n.meta.get(g.PHASE) == g.OPTIMIZER]))
     param_node = {p.meta[g.INDEX]: p for p in old_params}
@@ -144,7 +145,7 @@ def shard(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
                     states[key] = g.call(graph, ctx.fake_mode, aten.view.default, states[key], list(value.shape))
                 states[key].meta[g.PHASE] = g.OPTIMIZER
         state_nodes.append(states)
-    new_pieces, new_states = _inline_optimizer(gm, ctx, piece_inputs, state_nodes, lr_nodes)
+    new_pieces, new_states = _inline_optimizer(gm, ctx, piece_inputs, state_nodes, lr_nodes, replicate=not shaped)
     if shaped:   # new state in its slot's flat shape
         with graph.inserting_before(output):
             for states in new_states:
@@ -298,12 +299,12 @@ def _state_placeholder(gm, ctx, last, slot, key, shape, dtype, device) -> fx.Nod
     return node
 
 
-def _inline_optimizer(gm, ctx, piece_inputs, state_nodes, lr_nodes):
+def _inline_optimizer(gm, ctx, piece_inputs, state_nodes, lr_nodes, replicate: bool):
     """Trace ``optimizer.step()`` over the pieces and splice it in before the output.
 
-    At stages 1-3 the update is elementwise (capture checked it), so it is
-    traced once per class of look-alike pieces and copied for the others; at
-    stage 0, which takes any optimizer, only if it turns out elementwise. A foreach update is traced
+    An elementwise update (at stages 1-3 capture checked it; at stage 0, which takes any optimizer, ``shard``
+    read it off the captured update) is traced once per class of look-alike pieces and copied for the others
+    (``replicate``); one that is not, over all of them at once. A foreach update is traced
     over each bucket's pieces across ranks (a bucket's update can then follow its reduction), over all of
     them at world size 1, as eager launches it.
     """
@@ -311,7 +312,7 @@ def _inline_optimizer(gm, ctx, piece_inputs, state_nodes, lr_nodes):
     new_pieces, new_states, added = splice_update(
         gm, ctx.fake_mode, ctx.optimizer,
         [p for *_, p, _ in piece_inputs], [gr for *_, gr in piece_inputs], state_nodes, lr_nodes,
-        [bucket.group for bucket, *_ in piece_inputs], replicate=True if ctx.stage != 0 else REPLICATE_IF_ELEMENTWISE,
+        [bucket.group for bucket, *_ in piece_inputs], replicate=replicate,
         cache=ctx.traces, units=units)
     for node in added:
         node.meta[g.PHASE] = g.OPTIMIZER
