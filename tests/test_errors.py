@@ -633,6 +633,27 @@ def test_stack_traces_while_tracing_are_torchs_without_its_costs(monkeypatch):
     assert not any("_symbolic_trace.py" in trace for trace in traces)   # torch's module-call wrapper, left out
 
 
+def test_a_whole_compile_leaves_torchs_uninteresting_files_uncomputed():
+    """The ShapeEnv also calls ``uninteresting_files()``, for the source location of each ``.item()`` read
+    (Adam's step count, in the optimizer's trace and its functionalizing replay): there too the loaded modules
+    stand for the set, so a first step does not import torch.export, AOTAutograd and networkx. Training is
+    eager's, bit for bit."""
+    from zerocc import tracing
+
+    torch.manual_seed(0)
+    model = MLP()
+    reference = copy.deepcopy(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    tracing._REAL_UNINTERESTING_FILES.cache_clear()
+    step = zerocc.compile(model, optimizer, stage=3, loss_fn=F.mse_loss)
+    for batch in batches("mlp", 2, 4):
+        assert torch.equal(step(*batch), eager_step(reference, reference_optimizer, F.mse_loss, batch))
+    assert tracing._REAL_UNINTERESTING_FILES.cache_info().currsize == 0
+    full = step.full_state_dict()
+    assert all(torch.equal(full[k], v) for k, v in reference.state_dict().items())
+
+
 @pytest.mark.parametrize("keyword, value, message", [
     ("bucket_bytes", True, r"bucket_bytes must be a positive int, got True"),
     ("prefetch_bytes", True, r"prefetch_bytes must be a non-negative int, got True"),

@@ -112,14 +112,28 @@ def recording_source_files(files: set[str]):
     tracer_base._filter_traceback_frames = filter_and_record
     if live:
         proxy.CapturedTraceback = _LiveStack
-    shapes_module, uninteresting = symbolic_shapes, symbolic_shapes.uninteresting_files
-    shapes_module.uninteresting_files = _uninteresting_files_loaded
     try:
         yield files
     finally:
         tracer_base._filter_traceback_frames = original_filter
         proxy.CapturedTraceback = original_traceback
-        shapes_module.uninteresting_files = uninteresting
+
+
+@contextlib.contextmanager
+def loaded_uninteresting_files():
+    """While tracing, torch's ``uninteresting_files`` answers from the modules already imported.
+
+    make_fx's stack-trace filter and the ShapeEnv's source location of each ``.item()`` read (the
+    optimizer's step count, a learning rate: ``create_unbacked_symfloat``) both call it, and its first call
+    imports every module it names: torch.export and AOTAutograd, with networkx and inductor behind them
+    (0.2-0.5 s of a first step, for files no traced frame can come from).
+    """
+    uninteresting = symbolic_shapes.uninteresting_files
+    symbolic_shapes.uninteresting_files = _uninteresting_files_loaded
+    try:
+        yield
+    finally:
+        symbolic_shapes.uninteresting_files = uninteresting
 
 
 class _LiveStack:
@@ -161,10 +175,9 @@ def _kept_frames(tracer, frames: list[tuple[str, int, str]], anchors) -> traceba
         [traceback.FrameSummary(filename, line, name) for filename, line, name in kept if filename not in leave_out])
 
 
-# The modules whose frames make_fx leaves out of a node's stack trace (torch's ``uninteresting_files``). Its
-# first call imports every one of them (torch.export and AOTAutograd among them: 0.3-0.5 s of a first
-# step); a frame can only come from a module already imported, so while tracing, the files of those loaded
-# stand for the whole set.
+# The modules whose frames make_fx and the ShapeEnv leave out of a stack (torch's ``uninteresting_files``).
+# Its first call imports every one of them; a frame can only come from a module already imported, so while
+# tracing, the files of those loaded stand for the whole set (``loaded_uninteresting_files``).
 _UNINTERESTING_MODULES = (
     "torch", "torch.fx.experimental.symbolic_shapes", "torch.export._trace", "torch.fx.experimental.recording",
     "torch.fx.experimental.sym_node", "torch.fx.interpreter", "torch.fx._symbolic_trace", "torch._compile",
@@ -461,7 +474,8 @@ def trace_functional(fn: Callable[..., Any], args: tuple, fake_mode: FakeTensorM
     # and the step's Python is made once, when it first runs
     # a module the user wrapped in torch.compile runs its own code inside the trace (dynamo inlines it)
     with stats.timed(compile_stats.TRACE), fake_mode, eager_composites(), _use_lazy_graph_module(True), \
-            torch._dynamo.config.patch(error_on_nested_fx_trace=False), recording_source_files(set()) as files:
+            torch._dynamo.config.patch(error_on_nested_fx_trace=False), loaded_uninteresting_files(), \
+            recording_source_files(set()) as files:
         first = make_fx(flat_fn, record_stack_traces=True)(*flat_args)
     first.meta[g.SOURCE_FILES] = frozenset(files)
     if check_written_constants is not None:
@@ -479,7 +493,7 @@ def trace_functional(fn: Callable[..., Any], args: tuple, fake_mode: FakeTensorM
             return _VisibleMutations(first).run(*leaves)
 
     detached = [a.detach() if isinstance(a, torch.Tensor) else a for a in flat_args]
-    with stats.timed(compile_stats.FUNCTIONALIZE), fake_mode, _use_lazy_graph_module(True):
+    with stats.timed(compile_stats.FUNCTIONALIZE), fake_mode, _use_lazy_graph_module(True), loaded_uninteresting_files():
         gm = make_fx(torch.func.functionalize(replay, remove="mutations"))(*detached)
     _run_written_copies_as_a_function(gm)
     _run_users_ops_under_autocast(gm)
