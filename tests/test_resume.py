@@ -344,12 +344,12 @@ def _mlp_step(stage, seed, frozen):
 def _train_frozen_then_unfrozen(rank, world_size, stage, phase, folder):
     data = [tuple(t.chunk(world_size)[rank] for t in batch) for batch in batches("mlp", 3 * K, 8)]
     step = _mlp_step(stage, phase, frozen=phase == 1)
-    if phase == 1:   # the dcp path: a state dict named before the first call must ask for the frozen layer's state
+    if phase == 1:
+        zerocc.load_checkpoint(step, f"{folder}/{phase - 1}")
+    elif phase == 2:   # the dcp path: the state dict named before the first call asks for the unfrozen layer's state
         state = step.state_dict()
         dcp.load(state, checkpoint_id=f"{folder}/{phase - 1}")
         step.load_state_dict(state)
-    elif phase == 2:
-        zerocc.load_checkpoint(step, f"{folder}/{phase - 1}")
     losses = [step(*batch) for batch in data[phase * K:(phase + 1) * K]]
     zerocc.save_checkpoint(step, f"{folder}/{phase}")
     step.close()

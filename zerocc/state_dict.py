@@ -132,30 +132,31 @@ def _parts_before_compile(step) -> dict[str, _Part]:
             for key, value in step.optimizer.state.get(tensor, {}).items() if kind == "param" else ():
                 if isinstance(value, torch.Tensor):
                     parts[optim_key(names[0], key)] = _whole(optim_key(names[0], key), value.detach())
-    # frozen parameters the optimizer lists too: a checkpoint may hold their state (trained before, frozen now)
-    listed = {id(p) for group in step.optimizer.param_groups for p in group["params"]}
+    trained_ids = {id(p) for group in step.optimizer.param_groups for p in group["params"] if p.requires_grad}
     stateless = [(names[0], t, tuple(t.shape)) for names, t in named_tensors(step.model, "param")
-                 if id(t) in listed and not step.optimizer.state.get(t)]
+                 if id(t) in trained_ids and not step.optimizer.state.get(t)]
     parts.update(_first_state_as_zeros(step, stateless))
     return parts
 
 
 def _frozen_optimizer_state(step, params: dict[str, torch.Tensor]) -> dict[str, _Part]:
-    """The optimizer state of the frozen parameters the optimizer lists, whole on every rank, from optimizer.state
-    (the zeros of a first update where it has none, as for a trained parameter without state)."""
+    """The optimizer state of the frozen parameters the optimizer lists, whole on every rank, from optimizer.state.
+    No zeros where one has none: a frozen base the optimizer lists (LoRA over ``model.parameters()``) would cost
+    its size twice over in every state dict and checkpoint."""
+    parts = {}
+    for name in _frozen_listed(step):
+        for key, value in step.optimizer.state.get(params[name], {}).items():
+            if isinstance(value, torch.Tensor):
+                parts[optim_key(name, key)] = dataclasses.replace(_whole(optim_key(name, key), value.detach()),
+                                                                  frozen=True)
+    return parts
+
+
+def _frozen_listed(step) -> list[str]:
+    """A started step's frozen parameters the optimizer lists (their state, if any, stays in optimizer.state)."""
     listed = {id(p) for group in step.optimizer.param_groups for p in group["params"]}
-    parts, stateless = {}, []
-    for info in step.state.captured.frozen:
-        tensor = params[info.name]
-        if id(tensor) not in listed:
-            continue
-        held = {k: v for k, v in step.optimizer.state.get(tensor, {}).items() if isinstance(v, torch.Tensor)}
-        for key, value in held.items():
-            parts[optim_key(info.name, key)] = _whole(optim_key(info.name, key), value.detach())
-        if not held:
-            stateless.append((info.name, tensor, info.shape))
-    parts.update(_first_state_as_zeros(step, stateless))
-    return {key: dataclasses.replace(part, frozen=True) for key, part in parts.items()}
+    params = step.state.tensors("param")
+    return [info.name for info in step.state.captured.frozen if id(params[info.name]) in listed]
 
 
 def _first_state_as_zeros(step, stateless: list[tuple[str, torch.Tensor, tuple[int, ...]]]) -> dict[str, _Part]:
@@ -412,10 +413,12 @@ def load_state_dict(step, state: dict[str, object]) -> None:
         _load_param_groups(step, list(state[PARAM_GROUPS_KEY]))
     parts = _parts(step)
     given = {k for k in state if k not in (STEPS_KEY, PARAM_GROUPS_KEY)}
+    frozen_listed = set(_frozen_listed(step)) if step.state.started else set()
     missing = sorted(k for k in parts if k not in given and not (not step.state.started and k.startswith("optim/"))
                      and not k.startswith(SCALER_PREFIX) and not parts[k].absent and not parts[k].frozen)
+    frozen_keys = {k for k in given if k.startswith("optim/") and k.split("/", 2)[1] in frozen_listed}
     unknown = sorted(k for k in given if k not in parts and not (not step.state.started and k.startswith("optim/"))
-                     and not k.startswith(SCALER_PREFIX))
+                     and not k.startswith(SCALER_PREFIX) and k not in frozen_keys)
     if missing or unknown:
         raise ConfigError(
             "the state dict does not fit this model and optimizer:\n"
@@ -434,9 +437,8 @@ def load_state_dict(step, state: dict[str, object]) -> None:
         for slot in [slot for slot in step.state.slots if slot.startswith("state:")]:
             del step.state.slots[slot]
     if step.state.started:   # frozen parameters' state: replaced by the checkpoint's, as eager's load_state_dict does
-        frozen = {k for k in given if k in parts and parts[k].frozen}
-        optimizer_entries |= frozen
-        _install_frozen_optimizer_state(step, {k: state[k] for k in frozen})
+        optimizer_entries |= frozen_keys
+        _install_frozen_optimizer_state(step, {k: state[k] for k in frozen_keys})
     with torch.no_grad():
         for key in (given & parts.keys()) - optimizer_entries:
             _copy_into(parts[key], _sources(state[key]))
@@ -734,8 +736,10 @@ def _load(step, path: str) -> None:
     saved = reader.read_metadata().state_dict_metadata
     parts = _parts(step)
     state = _state_of(step, parts)
+    frozen_listed = set(_frozen_listed(step)) if step.state.started else set()
     for key, entry in saved.items():
-        if key not in state and not step.state.started and key.startswith("optim/"):
+        if key not in state and key.startswith("optim/") and (not step.state.started
+                                                               or key.split("/", 2)[1] in frozen_listed):
             state[key] = torch.empty(entry.size, dtype=entry.properties.dtype)
         elif _one_element_of_another_shape(state.get(key), entry):   # a 0-dim parameter in older checkpoints
             state[key] = state[key].view(entry.size)
