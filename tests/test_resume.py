@@ -330,3 +330,59 @@ def test_dcp_async_save_with_the_guides_recipe_saves_the_state_of_its_call_while
     got = distributed.run(_fresh_resume, 2, 3, "plain", folder)
     for rank, (a, b) in enumerate(zip(got, expected)):
         assert all(torch.equal(x, y) for x, y in zip(a, b)), (rank, a, b)
+
+
+# -- a layer frozen on resume, unfrozen later: its optimizer state goes on, as eager's -----------------
+def _mlp_step(stage, seed, frozen):
+    model, _, loss_fn = build("mlp", seed)
+    for parameter in model.net[0].parameters() if frozen else ():
+        parameter.requires_grad_(False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)   # lists the frozen layer, as eager's would
+    return zerocc.compile(model, optimizer, stage=stage, loss_fn=loss_fn)
+
+
+def _train_frozen_then_unfrozen(rank, world_size, stage, phase, folder):
+    data = [tuple(t.chunk(world_size)[rank] for t in batch) for batch in batches("mlp", 3 * K, 8)]
+    step = _mlp_step(stage, phase, frozen=phase == 1)
+    if phase == 1:
+        zerocc.load_checkpoint(step, f"{folder}/{phase - 1}")
+    elif phase == 2:   # the dcp path: the state dict named before the first call asks for the unfrozen layer's state
+        state = step.state_dict()
+        dcp.load(state, checkpoint_id=f"{folder}/{phase - 1}")
+        step.load_state_dict(state)
+    losses = [step(*batch) for batch in data[phase * K:(phase + 1) * K]]
+    zerocc.save_checkpoint(step, f"{folder}/{phase}")
+    step.close()
+    return losses, step.model.state_dict(), step.optimizer.state_dict()
+
+
+@pytest.mark.parametrize("world_size", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_a_layer_frozen_on_resume_keeps_its_optimizer_state_for_when_it_is_unfrozen(tmp_path, world_size):
+    """Train, resume with a layer frozen (its parameters still in the optimizer), resume again unfrozen, each in a
+    new process: eager's optimizer keeps the frozen layer's Adam state and continues it once unfrozen. The step
+    dropped it at its first call (it traced only what it trains), so the checkpoint it saved lacked it, close()
+    handed back an optimizer without it, and the unfrozen run restarted the layer's moments and step count."""
+    model, _, loss_fn = build("mlp", 0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    expected = []
+    for phase, batch in enumerate(batches("mlp", 3 * K, 8)):
+        for parameter in model.net[0].parameters():
+            parameter.requires_grad_(not K <= phase < 2 * K)
+        expected.append(eager_step(model, optimizer, loss_fn, batch))
+    got = []
+    for phase in range(3):
+        ranks = distributed.run(_train_frozen_then_unfrozen, world_size, 3, phase, str(tmp_path))
+        got += [torch.stack(per_rank).mean() for per_rank in zip(*[losses for losses, _, _ in ranks])]
+        _, model_state, optimizer_state = ranks[0]
+    if world_size == 1:
+        assert all(torch.equal(a, b) for a, b in zip(got, expected)), (got, expected)
+        assert all(torch.equal(model_state[k], v) for k, v in model.state_dict().items())
+        for index, entries in optimizer.state_dict()["state"].items():
+            assert all(torch.equal(optimizer_state["state"][index][k], v) for k, v in entries.items()), index
+    else:
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+        for k, v in model.state_dict().items():
+            torch.testing.assert_close(model_state[k], v, rtol=1e-4, atol=1e-5)
+        for index, entries in optimizer.state_dict()["state"].items():
+            for k, v in entries.items():
+                torch.testing.assert_close(optimizer_state["state"][index][k], v, rtol=1e-4, atol=1e-6)

@@ -317,6 +317,40 @@ def test_a_folder_dcp_save_wrote_is_refused_by_load_checkpoint_and_export_saying
         zerocc.load_checkpoint(step, tmp_path / "nowhere")
 
 
+def test_a_dcp_checkpoint_of_a_model_and_optimizer_is_refused_naming_the_recipe_that_resumes_it_exactly(tmp_path):
+    """A checkpoint FSDP2 writes (``get_model_state_dict`` / ``get_optimizer_state_dict`` saved with ``dcp.save``) given
+    to ``zerocc.load_checkpoint`` was said to be one "of step.state_dict()", to be loaded with
+    ``dcp.load(step.state_dict(), ...)``: that failed inside DCP with a ``CheckpointException`` ("Missing key in
+    checkpoint state_dict: model/..."). The refusal now names its keys and the load into the model and optimizer
+    before compile, which continues as eager does."""
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                         set_model_state_dict, set_optimizer_state_dict)
+    data = batches("mlp", 2 * K, 8)
+    model, _, loss_fn = build("mlp", 0)
+    optimizer = adamw(model)
+    for batch in data[:K]:
+        eager_step(model, optimizer, loss_fn, batch)
+    dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)},
+             checkpoint_id=str(tmp_path / "fsdp"))
+    expected = [eager_step(model, optimizer, loss_fn, batch) for batch in data[K:]]
+
+    step = compiled("mlp", 3, seed=5)
+    with pytest.raises(zerocc.ConfigError, match=r"another state dict than a zerocc step's \(its keys: model.net.0.bias"
+                                                 r".*set_optimizer_state_dict\(model, optimizer, sd\['optim'\]\)"):
+        zerocc.load_checkpoint(step, tmp_path / "fsdp")
+    with pytest.raises(zerocc.CheckpointError, match="another state dict than a zerocc step's"):
+        zerocc.export_full_state_dict(str(tmp_path / "fsdp"), str(tmp_path / "model.safetensors"))
+    resumed, _, _ = build("mlp", 5)
+    resumed_optimizer = adamw(resumed)
+    state = {"model": get_model_state_dict(resumed), "optim": get_optimizer_state_dict(resumed, resumed_optimizer)}
+    dcp.load(state, checkpoint_id=str(tmp_path / "fsdp"))
+    set_model_state_dict(resumed, state["model"])
+    set_optimizer_state_dict(resumed, resumed_optimizer, state["optim"])
+    step = zerocc.compile(resumed, resumed_optimizer, stage=3, loss_fn=loss_fn)
+    assert all(torch.equal(step(*batch), loss) for batch, loss in zip(data[K:], expected))
+    assert all(torch.equal(a, b) for a, b in zip(step.full_state_dict().values(), model.state_dict().values()))
+
+
 def _load_missing_on_one_rank(rank, world_size, folder):
     data = local_batches("mlp", rank, world_size, 3)
     step = compiled("mlp", 3, timeout=60)

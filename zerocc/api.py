@@ -708,8 +708,13 @@ class CompiledStep:
                 state.slots = slot_store.initial_slots(compiled.ctx.shard_plan, captured, self.model, self.optimizer,
                                                        fresh_state=fresh)
             state.slots.update(state.initial_scaler)   # created (or loaded from a checkpoint) before the first step
-            # the step owns the (sharded) optimizer state from now on: reading it from optimizer.state says where it is
-            self.optimizer.state = user_views.HeldOptimizerState(self)
+            # the step owns the (sharded) optimizer state from now on: reading it from optimizer.state says where it is.
+            # A frozen parameter's state (trained before, frozen on resume) is no part of the program: it stays in
+            # optimizer.state, as eager's optimizer keeps it, and is saved, loaded and handed back with the rest
+            held = user_views.HeldOptimizerState(self)
+            trained = {id(self.model.get_parameter(info.name)) for info in captured.params}
+            held.update({p: s for p, s in self.optimizer.state.items() if id(p) not in trained and s})
+            self.optimizer.state = held
             for info in captured.params:   # its gradients live in its buckets: a .grad left by eager steps before
                 # compiling would read as the step's own, and hold a whole copy of the parameter on every rank
                 self.model.get_parameter(info.name).grad = None

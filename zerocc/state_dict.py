@@ -101,6 +101,9 @@ class _Part:
     # scale): the zeros its first update starts from, saved so that a state dict built before a first call, which
     # names them, finds them; loaded only as zeros (still no state)
     absent: bool = False
+    # a frozen parameter's optimizer state (trained before, frozen on resume): no part of the program, it stays in
+    # optimizer.state, as eager's optimizer keeps it; saved whole from there, loaded back there
+    frozen: bool = False
 
 
 # -- what this rank holds ---------------------------------------------------------
@@ -134,6 +137,26 @@ def _parts_before_compile(step) -> dict[str, _Part]:
                  if id(t) in trained_ids and not step.optimizer.state.get(t)]
     parts.update(_first_state_as_zeros(step, stateless))
     return parts
+
+
+def _frozen_optimizer_state(step, params: dict[str, torch.Tensor]) -> dict[str, _Part]:
+    """The optimizer state of the frozen parameters the optimizer lists, whole on every rank, from optimizer.state.
+    No zeros where one has none: a frozen base the optimizer lists (LoRA over ``model.parameters()``) would cost
+    its size twice over in every state dict and checkpoint."""
+    parts = {}
+    for name in _frozen_listed(step):
+        for key, value in step.optimizer.state.get(params[name], {}).items():
+            if isinstance(value, torch.Tensor):
+                parts[optim_key(name, key)] = dataclasses.replace(_whole(optim_key(name, key), value.detach()),
+                                                                  frozen=True)
+    return parts
+
+
+def _frozen_listed(step) -> list[str]:
+    """A started step's frozen parameters the optimizer lists (their state, if any, stays in optimizer.state)."""
+    listed = {id(p) for group in step.optimizer.param_groups for p in group["params"]}
+    params = step.state.tensors("param")
+    return [info.name for info in step.state.captured.frozen if id(params[info.name]) in listed]
 
 
 def _first_state_as_zeros(step, stateless: list[tuple[str, torch.Tensor, tuple[int, ...]]]) -> dict[str, _Part]:
@@ -210,6 +233,7 @@ def _parts_of_slots(step) -> dict[str, _Part]:
         if not (made and signature)]))
     for info in captured.frozen:
         parts[model_key(info.name)] = _flat(model_key(info.name), slots[decisions.frozen_slot(info.name)])
+    parts.update(_frozen_optimizer_state(step, params))
     unsaved = _non_persistent_buffers(step.model)
     for info in captured.buffers:
         if info.name not in unsaved:
@@ -301,7 +325,7 @@ def _check_param_groups(step, saved: list[dict]) -> None:
 
 def whole_optimizer_state(step) -> dict[str, dict[str, torch.Tensor]]:
     """Per parameter fqn, its optimizer state whole and shaped like it (copies); this rank must hold all of it."""
-    shapes = {info.name: info.shape for info in step.state.captured.params}
+    shapes = {info.name: info.shape for info in [*step.state.captured.params, *step.state.captured.frozen]}
     result: dict[str, dict[str, torch.Tensor]] = {}
     for key, part in _parts(step).items():
         if not key.startswith("optim/") or part.absent:   # no state, as eager's optimizer has none
@@ -333,7 +357,7 @@ def gathered_optimizer_state(step) -> dict[str, dict[str, torch.Tensor]]:
     held: list = [None] * ranks.world_size
     dist.all_gather_object(held, mine, group=ranks.group)
     device = next(iter(step.state.slots.values())).device
-    shapes = {info.name: info.shape for info in step.state.captured.params}
+    shapes = {info.name: info.shape for info in [*step.state.captured.params, *step.state.captured.frozen]}
     result: dict[str, dict[str, torch.Tensor]] = {}
     for key in sorted(set().union(*held)):
         holders = [rank for rank in range(ranks.world_size) if key in held[rank]]
@@ -389,10 +413,12 @@ def load_state_dict(step, state: dict[str, object]) -> None:
         _load_param_groups(step, list(state[PARAM_GROUPS_KEY]))
     parts = _parts(step)
     given = {k for k in state if k not in (STEPS_KEY, PARAM_GROUPS_KEY)}
+    frozen_listed = set(_frozen_listed(step)) if step.state.started else set()
     missing = sorted(k for k in parts if k not in given and not (not step.state.started and k.startswith("optim/"))
-                     and not k.startswith(SCALER_PREFIX) and not parts[k].absent)
+                     and not k.startswith(SCALER_PREFIX) and not parts[k].absent and not parts[k].frozen)
+    frozen_keys = {k for k in given if k.startswith("optim/") and k.split("/", 2)[1] in frozen_listed}
     unknown = sorted(k for k in given if k not in parts and not (not step.state.started and k.startswith("optim/"))
-                     and not k.startswith(SCALER_PREFIX))
+                     and not k.startswith(SCALER_PREFIX) and k not in frozen_keys)
     if missing or unknown:
         raise ConfigError(
             "the state dict does not fit this model and optimizer:\n"
@@ -410,6 +436,9 @@ def load_state_dict(step, state: dict[str, object]) -> None:
         optimizer_entries = {k for k in given if k.startswith("optim/")}
         for slot in [slot for slot in step.state.slots if slot.startswith("state:")]:
             del step.state.slots[slot]
+    if step.state.started:   # frozen parameters' state: replaced by the checkpoint's, as eager's load_state_dict does
+        optimizer_entries |= frozen_keys
+        _install_frozen_optimizer_state(step, {k: state[k] for k in frozen_keys})
     with torch.no_grad():
         for key in (given & parts.keys()) - optimizer_entries:
             _copy_into(parts[key], _sources(state[key]))
@@ -438,7 +467,7 @@ def _refuse_pieces_before_the_first_call(state: dict[str, object]) -> None:
 
 def _refuse_state_without_a_place(parts: dict[str, _Part], state: dict[str, object]) -> None:
     """A started step has no slot for optimizer state no rank held at its first call: refuse it, rather than drop it."""
-    made = sorted(k for k in state if k in parts and parts[k].absent
+    made = sorted(k for k in state if k in parts and parts[k].absent and not parts[k].frozen
                   and any(bool(source.any()) for _, source in _sources(state[k])))
     if made:
         raise ConfigError(
@@ -462,8 +491,17 @@ def _copy_into(part: _Part, sources: list[tuple[int, torch.Tensor]]) -> None:
                               f"this rank needs at offset {offset}; build it with step.state_dict() before loading")
 
 
-def _install_optimizer_state(step, state: dict[str, object]) -> None:
-    """Before the first step: put whole optimizer state where the first compile reads it."""
+def _install_frozen_optimizer_state(step, state: dict[str, object]) -> None:
+    """A started step: the frozen parameters' optimizer state in optimizer.state becomes ``state``'s (copies)."""
+    params = step.state.tensors("param")
+    for info in step.state.captured.frozen:
+        step.optimizer.state.pop(params[info.name], None)
+    _install_optimizer_state(step, state, {info.name: info.shape for info in step.state.captured.frozen})
+
+
+def _install_optimizer_state(step, state: dict[str, object], shapes: dict | None = None) -> None:
+    """Before the first step: put whole optimizer state where the first compile reads it (and, ``shapes`` given, a
+    started step's frozen parameters' state where it stays)."""
     params = {names[0]: t for names, t in named_tensors(step.model, "param")}
     by_param: dict[str, list[torch.Tensor]] = {}
     for key, value in state.items():
@@ -484,10 +522,11 @@ def _install_optimizer_state(step, state: dict[str, object]) -> None:
         if fqn not in params:
             raise ConfigError(f"{key}: the model has no parameter {fqn!r}")
         param = params[fqn]
+        shape = (shapes or {}).get(fqn, param.shape)   # a started step's: the module may hold a placeholder
         sources = _sources(value)
-        if len(sources) != 1 or sources[0][1].numel() != (1 if value.dim() == 0 else param.numel()):
+        if len(sources) != 1 or sources[0][1].numel() != (1 if value.dim() == 0 else _numel(shape)):
             raise ConfigError(f"{key}: before the first step the whole tensor is needed")
-        tensor = value if value.dim() == 0 else value.reshape(param.shape)
+        tensor = value if value.dim() == 0 else value.reshape(shape)
         step.optimizer.state[param][name] = tensor.detach().clone()
     # capture labels state placeholders in sorted key order but traces them in dict order: keep the two equal
     for param, entries in list(step.optimizer.state.items()):
@@ -697,8 +736,10 @@ def _load(step, path: str) -> None:
     saved = reader.read_metadata().state_dict_metadata
     parts = _parts(step)
     state = _state_of(step, parts)
+    frozen_listed = set(_frozen_listed(step)) if step.state.started else set()
     for key, entry in saved.items():
-        if key not in state and not step.state.started and key.startswith("optim/"):
+        if key not in state and key.startswith("optim/") and (not step.state.started
+                                                               or key.split("/", 2)[1] in frozen_listed):
             state[key] = torch.empty(entry.size, dtype=entry.properties.dtype)
         elif _one_element_of_another_shape(state.get(key), entry):   # a 0-dim parameter in older checkpoints
             state[key] = state[key].view(entry.size)
@@ -707,8 +748,10 @@ def _load(step, path: str) -> None:
     # a checkpoint saved without loss scaling (fp32, bf16) lacks the scale: a step with one starts it afresh
     state = {k: v for k, v in state.items() if k in saved or not k.startswith(SCALER_PREFIX)}
     # optimizer state no rank holds, as zeros: checkpoints written before those were saved lack it
-    stateless = {key for key, part in parts.items() if part.absent}
-    state = {k: v for k, v in state.items() if k in saved or k not in stateless}
+    stateless = {key for key, part in parts.items() if part.absent and not part.frozen}
+    # a frozen parameter's optimizer state the checkpoint lacks: none after the load, as eager's load_state_dict
+    frozen = {key for key, part in parts.items() if part.frozen}
+    state = {k: v for k, v in state.items() if k in saved or k not in stateless | frozen}
     groups_saved = PARAM_GROUPS_KEY in saved
     if not groups_saved:
         del state[PARAM_GROUPS_KEY]
@@ -739,7 +782,7 @@ def _check_complete(step, path: str) -> None:
     if not os.path.exists(os.path.join(path, META_FILE)):
         raise ConfigError(_not_a_checkpoint(path) + (
             "; load it with sd = step.state_dict(); dcp.load(sd, checkpoint_id=path); step.load_state_dict(sd)"
-            if _written_by_dcp(path) else ""))
+            if _written_by_dcp(path) and _of_a_step(path) else ""))
     _check_shapes(step, path)
 
 
@@ -747,10 +790,28 @@ def _written_by_dcp(path: str) -> bool:
     return os.path.exists(os.path.join(path, ".metadata"))   # DCP's FileSystemWriter's metadata file
 
 
+def _of_a_step(path: str) -> bool:
+    """Whether the DCP checkpoint at ``path`` holds a step's state dict (keys ``model/<fqn>``), or is unreadable."""
+    try:
+        keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    except Exception:   # noqa: BLE001  (a broken folder: say what the folder name says, as before)
+        return True
+    return any(key.startswith("model/") for key in keys)
+
+
 def _not_a_checkpoint(path: str) -> str:
     """Why ``path`` is no zerocc checkpoint: it is missing, a DCP checkpoint ``dcp.save`` wrote, or incomplete."""
     if not os.path.exists(path):
         return f"{path} is not a complete zerocc checkpoint: it does not exist"
+    if _written_by_dcp(path) and not _of_a_step(path):   # FSDP2's, torchtitan's, a plain model's
+        keys = sorted(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
+        return (f"{path} is a checkpoint dcp.save wrote of another state dict than a zerocc step's (its keys: "
+                f"{', '.join(keys[:3])}{' ...' if len(keys) > 3 else ''}), such as FSDP2's get_model_state_dict and "
+                "get_optimizer_state_dict: load it into the model and optimizer before zerocc.compile, as that run "
+                "saved it (sd = {'model': get_model_state_dict(model), 'optim': get_optimizer_state_dict(model, "
+                "optimizer)}; dcp.load(sd, checkpoint_id=path); set_model_state_dict(model, sd['model']); "
+                "set_optimizer_state_dict(model, optimizer, sd['optim']), from torch.distributed.checkpoint.state_dict)"
+                ", then compile: the step takes them over")
     if _written_by_dcp(path):
         return (f"{path} is not a complete zerocc checkpoint (no {META_FILE}): it holds a checkpoint dcp.save wrote "
                 "(torch.distributed.checkpoint, of step.state_dict())")
@@ -799,7 +860,8 @@ def export_full_state_dict(checkpoint_dir: str, out_path: str) -> dict:
     if not os.path.exists(os.path.join(checkpoint_dir, META_FILE)):
         raise CheckpointError(_not_a_checkpoint(checkpoint_dir) + (
             ", which lacks the shapes an export needs: load it into a step with dcp.load and save that with "
-            "zerocc.save_checkpoint" if _written_by_dcp(checkpoint_dir) else
+            "zerocc.save_checkpoint" if _written_by_dcp(checkpoint_dir) and _of_a_step(checkpoint_dir) else
+            "; compile a model it loads into, then save that with zerocc.save_checkpoint" if _written_by_dcp(checkpoint_dir) else
             "; export the path zerocc.save_checkpoint wrote"))
     with open(os.path.join(checkpoint_dir, META_FILE)) as handle:
         meta = json.load(handle)
