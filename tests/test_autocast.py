@@ -229,3 +229,29 @@ def test_param_dtype_under_the_callers_autocast_trains_as_eager_does_both(stage,
     full = step.full_state_dict()
     for key, value in reference.state_dict().items():
         assert full[key].dtype == torch.float32 and torch.equal(full[key], value), key
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_grad_scaler_loop_translated_to_loss_scale_trains_like_eager_autocast_and_grad_scaler(stage):
+    """The documented translation of an AMP loop: the caller's autocast(float16) around the step, ``loss_scale``
+    instead of a GradScaler of one's own, no ``param_dtype``. The autocast's casts of the linears' weights were taken
+    for param_dtype's casts: at stage 3 the pass gathered each bucket cast to float16, so the LayerNorm and the router
+    (kept in float32 by autocast) trained on float16-rounded weights and every parameter drifted by ulps."""
+    reference, model = build(), build()
+    reference_optimizer = adamw(reference)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1)
+    step = zerocc.compile(model, adamw(model), stage=stage, loss_fn=F.cross_entropy,
+                          loss_scale=zerocc.DynamicLossScale(init_scale=2.0 ** 10, growth_interval=1))
+    for x, y in batches(3):
+        reference_optimizer.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.float16):
+            expected = F.cross_entropy(reference(x), y)
+        scaler.scale(expected).backward()
+        scaler.step(reference_optimizer)
+        scaler.update()
+        with torch.autocast("cpu", dtype=torch.float16):
+            assert torch.equal(step(x, y), expected.detach())
+        assert step.loss_scale == scaler.get_scale()
+    full = step.full_state_dict()
+    for key, value in reference.state_dict().items():
+        assert torch.equal(full[key], value), key
