@@ -8,6 +8,7 @@ compiles its own program, as eager would compute otherwise (``zerocc/autocast.py
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -255,3 +256,24 @@ def test_a_grad_scaler_loop_translated_to_loss_scale_trains_like_eager_autocast_
     full = step.full_state_dict()
     for key, value in reference.state_dict().items():
         assert torch.equal(full[key], value), key
+
+
+def test_float16_autocast_without_loss_scale_warns_naming_loss_scale_not_a_grad_scaler():
+    """An AMP loop's GradScaler cannot scale a step that returns its loss after backward and the update (its
+    ``scaler.scale(loss).backward()`` fails in torch: "element 0 of tensors does not require grad"): the first call
+    under float16 autocast says to pass loss_scale, naming the caller's line; with loss_scale it says nothing."""
+    model = build()
+    step = zerocc.compile(model, adamw(model), stage=0, loss_fn=F.cross_entropy)
+    x, y = batches(1)[0]
+    with pytest.warns(UserWarning, match=r"torch.autocast\(dtype=torch.float16\) without loss scaling.*"
+                                         r"loss_scale='dynamic'.*GradScaler of your own cannot") as caught:
+        with torch.autocast("cpu", dtype=torch.float16):
+            step(x, y)
+    assert any(w.filename == __file__ for w in caught if "loss scaling" in str(w.message))
+    scaled = build()
+    step = zerocc.compile(scaled, adamw(scaled), stage=0, loss_fn=F.cross_entropy, loss_scale="dynamic")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.autocast("cpu", dtype=torch.float16):
+            step(x, y)
+    assert not [w for w in caught if "loss scaling" in str(w.message)]
