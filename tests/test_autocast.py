@@ -55,6 +55,7 @@ def eager(model, optimizer, batch, dtype):
     return loss.detach()
 
 
+@pytest.mark.filterwarnings("ignore:the step is called under torch.autocast.dtype=torch.float16. without loss scaling")
 @pytest.mark.parametrize("stage,memory_pools", [(0, None), (1, None), (3, None), (3, False)],
                          ids=["stage0", "stage1", "stage3", "stage3-no-pools"])
 def test_a_step_under_autocast_trains_like_eager_and_outside_it_compiles_its_own_program(stage, memory_pools):
