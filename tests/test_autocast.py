@@ -8,6 +8,7 @@ compiles its own program, as eager would compute otherwise (``zerocc/autocast.py
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -54,6 +55,7 @@ def eager(model, optimizer, batch, dtype):
     return loss.detach()
 
 
+@pytest.mark.filterwarnings("ignore:the step is called under torch.autocast.dtype=torch.float16. without loss scaling")
 @pytest.mark.parametrize("stage,memory_pools", [(0, None), (1, None), (3, None), (3, False)],
                          ids=["stage0", "stage1", "stage3", "stage3-no-pools"])
 def test_a_step_under_autocast_trains_like_eager_and_outside_it_compiles_its_own_program(stage, memory_pools):
@@ -229,3 +231,50 @@ def test_param_dtype_under_the_callers_autocast_trains_as_eager_does_both(stage,
     full = step.full_state_dict()
     for key, value in reference.state_dict().items():
         assert full[key].dtype == torch.float32 and torch.equal(full[key], value), key
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_grad_scaler_loop_translated_to_loss_scale_trains_like_eager_autocast_and_grad_scaler(stage):
+    """The documented translation of an AMP loop: the caller's autocast(float16) around the step, ``loss_scale``
+    instead of a GradScaler of one's own, no ``param_dtype``. The autocast's casts of the linears' weights were taken
+    for param_dtype's casts: at stage 3 the pass gathered each bucket cast to float16, so the LayerNorm and the router
+    (kept in float32 by autocast) trained on float16-rounded weights and every parameter drifted by ulps."""
+    reference, model = build(), build()
+    reference_optimizer = adamw(reference)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1)
+    step = zerocc.compile(model, adamw(model), stage=stage, loss_fn=F.cross_entropy,
+                          loss_scale=zerocc.DynamicLossScale(init_scale=2.0 ** 10, growth_interval=1))
+    for x, y in batches(3):
+        reference_optimizer.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.float16):
+            expected = F.cross_entropy(reference(x), y)
+        scaler.scale(expected).backward()
+        scaler.step(reference_optimizer)
+        scaler.update()
+        with torch.autocast("cpu", dtype=torch.float16):
+            assert torch.equal(step(x, y), expected.detach())
+        assert step.loss_scale == scaler.get_scale()
+    full = step.full_state_dict()
+    for key, value in reference.state_dict().items():
+        assert torch.equal(full[key], value), key
+
+
+def test_float16_autocast_without_loss_scale_warns_naming_loss_scale_not_a_grad_scaler():
+    """An AMP loop's GradScaler cannot scale a step that returns its loss after backward and the update (its
+    ``scaler.scale(loss).backward()`` fails in torch: "element 0 of tensors does not require grad"): the first call
+    under float16 autocast says to pass loss_scale, naming the caller's line; with loss_scale it says nothing."""
+    model = build()
+    step = zerocc.compile(model, adamw(model), stage=0, loss_fn=F.cross_entropy)
+    x, y = batches(1)[0]
+    with pytest.warns(UserWarning, match=r"torch.autocast\(dtype=torch.float16\) without loss scaling.*"
+                                         r"loss_scale='dynamic'.*GradScaler of your own cannot") as caught:
+        with torch.autocast("cpu", dtype=torch.float16):
+            step(x, y)
+    assert any(w.filename == __file__ for w in caught if "loss scaling" in str(w.message))
+    scaled = build()
+    step = zerocc.compile(scaled, adamw(scaled), stage=0, loss_fn=F.cross_entropy, loss_scale="dynamic")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.autocast("cpu", dtype=torch.float16):
+            step(x, y)
+    assert not [w for w in caught if "loss scaling" in str(w.message)]

@@ -539,6 +539,18 @@ class CompiledStep:
         (``program_cache.values_read``), less those forward writes itself."""
         return self._values_reader(self._written_python)
 
+    def _warn_of_float16_autocast_without_loss_scaling(self, autocast: tuple) -> None:
+        """As ``param_dtype=torch.float16`` without ``loss_scale`` warns at compile: an AMP loop's GradScaler cannot
+        stand in for it (``scaler.scale(loss).backward()`` fails with "element 0 of tensors does not require grad",
+        ``scaler.step(optimizer)`` with "No inf checks were recorded"), so the warning says what does."""
+        precision = self.options.precision
+        if (precision is None or precision.loss_scale is None) and any(dtype is torch.float16 for _, dtype, _ in autocast):
+            warnings.warn("the step is called under torch.autocast(dtype=torch.float16) without loss scaling: small "
+                          "gradients underflow to zero in float16. Pass loss_scale='dynamic' to zerocc.compile (it "
+                          "scales, skips and checkpoints as torch.amp.GradScaler does); a GradScaler of your own cannot "
+                          "scale the step, which has run backward and the optimizer's update when it returns the loss",
+                          UserWarning, stacklevel=user_stacklevel())
+
     def _compile_for(self, key: CacheKey, batch, layout) -> tuple[CacheKey, CacheEntry]:
         """Compile the program for ``key`` and ``batch``'s side of its data guards, and keep it: the key it is kept
         under (without the Python values the trace itself changed, ``_written_python``) and the entry.
@@ -548,6 +560,7 @@ class CompiledStep:
         """
         self.cache.check_static_shapes(key.signature)
         self._say_which_settings_changed(key)
+        self._warn_of_float16_autocast_without_loss_scaling(key.autocast)
         self._say_which_python_values_changed(key)
         self._say_which_batch_values_changed(key)
         started = time.perf_counter()

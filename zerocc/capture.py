@@ -542,7 +542,7 @@ def trace_step(
     _refuse_writes_to_the_batch(gm, leaves, layout)
     _tag_placeholders(gm, leaves, param_infos, frozen_infos, buffer_infos, state_keys)
     if precision is not None:
-        mixed.tag_parameter_casts(gm)
+        mixed.tag_parameter_casts(gm, precision)
     # outputs: loss, grads (None for unused), buffers; then the optimizer's step over the used parameters
     out_nodes = list(g.output_node(gm).args[0])
     import torch.utils._pytree as pytree

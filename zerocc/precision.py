@@ -173,9 +173,17 @@ def master_grads(grads, params):
     return [None if grad is None else grad.to(param.dtype) for grad, param in zip(grads, params)]
 
 
-def tag_parameter_casts(gm: fx.GraphModule) -> None:
-    """Mark the casts of trained parameters to ``param_dtype``: the mixed_precision pass moves them to buckets."""
+def tag_parameter_casts(gm: fx.GraphModule, precision: Precision) -> None:
+    """Mark the casts of trained parameters to ``param_dtype``: the mixed_precision pass moves them to buckets.
+
+    Only ``compute_values``' casts: other casts of a parameter (the caller's ``torch.autocast`` casting a linear's
+    weight to float16 under ``loss_scale`` without ``param_dtype``, a ``w.half()`` in forward) stay per-parameter
+    ops. Tagged, the pass cast the whole bucket to their dtype, and at stage 3 gathered that cast: every other
+    parameter of the bucket (a LayerNorm autocast keeps in float32) was read rounded to float16."""
+    if precision.param_dtype is None:
+        return
     for placeholder in g.placeholders(gm, g.ROLE_PARAM):
         for user in placeholder.users:
-            if user.op == "call_function" and user.target is torch.ops.aten._to_copy.default:
+            if (user.op == "call_function" and user.target is torch.ops.aten._to_copy.default
+                    and user.meta[g.VAL].dtype == precision.param_dtype):
                 user.meta[g.PRECISION_CAST] = "param"
