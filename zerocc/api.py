@@ -574,7 +574,7 @@ class CompiledStep:
             # traced with existing state (a checkpoint loaded before the first call, or the optimizer's initial
             # state the step made): it is the steady state's program
             self.cache.add(dataclasses.replace(key, state=self.state.state_key()), found, batch)
-        self.cache.evict_beyond_limit(key.signature, keep=found)
+        self.cache.evict_beyond_limit(key, keep=found)
         return key, found
 
     def _say_which_settings_changed(self, key: CacheKey) -> None:
