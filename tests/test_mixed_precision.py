@@ -393,3 +393,40 @@ def test_stage_2_bf16_keeps_fp32_master_shards_checkpoints_them_and_resumes_exac
             assert torch.equal(on_disk[f"model/{key}"], value.reshape(-1)), key   # the fp32 masters, whole
         assert all(torch.equal(a, b) for a, b in zip(after_running, expected)), (after_running, expected)
         assert all(torch.equal(a, b) for a, b in zip(before_running, expected)), (before_running, expected)
+
+
+class _CastsItsInput(torch.nn.Module):
+    """The MLP, casting its input to its parameters' dtype itself (what cast_forward_inputs=False asks of a model)."""
+
+    def __init__(self, mlp):
+        super().__init__()
+        self.mlp = mlp
+
+    def forward(self, x):
+        return self.mlp(x.to(self.mlp.net[0].weight.dtype))
+
+
+def test_cast_forward_inputs_false_casts_nothing_and_an_uncast_input_is_named():
+    """cast_forward_inputs=False leaves the batch as it is: a model that casts its input itself trains bit for bit
+    as the reference (which casts the input); one that does not failed with PyTorch's 'mat1 and mat2 must have the
+    same dtype' from generated code alone. The note now names the user's line and the option."""
+    reference, _, loss_fn = build("mlp")
+    reference_optimizer = adamw(reference)
+    model, _, _ = build("mlp")
+    model = _CastsItsInput(model)
+    step = zerocc.compile(model, adamw(model), stage=3, loss_fn=loss_fn, param_dtype=torch.bfloat16,
+                          reduce_dtype=torch.float32, cast_forward_inputs=False)
+    for batch in batches("mlp", 2, 8):
+        expected = mixed_eager_step(reference, reference_optimizer, loss_fn, batch, torch.bfloat16)
+        assert torch.equal(step(*batch), expected)
+    full = step.full_state_dict()
+    for key, value in reference.state_dict().items():
+        assert torch.equal(full[f"mlp.{key}"], value), key
+
+    plain, _, _ = build("mlp")
+    step = zerocc.compile(plain, adamw(plain), stage=0, loss_fn=loss_fn, param_dtype=torch.bfloat16,
+                          cast_forward_inputs=False)
+    with pytest.raises(RuntimeError, match="same dtype") as raised:
+        step(*batches("mlp", 1, 8)[0])
+    (note,) = raised.value.__notes__
+    assert "tests/models.py" in note and "bfloat16 and float32" in note and "cast_forward_inputs=False" in note

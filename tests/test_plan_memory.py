@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 
 import pytest
 import torch
@@ -181,6 +182,26 @@ def test_zoo_stage_3_plan_is_within_5_percent_of_the_lower_bound(name):
     text = str(plan)
     assert text.splitlines()[0].split() == ["tensor", "role", "bytes", "offset", "live", "range", "pool"]
     assert "activations: " in text and " planned, lower bound " in text
+
+
+def test_a_batch_sliced_from_a_dataset_in_memory_measures_as_planned():
+    """Batches sliced from one tensor (``X[i:i + 8]`` of a dataset held in memory, ``x.chunk(world)[rank]``) share
+    its storage: the first run counted that whole storage, measured the step over a budget of exactly its plan
+    by the dataset's size and warned (MemoryBudgetWarning) to lower the budget by it. Each input counts its own
+    bytes now, as the plan counts it; two inputs sliced from one tensor count both."""
+    model, _, loss_fn = build("mlp")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    data = torch.randn(4096, 17)    # inputs and targets: columns of one tensor
+    inputs, targets = data[:, :12], data[:, 12:]
+    planned = zerocc.plan(model, optimizer, stage=0, loss_fn=loss_fn, example_inputs=(inputs[:8], targets[:8]),
+                          memory_pools=False).memory_plan.live_peak_bytes
+    step = zerocc.compile(model, optimizer, stage=0, loss_fn=loss_fn, memory_budget=planned, memory_pools=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", zerocc.MemoryBudgetWarning)
+        for i in range(0, 24, 8):
+            step(inputs[i:i + 8], targets[i:i + 8])
+    report = step.report()
+    assert 0.98 * report["live_peak_bytes"] <= report["measured_peak_bytes"] <= report["live_peak_bytes"] <= planned
 
 
 @pytest.mark.parametrize("name", [*ZOO, *sorted(ARCHITECTURES)])

@@ -445,6 +445,24 @@ def test_new_shapes_compile_new_programs_up_to_max_programs():
     assert len(step.cache.programs()) == 2
 
 
+def test_max_programs_1_with_a_first_step_program_trains_one_shape_without_a_warning():
+    """SGD with momentum makes its first step's own program (the buffer is the first gradient): with max_programs=1
+    the steady state's program, at the second call, dropped it with a RecompileWarning saying "a new batch of shapes
+    (4, 12)" had come, the very shape of the first. A first step's program is dropped silently now (the step holds
+    state: it would not run it again), and the step trains as eager."""
+    reference, _, loss_fn = build("mlp")
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    model, _, _ = build("mlp")
+    step = zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), loss_fn=loss_fn,
+                          max_programs=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", zerocc.RecompileWarning)
+        for batch in batches("mlp", 3, 4):
+            assert torch.equal(step(*batch), eager_step(reference, reference_optimizer, loss_fn, batch))
+    assert len(step.cache.programs()) == 1
+    assert_same_state(step, reference)
+
+
 def test_python_values_in_the_batch_that_change_every_batch_are_named_in_the_recompile_warning():
     """Per-sample file names passed along in the batch (forward ignores them) compile a program per batch: the
     warning said to pad batches to a few shapes, which all the batches already had."""

@@ -437,10 +437,10 @@ class CompiledStep:
                 if entry.measured_peak_bytes is not None:
                     loss = entry.program.run(state.slots, batch, held.hold)
                 else:   # the first run of a program also measures its peak of live tensor bytes
-                    tensors = [t for t in [*state.slots.values(), *batch, *self.arenas.tensors()]
-                               if isinstance(t, torch.Tensor)]
-                    with LiveBytesTracker(tensors) as tracker:
-                        del tensors
+                    tensors = [t for t in [*state.slots.values(), *self.arenas.tensors()] if isinstance(t, torch.Tensor)]
+                    inputs = [t for t in batch if isinstance(t, torch.Tensor)]
+                    with LiveBytesTracker(tensors, inputs) as tracker:
+                        del tensors, inputs
                         loss = entry.program.run(state.slots, batch, held.hold)
                     entry.measured_peak_bytes = tracker.peak_bytes
                     self._say_if_the_budget_was_exceeded(entry)
@@ -587,7 +587,7 @@ class CompiledStep:
             # traced with existing state (a checkpoint loaded before the first call, or the optimizer's initial
             # state the step made): it is the steady state's program
             self.cache.add(dataclasses.replace(key, state=self.state.state_key()), found, batch)
-        self.cache.evict_beyond_limit(key.signature, keep=found)
+        self.cache.evict_beyond_limit(key, keep=found)
         return key, found
 
     def _say_which_settings_changed(self, key: CacheKey) -> None:

@@ -11,6 +11,9 @@ import os
 import sys
 import traceback
 
+import torch
+import torch.fx
+
 from . import graph as g
 
 _LIBRARY_DIRS = (
@@ -174,6 +177,18 @@ def failing_node(gm, tb):
     return nodes[found] if 0 <= found < len(nodes) else None
 
 
+def _floating_dtypes(node) -> list:
+    """The distinct dtypes of ``node``'s floating tensor arguments (from their fake values), in order."""
+    arguments: list = []
+    torch.fx.node.map_arg((node.args, node.kwargs), arguments.append)
+    dtypes = []
+    for argument in arguments:
+        value = argument.meta.get(g.VAL)
+        if isinstance(value, torch.Tensor) and value.dtype.is_floating_point and value.dtype not in dtypes:
+            dtypes.append(value.dtype)
+    return dtypes
+
+
 def note_failing_node(error: BaseException, gm, what: str, batch: list) -> None:
     """Add to ``error`` (kept as is, type included) where in the user's code the program raised, and a hint.
 
@@ -190,6 +205,11 @@ def note_failing_node(error: BaseException, gm, what: str, batch: list) -> None:
     if isinstance(error, IndexError):
         hint = ("an index out of range at run time comes from the batch's values (a token id >= the embedding's "
                 "num_embeddings, a label >= the number of classes): check the data, e.g. ids.max() < vocab size")
+    elif "dtype" in str(error) and len(dtypes := _floating_dtypes(node)) > 1:
+        hint = (f"the op's floating operands are {' and '.join(str(d).removeprefix('torch.') for d in dtypes)}, as "
+                "eager would give them: with compile(param_dtype=...) and cast_forward_inputs=False the model's floating "
+                "inputs are not cast to param_dtype, and meet parameters that are: cast them in forward, or leave "
+                "cast_forward_inputs=True")
     else:
         hint = "to debug, run the same model code eagerly on this batch"
     error.add_note(f"zerocc: {type(error).__name__} raised by the compiled {what} {place}, on a batch of {shapes}; "

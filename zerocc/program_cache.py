@@ -431,16 +431,29 @@ class ProgramCache:
                 "permuted or channels-last batch: .contiguous(memory_format=...)), or compile with "
                 "static_shapes=False to compile a program per shape and layout")
 
-    def evict_beyond_limit(self, signature: tuple, keep: CacheEntry) -> None:
-        """Keep at most ``max_programs`` programs, ``keep`` (the one just compiled) among them, dropping the least
-        recently used with a warning (the least recently used of the least recently used key's)."""
+    def evict_beyond_limit(self, key: CacheKey, keep: CacheEntry) -> None:
+        """Keep at most ``max_programs`` programs, ``keep`` (the one just compiled, for ``key``) among them, dropping
+        the least recently used with a warning (the least recently used of the least recently used key's).
+
+        A first step's program (kept only for ``INITIAL_STATE``: SGD's momentum, made from the first gradient) is
+        dropped first and silently once ``key`` is a steady state's: the step holds state now and would not run it
+        again (a state-less checkpoint loaded later compiles it again). Dropped with the warning, max_programs=1
+        warned at the second call of a step of one batch shape that "a new batch" of that same shape had come.
+        """
         while len(self.programs()) > self.max_programs:
-            old_key, old = next((key, entry) for key, kept in self.entries.items() for entry in kept
-                                if entry.program is not keep.program)
-            for key in list(self.entries):
-                self.entries[key] = [entry for entry in self.entries[key] if entry.program is not old.program]
-                if not self.entries[key]:
-                    del self.entries[key]
+            candidates = [(old_key, entry) for old_key, kept in self.entries.items() for entry in kept
+                          if entry.program is not keep.program]
+            done = [(old_key, entry) for old_key, entry in candidates if key.state != INITIAL_STATE and all(
+                k.state == INITIAL_STATE for k, kept in self.entries.items() if any(e.program is entry.program
+                                                                                    for e in kept))]
+            old_key, old = (done or candidates)[0]
+            for kept_key in list(self.entries):
+                self.entries[kept_key] = [entry for entry in self.entries[kept_key] if entry.program is not old.program]
+                if not self.entries[kept_key]:
+                    del self.entries[kept_key]
+            if done:
+                continue
+            signature = key.signature
             warnings.warn(
                 f"zerocc: more than max_programs={self.max_programs} compiled programs (a new batch of "
                 f"{describe_signature(signature)}); dropped the least recently used, compiled for "

@@ -36,10 +36,23 @@ _WAIT = torch.ops._c10d_functional.wait_tensor.default
 _RELEASE_WAIT = 1e-3
 
 
-class LiveBytesTracker(TorchDispatchMode):
-    """``with LiveBytesTracker(inputs) as tracker: run()`` then ``tracker.peak_bytes``."""
+def _span_bytes(tensor: torch.Tensor) -> int:
+    """Bytes of the storage ``tensor``'s elements span (the plan's size of an input: ``analysis/lifetimes.py``)."""
+    if tensor.numel() == 0:
+        return 0
+    return (1 + sum((size - 1) * abs(stride) for size, stride in zip(tensor.shape, tensor.stride()))) * tensor.element_size()
 
-    def __init__(self, tensors: Iterable[torch.Tensor] = ()):
+
+class LiveBytesTracker(TorchDispatchMode):
+    """``with LiveBytesTracker(state, batch) as tracker: run()`` then ``tracker.peak_bytes``.
+
+    The batch counts as the plan counts it, each input its own bytes: an input sliced from a larger tensor
+    (``X[i:i + 8]`` of a dataset held in memory, ``x.chunk(world_size)[rank]``) shares that tensor's storage,
+    which the user holds whatever the step does; counted whole, it measured the step over its budget by the
+    dataset's size (a ``MemoryBudgetWarning`` asking to lower the budget by it).
+    """
+
+    def __init__(self, tensors: Iterable[torch.Tensor] = (), batch: Iterable[torch.Tensor] = ()):
         super().__init__()
         self._live: dict[int, tuple[StorageWeakRef, int]] = {}
         self.live_bytes = 0
@@ -47,6 +60,15 @@ class LiveBytesTracker(TorchDispatchMode):
         self._reduced: dict[int, StorageWeakRef] = {}   # a reduction's output storage -> its input's
         for tensor in tensors:
             self._add(tensor)
+        inputs: dict[int, tuple[StorageWeakRef, int]] = {}   # inputs sharing a storage: their bytes added, at most it
+        for tensor in batch:
+            reference = StorageWeakRef(tensor.untyped_storage())
+            if reference.cdata not in self._live:
+                counted = inputs.get(reference.cdata, (reference, 0))[1]
+                inputs[reference.cdata] = (reference, min(tensor.untyped_storage().nbytes(),
+                                                          counted + _span_bytes(tensor)))
+        self._live.update(inputs)
+        self.live_bytes += sum(size for _, size in inputs.values())
         self.peak_bytes = self.live_bytes
         self._given = set(self._live)   # the slots, the batch and the memory pools: alive all along
 
