@@ -519,3 +519,53 @@ def test_deepseek_v3_expert_bias_balancing_across_ranks_resumed_at_another_world
     for _, state in [*first, *resumed][2:]:
         for key, value in reference.state_dict().items():
             torch.testing.assert_close(state[key], value, rtol=1e-4, atol=1e-5, msg=lambda m: f"{key}: {m}")
+
+
+# -- hash routing (expert = token id % experts): counts per expert computed from the batch alone ------------------
+
+class HashRoutedMoE(HandWrittenMoE):
+    """Hash layers: each token's expert is its id modulo the number of experts, tokens split by the counts."""
+
+    def forward(self, ids, labels):
+        h = self.embedding(ids)
+        x = self.norm(h).flatten(0, 1)
+        expert = ids.flatten() % self.experts
+        order = expert.argsort(stable=True)
+        counts = torch.nn.functional.one_hot(expert, self.experts).sum(0).tolist()
+        if self.route == "as_numbers":
+            counts = [int(count) for count in counts]
+        pieces = x[order].split(counts)
+        out = torch.cat([self.expert(e, piece) for e, piece in enumerate(pieces)])
+        h = h + torch.zeros_like(x).index_add_(0, order, out).view_as(h)
+        return torch.nn.functional.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())
+
+
+def train_hash_routed(route, steps):
+    torch.manual_seed(0)
+    reference = HashRoutedMoE("where_loop")
+    reference.route = route
+    model = copy.deepcopy(reference)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
+    step = zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1), stage=3)
+    for number, batch in enumerate(token_pairs(steps)):
+        assert torch.equal(step(*batch), eager(reference, reference_optimizer, *batch)), number
+    full = step.full_state_dict()
+    for key, value in reference.state_dict().items():
+        assert torch.equal(full[key], value), key
+    return step
+
+
+def test_split_sizes_counted_from_the_batch_serve_every_batch_with_one_program(deterministic):
+    step = train_hash_routed("as_symbols", 3)
+    assert len(step.cache.programs()) == 1
+
+
+def test_counts_read_as_python_numbers_compile_every_batch_and_say_so_naming_the_line(deterministic):
+    """``int(count)`` of a count read from the batch makes it a number the program is traced with: another set of
+    counts every batch compiled a program every step, without a word until ``max_programs`` were exceeded (and
+    then a warning that told the user to pad batches whose shapes never changed)."""
+    with pytest.warns(zerocc.RecompileWarning, match=r"compiles a new program for the same shapes because values "
+                      r"read from the batch differ \(.*test_moe.py:\d+: counts = \[int\(count\) for count in counts\]"
+                      r"\).*without int\(\)"):
+        step = train_hash_routed("as_numbers", 3)
+    assert len(step.cache.programs()) == 3

@@ -502,12 +502,13 @@ def trace_step(
     try:
         try:
             gm, out_spec = traced(recorder, fake_args)
-        except Exception:
+        except Exception as error:
             if not recorder.unread_batch_values:
                 raise
             # values read from the batch alone (.tolist(), .item()) stayed symbols, one program for every batch,
             # and the trace failed on them (a size F.pad needs, a dict key): traced again with their values read
-            recorder = GuardRecorder(inputs, input_positions, read_values=True)
+            recorder = GuardRecorder(inputs, input_positions, read_values=True,
+                                     needed_at=user_frame(error.__traceback__) or "")
             gm, out_spec = traced(recorder, fake_arguments())
         # Python's or NumPy's random numbers: traced again from other ones, is it the same program?
         for extreme in EXTREMES if host_draws.drew else ():
