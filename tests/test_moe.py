@@ -569,3 +569,50 @@ def test_counts_read_as_python_numbers_compile_every_batch_and_say_so_naming_the
                       r"\).*without int\(\)"):
         step = train_hash_routed("as_numbers", 3)
     assert len(step.cache.programs()) == 3
+
+
+class SplitByRoutedCounts(HandWrittenMoE):
+    """Top-1 routing, tokens sorted by expert and split by the counts read with ``.tolist()``, written three ways."""
+
+    def forward(self, ids, labels):
+        h = self.embedding(ids)
+        x = self.norm(h).flatten(0, 1)
+        chosen = self.router(x).argmax(-1)
+        order = chosen.argsort(stable=True)
+        if self.route == "one_hot":
+            counts = torch.nn.functional.one_hot(chosen, self.experts).sum(0).tolist()
+        elif self.route == "int":
+            counts = [int(count) for count in torch.nn.functional.one_hot(chosen, self.experts).sum(0).tolist()]
+        else:
+            counts = torch.bincount(chosen, minlength=self.experts).tolist()
+        out = torch.cat([self.expert(e, piece) for e, piece in enumerate(x[order].split(counts))])
+        h = h + torch.zeros_like(x).index_add_(0, order, out).view_as(h)
+        return torch.nn.functional.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())
+
+
+@pytest.mark.parametrize("route, note", [
+    ("int", r"note: int\(\) or float\(\) makes a number the data decides .*: drop it and pass the value to the op "
+            r"itself \(`x.split\(counts.tolist\(\)\)`"),
+    ("bincount", r"note: torch.bincount's length is the largest value plus one .*: count with F.one_hot\(x, n\).sum\(0\) "
+                 r"or torch.histc")])
+def test_routing_counts_made_python_numbers_are_refused_saying_what_keeps_them_symbols(route, note):
+    """The error said to replace Python control flow with tensor ops, on a line that has none: ``int(count)`` of a
+    routed count, or the split by ``bincount(...).tolist()`` (whose length the data decides)."""
+    torch.manual_seed(0)
+    model = SplitByRoutedCounts("where_loop")
+    model.route = route
+    step = zerocc.compile(model, torch.optim.AdamW(model.parameters()))
+    with pytest.raises(zerocc.CaptureError, match=r"(?s)test_moe.py:\d+: counts = .*\n  why: .*\n  " + note):
+        step(*token_pairs(1)[0])
+
+
+def test_split_by_routed_counts_read_with_tolist_trains_as_eager_with_one_program(deterministic):
+    torch.manual_seed(0)
+    reference = SplitByRoutedCounts("where_loop")
+    reference.route = "one_hot"
+    model = copy.deepcopy(reference)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    step = zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-2), stage=3)
+    for number, batch in enumerate(token_pairs(3)):
+        assert torch.equal(step(*batch), eager(reference, reference_optimizer, *batch)), number
+    assert len(step.cache.programs()) == 1

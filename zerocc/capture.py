@@ -636,6 +636,14 @@ def _data_dependent_error(where: str | None, why: str, message: str = "") -> Cap
     empty = ("\n  note: the branch asks whether a size the data decides is 0 (an expert that received no tokens, "
              "`if tokens.numel() == 0: continue`): drop the check, as the ops after it run on zero rows and add "
              "nothing; one program then serves every routing." if _ZERO_SIZE_BRANCH.search(message) else "")
+    if "extract specialized integer" in message and where and "bincount(" in where:
+        empty = ("\n  note: torch.bincount's length is the largest value plus one (at least minlength), which the data "
+                 "decides: count with F.one_hot(x, n).sum(0) or torch.histc, whose length is n; one program then "
+                 "serves every routing.")
+    elif "extract specialized integer" in message and where and re.search(r"\b(int|float)\(", where):
+        empty = ("\n  note: int() or float() makes a number the data decides (a count read with .tolist() or .item()) "
+                 "a Python number: drop it and pass the value to the op itself (`x.split(counts.tolist())`, "
+                 "`x.new_zeros(count)`); it then stays a symbol, and one program serves every routing.")
     return CaptureError(
         f"the step cannot be traced at {where or '(no user frame found)'}\n"
         f"  why: it depends on the values in a tensor (data-dependent control flow or output shape: {why}), "
