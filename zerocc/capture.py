@@ -636,7 +636,12 @@ def _data_dependent_error(where: str | None, why: str, message: str = "") -> Cap
     empty = ("\n  note: the branch asks whether a size the data decides is 0 (an expert that received no tokens, "
              "`if tokens.numel() == 0: continue`): drop the check, as the ops after it run on zero rows and add "
              "nothing; one program then serves every routing." if _ZERO_SIZE_BRANCH.search(message) else "")
-    if "extract specialized integer" in message and where and "bincount(" in where:
+    if where and re.search(r":\d+: for .+ in .+:", where):
+        empty = ("\n  note: the loop runs once per element of a tensor whose length the data decides (the experts that "
+                 "received tokens): loop over a fixed `range(num_experts)` instead, where an expert without tokens "
+                 "runs on zero rows and adds nothing; a transformers model whose config has experts_implementation "
+                 "trains with \"grouped_mm\" (its default) or \"batched_mm\".")
+    elif "extract specialized integer" in message and where and "bincount(" in where:
         empty = ("\n  note: torch.bincount's length is the largest value plus one (at least minlength), which the data "
                  "decides: count with F.one_hot(x, n).sum(0) or torch.histc, whose length is n; one program then "
                  "serves every routing.")
