@@ -113,8 +113,12 @@ def test_eager_experts_loop_is_refused_naming_the_loop():
     model = build("mixtral", experts_implementation="eager")
     step = zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-2), stage=3)
     with pytest.raises(zerocc.CaptureError, match=r"modeling_mixtral.py:\d+: for expert_idx in expert_hit:\n"
-                                                  r"  why: it depends on the values in a tensor"):
+                                                  r"  why: it depends on the values in a tensor") as raised:
         step(**token_batches(1)[0])
+    # it said to drop an `if tokens.numel() == 0` check, which the loop (in transformers' code) does not have
+    assert "note: the loop runs once per element of a tensor whose length the data decides" in str(raised.value)
+    assert 'trains with "grouped_mm" (its default) or "batched_mm"' in str(raised.value)
+    assert "drop the check" not in str(raised.value)
 
 
 def _against_single_process(rank, world_size, name):
@@ -519,3 +523,100 @@ def test_deepseek_v3_expert_bias_balancing_across_ranks_resumed_at_another_world
     for _, state in [*first, *resumed][2:]:
         for key, value in reference.state_dict().items():
             torch.testing.assert_close(state[key], value, rtol=1e-4, atol=1e-5, msg=lambda m: f"{key}: {m}")
+
+
+# -- hash routing (expert = token id % experts): counts per expert computed from the batch alone ------------------
+
+class HashRoutedMoE(HandWrittenMoE):
+    """Hash layers: each token's expert is its id modulo the number of experts, tokens split by the counts."""
+
+    def forward(self, ids, labels):
+        h = self.embedding(ids)
+        x = self.norm(h).flatten(0, 1)
+        expert = ids.flatten() % self.experts
+        order = expert.argsort(stable=True)
+        counts = torch.nn.functional.one_hot(expert, self.experts).sum(0).tolist()
+        if self.route == "as_numbers":
+            counts = [int(count) for count in counts]
+        pieces = x[order].split(counts)
+        out = torch.cat([self.expert(e, piece) for e, piece in enumerate(pieces)])
+        h = h + torch.zeros_like(x).index_add_(0, order, out).view_as(h)
+        return torch.nn.functional.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())
+
+
+def train_hash_routed(route, steps):
+    torch.manual_seed(0)
+    reference = HashRoutedMoE("where_loop")
+    reference.route = route
+    model = copy.deepcopy(reference)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
+    step = zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1), stage=3)
+    for number, batch in enumerate(token_pairs(steps)):
+        assert torch.equal(step(*batch), eager(reference, reference_optimizer, *batch)), number
+    full = step.full_state_dict()
+    for key, value in reference.state_dict().items():
+        assert torch.equal(full[key], value), key
+    return step
+
+
+def test_split_sizes_counted_from_the_batch_serve_every_batch_with_one_program(deterministic):
+    step = train_hash_routed("as_symbols", 3)
+    assert len(step.cache.programs()) == 1
+
+
+def test_counts_read_as_python_numbers_compile_every_batch_and_say_so_naming_the_line(deterministic):
+    """``int(count)`` of a count read from the batch makes it a number the program is traced with: another set of
+    counts every batch compiled a program every step, without a word until ``max_programs`` were exceeded (and
+    then a warning that told the user to pad batches whose shapes never changed)."""
+    with pytest.warns(zerocc.RecompileWarning, match=r"compiles a new program for the same shapes because values "
+                      r"read from the batch differ \(.*test_moe.py:\d+: counts = \[int\(count\) for count in counts\]"
+                      r"\).*without int\(\)"):
+        step = train_hash_routed("as_numbers", 3)
+    assert len(step.cache.programs()) == 3
+
+
+class SplitByRoutedCounts(HandWrittenMoE):
+    """Top-1 routing, tokens sorted by expert and split by the counts read with ``.tolist()``, written three ways."""
+
+    def forward(self, ids, labels):
+        h = self.embedding(ids)
+        x = self.norm(h).flatten(0, 1)
+        chosen = self.router(x).argmax(-1)
+        order = chosen.argsort(stable=True)
+        if self.route == "one_hot":
+            counts = torch.nn.functional.one_hot(chosen, self.experts).sum(0).tolist()
+        elif self.route == "int":
+            counts = [int(count) for count in torch.nn.functional.one_hot(chosen, self.experts).sum(0).tolist()]
+        else:
+            counts = torch.bincount(chosen, minlength=self.experts).tolist()
+        out = torch.cat([self.expert(e, piece) for e, piece in enumerate(x[order].split(counts))])
+        h = h + torch.zeros_like(x).index_add_(0, order, out).view_as(h)
+        return torch.nn.functional.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())
+
+
+@pytest.mark.parametrize("route, note", [
+    ("int", r"note: int\(\) or float\(\) makes a number the data decides .*: drop it and pass the value to the op "
+            r"itself \(`x.split\(counts.tolist\(\)\)`"),
+    ("bincount", r"note: torch.bincount's length is the largest value plus one .*: count with F.one_hot\(x, n\).sum\(0\) "
+                 r"or torch.histc")])
+def test_routing_counts_made_python_numbers_are_refused_saying_what_keeps_them_symbols(route, note):
+    """The error said to replace Python control flow with tensor ops, on a line that has none: ``int(count)`` of a
+    routed count, or the split by ``bincount(...).tolist()`` (whose length the data decides)."""
+    torch.manual_seed(0)
+    model = SplitByRoutedCounts("where_loop")
+    model.route = route
+    step = zerocc.compile(model, torch.optim.AdamW(model.parameters()))
+    with pytest.raises(zerocc.CaptureError, match=r"(?s)test_moe.py:\d+: counts = .*\n  why: .*\n  " + note):
+        step(*token_pairs(1)[0])
+
+
+def test_split_by_routed_counts_read_with_tolist_trains_as_eager_with_one_program(deterministic):
+    torch.manual_seed(0)
+    reference = SplitByRoutedCounts("where_loop")
+    reference.route = "one_hot"
+    model = copy.deepcopy(reference)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    step = zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-2), stage=3)
+    for number, batch in enumerate(token_pairs(3)):
+        assert torch.equal(step(*batch), eager(reference, reference_optimizer, *batch)), number
+    assert len(step.cache.programs()) == 1

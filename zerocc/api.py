@@ -27,7 +27,7 @@ from .batch import BatchLayout, FirstBatch, agreement_lines, check_batch
 from .capture import Captured, capture, named_tensors, parameter_layouts, state_dict_names, trained_parameters
 from .compile_stats import CompileStats
 from .analysis.step_time import HardwareProfile, StepTime, predict
-from .data_guards import all_hold
+from .data_guards import all_hold, values_that_differ
 from .device_budget import DeviceBudget, device_budget
 from .driver import Compiled, fewer_collections, final_peak, run_passes
 from .errors import (CaptureError, CompileCacheWarning, ConfigError, MemoryBudgetWarning, RecompileWarning, user_line_of_node,
@@ -368,6 +368,7 @@ class CompiledStep:
         self._written_python: frozenset = frozenset()   # those forward writes itself (a counter): not in the key
         self._warned_python = False   # _say_which_python_values_changed: once per step
         self._warned_batch_values = False   # _say_which_batch_values_changed: once per step
+        self._warned_read_values = False   # _say_which_read_values_changed: once per step
         self.compile_stats: list[CompileStats] = []   # per compiled program: seconds per phase (compile_stats.py)
         self._user_hooks: list = []          # zerocc/user_views.py, installed at the first compile
         self._hardware: HardwareProfile | None = None   # _hardware_profile: measured (or read) when first needed
@@ -563,6 +564,7 @@ class CompiledStep:
         self._warn_of_float16_autocast_without_loss_scaling(key.autocast)
         self._say_which_python_values_changed(key)
         self._say_which_batch_values_changed(key)
+        self._say_which_read_values_changed(key, batch)
         started = time.perf_counter()
         before = values_read(self._python_sources)
         self._progress = CompileProgress(self.options.progress, self.ranks.rank)
@@ -661,6 +663,30 @@ class CompiledStep:
                     + " Said once per zerocc.compile.", RecompileWarning, stacklevel=user_stacklevel())
                 self._warned_batch_values = True
                 return
+
+    def _say_which_read_values_changed(self, key: CacheKey, batch) -> None:
+        """Warn, once per step, when a program is compiled because values the trace read from the batch as Python
+        numbers differ on this batch (``data_guards.ValueGuard``, a size decided as a number).
+
+        Values read with ``.tolist()``/``.item()`` stay symbols unless the trace needs them as numbers
+        (``int(count)``): then each program holds the values it was traced with, and a hash-routed MoE's counts
+        per expert (another set every batch) compiled every step without a word until ``max_programs``.
+        """
+        if self._warned_read_values:
+            return
+        changed = [line for entry in self.cache.entries.get(key, ())
+                   for line in values_that_differ(entry.program.guards, batch)]
+        if changed:
+            changed = list(dict.fromkeys(changed))
+            warnings.warn(
+                "zerocc compiles a new program for the same shapes because values read from the batch differ ("
+                + "; ".join(changed[:4]) + "): the trace needed them as Python numbers, so each program holds the "
+                "values it was traced with, and values that change every batch (token counts per expert, sequence "
+                "lengths) compile every batch. Keep them symbols: pass what .tolist() or .item() gives straight to "
+                "ops (torch.split(x, counts.tolist()), x.new_zeros(n)) without int(), float() or a Python branch on "
+                "them, which one program then serves for every batch. Said once per zerocc.compile.",
+                RecompileWarning, stacklevel=user_stacklevel())
+            self._warned_read_values = True
 
     def _say_which_python_values_changed(self, key: CacheKey) -> None:
         """Warn, once per step, when a program is compiled because a Python value forward or the loss reads changed.

@@ -502,12 +502,13 @@ def trace_step(
     try:
         try:
             gm, out_spec = traced(recorder, fake_args)
-        except Exception:
+        except Exception as error:
             if not recorder.unread_batch_values:
                 raise
             # values read from the batch alone (.tolist(), .item()) stayed symbols, one program for every batch,
             # and the trace failed on them (a size F.pad needs, a dict key): traced again with their values read
-            recorder = GuardRecorder(inputs, input_positions, read_values=True)
+            recorder = GuardRecorder(inputs, input_positions, read_values=True,
+                                     needed_at=user_frame(error.__traceback__) or "")
             gm, out_spec = traced(recorder, fake_arguments())
         # Python's or NumPy's random numbers: traced again from other ones, is it the same program?
         for extreme in EXTREMES if host_draws.drew else ():
@@ -635,6 +636,19 @@ def _data_dependent_error(where: str | None, why: str, message: str = "") -> Cap
     empty = ("\n  note: the branch asks whether a size the data decides is 0 (an expert that received no tokens, "
              "`if tokens.numel() == 0: continue`): drop the check, as the ops after it run on zero rows and add "
              "nothing; one program then serves every routing." if _ZERO_SIZE_BRANCH.search(message) else "")
+    if where and re.search(r":\d+: for .+ in .+:", where):
+        empty = ("\n  note: the loop runs once per element of a tensor whose length the data decides (the experts that "
+                 "received tokens): loop over a fixed `range(num_experts)` instead, where an expert without tokens "
+                 "runs on zero rows and adds nothing; a transformers model whose config has experts_implementation "
+                 "trains with \"grouped_mm\" (its default) or \"batched_mm\".")
+    elif "extract specialized integer" in message and where and "bincount(" in where:
+        empty = ("\n  note: torch.bincount's length is the largest value plus one (at least minlength), which the data "
+                 "decides: count with F.one_hot(x, n).sum(0) or torch.histc, whose length is n; one program then "
+                 "serves every routing.")
+    elif "extract specialized integer" in message and where and re.search(r"\b(int|float)\(", where):
+        empty = ("\n  note: int() or float() makes a number the data decides (a count read with .tolist() or .item()) "
+                 "a Python number: drop it and pass the value to the op itself (`x.split(counts.tolist())`, "
+                 "`x.new_zeros(count)`); it then stays a symbol, and one program serves every routing.")
     return CaptureError(
         f"the step cannot be traced at {where or '(no user frame found)'}\n"
         f"  why: it depends on the values in a tensor (data-dependent control flow or output shape: {why}), "

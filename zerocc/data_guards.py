@@ -73,6 +73,7 @@ class DataGuard:
     condition: sympy.Basic
     expected: bool
     where: str                             # the user's source line of the branch (or of the size)
+    number: bool = False                   # a size decided as a number (each value its own program), not a branch
 
     def holds(self, batch: Sequence[Any]) -> bool:
         """Whether ``batch`` takes the branch the program was traced with."""
@@ -91,6 +92,7 @@ class ValueGuard:
     batch_indices: tuple[int, ...]
     expected: torch.Tensor                 # its values on the batch the program was traced on
     where: str                             # the user's source line that read them
+    needed_at: str = ""                    # where the trace with them as symbols failed: why they were read
 
     def holds(self, batch: Sequence[Any]) -> bool:
         with torch.no_grad():
@@ -102,10 +104,24 @@ def all_hold(guards: Sequence[DataGuard], batch: Sequence[Any]) -> bool:
     return all(guard.holds(batch) for guard in guards)
 
 
+def values_that_differ(guards: Sequence[DataGuard | ValueGuard], batch: Sequence[Any]) -> list[str]:
+    """The guards on values read from the batch as numbers (not on a branch's side) that ``batch`` does not meet,
+    described by the user's lines: each distinct value of theirs compiles a program of its own."""
+    described = []
+    for guard in guards:
+        if isinstance(guard, ValueGuard) and not guard.holds(batch):
+            described.append(f"read at {guard.where}" + (f", needed as a Python number at {guard.needed_at}"
+                                                         if guard.needed_at and guard.needed_at != guard.where else ""))
+        elif isinstance(guard, DataGuard) and guard.number and not guard.holds(batch):
+            described.append(f"a size decided at {guard.where}")
+    return list(dict.fromkeys(described))
+
+
 class GuardRecorder:
     """What one capture needs to decide branches: the real batch, by placeholder position; the guards found."""
 
-    def __init__(self, batch: Sequence[Any], batch_of_position: dict[int, int], read_values: bool = False):
+    def __init__(self, batch: Sequence[Any], batch_of_position: dict[int, int], read_values: bool = False,
+                 needed_at: str = ""):
         self.batch = list(batch)
         self.batch_of_position = batch_of_position   # flat placeholder position -> batch index
         self.guards: list[DataGuard | ValueGuard] = []
@@ -114,6 +130,7 @@ class GuardRecorder:
         # every batch (False: first; ``unread_batch_values`` says whether a trace that failed so should read them)
         self.read_values = read_values
         self.unread_batch_values = False
+        self.needed_at = needed_at   # the user's line where the trace with them as symbols failed
 
     def decide(self, condition: sympy.Basic) -> bool | int | None:
         """The value of ``condition`` on the real batch, recording its guard; None if it reads more than the batch.
@@ -136,15 +153,15 @@ class GuardRecorder:
         substitution = {symbol: int(value) if is_bool else value for (symbol, is_bool), value in zip(symbols, values)}
         decided = sympy.sympify(condition.xreplace(substitution))
         if decided in (sympy.true, sympy.false):
-            taken, expected = bool(decided), bool(decided)
+            taken, expected, number = bool(decided), bool(decided), False
         elif decided.is_Integer:   # a number: the program is traced for this value of it
-            taken, condition, expected = int(decided), sympy.Eq(condition, decided), True
+            taken, condition, expected, number = int(decided), sympy.Eq(condition, decided), True, True
         else:
             return None
         if batch_indices:   # one read of no batch entry (transformers' packed-sequence check on its own arange) is
             # the same every step: checking it again would cost a host read per step for nothing
             guard = DataGuard(guard_graph, batch_indices, symbols, condition, expected,
-                              user_frame_of_stack() or "(no user frame found)")
+                              user_frame_of_stack() or "(no user frame found)", number)
             if not any(_same_guard(guard, known) for known in self.guards):   # the functionalizing replay
                 self.guards.append(guard)   # (tracing.trace_functional) meets the same sizes again
         return taken
@@ -182,7 +199,8 @@ class GuardRecorder:
             if source is not node:
                 graph, batch_indices = self._graph_over_batch(tracer.root, tracer.graph, [(source, _SCALAR)])
             expected, = _run_on_real_values(graph, [self.batch[i] for i in batch_indices])
-            guard = ValueGuard(graph, batch_indices, expected.clone(), user_frame_of_stack() or "(no user frame found)")
+            guard = ValueGuard(graph, batch_indices, expected.clone(), user_frame_of_stack() or "(no user frame found)",
+                               self.needed_at)
             self.read_from[source] = guard
             if not any(isinstance(known, ValueGuard) and _same_values_guard(guard, known) for known in self.guards):
                 self.guards.append(guard)   # the functionalizing replay (tracing.trace_functional) reads them again

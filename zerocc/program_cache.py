@@ -457,8 +457,12 @@ class ProgramCache:
             warnings.warn(
                 f"zerocc: more than max_programs={self.max_programs} compiled programs (a new batch of "
                 f"{describe_signature(signature)}); dropped the least recently used, compiled for "
-                f"{describe_signature(old_key.signature)}. Each new shape costs a compilation: pad batches to a few "
-                "shapes, raise max_programs, or set static_shapes=True to make a new shape an error"
+                f"{describe_signature(old_key.signature)}. "
+                + ("Each new shape costs a compilation: pad batches to a few shapes, raise max_programs, or set "
+                   "static_shapes=True to make a new shape an error" if old_key.signature != signature else
+                   "The shapes are the same: values the trace read from the batch, a branch on them, or settings "
+                   "differ (an earlier RecompileWarning names them); raise max_programs if a few such programs "
+                   "alternate")
                 + (". Each Python value in the batch (a string, a number) is compiled into the program: pass one "
                    "that changes every batch (file names, sample ids) outside the step, or as a tensor"
                    if any(_holds_python_value(entry) for entry in signature) else ""), RecompileWarning,
