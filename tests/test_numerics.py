@@ -353,6 +353,84 @@ def test_dropout_on_a_transposed_tensor_draws_eagers_mask(architecture, stage):
         assert torch.equal(step.full_state_dict()[key], value), key
 
 
+class FrozenEncoder(torch.nn.Module):
+    """A frozen pretrained encoder in eval mode under a trained head: nothing through it requires grad, so eager
+    runs PyTorch's fused inference kernels (``_transformer_encoder_layer_fwd``, ``_native_multi_head_attention``)."""
+
+    def __init__(self, nested=False):
+        super().__init__()
+        self.embedding = torch.nn.Embedding(50, 16)
+        layer = torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.1, batch_first=True)
+        self.encoder = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=nested)
+        self.attention = torch.nn.MultiheadAttention(16, 2, batch_first=True)
+        self.head = torch.nn.Linear(16, 3)
+        for frozen in (self.embedding, self.encoder, self.attention):
+            frozen.requires_grad_(False).eval()
+
+    def forward(self, ids, padding):
+        hidden = self.encoder(self.embedding(ids), src_key_padding_mask=padding)
+        hidden = self.attention(hidden, hidden, hidden, key_padding_mask=padding)[0]
+        return self.head(hidden.mean(1))
+
+
+def _padded_batches(count):
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(count):
+        padding = torch.zeros(4, 7, dtype=torch.bool)
+        padding[0, -2:] = True
+        yield torch.randint(0, 50, (4, 7), generator=generator), padding, torch.randint(0, 3, (4,), generator=generator)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_frozen_eval_mode_encoder_runs_eagers_fused_kernels(stage):
+    """The trace took the composite path (fake tensors answer has_torch_function, make_fx blocks attention's fast
+    path), 1 ulp off eager's fused kernels from the second step on; eval_forward likewise."""
+    def built():
+        torch.manual_seed(0)
+        return FrozenEncoder()
+    reference, model = built(), built()
+    reference_optimizer = torch.optim.AdamW(reference.head.parameters(), lr=1e-2)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    step = zerocc.compile(model, torch.optim.AdamW(model.head.parameters(), lr=1e-2), stage=stage, loss_fn=loss_fn)
+    for number, batch in enumerate(_padded_batches(3)):
+        torch.manual_seed(100 + number)
+        expected = eager_step(reference, reference_optimizer, loss_fn, batch)
+        torch.manual_seed(100 + number)
+        assert torch.equal(step(*batch), expected), number
+    for key, value in reference.state_dict().items():
+        assert torch.equal(step.full_state_dict()[key], value), key
+    ids, padding, _ = next(_padded_batches(1))
+    reference.eval()
+    with torch.no_grad():
+        assert torch.equal(step.eval_forward(ids, padding), reference(ids, padding))
+
+
+def test_an_encoders_nested_tensor_fast_path_is_refused_and_trains_with_it_off():
+    """Eager ran the frozen encoder on a nested tensor (zeros at the padded positions); the step computed them and
+    trained on another loss, silently. Refused naming the line; with the fast path off both compute alike."""
+    def built():
+        torch.manual_seed(0)
+        return FrozenEncoder(nested=True)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    model = built()
+    step = zerocc.compile(model, torch.optim.AdamW(model.head.parameters(), lr=1e-2), loss_fn=loss_fn)
+    batch = next(_padded_batches(1))
+    with pytest.raises(zerocc.CaptureError, match=r"(?s)test_numerics.py:\d+: hidden = self.encoder.*"
+                                                  r"nested-tensor fast path.*set_fastpath_enabled\(False\)"):
+        step(*batch)
+    reference = built()
+    reference_optimizer = torch.optim.AdamW(reference.head.parameters(), lr=1e-2)
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        for number, batch in enumerate(_padded_batches(2)):
+            torch.manual_seed(100 + number)
+            expected = eager_step(reference, reference_optimizer, loss_fn, batch)
+            torch.manual_seed(100 + number)
+            assert torch.equal(step(*batch), expected), number
+    finally:
+        torch.backends.mha.set_fastpath_enabled(True)
+
+
 class SequenceBatchNorm(torch.nn.Module):
     """BatchNorm1d over a sequence's features (conformer, wav2vec2-style): normalized transposed, then a linear layer."""
 

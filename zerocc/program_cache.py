@@ -76,9 +76,12 @@ def attention_backends() -> tuple:
 
     SDPA chooses its kernel where it is called, so a trace holds the one chosen then (the CPU flash kernel and
     the math path round differently): a call under other settings gets its own program, as eager would compute
-    with another kernel. Settings this torch lacks are left out."""
+    with another kernel. Settings this torch lacks are left out. It also holds
+    ``torch.backends.mha.get_fastpath_enabled()``, which decides whether an eval-mode ``nn.TransformerEncoderLayer``
+    or ``nn.MultiheadAttention`` runs its fused kernel (``tracing.fast_paths_as_eager``)."""
     getters = (getattr(torch._C, name, None) for name in _ATTENTION_SETTINGS)
-    return tuple(tuple(value) if isinstance(value := getter(), list) else value for getter in getters if getter)
+    return (*(tuple(value) if isinstance(value := getter(), list) else value for getter in getters if getter),
+            torch.backends.mha.get_fastpath_enabled())
 
 
 def training_modes(modules: Sequence[torch.nn.Module]) -> tuple[bool, ...]:

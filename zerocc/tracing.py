@@ -231,6 +231,56 @@ def eager_composites():
             op._dispatch_cache.clear()
 
 
+def _subclass_with_torch_function(value: Any) -> bool:
+    """Whether eager's ``torch.overrides.has_torch_function`` would say so of ``value`` (a fake tensor stands for a
+    plain one)."""
+    return (isinstance(value, torch.Tensor) and not isinstance(value, FakeTensor)
+            and type(value) not in (torch.Tensor, torch.nn.Parameter)
+            and type(value).__torch_function__ is not torch._C._disabled_torch_function_impl)
+
+
+def _nested_fast_path(*args, **kwargs):
+    from .errors import user_frame_here
+    raise CaptureError(
+        f"nn.TransformerEncoder at {user_frame_here() or '(no user frame found)'} takes PyTorch's nested-tensor fast "
+        "path here, as eager would (eval mode, no gradient through it, a src_key_padding_mask)\n"
+        "  why: eager runs the layers on a nested tensor and returns zeros at the padded positions; a compiled step "
+        "cannot trace nested tensors\n"
+        "  fix: build it with enable_nested_tensor=False (the padded positions are then computed, in eager and in the "
+        "step alike), or turn the fast path off for both with torch.backends.mha.set_fastpath_enabled(False)")
+
+
+@contextlib.contextmanager
+def fast_paths_as_eager():
+    """``nn.TransformerEncoderLayer`` and ``nn.MultiheadAttention`` take their fused inference kernels where eager would.
+
+    In eval mode with nothing requiring grad (``eval_forward``, a frozen encoder in a training step) eager runs
+    ``aten._transformer_encoder_layer_fwd`` / ``aten._native_multi_head_attention``, which round otherwise than
+    the composite path. The modules decide by ``torch.overrides.has_torch_function`` (true of fake tensors, and
+    of every tensor under the trace's own torch-function mode) and, for attention, by whether make_fx is tracing:
+    both are answered here, for those modules only, as eager answers them, so the program holds the fused op and
+    computes what eager computes. ``nn.TransformerEncoder``'s nested-tensor path cannot be traced and is refused, naming the line.
+    """
+    from torch.nn.modules import activation
+    has_torch_function, tracing, nested = (torch.overrides.has_torch_function, activation._is_make_fx_tracing,
+                                           torch._nested_tensor_from_mask)
+    checking = {activation.__name__, torch.nn.modules.transformer.__name__}   # the fast-path checks, not others
+
+    def as_eager(args):
+        if sys._getframe(1).f_globals.get("__name__") in checking:
+            return any(_subclass_with_torch_function(a) for a in args)
+        return has_torch_function(args)
+
+    torch.overrides.has_torch_function = as_eager
+    activation._is_make_fx_tracing = lambda: False
+    torch._nested_tensor_from_mask = _nested_fast_path
+    try:
+        yield
+    finally:
+        torch.overrides.has_torch_function, activation._is_make_fx_tracing = has_torch_function, tracing
+        torch._nested_tensor_from_mask = nested
+
+
 def make_fake_mode() -> FakeTensorMode:
     """A fake mode whose ``.item()`` yields symbolic scalars instead of failing, and whose ops accept what the CPU kernels do.
 
@@ -473,9 +523,9 @@ def trace_functional(fn: Callable[..., Any], args: tuple, fake_mode: FakeTensorM
     # lazy graph modules (zerocc/pipeline.py's deferring_codegen): capture and every pass call recompile(),
     # and the step's Python is made once, when it first runs
     # a module the user wrapped in torch.compile runs its own code inside the trace (dynamo inlines it)
-    with stats.timed(compile_stats.TRACE), fake_mode, eager_composites(), _use_lazy_graph_module(True), \
-            torch._dynamo.config.patch(error_on_nested_fx_trace=False), loaded_uninteresting_files(), \
-            recording_source_files(set()) as files:
+    with stats.timed(compile_stats.TRACE), fake_mode, eager_composites(), fast_paths_as_eager(), \
+            _use_lazy_graph_module(True), torch._dynamo.config.patch(error_on_nested_fx_trace=False), \
+            loaded_uninteresting_files(), recording_source_files(set()) as files:
         first = make_fx(flat_fn, record_stack_traces=True)(*flat_args)
     first.meta[g.SOURCE_FILES] = frozenset(files)
     if check_written_constants is not None:
