@@ -46,6 +46,7 @@ def test_a_dead_rank_stops_the_others_with_a_clear_error(world_size, stage):
         assert kind == "RankFailureError", (rank, kind, message)
         assert f"rank {rank} of {world_size}: a collective of step 2 did not complete within {TIMEOUT} s" in message
         assert "another rank probably died" in message
+        assert f"  where: rank {world_size - 1} was not in step 2 (rank {world_size - 1}'s last call: step 1)" in message
         assert seconds < TIMEOUT + 60, seconds   # includes compiling step 2's program on a loaded machine
 
 
@@ -260,3 +261,32 @@ def test_a_rank_that_never_reaches_compile_is_a_rank_failure_within_the_timeout(
     assert message.startswith(f"rank 0 of 2: the other ranks did not reach zerocc.compile within {TIMEOUT} s "), \
         message
     assert seconds < TIMEOUT + 20, seconds
+
+
+def _one_rank_ends_its_loop_first(rank, world_size):
+    """Rank 1's loader (a dataset sharded by hand) has one batch fewer: it goes on to the barrier after the loop."""
+    model, _, loss_fn = build("mlp")
+    step = zerocc.compile(model, adamw(model), stage=1, loss_fn=loss_fn, timeout=4)
+    try:
+        for x, y in batches("mlp", 2 if rank == 1 else 3, 4, seed=rank):
+            step(x, y)
+        dist.barrier()
+    except zerocc.RankFailureError as error:
+        return str(error)
+    except RuntimeError:   # rank 1's barrier, once the others gave up
+        return "barrier failed"
+    return "no error"
+
+
+@pytest.mark.multirank
+def test_a_rank_whose_loop_ended_first_is_named_by_the_ranks_left_waiting():
+    """Ranks 0 and 2 said only that "another rank probably died, hung, or is running a different step": gloo's
+    timeout names no rank. The ranks that fail write so in the store; those that never do are named."""
+    results, exit_codes = distributed.run_tolerant(_one_rank_ends_its_loop_first, 3, limit=150)
+    assert exit_codes == [0, 0, 0], (exit_codes, results)   # nobody hung
+    assert results[1] == "barrier failed"
+    for rank in (0, 2):
+        assert f"rank {rank} of 3: a collective of step 3 did not complete within 4 s" in results[rank]
+        assert "  where: rank 1 was not in step 3 (rank 1's last call: step 2): in other code (a loop that ended " \
+               "first" in results[rank], results[rank]
+        assert "give every rank the same number of batches" in results[rank]

@@ -190,6 +190,7 @@ def collective_failures(ranks: Ranks, step_number: int, timeout: float | None, c
     if ranks.group is None:
         yield
         return
+    _mark(ranks, f"{call} after step {step_number}" if call else f"step {step_number}")
     try:
         yield
     except RankFailureError:
@@ -202,15 +203,68 @@ def collective_failures(ranks: Ranks, step_number: int, timeout: float | None, c
         why = (f"{call} is a collective{_COLLECTIVE_BECAUSE.get(call, '')}: every rank must call it at the same "
                "point of the loop, with batches of the same shapes; another rank probably did not call it (its "
                "loader ran out of batches first?), or died." if call else
-               "another rank probably died, hung, or is running a different step (different batch shapes "
-               "or code on different ranks).")
+               "another rank probably died, hung, is still in other code (its loop ended first: fewer batches on "
+               "that rank; a batch slower than the timeout), or is running a different step (different batch "
+               "shapes or code on different ranks).")
         raise RankFailureError(
             f"rank {ranks.rank} of {ranks.world_size}: a collective of {what} did not complete {within}"
             f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})\n"
-            f"  why: {why}\n"
+            + _where_the_others_are(ranks, what, error)
+            + f"  why: {why}\n"
             "  fix: look at the other ranks' output for the first error; restart every rank from the last "
-            "checkpoint (zerocc.load_checkpoint). compile(..., timeout=seconds) bounds how long ranks wait."
+            "checkpoint (zerocc.load_checkpoint). compile(..., timeout=seconds) bounds how long ranks wait. "
+            "Every rank must make the same calls: give every rank the same number of batches (DistributedSampler "
+            "pads; a dataset sharded by hand: stop every rank when the first runs out, docs/guide/failures.md)."
         ) from error
+
+
+def _where_the_others_are(ranks: Ranks, what: str, error: BaseException) -> str:
+    """A line naming the ranks that were not in ``what`` when it failed here (the backend's error names no rank), with
+    the last call each was in: every call with collectives writes where its rank is (``_mark``). An empty string where
+    every rank was in it, or the store does not answer."""
+    marks = _marks(ranks)
+    if marks is None:
+        return ""
+    elsewhere = {rank: mark for rank, mark in marks.items() if rank != ranks.rank and mark != what}
+    if not elsewhere:
+        return ""
+    text = str(error).lower()
+    closed = any(marker in text for marker in ("closed", "reset by peer", "broken pipe", "connection refused"))
+    state = ("a process ended: it died, was killed, or its script returned (a loop that ended first)" if closed else
+             "in other code (a loop that ended first and went on to a barrier, an all_reduce, an evaluation; a batch "
+             "slower than the timeout), or hung")
+    last = "; ".join(f"rank {rank}'s last call: {mark or 'none'}" for rank, mark in elsewhere.items())
+    return (f"  where: rank{'s' if len(elsewhere) > 1 else ''} {', '.join(map(str, elsewhere))} "
+            f"{'were' if len(elsewhere) > 1 else 'was'} not in {what} ({last}): {state}\n")
+
+
+def _key(ranks: Ranks, rank: int) -> str:
+    return f"zerocc/in/{ranks.group_name}/{rank}"
+
+
+def _mark(ranks: Ranks, what: str) -> None:
+    """Write in the default group's store which call with collectives this rank is in (a few microseconds): where a
+    collective fails, the ranks left waiting read who was elsewhere."""
+    with contextlib.suppress(RuntimeError, ValueError, AttributeError, dist.DistError):
+        dist.distributed_c10d._get_default_store().set(_key(ranks, ranks.rank), what)
+
+
+def _marks(ranks: Ranks) -> dict[int, str] | None:
+    """Every rank's last ``_mark`` ('' where it wrote none); None where the store does not answer (its host is gone)."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        old_timeout = store.timeout
+    except (RuntimeError, ValueError, AttributeError):
+        return None
+    try:
+        store.set_timeout(datetime.timedelta(seconds=5))   # a store whose host stopped answers no request
+        return {rank: store.get(_key(ranks, rank)).decode() if store.check([_key(ranks, rank)]) else ""
+                for rank in range(ranks.world_size)}
+    except (RuntimeError, dist.DistError):
+        return None
+    finally:
+        with contextlib.suppress(RuntimeError, dist.DistError):
+            store.set_timeout(old_timeout)
 
 
 _COLLECTIVE_BECAUSE = {"zerocc.compile": " (it broadcasts rank 0's parameters)",
