@@ -190,7 +190,8 @@ def collective_failures(ranks: Ranks, step_number: int, timeout: float | None, c
     if ranks.group is None:
         yield
         return
-    _mark(ranks, f"{call} after step {step_number}" if call else f"step {step_number}")
+    if timeout is not None:   # a round trip to the store per call: only where the user asked for failure detection
+        _mark(ranks, f"{call} after step {step_number}" if call else f"step {step_number}")
     try:
         yield
     except RankFailureError:
@@ -243,8 +244,9 @@ def _key(ranks: Ranks, rank: int) -> str:
 
 
 def _mark(ranks: Ranks, what: str) -> None:
-    """Write in the default group's store which call with collectives this rank is in (a few microseconds): where a
-    collective fails, the ranks left waiting read who was elsewhere."""
+    """Write in the default group's store which call with collectives this rank is in (a few microseconds on one
+    machine, a network round trip across nodes, and a line appended per call to a ``file://`` store): where a
+    collective fails, the ranks left waiting read who was elsewhere. Only under ``timeout=``."""
     with contextlib.suppress(RuntimeError, ValueError, AttributeError, dist.DistError):
         dist.distributed_c10d._get_default_store().set(_key(ranks, ranks.rank), what)
 
