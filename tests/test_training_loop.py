@@ -565,6 +565,45 @@ def test_a_channels_last_model_trains_exactly_on_contiguous_inputs(stage):
         assert torch.equal(step.eval_forward(z), reference(z))
 
 
+class UnpoolAndShuffle(torch.nn.Module):
+    """Vision layers whose CPU kernels keep a channels-last input's layout: MaxUnpool2d (a SegNet decoder),
+    channel_shuffle (ShuffleNet) and replication/reflection padding (3-D forward, 2-D and 3-D backward)."""
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3, padding=1, padding_mode="reflect")
+        self.pool = torch.nn.MaxPool2d(2, return_indices=True)
+        self.unpool = torch.nn.MaxUnpool2d(2)
+        self.conv3d = torch.nn.Conv3d(1, 2, 3, padding=1, padding_mode="replicate")
+        self.out = torch.nn.Linear(4 * 8 * 8 + 2 * 4 * 8 * 8, 5)
+
+    def forward(self, x):
+        h = F.pad(self.conv(x), (1, 1, 1, 1), mode="replicate")[..., 1:-1, 1:-1]
+        h = F.channel_shuffle(self.unpool(*self.pool(h)), 2)
+        volume = self.conv3d(h.unsqueeze(1).contiguous(memory_format=torch.channels_last_3d))
+        return self.out(torch.cat([h.flatten(1), volume.flatten(1)], 1))
+
+
+@pytest.mark.parametrize("memory_pools", [False, True])
+def test_vision_layers_that_keep_a_channels_last_layout_train_exactly(memory_pools):
+    """MaxUnpool2d after a channels-last convolution failed at the first call with "view size is not compatible
+    with input tensor's size and stride" (graph node view, no line of the user's): the trace took the unpooled
+    result for contiguous (its meta kernel's layout) and flattened it with a view, where the CPU kernel returns it
+    channels-last and eager's flatten copies. channel_shuffle and the padding ops so too (the padding's gradients)."""
+    torch.manual_seed(0)
+    model = UnpoolAndShuffle()
+    model.conv.to(memory_format=torch.channels_last)
+    model.conv3d.to(memory_format=torch.channels_last_3d)
+    reference = copy.deepcopy(model)
+    reference_optimizer = adamw(reference)
+    step = zerocc.compile(model, adamw(model), stage=3, loss_fn=F.cross_entropy, memory_pools=memory_pools)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        batch = (torch.randn(4, 3, 8, 8, generator=generator).contiguous(memory_format=torch.channels_last),
+                 torch.randint(0, 5, (4,), generator=generator))
+        assert torch.equal(step(*batch), eager_step(reference, reference_optimizer, F.cross_entropy, batch))
+    assert_same_state(step, reference)
+
+
 def test_a_default_dtype_set_between_steps_gets_its_own_program():
     """A factory in forward (``torch.ones``) makes the default dtype: float64 after ``torch.set_default_dtype``,
     which promotes the loss; the step traced under float32 must not keep running that program."""
