@@ -604,6 +604,59 @@ def test_vision_layers_that_keep_a_channels_last_layout_train_exactly(memory_poo
     assert_same_state(step, reference)
 
 
+def _synchronized_batch_norm(rank, world_size):
+    torch.manual_seed(0)
+    model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(torch.nn.Sequential(
+        torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(4 * 36, 5)))
+    reference = copy.deepcopy(model)
+    before = {key: value.clone() for key, value in model.state_dict().items()}
+    step = zerocc.compile(model, adamw(model), stage=3, loss_fn=F.cross_entropy)
+    generator = torch.Generator().manual_seed(1)
+    data = [(torch.randn(4 * world_size, 3, 8, 8, generator=generator),
+             torch.randint(0, 5, (4 * world_size,), generator=generator)) for _ in range(3)]
+    with pytest.raises(zerocc.CaptureError) as refused:
+        step(*(t.chunk(world_size)[rank] for t in data[0]))
+    unchanged = all(torch.equal(before[key], value) for key, value in step.full_state_dict().items())
+    # fine-tuning with the SyncBatchNorm frozen (eval mode): it syncs nothing, and trains as one process
+    model[1].eval()
+    reference[1].eval()
+    reference_optimizer = adamw(reference)
+    for batch in data:
+        step(*(t.chunk(world_size)[rank] for t in batch))
+        eager_step(reference, reference_optimizer, F.cross_entropy, batch)
+    return str(refused.value), unchanged, step.full_state_dict(), reference.state_dict()
+
+
+@pytest.mark.multirank
+def test_sync_batch_norm_on_two_ranks_is_refused_naming_it_and_trains_frozen():
+    """nn.SyncBatchNorm.convert_sync_batchnorm(model), as DDP users do, on 2 gloo ranks: the first call failed at
+    "(no user frame found): ValueError: SyncBatchNorm expected input tensor to be on GPU", naming neither the layer
+    nor a way out (on a GPU, the eager collective inside it was refused with advice for the user's own
+    collectives). SyncBatchNorm's statistics over the global batch need collectives inside forward and backward,
+    which the program does not run: refused, naming the layer and the fix; frozen in eval mode it trains."""
+    for refused, unchanged, state, expected in distributed.run(_synchronized_batch_norm, 2):
+        assert "SyncBatchNorm layers in training mode: model.1 (SyncBatchNorm(4," in refused, refused
+        assert "fix: build the model with nn.BatchNorm*d" in refused and "nn.GroupNorm" in refused
+        assert unchanged
+        for key, value in expected.items():
+            torch.testing.assert_close(state[key], value, rtol=1e-4, atol=1e-5, msg=lambda m: f"{key}: {m}")
+
+
+def test_sync_batch_norm_in_one_process_trains_as_batch_norm():
+    """Without a process group SyncBatchNorm is a BatchNorm, in eager and in the step: bit for bit."""
+    torch.manual_seed(0)
+    model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(torch.nn.Sequential(
+        torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.Flatten(), torch.nn.Linear(4 * 36, 5)))
+    reference = copy.deepcopy(model)
+    reference_optimizer = adamw(reference)
+    step = zerocc.compile(model, adamw(model), stage=3, loss_fn=F.cross_entropy)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        batch = torch.randn(4, 3, 8, 8, generator=generator), torch.randint(0, 5, (4,), generator=generator)
+        assert torch.equal(step(*batch), eager_step(reference, reference_optimizer, F.cross_entropy, batch))
+    assert_same_state(step, reference)
+
+
 def test_a_default_dtype_set_between_steps_gets_its_own_program():
     """A factory in forward (``torch.ones``) makes the default dtype: float64 after ``torch.set_default_dtype``,
     which promotes the loss; the step traced under float32 must not keep running that program."""

@@ -388,6 +388,7 @@ def trace_step(
     if not trained:
         raise ConfigError("the model has no parameter that both requires grad and is in the optimizer")
     refuse_shared_memory(params_all, buffers_all, {id(t) for _, t in trained})
+    _refuse_synchronized_batch_norm(model)
     gradient_hooks = _gradient_hooks_of(trained)
     parameter_shapes = parameter_shapes or {}
     parameter_layouts = parameter_layouts or {}
@@ -615,6 +616,33 @@ def _plus_gradients_written_into_grad(grads, computed, params, param_infos, prec
             grad = written if grad is None else grad + written
         summed.append(grad)
     return tuple(summed)
+
+
+def _refuse_synchronized_batch_norm(model: nn.Module) -> None:
+    """A ``SyncBatchNorm`` in training mode on several ranks: refused, naming it.
+
+    It computes its statistics over the global batch with eager ``torch.distributed`` collectives inside its
+    forward and backward (``torch.nn.modules._functions.SyncBatchNorm``), which the program does not run: the
+    trace either failed obscurely (on the CPU, its eager check for a GPU input, with no line of the user's) or
+    would have trained with each rank's own statistics, unlike DDP with ``convert_sync_batchnorm``. At world
+    size 1 (or in eval mode, a frozen layer) it is a BatchNorm, and trains as eager."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return
+    synchronized = [(name, module) for name, module in model.named_modules()
+                    if isinstance(module, nn.SyncBatchNorm) and module.training
+                    and torch.distributed.get_world_size(module.process_group or torch.distributed.group.WORLD) > 1]
+    if not synchronized:
+        return
+    named = ", ".join(f"{'model.' + name if name else 'the model'} ({module})" for name, module in synchronized[:3])
+    raise CaptureError(
+        f"the model has SyncBatchNorm layers in training mode: {named}{' ...' if len(synchronized) > 3 else ''}\n"
+        "  why: SyncBatchNorm computes its statistics over the global batch with torch.distributed collectives "
+        "inside its forward and backward, which the compiled step does not run; zerocc cannot train it as DDP "
+        "with nn.SyncBatchNorm.convert_sync_batchnorm does.\n"
+        "  fix: build the model with nn.BatchNorm*d (each rank normalizes with its own batch's statistics, as DDP "
+        "without convert_sync_batchnorm; docs/guide/your-model.md shows how to convert SyncBatchNorm layers back), "
+        "or with nn.GroupNorm, which needs no statistics across ranks; a SyncBatchNorm in eval mode (frozen) or on "
+        "one rank trains as eager")
 
 
 def _cumulative_batch_norm(tb, model: nn.Module) -> str | None:
