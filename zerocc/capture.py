@@ -48,6 +48,7 @@ from .host_random import EXTREMES, HostDraws, same_program
 from .model_recomputation import generators_reached, traced_recomputation
 from .tracing import (fakeify, module_conversions_as_eager, no_traced_values_left, record_source_lines_of,
                       trace_functional)
+from .sync_batch_norm import synchronized_batch_norm_traceable
 from .user_tooling import suspended_user_tooling
 
 
@@ -388,7 +389,6 @@ def trace_step(
     if not trained:
         raise ConfigError("the model has no parameter that both requires grad and is in the optimizer")
     refuse_shared_memory(params_all, buffers_all, {id(t) for _, t in trained})
-    _refuse_synchronized_batch_norm(model)
     gradient_hooks = _gradient_hooks_of(trained)
     parameter_shapes = parameter_shapes or {}
     parameter_layouts = parameter_layouts or {}
@@ -496,7 +496,7 @@ def trace_step(
 
     def traced(recorder, fake_args, stats=stats):
         with recording(fake_mode, recorder), _restored(attributes), no_traced_values_left(model, loss_fn), \
-                module_conversions_as_eager():
+                module_conversions_as_eager(), synchronized_batch_norm_traceable():
             return trace_functional(whole_step, fake_args, fake_mode, stats,
                                     lambda written: _refuse_writes_to_constants(written, attributes))
 
@@ -616,33 +616,6 @@ def _plus_gradients_written_into_grad(grads, computed, params, param_infos, prec
             grad = written if grad is None else grad + written
         summed.append(grad)
     return tuple(summed)
-
-
-def _refuse_synchronized_batch_norm(model: nn.Module) -> None:
-    """A ``SyncBatchNorm`` in training mode on several ranks: refused, naming it.
-
-    It computes its statistics over the global batch with eager ``torch.distributed`` collectives inside its
-    forward and backward (``torch.nn.modules._functions.SyncBatchNorm``), which the program does not run: the
-    trace either failed obscurely (on the CPU, its eager check for a GPU input, with no line of the user's) or
-    would have trained with each rank's own statistics, unlike DDP with ``convert_sync_batchnorm``. At world
-    size 1 (or in eval mode, a frozen layer) it is a BatchNorm, and trains as eager."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return
-    synchronized = [(name, module) for name, module in model.named_modules()
-                    if isinstance(module, nn.SyncBatchNorm) and module.training
-                    and torch.distributed.get_world_size(module.process_group or torch.distributed.group.WORLD) > 1]
-    if not synchronized:
-        return
-    named = ", ".join(f"{'model.' + name if name else 'the model'} ({module})" for name, module in synchronized[:3])
-    raise CaptureError(
-        f"the model has SyncBatchNorm layers in training mode: {named}{' ...' if len(synchronized) > 3 else ''}\n"
-        "  why: SyncBatchNorm computes its statistics over the global batch with torch.distributed collectives "
-        "inside its forward and backward, which the compiled step does not run; zerocc cannot train it as DDP "
-        "with nn.SyncBatchNorm.convert_sync_batchnorm does.\n"
-        "  fix: build the model with nn.BatchNorm*d (each rank normalizes with its own batch's statistics, as DDP "
-        "without convert_sync_batchnorm; docs/guide/your-model.md shows how to convert SyncBatchNorm layers back), "
-        "or with nn.GroupNorm, which needs no statistics across ranks; a SyncBatchNorm in eval mode (frozen) or on "
-        "one rank trains as eager")
 
 
 def _cumulative_batch_norm(tb, model: nn.Module) -> str | None:
