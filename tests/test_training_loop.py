@@ -602,6 +602,8 @@ def test_vision_layers_that_keep_a_channels_last_layout_train_exactly(memory_poo
                  torch.randint(0, 5, (4,), generator=generator))
         assert torch.equal(step(*batch), eager_step(reference, reference_optimizer, F.cross_entropy, batch))
     assert_same_state(step, reference)
+    with torch.no_grad():   # the one-channel volume: its padding keeps channels-last strides, as the CPU kernel
+        assert torch.equal(step.eval_forward(batch[0]), reference.eval()(batch[0]))
 
 
 def _batch_norm_network(synchronized: bool):

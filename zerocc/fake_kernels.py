@@ -280,7 +280,10 @@ class ZeroccFakeTensorMode(FakeTensorMode):
         if position is None or args[position].device.type != "cpu":
             return result
         input = args[position]
-        layout = torch.contiguous_format if input.is_contiguous() else suggest_memory_format(input)
+        if func in _BATCH_NORM_INPUT:
+            layout = torch.contiguous_format if input.is_contiguous() else suggest_memory_format(input)
+        else:   # ``input.suggest_memory_format()``: channels-last where its strides are, a size-1 channel included
+            layout = suggest_memory_format(input)
         first, *rest = result if func in _BATCH_NORM_INPUT else (result,)
         with self:
             first = torch.empty_like(first, memory_format=layout)
