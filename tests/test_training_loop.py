@@ -565,6 +565,108 @@ def test_a_channels_last_model_trains_exactly_on_contiguous_inputs(stage):
         assert torch.equal(step.eval_forward(z), reference(z))
 
 
+class UnpoolAndShuffle(torch.nn.Module):
+    """Vision layers whose CPU kernels keep a channels-last input's layout: MaxUnpool2d (a SegNet decoder),
+    channel_shuffle (ShuffleNet) and replication/reflection padding (3-D forward, 2-D and 3-D backward)."""
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3, padding=1, padding_mode="reflect")
+        self.pool = torch.nn.MaxPool2d(2, return_indices=True)
+        self.unpool = torch.nn.MaxUnpool2d(2)
+        self.conv3d = torch.nn.Conv3d(1, 2, 3, padding=1, padding_mode="replicate")
+        self.out = torch.nn.Linear(4 * 8 * 8 + 2 * 4 * 8 * 8, 5)
+
+    def forward(self, x):
+        h = F.pad(self.conv(x), (1, 1, 1, 1), mode="replicate")[..., 1:-1, 1:-1]
+        h = F.channel_shuffle(self.unpool(*self.pool(h)), 2)
+        volume = self.conv3d(h.unsqueeze(1).contiguous(memory_format=torch.channels_last_3d))
+        return self.out(torch.cat([h.flatten(1), volume.flatten(1)], 1))
+
+
+@pytest.mark.parametrize("memory_pools", [False, True])
+def test_vision_layers_that_keep_a_channels_last_layout_train_exactly(memory_pools):
+    """MaxUnpool2d after a channels-last convolution failed at the first call with "view size is not compatible
+    with input tensor's size and stride" (graph node view, no line of the user's): the trace took the unpooled
+    result for contiguous (its meta kernel's layout) and flattened it with a view, where the CPU kernel returns it
+    channels-last and eager's flatten copies. channel_shuffle and the padding ops so too (the padding's gradients)."""
+    torch.manual_seed(0)
+    model = UnpoolAndShuffle()
+    model.conv.to(memory_format=torch.channels_last)
+    model.conv3d.to(memory_format=torch.channels_last_3d)
+    reference = copy.deepcopy(model)
+    reference_optimizer = adamw(reference)
+    step = zerocc.compile(model, adamw(model), stage=3, loss_fn=F.cross_entropy, memory_pools=memory_pools)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        batch = (torch.randn(4, 3, 8, 8, generator=generator).contiguous(memory_format=torch.channels_last),
+                 torch.randint(0, 5, (4,), generator=generator))
+        assert torch.equal(step(*batch), eager_step(reference, reference_optimizer, F.cross_entropy, batch))
+    assert_same_state(step, reference)
+    with torch.no_grad():   # the one-channel volume: its padding keeps channels-last strides, as the CPU kernel
+        assert torch.equal(step.eval_forward(batch[0]), reference.eval()(batch[0]))
+
+
+def _batch_norm_network(synchronized: bool):
+    """Convolutions and a linear layer, each followed by a batch norm (without biases of their own, which a batch
+    norm cancels: their gradients are rounding, which Adam would scale up to whole steps)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, padding=1, bias=False), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+        torch.nn.Conv2d(8, 4, 3, bias=False), torch.nn.BatchNorm2d(4, affine=False, momentum=0.3), torch.nn.Flatten(),
+        torch.nn.Linear(4 * 36, 6, bias=False), torch.nn.BatchNorm1d(6), torch.nn.Linear(6, 5))
+    return torch.nn.SyncBatchNorm.convert_sync_batchnorm(model) if synchronized else model
+
+
+def _synchronized_batch_norm(rank, world_size, stage, options):
+    generator = torch.Generator().manual_seed(1)
+    data = [(torch.randn(4 * world_size, 3, 8, 8, generator=generator) * 3 + 5,
+             torch.randint(0, 5, (4 * world_size,), generator=generator)) for _ in range(3)]
+    model = _batch_norm_network(synchronized=True)
+    step = zerocc.compile(model, adamw(model), stage=stage, loss_fn=F.cross_entropy, **options)
+    reference = _batch_norm_network(synchronized=False)   # one process, the global batch
+    reference_optimizer = adamw(reference)
+    for batch in data:
+        step(*(t.chunk(world_size)[rank] for t in batch))
+        eager_step(reference, reference_optimizer, F.cross_entropy, batch)
+    trained = step.full_state_dict(), {key: value.clone() for key, value in reference.state_dict().items()}
+    # fine-tuning with the batch norms frozen (eval mode): they synchronize nothing
+    model.apply(lambda m: m.eval() if isinstance(m, torch.nn.SyncBatchNorm) else None)
+    reference.apply(lambda m: m.eval() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) else None)
+    for batch in data:
+        step(*(t.chunk(world_size)[rank] for t in batch))
+        eager_step(reference, reference_optimizer, F.cross_entropy, batch)
+    return trained, (step.full_state_dict(), reference.state_dict())
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("stage, options", [(0, {}), (3, {"memory_budget": 2_000_000})])
+def test_sync_batch_norm_on_two_ranks_trains_as_one_process_on_the_global_batch(stage, options):
+    """nn.SyncBatchNorm.convert_sync_batchnorm(model), as DDP users do, on 2 gloo ranks: the first call failed at
+    "(no user frame found): ValueError: SyncBatchNorm expected input tensor to be on GPU", naming neither the layer
+    nor a way out (on a GPU, the eager collectives inside it were refused with advice for the user's own). Its
+    statistics over the global batch are traced with functional collectives (zerocc/sync_batch_norm.py): the
+    step trains as one process's BatchNorm on the global batch, as DDP with SyncBatchNorm does; frozen too."""
+    for rank, results in enumerate(distributed.run(_synchronized_batch_norm, 2, stage, options)):
+        for state, expected in results:
+            for key, value in expected.items():
+                torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{rank} {key}: {m}")
+
+
+def test_sync_batch_norm_in_one_process_trains_as_batch_norm():
+    """Without a process group SyncBatchNorm is a BatchNorm, in eager and in the step: bit for bit."""
+    torch.manual_seed(0)
+    model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(torch.nn.Sequential(
+        torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.Flatten(), torch.nn.Linear(4 * 36, 5)))
+    reference = copy.deepcopy(model)
+    reference_optimizer = adamw(reference)
+    step = zerocc.compile(model, adamw(model), stage=3, loss_fn=F.cross_entropy)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        batch = torch.randn(4, 3, 8, 8, generator=generator), torch.randint(0, 5, (4,), generator=generator)
+        assert torch.equal(step(*batch), eager_step(reference, reference_optimizer, F.cross_entropy, batch))
+    assert_same_state(step, reference)
+
+
 def test_a_default_dtype_set_between_steps_gets_its_own_program():
     """A factory in forward (``torch.ones``) makes the default dtype: float64 after ``torch.set_default_dtype``,
     which promotes the loss; the step traced under float32 must not keep running that program."""

@@ -48,6 +48,7 @@ from .host_random import EXTREMES, HostDraws, same_program
 from .model_recomputation import generators_reached, traced_recomputation
 from .tracing import (fakeify, module_conversions_as_eager, no_traced_values_left, record_source_lines_of,
                       trace_functional)
+from .sync_batch_norm import synchronized_batch_norm_traceable
 from .user_tooling import suspended_user_tooling
 
 
@@ -495,7 +496,7 @@ def trace_step(
 
     def traced(recorder, fake_args, stats=stats):
         with recording(fake_mode, recorder), _restored(attributes), no_traced_values_left(model, loss_fn), \
-                module_conversions_as_eager():
+                module_conversions_as_eager(), synchronized_batch_norm_traceable():
             return trace_functional(whole_step, fake_args, fake_mode, stats,
                                     lambda written: _refuse_writes_to_constants(written, attributes))
 

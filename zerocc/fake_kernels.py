@@ -145,6 +145,22 @@ _BATCH_NORM_INPUT = {
 }
 
 
+# Ops with one output that the CPU kernel lays out in the memory format the input at this position suggests
+# (channels-last in, channels-last out), where their meta kernels return a contiguous tensor: found by running
+# vision layers forward and backward on channels-last inputs, beside their fake results (MaxUnpool2d after a
+# channels-last convolution: a `.flatten(1)` after it traced as a view, which the compiled step could not take).
+_CPU_INPUT_LAYOUT = {
+    aten.max_unpool2d.default: 0,
+    aten.channel_shuffle.default: 0,
+    aten.reflection_pad3d.default: 0,
+    aten.replication_pad3d.default: 0,
+    aten.reflection_pad2d_backward.default: 1,
+    aten.replication_pad2d_backward.default: 1,
+    aten.reflection_pad3d_backward.default: 1,
+    aten.replication_pad3d_backward.default: 1,
+}
+
+
 # Elementwise ops whose Python decomposition (what fake and meta tensors run) lays its result out otherwise than the
 # CPU kernel when the inputs' layouts differ (a gradient arriving transposed): TensorIterator's layout of these
 # arguments, in this order, or a contiguous result. Found by comparing every layout of two or three inputs.
@@ -195,10 +211,11 @@ class ZeroccFakeTensorMode(FakeTensorMode):
     transposed, failed so without memory pools, and with them (which place each result in the layout traced)
     summed the gradient of ``dt_bias`` in another order than eager, off by an ulp. These ops bypass torch's
     fake tensor cache, which every fake mode of the process shares: other fake modes keep PyTorch's layouts.
+    The ops of ``_CPU_INPUT_LAYOUT`` keep a channels-last input's layout on the CPU, as batch norms do.
     """
 
     def _cache_key(self, state, func, args, kwargs):
-        if func in _BATCH_NORM_INPUT or func in _CPU_ELEMENTWISE_LAYOUT:
+        if func in _BATCH_NORM_INPUT or func in _CPU_ELEMENTWISE_LAYOUT or func in _CPU_INPUT_LAYOUT:
             raise _BypassDispatchCache("zerocc: laid out as its CPU kernel")
         return super()._cache_key(state, func, args, kwargs)
 
@@ -259,14 +276,18 @@ class ZeroccFakeTensorMode(FakeTensorMode):
                 return result
             with self:
                 return torch.empty_strided(result.shape, strides, dtype=result.dtype, device=result.device)
-        position = _BATCH_NORM_INPUT.get(func)
+        position = _BATCH_NORM_INPUT.get(func, _CPU_INPUT_LAYOUT.get(func))
         if position is None or args[position].device.type != "cpu":
             return result
         input = args[position]
-        layout = torch.contiguous_format if input.is_contiguous() else suggest_memory_format(input)
-        first, *rest = result
+        if func in _BATCH_NORM_INPUT:
+            layout = torch.contiguous_format if input.is_contiguous() else suggest_memory_format(input)
+        else:   # ``input.suggest_memory_format()``: channels-last where its strides are, a size-1 channel included
+            layout = suggest_memory_format(input)
+        first, *rest = result if func in _BATCH_NORM_INPUT else (result,)
         with self:
-            return (torch.empty_like(first, memory_format=layout), *rest)
+            first = torch.empty_like(first, memory_format=layout)
+        return (first, *rest) if func in _BATCH_NORM_INPUT else first
 
 
 # Higher-order ops find their fake rule by the mode's exact class: the functionalizing replay's
