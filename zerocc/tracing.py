@@ -231,12 +231,27 @@ def eager_composites():
             op._dispatch_cache.clear()
 
 
+def release_earlier_shape_envs() -> None:
+    """Empty the caches torch keeps on ``ShapeEnv``'s methods, which hold every earlier trace's ShapeEnv.
+
+    ``simplify``, ``_maybe_evaluate_static``, ``_find``... are cached on the class, keyed on the ShapeEnv
+    itself, and emptied only when a call comes from an env whose version counter differs from the last call's.
+    Every trace of a step makes a ShapeEnv that ends at the same count, so none was ever emptied: each compile
+    (a new sequence length under dynamic padding, an eval_forward shape) kept its ShapeEnv, with its guards,
+    sympy expressions and captured tracebacks, for the life of the process, though ``max_programs`` dropped its
+    program. Emptied before each trace, they hold at most the last one's; entries are recomputed as needed."""
+    for method in vars(symbolic_shapes.ShapeEnv).values():
+        if callable(getattr(method, "cache_clear", None)):
+            method.cache_clear()
+
+
 def make_fake_mode() -> FakeTensorMode:
     """A fake mode whose ``.item()`` yields symbolic scalars instead of failing, and whose ops accept what the CPU kernels do.
 
     Its ShapeEnv decides branches on batch values while capture records data
     guards (``zerocc/data_guards.py``); otherwise it is torch's own.
     """
+    release_earlier_shape_envs()
     fake_mode = fake_kernels.ZeroccFakeTensorMode(shape_env=GuardedShapeEnv(allow_scalar_outputs=True),
                                                  allow_non_fake_inputs=True)
     fake_kernels.register()
