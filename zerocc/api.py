@@ -1063,6 +1063,7 @@ class CompiledStep:
         self.state.reset()
         self.cache.clear()
         self.eval_programs.clear()
+        self.arenas.clear()   # a closed step kept in a variable held its memory pools (as large as the model's state)
         self.closed = True
 
     @property
