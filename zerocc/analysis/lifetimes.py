@@ -46,7 +46,7 @@ def lifetimes_and_unplanned(gm: fx.GraphModule):
     nodes = list(gm.graph.nodes)
     position = {node: i for i, node in enumerate(nodes)}
     last = len(nodes) - 1
-    roots = _storage_roots(nodes)
+    roots = _storage_roots(nodes, gm)
     # released slots (passes/release_slots.py) live to the release point, then to their last use
     release = next((position[n] for n in nodes if n.meta.get(g.RELEASE_POINT)), None)
 
@@ -103,12 +103,22 @@ def _released_at(user: fx.Node, position: dict[fx.Node, int]) -> int:
     return position[user]
 
 
-def _storage_roots(nodes: list[fx.Node]) -> dict[fx.Node, tuple]:
-    """For each node with a tensor value: the storages it keeps alive, as (allocating node, output index or None)."""
+def _storage_roots(nodes: list[fx.Node], gm: fx.GraphModule | None = None) -> dict[fx.Node, tuple]:
+    """For each node with a tensor value: the storages it keeps alive, as (allocating node, output index or None).
+
+    Constants (``get_attr``) reading one tensor of the model's are one storage: each micro-batch of
+    ``grad_accumulation`` reads a table the model holds through a constant of its own."""
     roots: dict[fx.Node, tuple] = {}
+    constants: dict[int, fx.Node] = {}
     for node in nodes:
         if node.op == "output":
             continue
+        if node.op == "get_attr" and gm is not None:
+            value = operator.attrgetter(node.target)(gm)
+            if isinstance(value, torch.Tensor):
+                first = constants.setdefault(value.untyped_storage()._cdata, node)
+                roots[node] = ((first, None),)
+                continue
         value = node.meta.get(g.VAL)
         if node.op == "call_function" and node.target is operator.getitem:
             source, index = node.args
