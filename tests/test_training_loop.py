@@ -10,15 +10,19 @@ import collections
 import copy
 import dataclasses
 import functools
+import gc
 import math
 import warnings
+import weakref
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.parallel import DistributedDataParallel
 
 import zerocc
+from zerocc.data_guards import GuardedShapeEnv
 from tests import distributed
 from tests.models import batches, build, eager_step
 from tests.reference import adamw, eager_accumulated_step
@@ -443,6 +447,29 @@ def test_new_shapes_compile_new_programs_up_to_max_programs():
                       r"shapes \(8, 12\) float32"):
         step(*batches("mlp", 1, 4)[0])
     assert len(step.cache.programs()) == 2
+
+
+def test_programs_dropped_beyond_max_programs_let_their_traces_go():
+    """Dynamic padding (a new length every few steps) over a long run: max_programs kept 2 programs, but every
+    compile's ShapeEnv (its guards, sympy expressions, tracebacks) stayed alive in the caches torch keeps on
+    ShapeEnv's class, keyed on the env, and torch's fake tensor cache kept each trace's results by shape, so the
+    process grew with every compile. Now at most the last trace's are kept beside the programs' own."""
+    model, _, loss_fn = build("mlp")
+    step = zerocc.compile(model, adamw(model), loss_fn=loss_fn, max_programs=2)
+    seen, made, cached = set(), [], []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", zerocc.RecompileWarning)
+        for rows in (3, 4, 5, 6, 7):
+            step(*batches("mlp", 1, rows)[0])
+            cached.append(len(FakeTensorMode.cache))
+            gc.collect()
+            for env in (o for o in gc.get_objects() if type(o) is GuardedShapeEnv and id(o) not in seen):
+                seen.add(id(env))
+                made.append(weakref.ref(env))
+    gc.collect()
+    assert len(made) >= 5 and len(step.cache.programs()) == 2
+    assert sum(env() is not None for env in made) <= 3
+    assert cached[-1] <= 1.2 * cached[1], cached
 
 
 def test_max_programs_1_with_a_first_step_program_trains_one_shape_without_a_warning():

@@ -438,7 +438,8 @@ class CompiledStep:
                 if entry.measured_peak_bytes is not None:
                     loss = entry.program.run(state.slots, batch, held.hold)
                 else:   # the first run of a program also measures its peak of live tensor bytes
-                    tensors = [t for t in [*state.slots.values(), *self.arenas.tensors()] if isinstance(t, torch.Tensor)]
+                    tensors = [t for t in [*state.slots.values(), *self.arenas.tensors(), *entry.program.constants()]
+                               if isinstance(t, torch.Tensor)]
                     inputs = [t for t in batch if isinstance(t, torch.Tensor)]
                     with LiveBytesTracker(tensors, inputs) as tracker:
                         del tensors, inputs
@@ -1063,6 +1064,7 @@ class CompiledStep:
         self.state.reset()
         self.cache.clear()
         self.eval_programs.clear()
+        self.arenas.clear()   # a closed step kept in a variable held its memory pools (as large as the model's state)
         self.closed = True
 
     @property

@@ -281,12 +281,31 @@ def fast_paths_as_eager():
         torch._nested_tensor_from_mask = nested
 
 
+def release_earlier_traces() -> None:
+    """Empty the caches torch keeps of earlier traces on its classes, which grew with every compile.
+
+    ``ShapeEnv``'s methods (``simplify``, ``_maybe_evaluate_static``, ``_find``...) are cached on the class, keyed on
+    the ShapeEnv itself, and emptied only when a call comes from an env whose version counter differs from the
+    last call's: every trace of a step makes a ShapeEnv that ends at the same count, so none was ever emptied, and
+    each compile (a new sequence length under dynamic padding, an eval_forward shape) kept its ShapeEnv, with its
+    guards, sympy expressions and captured tracebacks, though ``max_programs`` dropped its program.
+    ``FakeTensorMode.cache``, the fake kernels' results by op and concrete shapes, shared by every fake mode,
+    gained an entry per op and shape of each trace (about 0.5 MB per compile of a small Llama). Emptied before
+    each trace, they hold the last one's; a trace still reuses its own entries (layers alike), and the rest are
+    computed again as needed."""
+    for method in vars(symbolic_shapes.ShapeEnv).values():
+        if callable(getattr(method, "cache_clear", None)):
+            method.cache_clear()
+    FakeTensorMode.cache.clear()
+
+
 def make_fake_mode() -> FakeTensorMode:
     """A fake mode whose ``.item()`` yields symbolic scalars instead of failing, and whose ops accept what the CPU kernels do.
 
     Its ShapeEnv decides branches on batch values while capture records data
     guards (``zerocc/data_guards.py``); otherwise it is torch's own.
     """
+    release_earlier_traces()
     fake_mode = fake_kernels.ZeroccFakeTensorMode(shape_env=GuardedShapeEnv(allow_scalar_outputs=True),
                                                  allow_non_fake_inputs=True)
     fake_kernels.register()

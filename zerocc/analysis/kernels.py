@@ -32,6 +32,23 @@ SCRATCH_OUT = frozenset({
     aten.binary_cross_entropy.default,
 })
 
+
+@functools.cache
+def reduces_in_its_scratch(op: torch._ops.OpOverload, device_type: str) -> bool:
+    """Does ``op`` (of ``SCRATCH_OUT``), reducing, return its result in the elementwise scratch it computed?
+
+    On CPU ``F.mse_loss(x, y)`` of 1000x1000 floats is a 0-dim tensor holding a 4 MB storage: the kernel reduces
+    into its scratch and shrinks it, keeping its memory, for as long as the loss lives (the whole step and after).
+    Asked of the kernel itself, once per op and device, on two elements."""
+    if op not in SCRATCH_OUT:
+        return False
+    try:   # a device this process cannot run on (a plan of a CUDA job made on a CPU machine): counted as its value
+        x = torch.zeros(2, device=device_type)
+        return op(x, x, reduction=1).untyped_storage().nbytes() > x.element_size()
+    except (RuntimeError, AssertionError):   # AssertionError: "Torch not compiled with CUDA enabled"
+        return False
+
+
 # Ops whose out= kernel tells its outputs apart by storage (``Tensor.is_alias_of``) instead of by the memory they
 # cover: given outputs that are views of one arena, ``linalg_qr.out`` (reduced mode, the default) factors into Q,
 # takes R for the tensor it factored in, and never writes R, which keeps whatever the arena held (a user's

@@ -26,6 +26,7 @@ import torch.utils._pytree as pytree
 from .. import graph as g
 from ..memory_plan import Unplanned, align
 from .aliasing import aliased_input, is_view, returns_alias
+from .kernels import SCRATCH_OUT, reduces_in_its_scratch
 
 aten = torch.ops.aten
 
@@ -45,7 +46,7 @@ def lifetimes_and_unplanned(gm: fx.GraphModule):
     nodes = list(gm.graph.nodes)
     position = {node: i for i, node in enumerate(nodes)}
     last = len(nodes) - 1
-    roots = _storage_roots(nodes)
+    roots = _storage_roots(nodes, gm)
     # released slots (passes/release_slots.py) live to the release point, then to their last use
     release = next((position[n] for n in nodes if n.meta.get(g.RELEASE_POINT)), None)
 
@@ -61,9 +62,11 @@ def lifetimes_and_unplanned(gm: fx.GraphModule):
         here = position[node]
         reach = max([done[user] for user in node.users], default=here)
         for key in keys:
-            start.setdefault(key, 0 if node.op == "placeholder" else here)
+            start.setdefault(key, 0 if node.op in ("placeholder", "get_attr") else here)
             if node.op == "placeholder":
                 end[key] = release if release is not None and node.meta.get(g.RELEASED) else last
+            elif node.op == "get_attr":   # a tensor the model holds (a table forward reads, not a buffer): alive
+                end[key] = last           # all along, where planned to its last use the plan missed it afterwards
             end[key] = max(end.get(key, here), reach)
             if key[0] is not node:
                 aliases.setdefault(key, []).append(node.name)
@@ -87,7 +90,8 @@ def lifetimes_and_unplanned(gm: fx.GraphModule):
             unplanned.append(Unplanned(name, role, None, start[key], end[key],
                                        f"size depends on the data ({size} elements)"))
             continue
-        size = _storage_bytes(value)
+        size = _scratch_bytes(node) if index is None else None
+        size = _storage_bytes(value) if size is None else size
         buffers.append((name, role, align(size), start[key], end[key], tuple(aliases.get(key, ()))))
     return buffers, unplanned
 
@@ -99,12 +103,22 @@ def _released_at(user: fx.Node, position: dict[fx.Node, int]) -> int:
     return position[user]
 
 
-def _storage_roots(nodes: list[fx.Node]) -> dict[fx.Node, tuple]:
-    """For each node with a tensor value: the storages it keeps alive, as (allocating node, output index or None)."""
+def _storage_roots(nodes: list[fx.Node], gm: fx.GraphModule | None = None) -> dict[fx.Node, tuple]:
+    """For each node with a tensor value: the storages it keeps alive, as (allocating node, output index or None).
+
+    Constants (``get_attr``) reading one tensor of the model's are one storage: each micro-batch of
+    ``grad_accumulation`` reads a table the model holds through a constant of its own."""
     roots: dict[fx.Node, tuple] = {}
+    constants: dict[int, fx.Node] = {}
     for node in nodes:
         if node.op == "output":
             continue
+        if node.op == "get_attr" and gm is not None:
+            value = operator.attrgetter(node.target)(gm)
+            if isinstance(value, torch.Tensor):
+                first = constants.setdefault(value.untyped_storage()._cdata, node)
+                roots[node] = ((first, None),)
+                continue
         value = node.meta.get(g.VAL)
         if node.op == "call_function" and node.target is operator.getitem:
             source, index = node.args
@@ -142,6 +156,21 @@ def _storage_bytes(value) -> int:
         return 0
     span = 1 + sum((int(size) - 1) * abs(int(stride)) for size, stride in zip(value.shape, value.stride()))
     return span * value.element_size()
+
+
+def _scratch_bytes(node: fx.Node) -> int | None:
+    """The bytes of a loss that keeps its elementwise scratch (``kernels.reduces_in_its_scratch``: CPU's
+    ``mse_loss``), or None: counted as its 0-dim value, the plan fell short of what ran by the batch's size."""
+    if node.op != "call_function" or node.target not in SCRATCH_OUT:
+        return None
+    names = [a.name for a in node.target._schema.arguments]
+    reduction = node.kwargs.get("reduction", node.args[names.index("reduction")]
+                                if len(node.args) > names.index("reduction") else 1)
+    value, source = node.meta.get(g.VAL), node.args[0].meta.get(g.VAL)
+    if reduction == 0 or not isinstance(value, torch.Tensor) or not isinstance(source, torch.Tensor) \
+            or g.is_data_dependent(source) or not reduces_in_its_scratch(node.target, value.device.type):
+        return None
+    return int(source.numel()) * value.element_size()
 
 
 def _role(node: fx.Node, index: int | None, updated: bool) -> str:

@@ -74,6 +74,10 @@ class Arenas:
                 "resized its output (a view of the arena) past the arena's end. This is a zerocc bug: the op belongs "
                 "in analysis/kernels.py's SCRATCH_OUT. Run with memory_pools=False meanwhile")
 
+    def clear(self) -> None:
+        """Let every arena go (``step.close()``: no program of the step runs again)."""
+        self._tensors.clear()
+
     def tensors(self) -> list[torch.Tensor]:
         return list(self._tensors.values())
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 
 import torch
 import torch.fx as fx
@@ -63,6 +64,13 @@ class Program:
         released = tuple(n.meta[g.SLOT] for n in g.placeholders(gm) if n.meta.get(g.RELEASED)) \
             if releases_slots(gm) else ()
         return cls(gm, slots, positions, list(gm.meta[g.OUTPUT_SLOTS]), arenas, released, tuple(sizes))
+
+    def constants(self) -> list[torch.Tensor]:
+        """The tensors the program reads as constants (``get_attr``: a table the model holds that is no buffer):
+        alive all along, as ``analysis/lifetimes.py`` plans them, so the first run's measurement counts them from
+        the start, not from their first use."""
+        return [value for node in self.gm.graph.nodes if node.op == "get_attr"
+                and isinstance(value := operator.attrgetter(node.target)(self.gm), torch.Tensor)]
 
     def run(self, slots: dict[str, torch.Tensor], batch: list, on_release=None) -> torch.Tensor:
         """Run on ``slots`` and ``batch``; ``on_release()`` is called where the program starts replacing slots (its
