@@ -300,3 +300,23 @@ def test_plan_of_a_mixture_of_experts_built_on_the_meta_device():
                                       example_keyword_inputs=batch).report()
     assert reports["meta"]["model_state_bytes_per_rank"] == reports["cpu"]["model_state_bytes_per_rank"]
     assert reports["meta"]["comm_bytes_per_step"] == reports["cpu"]["comm_bytes_per_step"]
+
+
+def test_plan_refuses_a_tensor_as_example_inputs_and_a_model_partly_on_meta():
+    """example_inputs=x (a tensor, not a tuple) was iterated into its rows: forward got one argument per row
+    ("takes 3 positional arguments but 5 were given"). A model partly on meta (one layer built outside
+    torch.device('meta')) failed deep in forward: "found at least two devices, meta and cpu"."""
+    model, _, loss_fn = build("mlp")
+    inputs, targets = batches("mlp", 1, 4)[0]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with pytest.raises(zerocc.ConfigError, match=r"example_inputs must be a tuple \(or list\) of the step's positional "
+                                                 r"arguments, got a Tensor: for one input write example_inputs=\(x,\)"):
+        zerocc.plan(model, optimizer, loss_fn=loss_fn, num_targets=0, example_inputs=inputs)
+    with pytest.raises(zerocc.ConfigError, match=r"example_keyword_inputs must be a dict"):
+        zerocc.plan(model, optimizer, loss_fn=loss_fn, example_inputs=(), example_keyword_inputs=[inputs])
+    with torch.device("meta"):
+        model.net[0] = torch.nn.Linear(12, 32)   # the first layer on meta, the rest on the CPU
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with pytest.raises(zerocc.ConfigError, match=r"zerocc.plan: the model is partly on the meta device \(net.0.weight, net.0.bias\) "
+                                                 r"and partly on cpu \(.*\): .*build the whole model under"):
+        zerocc.plan(model, optimizer, loss_fn=loss_fn, example_inputs=(inputs, targets))
