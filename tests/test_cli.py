@@ -29,10 +29,19 @@ TINY = ["plan", "--model", "tests.models:TinyGPT", "--inputs", "long:2x16", "lon
     (["--param-dtype", "bf17"], r"--param-dtype: unknown dtype 'bf17'"),
     (["--plot", "no/such/folder/plan.png"], r"--plot 'no/such/folder/plan.png': the folder .* does not exist"),
     (["--json", "no/such/folder/plan.json"], r"--json 'no/such/folder/plan.json': the folder .* does not exist"),
+    # these were tracebacks, some after planning every configuration (the plot is written last)
+    (["--plot", "plan.txt"], r"--plot 'plan.txt': matplotlib writes no 'txt' files; end the name with one of .*\.png"),
+    (["--bucket-mb", "0"], r"--bucket-mb 0: expected a positive size in MiB"),
+    (["--lr", "-1"], r"--lr -1: expected a non-negative learning rate"),
+    (["--param-dtype", "long"], r"--param-dtype 'long': expected a floating dtype"),
+    (["--device", "gpu0"], r"--device 'gpu0': not a torch device; e.g. meta"),
+    (["--model", ":TinyGPT"], r"--model ':TinyGPT': expected module:factory"),
+    (["--dump-dir", "a_file"], r"--dump-dir 'a_file' is a file, not a folder"),
 ])
 def test_a_bad_argument_is_one_line_and_exit_code_2(arguments, message, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)   # relative paths resolve here; the tests package stays importable
     monkeypatch.syspath_prepend(str(__import__("pathlib").Path(__file__).parent.parent))
+    (tmp_path / "a_file").write_text("")
     assert main(TINY + arguments) == 2
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if not line.startswith("[zerocc plan")]
@@ -93,3 +102,11 @@ def test_keyword_inputs_plan_a_hugging_face_model_that_returns_its_loss(capsys, 
     rows = [line.split() for line in out.splitlines() if line.strip().startswith("3 ")]
     assert [row[1] for row in rows] == ["1", "2"], out
     assert float(rows[1][5]) == pytest.approx(float(rows[0][5]) / 2, rel=0.01)   # stage 3 halves model states
+
+
+def test_a_plot_named_without_an_extension_is_reported_as_the_file_written(tmp_path, capsys):
+    """matplotlib writes `--plot plan` as plan.png; the CLI said "plot: plan", a file that does not exist."""
+    pytest.importorskip("matplotlib")
+    assert main([*TINY[:-1], str(tmp_path / "plan")]) == 0
+    assert f"plot: {tmp_path / 'plan.png'}" in capsys.readouterr().out
+    assert (tmp_path / "plan.png").is_file()

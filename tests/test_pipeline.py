@@ -99,7 +99,7 @@ def test_a_registered_pass_sees_the_plans_and_can_be_disabled():
 
 
 def test_register_pass_names_the_valid_anchors():
-    with pytest.raises(zerocc.ConfigError, match=r"no pass named 'insert_collective'; the passes are: shard, place_remat, insert_collectives, schedule, overlap_updates, scatter_by_all_to_all, gather_by_send_recv, gradients_into_buckets, release_slots, plan_memory"):
+    with pytest.raises(zerocc.ConfigError, match=r"no pass named 'insert_collective'; the passes are: shard, mixed_precision, clip_gradients, place_remat, insert_collectives, schedule, overlap_updates, scatter_by_all_to_all, gather_by_send_recv, gradients_into_buckets, release_slots, plan_memory"):
         zerocc.register_pass(lambda gm, ctx: gm, after="insert_collective")
     with pytest.raises(zerocc.ConfigError, match="exactly one of after=... or before=..."):
         zerocc.register_pass(lambda gm, ctx: gm)
@@ -340,3 +340,42 @@ def test_a_compile_says_each_phase_once_it_runs_long_and_as_asked(monkeypatch, c
     assert compiled_with(progress=False) == ""
     with pytest.raises(zerocc.ConfigError, match="progress must be None"):
         zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), progress="yes")
+
+
+@pytest.mark.parametrize("anchor", [dict(after="mixed_precision"), dict(before="clip_gradients"),
+                                    dict(after="place_buffers")])
+def test_a_pass_registered_at_an_optional_pass_runs_where_that_pass_would(anchor):
+    """register_pass(after="mixed_precision") or before="clip_gradients" was refused ("no pass named ..."), though
+    step.passes lists them; after="place_buffers" was taken, and then every compile with memory_pools=False failed."""
+    seen = []
+    zerocc.register_pass(lambda gm, ctx: seen.append(ctx.stage) or gm, name="mine", **anchor)
+    with_option = compiled_mlp(param_dtype=torch.bfloat16, clip_grad_norm=1.0)
+    names = with_option.passes
+    assert names.index("mine") == names.index(next(iter(anchor.values()))) + (1 if "after" in anchor else -1)
+    without = compiled_mlp(memory_pools=False).passes   # none of the three optional passes runs
+    assert len(seen) == 2
+    if "place_buffers" in anchor.values():
+        assert without[-1] == "mine"
+    else:   # where mixed_precision and clip_gradients run: right after shard
+        assert without[:3] == ["capture", "shard", "mine"]
+
+
+def test_a_graph_a_registered_pass_broke_is_named_without_the_graph_printed():
+    """A pass that leaves the graph out of order: without verify the next pass that lints failed with FX's whole
+    graph in the message and no word of the registered pass; with verify=True the error is the pass's own."""
+    def out_of_order(gm, ctx):
+        nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+        nodes[0].prepend(nodes[-1])   # the last op moved first: its arguments come after it
+        return gm
+
+    zerocc.register_pass(out_of_order, after="insert_collectives")
+    with pytest.raises(zerocc.PassError) as failed:
+        compiled_mlp(verify=True)
+    message = str(failed.value)
+    assert message.startswith("pass 'out_of_order' failed") and "used before it has been defined" in message
+    assert "graph():" not in message and "placeholder[target=" not in message
+    with pytest.raises(zerocc.PassError) as failed:
+        compiled_mlp()
+    message = str(failed.value)
+    assert "graph():" not in message and "placeholder[target=" not in message
+    assert "registered pass(es) 'out_of_order' ran before it: compile with verify=True" in message

@@ -14,7 +14,8 @@ Hugging Face model takes its batch (``input_ids=long:1x1024
 labels=long:1x1024``: the model returns its loss).
 
 Mistakes in the arguments (a factory that does not import, bad JSON, a bad
-shape, world size or dtype, a plot folder that does not exist) are one line
+shape, world size, dtype, device, bucket size or learning rate, a plot folder
+that does not exist or a plot format matplotlib cannot write) are one line
 on stderr and exit code 2, as argparse's own errors are; they are found
 before planning starts.
 """
@@ -83,6 +84,8 @@ def load_factory(spec: str):
     if ":" not in spec:
         raise UsageError(f"--model {spec!r}: expected module:factory, e.g. examples.gpt:GPT")
     module_name, attribute = spec.split(":", 1)
+    if not module_name or not attribute:
+        raise UsageError(f"--model {spec!r}: expected module:factory, e.g. examples.gpt:GPT")
     sys.path.insert(0, os.getcwd())
     try:
         if module_name.endswith(".py") or os.sep in module_name:
@@ -159,6 +162,41 @@ def check_writable(path: str | None, option: str) -> None:
         raise UsageError(f"{option} {path!r}: the folder {folder!r} does not exist; create it or write elsewhere")
 
 
+def check_plot_format(path: str) -> None:
+    """The plot is written last, after every plan (minutes at a large world size): matplotlib must know its format."""
+    extension = os.path.splitext(path)[1][1:].lower()
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:
+        return   # plot() says it cannot plot
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if extension and extension not in formats:
+        raise UsageError(f"--plot {path!r}: matplotlib writes no {extension!r} files; end the name with one of "
+                         f"{', '.join('.' + f for f in sorted(formats))} (or --plot '' for no plot)")
+
+
+def parse_device(name: str) -> torch.device:
+    try:
+        device = torch.device(name)
+    except RuntimeError as error:
+        raise UsageError(f"--device {name!r}: not a torch device; e.g. meta (the default), cpu, cuda") from error
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"--device {name!r}: this machine has no CUDA device; plan on meta (the default): it "
+                         "needs no device")
+    return device
+
+
+def check_options(args) -> None:
+    """The numeric options, before the model is built and planned."""
+    if not args.bucket_mb > 0:
+        raise UsageError(f"--bucket-mb {args.bucket_mb:g}: expected a positive size in MiB (e.g. 4, 0.5)")
+    if not args.lr >= 0:
+        raise UsageError(f"--lr {args.lr:g}: expected a non-negative learning rate")
+    if args.dump_dir and os.path.exists(args.dump_dir) and not os.path.isdir(args.dump_dir):
+        raise UsageError(f"--dump-dir {args.dump_dir!r} is a file, not a folder; give a folder's path (it is "
+                         "created if missing)")
+
+
 def plan_command(args) -> int:
     from .planning import Planner
     started = time.perf_counter()
@@ -169,7 +207,14 @@ def plan_command(args) -> int:
     stages = parse_ints(args.stage, "--stage", allowed=(0, 1, 2, 3))
     world_sizes = parse_ints(args.world_size, "--world-size")
     param_dtype = parse_dtype(args.param_dtype, "--param-dtype") if args.param_dtype else None
+    if param_dtype is not None and not param_dtype.is_floating_point:
+        raise UsageError(f"--param-dtype {args.param_dtype!r}: expected a floating dtype (bfloat16 or float16, the "
+                         "bytes the ZeRO paper counts per parameter)")
+    check_options(args)
+    parse_device(args.device)
     check_writable(args.plot, "--plot")
+    if args.plot:
+        check_plot_format(args.plot)
     check_writable(args.json, "--json")
     try:
         model_kwargs = json.loads(args.model_kwargs)
@@ -265,4 +310,5 @@ def plot(rows, path: str, title: str) -> str | None:
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
-    return path
+    # a name without an extension is written as .png (savefig's default format): say which file it wrote
+    return path if os.path.splitext(path)[1] else f"{path}.{matplotlib.rcParams['savefig.format']}"

@@ -342,8 +342,8 @@ def attention_as_on_cpu():
 
 
 def _cpu_runs_it_fused(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> bool:
-    if enable_gqa and query.shape[-3] != key.shape[-3] or attn_mask is not None and not attn_mask.is_floating_point():
-        return False   # the composite rewrites these before its kernel: keep PyTorch's own path
+    if attn_mask is not None and not attn_mask.is_floating_point():
+        return False   # the composite rewrites a boolean mask before its kernel: keep PyTorch's own path
     tensors = (query, key, value, attn_mask)
     if any(t is not None and not all(isinstance(n, int) for n in (*t.shape, *t.stride())) for t in tensors):
         return False

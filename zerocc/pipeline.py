@@ -75,10 +75,21 @@ DUMP_DIR_VARIABLE = "ZEROCC_DUMP_DIR"
 MEMORY_POOLS_VARIABLE = "ZEROCC_MEMORY_POOLS"
 
 
-def _raise_pass_error(error: Exception, name: str, before: Sequence["Pass"]) -> None:
+def _raise_pass_error(error: Exception, name: str, before: Sequence["Pass"], verify: bool = False) -> None:
     done = ", ".join(p.name for p in before) or "none"
+    # a registered pass that left a broken graph makes a later pass fail: say which ran, and how to catch it there
+    users = [p.name for p in before if p.users]
+    hint = (f"\n  registered pass(es) {', '.join(map(repr, users))} ran before it: compile with verify=True to "
+            "check the graph after every pass" if users and not verify else "")
     raise PassError(f"pass '{name}' failed (passes run before it: capture, {done}): "
-                    f"{type(error).__name__}: {error}") from error
+                    f"{type(error).__name__}: {without_graph_printout(str(error))}{hint}") from error
+
+
+def without_graph_printout(message: str) -> str:
+    """FX's lint errors end in the whole graph printed (thousands of lines for a real model): keep what it says."""
+    cut = message.find("\ngraph():")
+    return message if cut < 0 else message[:cut] + "\n  (the graph printout left out: dump_dir= writes the program " \
+                                                    "after every pass that ran)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,13 +170,22 @@ def build_pipeline(stage: int, disable: Sequence[str] = (), prefetch_bytes: int 
                               device_budget=device_budget,
                               mixed_precision=mixed_precision, memory_pools=memory_pools, hardware=hardware)
     user_passes = registry.registered() if user_passes is None else list(user_passes)
+    every = every_builtin_pass()
     for user in user_passes:
         names = [p.name for p in passes]
-        if user.anchor not in names:
+        if user.anchor in names:
+            position = names.index(user.anchor) + (1 if user.after is not None else 0)
+        elif user.anchor in every:
+            # an optional pass this compile does not run (mixed_precision without param_dtype, clip_gradients
+            # without clip_grad_norm, place_buffers with memory_pools=False): the user's pass goes where it
+            # would have run, so that it runs in every compile, as register_pass promises
+            here = every.index(user.anchor)
+            position = next((i for i, p in enumerate(passes) if not p.users and every.index(p.name) > here),
+                            len(passes))
+        else:
             raise ConfigError(f"register_pass({user.name!r}): no pass named {user.anchor!r} to go "
                               f"{'after' if user.after is not None else 'before'}; the passes are: "
                               f"{', '.join(['capture', *names])}")
-        position = names.index(user.anchor) + (1 if user.after is not None else 0)
         passes.insert(position, Pass(user.name, user.run, tuple(user.requires), users=True))
 
     names = [p.name for p in passes]
@@ -372,9 +392,9 @@ def run_pipeline(gm: fx.GraphModule, ctx: CompileContext, passes: list[Pass], *,
         except (RuntimeError, torch.distributed.DistError) as error:
             if is_collective_failure(error):
                 raise   # a pass that agrees across ranks met a dead peer: the step reports it (RankFailureError)
-            _raise_pass_error(error, step.name, passes[: index - 1])
+            _raise_pass_error(error, step.name, passes[: index - 1], verify)
         except Exception as error:
-            _raise_pass_error(error, step.name, passes[: index - 1])
+            _raise_pass_error(error, step.name, passes[: index - 1], verify)
         stats.add(compile_stats.pass_phase(step.name), elapsed)
         with stats.timed(compile_stats.SNAPSHOTS):
             history.append(snapshot(index, step.name, gm, history[-1].node_counts, ctx.notes.get(step.name, "")))
@@ -507,6 +527,11 @@ def _dump(folder: str, shot: GraphSnapshot) -> None:
         file.write(str(shot) + "\n")
 
 
+def every_builtin_pass() -> list[str]:
+    """The built-in passes in order, the optional ones (mixed_precision, clip_gradients, place_buffers) included."""
+    return [p.name for p in default_pipeline(3, clip=(1.0, 2.0), mixed_precision=True, memory_pools=True)]
+
+
 def register_pass(fn: PassFn, *, after: str | None = None, before: str | None = None, name: str | None = None,
                   requires: Sequence[str] = ()) -> str:
     """Add ``fn``, a ``(graph_module, ctx) -> graph_module`` pass, right after or right before a named pass.
@@ -514,13 +539,15 @@ def register_pass(fn: PassFn, *, after: str | None = None, before: str | None = 
     It runs in every compilation and plan from then on and sees the plans
     decided so far on ``ctx`` (``ctx.shard_plan``, ...). Returns its name
     (``fn.__name__`` unless given); ``zerocc.unregister_pass(name)`` removes it.
+    Anchored at an optional pass a compile does not run (``mixed_precision``,
+    ``clip_gradients``, ``place_buffers``), it runs where that pass would.
     """
     if (after is None) == (before is None):
         raise ConfigError("register_pass needs exactly one of after=... or before=... (the name of a pass)")
     if not callable(fn):
         raise ConfigError(f"register_pass needs a callable (graph_module, ctx) -> graph_module, got {type(fn).__name__}")
     name = name or getattr(fn, "__name__", "user_pass")
-    valid = [p.name for p in default_pipeline(3, memory_pools=True)] + [p.name for p in registry.registered()]
+    valid = every_builtin_pass() + [p.name for p in registry.registered()]
     anchor = after if after is not None else before
     for old in (anchor, *requires):
         if old in RENAMED_PASSES:

@@ -129,6 +129,35 @@ def check_no_meta_inputs(model: nn.Module, example_inputs, example_keyword_input
             "model under torch.device('meta') too (its example inputs are then taken to the meta device)")
 
 
+def check_example_batch(example_inputs, example_keyword_inputs) -> None:
+    """One batch as the step is called with: a tensor given as ``example_inputs`` was iterated into its rows (a
+    (4, 8) batch reached forward as 4 positional arguments, "takes 3 positional arguments but 5 were given")."""
+    if not isinstance(example_inputs, (tuple, list)):
+        raise ConfigError(
+            f"zerocc.plan: example_inputs must be a tuple (or list) of the step's positional arguments, got a "
+            f"{type(example_inputs).__name__}: for one input write example_inputs=(x,); inputs the model takes by "
+            "keyword go in example_keyword_inputs={'input_ids': ..., ...}")
+    if example_keyword_inputs is not None and not isinstance(example_keyword_inputs, Mapping):
+        raise ConfigError(
+            f"zerocc.plan: example_keyword_inputs must be a dict of the step's keyword arguments, got a "
+            f"{type(example_keyword_inputs).__name__}; positional inputs go in example_inputs=(...)")
+
+
+def check_one_device(model: nn.Module) -> None:
+    """Part of a model on the meta device and part with values (a layer built outside ``torch.device('meta')``, or
+    loaded with ``assign=True``): the trace failed inside forward on "found at least two devices, meta and cpu"."""
+    tensors = [(name, t) for name, t in [*model.named_parameters(), *model.named_buffers()] if t.dim() > 0]
+    on_meta = [name for name, t in tensors if t.is_meta]
+    elsewhere = [(name, t.device) for name, t in tensors if not t.is_meta]
+    if on_meta and elsewhere:
+        def listed(names):
+            return ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+        raise ConfigError(
+            f"zerocc.plan: the model is partly on the meta device ({listed(on_meta)}) and partly on "
+            f"{elsewhere[0][1]} ({listed([name for name, _ in elsewhere])}): a plan needs no values, so build the "
+            "whole model under `with torch.device('meta'):` (or the whole model with values)")
+
+
 class Planner:
     """Captures a model's step once (per stage kind) and plans it for many stages and world sizes."""
 
@@ -146,6 +175,8 @@ class Planner:
             raise ConfigError("give param_dtype (plan the mixed precision compile runs) or accounting_dtype "
                               "(the ZeRO paper's accounting over a full-precision graph), not both")
         check_runtime_only(runtime_only)
+        check_example_batch(example_inputs, example_keyword_inputs)
+        check_one_device(model)
         # the stage and the pipeline's keywords come with each plan() (CompileOptions.for_pipeline)
         self.options = CompileOptions.validate(
             model, loss_fn=loss_fn, num_targets=num_targets, bucket_bytes=bucket_bytes,

@@ -41,7 +41,7 @@ def verify_graph(gm: fx.GraphModule, ctx) -> None:
     try:
         gm.graph.lint()
     except Exception as error:   # FX raises RuntimeError with its own message
-        problems.append(f"graph lint: {error}")
+        problems.append(f"graph lint: {str(error).split(chr(10) + 'graph():')[0]}")   # not FX's whole graph after it
     for node in gm.graph.nodes:
         if not g.is_collective(node):
             continue
