@@ -207,9 +207,9 @@ def note_failing_node(error: BaseException, gm, what: str, batch: list) -> None:
                 "num_embeddings, a label >= the number of classes): check the data, e.g. ids.max() < vocab size")
     elif "dtype" in str(error) and len(dtypes := _floating_dtypes(node)) > 1:
         hint = (f"the op's floating operands are {' and '.join(str(d).removeprefix('torch.') for d in dtypes)}, as "
-                "eager would give them: with compile(param_dtype=...) and cast_forward_inputs=False the model's floating "
-                "inputs are not cast to param_dtype, and meet parameters that are: cast them in forward, or leave "
-                "cast_forward_inputs=True")
+                "eager would give them: under compile(param_dtype=...) the parameters are in param_dtype, and a floating "
+                "tensor that is not (a batch input under cast_forward_inputs=False, a tensor the model holds or makes "
+                "in float32) meets them: cast it in forward (or leave cast_forward_inputs=True for the batch)")
     else:
         hint = "to debug, run the same model code eagerly on this batch"
     error.add_note(f"zerocc: {type(error).__name__} raised by the compiled {what} {place}, on a batch of {shapes}; "
