@@ -141,6 +141,16 @@ def known_bytes(value) -> int:
                if isinstance(v, torch.Tensor) and not is_data_dependent(v))
 
 
+def span_bytes(tensor: torch.Tensor) -> int:
+    """Bytes of the storage ``tensor``'s elements span (its strides may skip elements); 0 if it has none. What the
+    memory plan counts for a fresh tensor (``analysis/lifetimes.py``) and the first run measures for a batch input
+    (``runtime/memory.py``)."""
+    if tensor.numel() == 0:
+        return 0
+    span = 1 + sum((int(size) - 1) * abs(int(stride)) for size, stride in zip(tensor.shape, tensor.stride()))
+    return span * tensor.element_size()
+
+
 def ancestors(roots: Iterable[fx.Node]) -> set[fx.Node]:
     """Every node the roots depend on, the roots included."""
     seen: set[fx.Node] = set()

@@ -152,10 +152,7 @@ def _storage_bytes(value) -> int:
     """Bytes of the storage a fresh ``value`` needs (its strides may skip elements); 0 if it is no tensor."""
     if not isinstance(value, torch.Tensor) or g.is_data_dependent(value):
         return 0
-    if value.numel() == 0:
-        return 0
-    span = 1 + sum((int(size) - 1) * abs(int(stride)) for size, stride in zip(value.shape, value.stride()))
-    return span * value.element_size()
+    return g.span_bytes(value)
 
 
 def _scratch_bytes(node: fx.Node) -> int | None:

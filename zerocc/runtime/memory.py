@@ -26,6 +26,7 @@ import torch.utils._pytree as pytree
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .. import graph as g
 from ..autocast import autocast_as
 from ..ops import users_op_autocast
 
@@ -34,13 +35,6 @@ _REDUCTIONS = {torch.ops._c10d_functional.all_to_all_single.default,
                torch.ops._c10d_functional.reduce_scatter_tensor.default}
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
 _RELEASE_WAIT = 1e-3
-
-
-def _span_bytes(tensor: torch.Tensor) -> int:
-    """Bytes of the storage ``tensor``'s elements span (the plan's size of an input: ``analysis/lifetimes.py``)."""
-    if tensor.numel() == 0:
-        return 0
-    return (1 + sum((size - 1) * abs(stride) for size, stride in zip(tensor.shape, tensor.stride()))) * tensor.element_size()
 
 
 class LiveBytesTracker(TorchDispatchMode):
@@ -66,7 +60,7 @@ class LiveBytesTracker(TorchDispatchMode):
             if reference.cdata not in self._live:
                 counted = inputs.get(reference.cdata, (reference, 0))[1]
                 inputs[reference.cdata] = (reference, min(tensor.untyped_storage().nbytes(),
-                                                          counted + _span_bytes(tensor)))
+                                                          counted + g.span_bytes(tensor)))
         self._live.update(inputs)
         self.live_bytes += sum(size for _, size in inputs.values())
         self.peak_bytes = self.live_bytes
