@@ -177,6 +177,11 @@ def failing_node(gm, tb):
     return nodes[found] if 0 <= found < len(nodes) else None
 
 
+def without_graph_printout(message: str) -> str:
+    """An FX lint error's message without the whole graph printed after it (thousands of lines for a real model)."""
+    return message.split("\ngraph():")[0]
+
+
 def _floating_dtypes(node) -> list:
     """The distinct dtypes of ``node``'s floating tensor arguments (from their fake values), in order."""
     arguments: list = []

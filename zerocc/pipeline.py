@@ -45,7 +45,7 @@ from . import registry
 from .compile_stats import CompileStats
 from .context import CompileContext
 from .device_budget import DeviceBudget
-from .errors import ConfigError, MemoryBudgetError, PassError
+from .errors import ConfigError, MemoryBudgetError, PassError, without_graph_printout
 from .runtime.failures import is_collective_failure
 from .passes.clip_gradients import clip_gradients
 from .passes.gather_by_send_recv import gather_by_send_recv
@@ -82,14 +82,14 @@ def _raise_pass_error(error: Exception, name: str, before: Sequence["Pass"], ver
     hint = (f"\n  registered pass(es) {', '.join(map(repr, users))} ran before it: compile with verify=True to "
             "check the graph after every pass" if users and not verify else "")
     raise PassError(f"pass '{name}' failed (passes run before it: capture, {done}): "
-                    f"{type(error).__name__}: {without_graph_printout(str(error))}{hint}") from error
+                    f"{type(error).__name__}: {_without_graph_printout(str(error))}{hint}") from error
 
 
-def without_graph_printout(message: str) -> str:
-    """FX's lint errors end in the whole graph printed (thousands of lines for a real model): keep what it says."""
-    cut = message.find("\ngraph():")
-    return message if cut < 0 else message[:cut] + "\n  (the graph printout left out: dump_dir= writes the program " \
-                                                    "after every pass that ran)"
+def _without_graph_printout(message: str) -> str:
+    """``errors.without_graph_printout``, saying where the graph can be read instead."""
+    cut = without_graph_printout(message)
+    return message if cut == message else cut + "\n  (the graph printout left out: dump_dir= writes the program " \
+                                                "after every pass that ran)"
 
 
 @dataclasses.dataclass(frozen=True)

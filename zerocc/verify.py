@@ -18,6 +18,7 @@ import hashlib
 import torch.fx as fx
 
 from . import graph as g
+from .errors import without_graph_printout
 
 
 class VerificationError(AssertionError):
@@ -41,7 +42,7 @@ def verify_graph(gm: fx.GraphModule, ctx) -> None:
     try:
         gm.graph.lint()
     except Exception as error:   # FX raises RuntimeError with its own message
-        problems.append(f"graph lint: {str(error).split(chr(10) + 'graph():')[0]}")   # not FX's whole graph after it
+        problems.append(f"graph lint: {without_graph_printout(str(error))}")
     for node in gm.graph.nodes:
         if not g.is_collective(node):
             continue

@@ -103,7 +103,7 @@ def _released_at(user: fx.Node, position: dict[fx.Node, int]) -> int:
     return position[user]
 
 
-def _storage_roots(nodes: list[fx.Node], gm: fx.GraphModule | None = None) -> dict[fx.Node, tuple]:
+def _storage_roots(nodes: list[fx.Node], gm: fx.GraphModule) -> dict[fx.Node, tuple]:
     """For each node with a tensor value: the storages it keeps alive, as (allocating node, output index or None).
 
     Constants (``get_attr``) reading one tensor of the model's are one storage: each micro-batch of
@@ -113,7 +113,7 @@ def _storage_roots(nodes: list[fx.Node], gm: fx.GraphModule | None = None) -> di
     for node in nodes:
         if node.op == "output":
             continue
-        if node.op == "get_attr" and gm is not None:
+        if node.op == "get_attr":
             value = operator.attrgetter(node.target)(gm)
             if isinstance(value, torch.Tensor):
                 first = constants.setdefault(value.untyped_storage()._cdata, node)
