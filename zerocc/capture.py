@@ -634,28 +634,31 @@ _ZERO_SIZE_BRANCH = re.compile(r"data-dependent expression (Eq\(u\d+, 0\)|Ne\(u\
 
 
 def _data_dependent_error(where: str | None, why: str, message: str = "") -> CaptureError:
-    empty = ("\n  note: the branch asks whether a size the data decides is 0 (an expert that received no tokens, "
-             "`if tokens.numel() == 0: continue`): drop the check, as the ops after it run on zero rows and add "
-             "nothing; one program then serves every routing." if _ZERO_SIZE_BRANCH.search(message) else "")
     if where and re.search(r":\d+: for .+ in .+:", where):
-        empty = ("\n  note: the loop runs once per element of a tensor whose length the data decides (the experts that "
-                 "received tokens): loop over a fixed `range(num_experts)` instead, where an expert without tokens "
-                 "runs on zero rows and adds nothing; a transformers model whose config has experts_implementation "
-                 "trains with \"grouped_mm\" (its default) or \"batched_mm\".")
+        note = ("\n  note: the loop runs once per element of a tensor whose length the data decides (the experts that "
+                "received tokens): loop over a fixed `range(num_experts)` instead, where an expert without tokens "
+                "runs on zero rows and adds nothing; a transformers model whose config has experts_implementation "
+                "trains with \"grouped_mm\" (its default) or \"batched_mm\".")
     elif "extract specialized integer" in message and where and "bincount(" in where:
-        empty = ("\n  note: torch.bincount's length is the largest value plus one (at least minlength), which the data "
-                 "decides: count with F.one_hot(x, n).sum(0) or torch.histc, whose length is n; one program then "
-                 "serves every routing.")
+        note = ("\n  note: torch.bincount's length is the largest value plus one (at least minlength), which the data "
+                "decides: count with F.one_hot(x, n).sum(0) or torch.histc, whose length is n; one program then "
+                "serves every routing.")
     elif "extract specialized integer" in message and where and re.search(r"\b(int|float)\(", where):
-        empty = ("\n  note: int() or float() makes a number the data decides (a count read with .tolist() or .item()) "
-                 "a Python number: drop it and pass the value to the op itself (`x.split(counts.tolist())`, "
-                 "`x.new_zeros(count)`); it then stays a symbol, and one program serves every routing.")
+        note = ("\n  note: int() or float() makes a number the data decides (a count read with .tolist() or .item()) "
+                "a Python number: drop it and pass the value to the op itself (`x.split(counts.tolist())`, "
+                "`x.new_zeros(count)`); it then stays a symbol, and one program serves every routing.")
+    elif _ZERO_SIZE_BRANCH.search(message):
+        note = ("\n  note: the branch asks whether a size the data decides is 0 (an expert that received no tokens, "
+                "`if tokens.numel() == 0: continue`): drop the check, as the ops after it run on zero rows and add "
+                "nothing; one program then serves every routing.")
+    else:
+        note = ""
     return CaptureError(
         f"the step cannot be traced at {where or '(no user frame found)'}\n"
         f"  why: it depends on the values in a tensor (data-dependent control flow or output shape: {why}), "
         "which one graph cannot represent; only branches on values computed from the batch alone, and sizes and "
         "values read from it (.tolist(), .item()), are decided, on each real batch (zerocc/data_guards.py; not when "
-        f"planning with meta or fake example inputs).{empty}\n"
+        f"planning with meta or fake example inputs).{note}\n"
         "  fix: compute it with tensor ops (torch.where, masking) instead of Python control flow, "
         "or move it out of the model.")
 

@@ -280,14 +280,13 @@ class ZeroccFakeTensorMode(FakeTensorMode):
         if position is None or args[position].device.type != "cpu":
             return result
         input = args[position]
-        if func in _BATCH_NORM_INPUT:
+        if func in _BATCH_NORM_INPUT:   # several outputs, the first laid out as the input
             layout = torch.contiguous_format if input.is_contiguous() else suggest_memory_format(input)
-        else:   # ``input.suggest_memory_format()``: channels-last where its strides are, a size-1 channel included
-            layout = suggest_memory_format(input)
-        first, *rest = result if func in _BATCH_NORM_INPUT else (result,)
-        with self:
-            first = torch.empty_like(first, memory_format=layout)
-        return (first, *rest) if func in _BATCH_NORM_INPUT else first
+            first, *rest = result
+            with self:
+                return (torch.empty_like(first, memory_format=layout), *rest)
+        with self:   # ``input.suggest_memory_format()``: channels-last where its strides are, a size-1 channel included
+            return torch.empty_like(result, memory_format=suggest_memory_format(input))
 
 
 # Higher-order ops find their fake rule by the mode's exact class: the functionalizing replay's

@@ -443,6 +443,7 @@ class ProgramCache:
         again (a state-less checkpoint loaded later compiles it again). Dropped with the warning, max_programs=1
         warned at the second call of a step of one batch shape that "a new batch" of that same shape had come.
         """
+        signature = key.signature
         while len(self.programs()) > self.max_programs:
             candidates = [(old_key, entry) for old_key, kept in self.entries.items() for entry in kept
                           if entry.program is not keep.program]
@@ -456,7 +457,6 @@ class ProgramCache:
                     del self.entries[kept_key]
             if done:
                 continue
-            signature = key.signature
             warnings.warn(
                 f"zerocc: more than max_programs={self.max_programs} compiled programs (a new batch of "
                 f"{describe_signature(signature)}); dropped the least recently used, compiled for "
