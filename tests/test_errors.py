@@ -337,6 +337,12 @@ def test_clip_grad_norm_not_positive():
         zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), clip_grad_norm=-1.0)
 
 
+def test_clip_norm_type_without_clip_grad_norm_is_refused_rather_than_ignored():
+    model = torch.nn.Linear(4, 2)
+    with pytest.raises(zerocc.ConfigError, match=r"clip_norm_type=1 without clip_grad_norm clips nothing"):
+        zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), clip_norm_type=1)
+
+
 def test_clip_norm_type_not_positive():
     model = MLP()
     with pytest.raises(zerocc.ConfigError, match=r"clip_norm_type must be a positive number or float\('inf'\), got 0"):

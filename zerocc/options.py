@@ -320,6 +320,9 @@ def check_grad_accumulation(grad_accumulation) -> None:
 def check_clipping(max_norm, norm_type) -> tuple[float, float] | None:
     """``(max_norm, norm_type)`` for the clip_gradients pass, or None when no clipping was asked for."""
     if max_norm is None:
+        if norm_type != 2.0:
+            raise ConfigError(f"clip_norm_type={norm_type!r} without clip_grad_norm clips nothing: pass "
+                              f"clip_grad_norm=<max norm> too (float('inf') computes the norm without clipping)")
         return None
     if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
         raise ConfigError(f"clip_grad_norm must be a positive number (the largest global gradient norm allowed; "
