@@ -104,7 +104,7 @@ def _trained(name, compiled, stage):
     return losses, (step.full_state_dict() if step is not None else model.state_dict())
 
 
-@pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.parametrize("stage", [pytest.param(0, marks=pytest.mark.slow), 3])
 @pytest.mark.parametrize("name", list(MODELS))
 def test_a_loss_that_differentiates_in_forward_or_a_parametrized_weight_trains_as_eager(name, stage):
     expected_losses, expected = _trained(name, False, stage)
