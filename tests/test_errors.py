@@ -762,3 +762,28 @@ def test_an_embedding_with_max_norm_is_refused_naming_it_and_the_line(embedding)
                                                   r".*max_norm=.*fix: build the embedding with max_norm=None"):
         step(torch.tensor([[1, 2], [3, 4]]), torch.zeros(2) if isinstance(embedding, nn.EmbeddingBag)
              else torch.zeros(2, 2))
+
+
+class _CurvaturePenalty(nn.Module):
+    """A penalty on each sample's Hessian of the output in its input: ``vmap(hessian(f))``."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 1))
+
+    def forward(self, x, y):
+        curvature = torch.func.vmap(torch.func.hessian(lambda row: self.net(row).sum()))(x)   # the line
+        return F.mse_loss(self.net(x), y) + 0.01 * curvature.square().mean()
+
+
+def test_a_backward_formula_failing_while_tracing_names_the_forward_line_it_differentiates():
+    """torch 2.13's fake tensors put one tensor of ``vmap(jacfwd(jacrev(f)))`` (``hessian``) on the meta device, and
+    the step's backward fails on it inside autograd's engine, where no frame of the user's is on the stack: the
+    error named no line ("(no user frame found)"). The step is traced again under anomaly detection, which
+    reports the forward line of the node whose backward failed."""
+    model = _CurvaturePenalty()
+    step = zerocc.compile(model, torch.optim.AdamW(model.parameters()), stage=3)
+    with pytest.raises(zerocc.CaptureError, match=r"tracing the training step failed at .*test_errors\.py:\d+: "
+                                                  r"curvature = torch\.func\.vmap\(torch\.func\.hessian.*"
+                                                  r"\(the backward of its \w+Backward\d\)"):
+        step(torch.randn(8, 3), torch.randn(8, 1))

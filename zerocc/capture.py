@@ -22,6 +22,7 @@ import dataclasses
 import re
 import time
 import traceback
+import warnings
 from typing import Any, Callable, Sequence
 
 import torch
@@ -41,7 +42,8 @@ from .compile_stats import CompileStats
 from .autocast import autocast_as, autocast_state, outside_autocast
 from .batch import BatchLayout
 from .data_guards import DataGuard, GuardRecorder, recording
-from .errors import CaptureError, ConfigError, ZeroccError, defined_at, raised_by_user_code, user_frame
+from .errors import (CaptureError, ConfigError, ZeroccError, defined_at, innermost_frame, is_users,
+                     raised_by_user_code, user_frame)
 from .optimizer_step import REPLICATE_IF_ELEMENTWISE, check_elementwise, check_state_shapes, splice_update
 from . import precision as mixed
 from .host_random import EXTREMES, HostDraws, same_program
@@ -311,6 +313,35 @@ def refuse_shared_memory(params: Sequence, buffers: Sequence, trained_ids: set[i
             "F.linear(x, self.embed.weight.t()) in forward); to copy one, nn.Parameter(tensor.detach().clone())")
 
 
+def _in_backward(error: BaseException) -> bool:
+    """Whether ``error`` was raised inside autograd's engine: by a backward formula of the step's differentiation."""
+    return any(frame.name == "_engine_run_backward" for frame in traceback.extract_tb(error.__traceback__))
+
+
+_ANOMALY_REPORT = re.compile(r"Error detected in (\w+)\. Traceback of forward call that caused the error:\n(.*)", re.S)
+
+
+def _forward_line_of_failed_backward(trace_again: Callable[[], Any]) -> str | None:
+    """Where the forward op is whose backward failed, as 'file:line: code (its backward: NameBackward0)': the step
+    traced again under autograd's anomaly detection, which reports the forward stack of the node that raised
+    (a backward formula of PyTorch's has no frame of the user's on the stack when it fails)."""
+    with warnings.catch_warnings(record=True) as caught, torch.autograd.set_detect_anomaly(True, check_nan=False):
+        warnings.simplefilter("always")
+        try:
+            trace_again()
+        except Exception:
+            pass
+    for warning in caught:
+        found = _ANOMALY_REPORT.search(str(warning.message))
+        if found is None:
+            continue
+        frames = [traceback.FrameSummary(filename, int(line), "")
+                  for filename, line in re.findall(r'File "([^"]+)", line (\d+)', found.group(2))]
+        line = innermost_frame(frames, is_users)
+        return None if line is None else f"{line} (the backward of its {found.group(1)})"
+    return None
+
+
 def _fake_value_hint(error: BaseException) -> str:
     """Why a tensor used as a Python number fails while tracing, and the way out (PackedSequence: pad instead)."""
     if "FakeTensor" not in str(error):
@@ -535,8 +566,12 @@ def trace_step(
             error.add_note(f"zerocc: raised while tracing the step on this batch, after deciding the branch at "
                            f"{recorder.guards[-1].where} on its values")
             raise
-        where = user_frame(error.__traceback__) or "(no user frame found)"
-        raise CaptureError(f"tracing the training step failed at {where}: {type(error).__name__}: {error}"
+        where = user_frame(error.__traceback__)
+        if where is None and _in_backward(error):   # no user code on the stack: name the forward line instead
+            where = _forward_line_of_failed_backward(
+                lambda: traced(GuardRecorder(inputs, input_positions, recorder.read_values), fake_arguments(), None))
+        raise CaptureError(f"tracing the training step failed at {where or '(no user frame found)'}: "
+                           f"{type(error).__name__}: {error}"
                            f"{_fake_value_hint(error)}{_split_hint(error, num_model_inputs, num_targets, model)}"
                            f"{_empty_hint(inputs)}") from error
 
