@@ -250,7 +250,8 @@ class _SetGenerators:
 
 def _refuse_reentrant(*args, **kwargs):
     raise CaptureError(
-        f"torch.utils.checkpoint with use_reentrant=True at {_where()}: reentrant checkpointing computes the "
+        f"torch.utils.checkpoint with use_reentrant=True (PyTorch's default where use_reentrant is not passed) at "
+        f"{_where()}: reentrant checkpointing computes the "
         f"gradients of the parameters it recomputes by a backward of its own, which zerocc's differentiation of the "
         f"step (torch.autograd.grad) cannot collect. Pass use_reentrant=False (PyTorch's recommendation; Hugging "
         f"Face: activation_checkpointing_enable(activation_checkpointing_kwargs={{'use_reentrant': False}}), its "
