@@ -292,6 +292,30 @@ def test_sparse_gradients():
         step(torch.tensor([1, 2]), torch.zeros(1))
 
 
+class SparseLookups(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.bag = nn.EmbeddingBag(10, 4, sparse=True, mode="sum")
+        self.table = nn.Parameter(torch.randn(10, 4))
+
+    def forward(self, ids):
+        pooled = self.bag(ids)
+        return (pooled + F.embedding(ids, self.table, sparse=True).sum(1)).sum()
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_sparse_gradients_name_each_lookup_built_with_sparse_true(stage):
+    """The refusal said "nn.Embedding(sparse=True)?" and named no line: an EmbeddingBag or an F.embedding call
+    with sparse=True (a SparseAdam recipe) left the user to find which lookup it meant."""
+    model = SparseLookups()
+    step = zerocc.compile(model, torch.optim.SparseAdam(list(model.parameters())), stage=stage)
+    with pytest.raises(zerocc.ConfigError, match=r"(?s)table, bag.weight get sparse gradients.*"
+                                                 r"test_errors.py:\d+: pooled = self.bag\(ids\).*"
+                                                 r"test_errors.py:\d+: return \(pooled \+ F.embedding\(ids, self.table, "
+                                                 r"sparse=True\).*fix: build them with sparse=False"):
+        step(torch.tensor([[1, 2, 3], [4, 5, 1]]))
+
+
 def test_data_dependent_shapes_trace_symbolically_not_baked_in():
     torch.manual_seed(0)
     reference, model = BooleanMask(), BooleanMask()
