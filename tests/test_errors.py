@@ -285,6 +285,19 @@ def test_a_fused_optimizer_says_to_unfuse_it():
         step(*batches("mlp", 1, 4)[0])
 
 
+@pytest.mark.parametrize("optimizer_class", [torch.optim.Adam, torch.optim.RMSprop])
+def test_a_capturable_optimizer_on_the_cpu_says_eager_refuses_it_too(optimizer_class):
+    """capturable=True on CPU parameters raises in torch.optim itself (eager too); the refusal blamed the update
+    for branching on tensor values or keeping state not shaped like its parameter, and said to use an elementwise
+    optimizer, which Adam is."""
+    model = MLP()
+    step = zerocc.compile(model, optimizer_class(model.parameters(), lr=0.1, capturable=True), loss_fn=F.mse_loss)
+    with pytest.raises(zerocc.UnsupportedOptimizerError,
+                       match=r"(?s)\(capturable=True\).step\(\) raised: AssertionError: If capturable=True.*"
+                             r"eager's optimizer.step\(\) raises the same.*fix: build the optimizer with capturable=False"):
+        step(*batches("mlp", 1, 4)[0])
+
+
 def test_sparse_gradients():
     model = nn.Sequential(nn.Embedding(10, 5, sparse=True))
     step = zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=lambda out, target: out.sum())
