@@ -285,11 +285,48 @@ def test_a_fused_optimizer_says_to_unfuse_it():
         step(*batches("mlp", 1, 4)[0])
 
 
+@pytest.mark.parametrize("optimizer_class", [torch.optim.Adam, torch.optim.RMSprop])
+def test_a_capturable_optimizer_on_the_cpu_says_eager_refuses_it_too(optimizer_class):
+    """capturable=True on CPU parameters raises in torch.optim itself (eager too); the refusal blamed the update
+    for branching on tensor values or keeping state not shaped like its parameter, and said to use an elementwise
+    optimizer, which Adam is."""
+    model = MLP()
+    step = zerocc.compile(model, optimizer_class(model.parameters(), lr=0.1, capturable=True), loss_fn=F.mse_loss)
+    with pytest.raises(zerocc.UnsupportedOptimizerError,
+                       match=r"(?s)\(capturable=True\).step\(\) raised: AssertionError: If capturable=True.*"
+                             r"eager's optimizer.step\(\) raises the same.*fix: build the optimizer with capturable=False"):
+        step(*batches("mlp", 1, 4)[0])
+
+
 def test_sparse_gradients():
     model = nn.Sequential(nn.Embedding(10, 5, sparse=True))
     step = zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=lambda out, target: out.sum())
     with pytest.raises(zerocc.ConfigError, match=r"parameter\(s\) 0.weight get sparse gradients"):
         step(torch.tensor([1, 2]), torch.zeros(1))
+
+
+class SparseLookups(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.bag = nn.EmbeddingBag(10, 4, sparse=True, mode="sum")
+        self.table = nn.Parameter(torch.randn(10, 4))
+
+    def forward(self, ids):
+        pooled = self.bag(ids)
+        return (pooled + F.embedding(ids, self.table, sparse=True).sum(1)).sum()
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_sparse_gradients_name_each_lookup_built_with_sparse_true(stage):
+    """The refusal said "nn.Embedding(sparse=True)?" and named no line: an EmbeddingBag or an F.embedding call
+    with sparse=True (a SparseAdam recipe) left the user to find which lookup it meant."""
+    model = SparseLookups()
+    step = zerocc.compile(model, torch.optim.SparseAdam(list(model.parameters())), stage=stage)
+    with pytest.raises(zerocc.ConfigError, match=r"(?s)table, bag.weight get sparse gradients.*"
+                                                 r"test_errors.py:\d+: pooled = self.bag\(ids\).*"
+                                                 r"test_errors.py:\d+: return \(pooled \+ F.embedding\(ids, self.table, "
+                                                 r"sparse=True\).*fix: build them with sparse=False"):
+        step(torch.tensor([[1, 2, 3], [4, 5, 1]]))
 
 
 def test_data_dependent_shapes_trace_symbolically_not_baked_in():

@@ -588,8 +588,11 @@ def trace_step(
     sparse = [param_infos[i].name for i, grad in enumerate(grad_nodes)
               if grad is not None and grad.meta[g.VAL].layout != torch.strided]
     if sparse:
-        raise ConfigError(f"parameter(s) {', '.join(sparse)} get sparse gradients (nn.Embedding(sparse=True)?); "
-                          "zerocc shards dense gradients only: use sparse=False")
+        lookups = "".join(f"\n  - {line}" for line in _sparse_lookups(gm))
+        raise ConfigError(f"parameter(s) {', '.join(sparse)} get sparse gradients, from the lookup(s) built with "
+                          f"sparse=True (nn.Embedding, nn.EmbeddingBag, F.embedding) at:{lookups or ' (no user frame found)'}"
+                          "\n  why: zerocc reduces and shards dense gradients only.\n  fix: build them with sparse=False "
+                          "(the default); the optimizer then gets dense gradients (SparseAdam needs sparse ones: use Adam).")
     step_nodes = set(gm.graph.nodes)   # forward and backward, before the optimizer's update is spliced in
     with stats.timed(compile_stats.OPTIMIZER_TRACE):
         new_param_nodes, new_state_dicts = _splice_optimizer(gm, fake_mode, optimizer, grad_nodes, group_of)
@@ -847,6 +850,24 @@ def _placeholder_layout(fake_args, settings_layout) -> list[tuple[str, int, str]
 
 def readable(name: str) -> str:
     return name.replace(".", "_")
+
+
+def _sparse_lookups(gm) -> list[str]:
+    """The user's lines of the forward ops that make a sparse gradient: those called with ``sparse=True``
+    (``embedding``, ``_embedding_bag``), once each. The backward ops that build it carry no stack trace."""
+    from .errors import user_line_of_node
+    lines = []
+    for node in gm.graph.nodes:
+        schema = getattr(node.target, "_schema", None)
+        if node.op != "call_function" or schema is None:
+            continue
+        for position, argument in enumerate(schema.arguments):
+            if argument.name == "sparse":
+                value = node.kwargs.get("sparse", node.args[position] if position < len(node.args) else False)
+                line = user_line_of_node(node)   # None on the backward's ops (_embedding_bag_backward)
+                if value is True and line is not None and line not in lines:
+                    lines.append(line)
+    return lines
 
 
 def _tag_placeholders(gm, layout, param_infos, frozen_infos, buffer_infos, state_keys) -> None:

@@ -172,6 +172,13 @@ def optimizer_update(
                 "for a tensor learning rate.\n"
                 f"  fix: build the optimizer with fused=False (the default); foreach=True also traces."
             ) from error
+        if any(group.get("capturable") for group in optimizer.param_groups) and "capturable" in str(error):
+            raise UnsupportedOptimizerError(
+                f"{name}(capturable=True).step() raised: {type(error).__name__}: {str(error).splitlines()[0]}\n"
+                "  why: torch.optim supports capturable=True (the step count kept on the device, for CUDA graphs) "
+                "on the devices it names only; eager's optimizer.step() raises the same on these parameters.\n"
+                "  fix: build the optimizer with capturable=False (the default)."
+            ) from error
         branch = _optimizer_branch(error, type(optimizer))
         if branch is not None:
             raise UnsupportedOptimizerError(
