@@ -237,6 +237,40 @@ def test_a_compile_that_cannot_be_pickled_trains_and_says_it_was_not_stored(tmp_
         zerocc.unregister_pass("marks_with_a_lambda")
 
 
+class DistilledFrom(torch.nn.Module):
+    """A policy kept close to a frozen reference model it does not register (RL's KL penalty, distillation)."""
+
+    def __init__(self, reference):
+        super().__init__()
+        self.linear = torch.nn.Linear(6, 3)
+        object.__setattr__(self, "reference", reference)   # out of parameters() and state_dict()
+
+    def forward(self, x):
+        with torch.no_grad():
+            target = self.reference(x)
+        return torch.nn.functional.mse_loss(self.linear(x), target)
+
+
+def test_a_reference_model_outside_the_model_is_not_stored_with_its_weights(tmp_path):
+    """The program reads a tensor held outside the model (here a frozen reference model's weights) as a constant:
+    the entry on disk held a copy of the storing run's weights, and a later run with another reference model (a
+    run resumed after the reference was refreshed) loaded it and trained silently against the old one. Such a
+    compile is not stored."""
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(1))
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        reference = torch.nn.Linear(6, 3).requires_grad_(False)
+        torch.manual_seed(0)
+        model = DistilledFrom(reference)
+        eager = copy.deepcopy(model)
+        object.__setattr__(eager, "reference", reference)
+        step = zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), stage=0, cache_dir=str(tmp_path))
+        expected = eager(x)
+        assert torch.equal(step(x), expected.detach()), seed
+        assert step.report()["compile_cache"].startswith("miss (no entry), then not stored: the step reads model "
+                                                         "reference"), step.report()["compile_cache"]
+
+
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 def test_a_resume_from_a_checkpoint_compiles_once_then_loads(tmp_path):
     """A checkpoint loaded before the first call gives the program the saved optimizer state to read: another

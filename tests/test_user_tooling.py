@@ -581,6 +581,19 @@ def test_python_numbers_forward_and_the_loss_read_changed_between_steps_train_as
         assert torch.equal(full[key], value), key
 
 
+def test_the_recompile_warning_names_an_attribute_set_to_none_between_steps():
+    """An attribute forward may read, set to None after the first call (``self.cache = None``), compiled a new
+    program with a warning that named nothing ("Python values that forward or the loss read changed ()"): the
+    value missing before and None now compared equal."""
+    model = nn.Linear(12, 3)
+    step = zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), stage=0, loss_fn=F.mse_loss)
+    x, y = torch.randn(4, 12), torch.randn(4, 3)
+    step(x, y)
+    model.cache = None
+    with pytest.warns(zerocc.RecompileWarning, match=r"changed \(model cache: \(not set\) -> None\)"):
+        step(x, y)
+
+
 def test_a_number_forward_writes_itself_compiles_once_and_eval_forward_reads_a_changed_one():
     model = Annealed()
     reference = copy.deepcopy(model).eval()
@@ -683,6 +696,72 @@ def test_a_tensor_replaced_between_steps_trains_as_eager(stage, replaced, monkey
         reference_optimizer.step()
         assert torch.equal(step(x, y), expected.detach()), index
     assert len(step.compile_stats) == 2   # the first program, and the replaced tensor's
+
+
+REFERENCE = nn.Linear(12, 3).requires_grad_(False)   # a frozen reference model in a global: the loop below replaces it
+
+
+class KeptClose(nn.Module):
+    """A policy kept close to a frozen reference model it does not register (RL's KL penalty, distillation): held in a
+    global, in a plain attribute (``object.__setattr__``, to keep it out of ``parameters()`` and ``state_dict()``), or
+    in a list."""
+
+    def __init__(self, held_in, reference):
+        super().__init__()
+        self.linear = nn.Linear(12, 3)
+        self.held_in = held_in
+        if held_in == "attribute":
+            object.__setattr__(self, "reference", reference)
+        elif held_in == "list":
+            self.references = [reference]
+
+    def forward(self, x):
+        reference = {"global": lambda: REFERENCE, "attribute": lambda: self.reference,
+                     "list": lambda: self.references[0]}[self.held_in]()
+        with torch.no_grad():
+            target = reference(x)
+        return F.mse_loss(self.linear(x), target)
+
+
+@pytest.mark.parametrize("held_in", ["global", "attribute", "list", "its parameter"])
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_reference_model_replaced_between_steps_trains_as_eager(stage, held_in, monkeypatch):
+    """A module forward reads outside the model (a frozen reference model in a global, an unregistered attribute
+    or a list) has its parameters read by the trace as constants: replacing it by another module
+    (``REF = copy.deepcopy(policy)``), or one of its parameters by another, trained on silently against the old
+    weights. The identities of the tensors such a module holds are part of the program's key; copying into it in
+    place (``load_state_dict``) needs no new program."""
+    torch.manual_seed(0)
+    monkeypatch.setattr(sys.modules[__name__], "REFERENCE", nn.Linear(12, 3).requires_grad_(False))
+    model = KeptClose("global" if held_in == "its parameter" else held_in, REFERENCE)
+    reference = copy.deepcopy(model)
+    optimizer, reference_optimizer = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference))
+    step = zerocc.compile(model, optimizer, stage=stage)
+    generator = torch.Generator().manual_seed(1)
+    for index in range(4):
+        if index == 1:   # replaced by another object, the same for the step's model and eager's copy
+            new = nn.Linear(12, 3).requires_grad_(False)
+            if held_in == "its parameter":
+                REFERENCE.weight = nn.Parameter(torch.randn(3, 12), requires_grad=False)
+            elif held_in == "global":
+                monkeypatch.setattr(sys.modules[__name__], "REFERENCE", new)
+            elif held_in == "attribute":
+                object.__setattr__(model, "reference", new)
+                object.__setattr__(reference, "reference", new)
+            else:
+                model.references[0] = reference.references[0] = new
+        if index == 2:   # written in place: the program reads it as it is
+            with torch.no_grad():
+                for module in {id(m): m for m in (REFERENCE, getattr(model, "reference", None),
+                                                  *getattr(model, "references", ())) if m is not None}.values():
+                    module.weight.mul_(2)
+        x = torch.randn(4, 12, generator=generator)
+        reference_optimizer.zero_grad(set_to_none=True)
+        expected = reference(x)
+        expected.backward()
+        reference_optimizer.step()
+        assert torch.equal(step(x), expected.detach()), index
+    assert len(step.compile_stats) == 2   # the first program, and the replaced reference's
 
 
 NOISE = torch.Generator().manual_seed(7)   # a global generator forward draws from: the loop below replaces it

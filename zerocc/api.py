@@ -931,8 +931,8 @@ class CompiledStep:
             payload = {"captured": made.captured, "gm": compiled.gm, "ctx": ctx, "history": compiled.history,
                        "reads_initial_state": made.fresh is not None, "state_signature": made.state_signature}
             objects = disk_cache.user_objects(self.model, self.optimizer)
-            outcome = cache.store(fingerprint, disk_cache.source_files(made.captured, self), payload,
-                                  disk_cache.names_of(objects))
+            names = {**disk_cache.held_tensors(self.values_read()[1]), **disk_cache.names_of(objects)}
+            outcome = cache.store(fingerprint, disk_cache.source_files(made.captured, self), payload, names)
         cache.last_outcome = f"{cache.last_outcome}, then {outcome}" if cache.last_outcome.startswith("miss") else outcome
         return outcome.startswith("stored")
 

@@ -531,6 +531,17 @@ def user_objects(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str
     return objects
 
 
+def held_tensors(tensors_read: tuple) -> dict:
+    """The tensors ``program_cache.values_read`` found outside the model (its ``[1]``: (label, name, identity or
+    identities)), by id, as ``graph_pickle.HeldTensor``: a compile that reads one is not stored."""
+    held = {}
+    for label, name, identities in tensors_read:
+        for identity in identities if isinstance(identities, tuple) else (identities,):
+            if isinstance(identity, int):   # tensors' ids (a generator's C pointer never matches one)
+                held[identity] = graph_pickle.HeldTensor(f"{label} {name}")
+    return held
+
+
 def names_of(objects: dict[str, Any]) -> dict:
     """``user_objects`` by ``graph_pickle.identity``, as ``graph_pickle.dumps`` reads them (named_modules lists each
     module once)."""

@@ -47,6 +47,15 @@ _DROPPED_META = ("from_node", "unbacked_bindings", "source_fn_stack", "nn_module
                  "fwd_nn_module_stack")
 
 
+@dataclasses.dataclass(frozen=True)
+class HeldTensor:
+    """In ``dumps``' ``names``: a tensor the caller holds outside the model (a global, a plain attribute, a frozen
+    reference model forward reads but the model does not register, a loss module's class weights), which the
+    program reads as a constant. It is not written: a copy would keep this process's values in the entry, and a
+    later process (a run resumed with another reference model) would load them. The compile is not cached."""
+    where: str
+
+
 class NotPicklable(Exception):
     """Part of a compilation pickle cannot write (a lambda traced into the graph, a user object in meta)."""
 
@@ -119,6 +128,9 @@ class _Writer(pickle.Pickler):
     # every object, was most of a dump); what it returns is memoized, so a value shared by snapshots is made once
     def reducer_override(self, obj):
         name = self.names.get(identity(obj))
+        if isinstance(name, HeldTensor):   # a copy would stand in for what the loading process holds there
+            raise NotPicklable(f"the step reads {name.where}, a tensor outside the model's parameters and buffers, "
+                               "as it is at each call")
         if name is not None:
             return _caller_object, (name,)
         if isinstance(obj, FakeTensorMode):

@@ -21,6 +21,7 @@ import dataclasses
 import dis
 import operator
 import functools
+import itertools
 import types
 import warnings
 from typing import Any, Sequence
@@ -212,7 +213,25 @@ def values_read(sources: tuple, skipped: frozenset = frozenset()) -> tuple[tuple
             elif name not in _MODULE_INTERNALS and name not in _IDENTITIES and _plain(value):
                 # 1 and 1.0 trace differently; a list as it is now
                 values.append((label, name, type(value), tuple(value) if type(value) is list else value))
+            elif name not in _MODULE_INTERNALS and (held := tensors_held(value)):
+                tensors.append((label, name, held))
     return tuple(values), tuple(tensors)
+
+
+def tensors_held(value, nested: bool = False) -> tuple:
+    """The identities of the tensors a module forward reads outside the model holds (its parameters and buffers:
+    a frozen reference model in a global, a closure or an attribute the model does not register, such as
+    ``object.__setattr__(self, "ref", ref)`` or ``self.refs = [ref]``), or a list, tuple or dict holds (their
+    modules' too). The trace reads those tensors as constants: a module replaced by another (``REF =
+    copy.deepcopy(policy)``) gets a program of its own, where the old program would silently go on reading the
+    old module's weights; copying into the same module (``ref.load_state_dict(sd)``) needs none."""
+    if isinstance(value, torch.Tensor):
+        return (id(value),)
+    if isinstance(value, torch.nn.Module):
+        return tuple(id(tensor) for tensor in itertools.chain(value.parameters(), value.buffers()))
+    if nested or type(value) not in (list, tuple, dict):
+        return ()
+    return tuple(held for item in (value.values() if type(value) is dict else value) for held in tensors_held(item, True))
 
 
 class ValuesReader:
@@ -231,12 +250,13 @@ class ValuesReader:
         self._skipped: frozenset | None = None
         self._seen: list = []
         self._lists: list[tuple[list, list]] = []
+        self._holders: list[tuple[Any, tuple]] = []
 
     def __call__(self, skipped: frozenset = frozenset()) -> tuple[tuple, tuple]:
         if self._result is not None and skipped == self._skipped and self._unchanged():
             return self._result
         self._result, self._skipped = values_read(self.sources, skipped), skipped
-        self._seen, self._lists = [], []
+        self._seen, self._lists, self._holders = [], [], []
         for _, namespace, names in self.sources:
             if namespace is None:   # a closure's cells
                 values = [_cell_contents(cell) for _, cell in names]
@@ -248,6 +268,10 @@ class ValuesReader:
                 values = [namespace.get(name, _ABSENT) for name in names]
                 self._seen.append((namespace, names, values, None))
             self._lists += [(value, list(value)) for value in values if type(value) is list]
+            # a module (or container) holding tensors: one of its parameters replaced leaves the holder the same object
+            self._holders += [(value, held) for name, value in source_items(namespace, names)
+                              if name not in _MODULE_INTERNALS and isinstance(value, (torch.nn.Module, list, tuple, dict))
+                              and (held := tensors_held(value))]
         return self._result
 
     def _unchanged(self) -> bool:
@@ -262,7 +286,8 @@ class ValuesReader:
                 now = [namespace.get(name, _ABSENT) for name in names]
             if not all(map(operator.is_, now, values)):
                 return False
-        return all(len(value) == len(items) and all(map(operator.is_, value, items)) for value, items in self._lists)
+        return all(len(value) == len(items) and all(map(operator.is_, value, items)) for value, items in self._lists) \
+            and all(tensors_held(value) == held for value, held in self._holders)
 
 
 _ABSENT = object()
@@ -301,8 +326,11 @@ def changed_python_values(old: tuple, new: tuple) -> list[str]:
     """The values that differ between two ``values_read(...)[0]``, as 'model.dropout p: 0.1 -> 0.2'."""
     before = {(label, name): value for label, name, _, value in old}
     after = {(label, name): value for label, name, _, value in new}
-    return [f"{label} {name}: {before.get((label, name))!r} -> {after.get((label, name))!r}"
-            for label, name in dict.fromkeys([*before, *after]) if before.get((label, name)) != after.get((label, name))
+
+    def shown(values, key):   # an attribute set since (``self.cache = None``) is not one that was None
+        return repr(values[key]) if key in values else "(not set)"
+    return [f"{label} {name}: {shown(before, (label, name))} -> {shown(after, (label, name))}"
+            for label, name in dict.fromkeys([*before, *after]) if shown(before, (label, name)) != shown(after, (label, name))
             or type(before.get((label, name))) is not type(after.get((label, name)))]
 
 
