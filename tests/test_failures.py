@@ -16,9 +16,9 @@ from tests.reference import adamw
 TIMEOUT = 10   # seconds; gloo reports a closed peer at once, a silent one after this
 
 
-def _one_rank_dies(rank, world_size, stage):
+def _one_rank_dies(rank, world_size, stage, timeout=TIMEOUT):
     model, _, loss_fn = build("mlp")
-    step = zerocc.compile(model, adamw(model), stage=stage, loss_fn=loss_fn, timeout=TIMEOUT)
+    step = zerocc.compile(model, adamw(model), stage=stage, loss_fn=loss_fn, timeout=timeout)
     data = batches("mlp", 3, 4, seed=rank)
     step(*data[0])
     dist.barrier()
@@ -48,6 +48,18 @@ def test_a_dead_rank_stops_the_others_with_a_clear_error(world_size, stage):
         assert "another rank probably died" in message
         assert f"  where: rank {world_size - 1} was not in step 2 (rank {world_size - 1}'s last call: step 1)" in message
         assert seconds < TIMEOUT + 60, seconds   # includes compiling step 2's program on a loaded machine
+
+
+@pytest.mark.multirank
+def test_a_dead_rank_without_a_timeout_is_named_by_no_where_line():
+    """Without timeout= no rank writes where it is: the error must not claim the dead rank was in no call ("rank 1's
+    last call: none") when it trained step 1 (and may have died inside step 2)."""
+    results, exit_codes = distributed.run_tolerant(_one_rank_dies, 2, 3, None)
+    assert exit_codes == [0, 3], exit_codes   # gloo reports the closed peer at once
+    kind, message, _ = results[0]
+    assert kind == "RankFailureError", (kind, message)
+    assert "rank 0 of 2: a collective of step 2 did not complete (" in message
+    assert "another rank probably died" in message and "where:" not in message, message
 
 
 def _different_batch_shapes(rank, world_size):
