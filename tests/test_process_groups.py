@@ -176,6 +176,29 @@ def test_world_size_set_without_a_rendezvous_says_how_to_launch(monkeypatch):
     assert not dist.is_initialized()
 
 
+def test_a_restarted_job_whose_group_fails_on_torchruns_shared_store_says_how_to_launch(monkeypatch):
+    """``torchrun --max-restarts``: the restarted ranks read the addresses the dead ones left in the c10d rendezvous's
+    shared store, and gloo's 'connectFullMesh failed ... Connection refused' did not say why nor what to do (the real
+    launch: test_launch.py's restart test, run with the fix)."""
+    for name, value in {"WORLD_SIZE": "2", "RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500",
+                        "TORCHELASTIC_RESTART_COUNT": "1", "TORCHELASTIC_USE_AGENT_STORE": "True"}.items():
+        monkeypatch.setenv(name, value)
+
+    def stale_address(backend):
+        raise RuntimeError("Gloo connectFullMesh failed with [pair.cc:152] timed out connecting: SO_ERROR: "
+                           "Connection refused, remote=[127.0.0.1]:8102$1")
+    monkeypatch.setattr(dist, "init_process_group", stale_address)
+    model, _, loss_fn = build("mlp")
+    with pytest.raises(zerocc.ConfigError, match=r"torchrun restarted this job \(TORCHELASTIC_RESTART_COUNT=1\) and "
+                                                 r"creating the default process group failed: Gloo connectFullMesh"
+                                                 r"(.|\n)*fix: start torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"):
+        zerocc.compile(model, adamw(model), stage=3, loss_fn=loss_fn)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")   # the first attempt: torch's error as it is
+    with pytest.raises(RuntimeError, match="connectFullMesh") as raised:
+        zerocc.compile(model, adamw(model), stage=3, loss_fn=loss_fn)
+    assert not isinstance(raised.value, zerocc.ConfigError)
+
+
 def _not_a_member(rank, world_size):
     group = dist.new_group([0, 1])   # rank 2 gets GroupMember.NON_GROUP_MEMBER
     model, _, loss_fn = build("mlp")
