@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 
 import zerocc
 from tests import distributed
@@ -60,6 +62,45 @@ def test_a_dead_rank_without_a_timeout_is_named_by_no_where_line():
     assert kind == "RankFailureError", (kind, message)
     assert "rank 0 of 2: a collective of step 2 did not complete (" in message
     assert "another rank probably died" in message and "where:" not in message, message
+
+
+def _ctrl_c_saves(rank, world_size, folder):
+    """Ctrl-C under torchrun: the terminal's SIGINT ends the loop, torchrun forwards a second one to every worker,
+    which lands in the save the loop makes in ``except KeyboardInterrupt:`` (here on rank 1, in DCP's file write)."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    model, _, loss_fn = build("mlp")
+    step = zerocc.compile(model, adamw(model), stage=3, loss_fn=loss_fn, timeout=TIMEOUT)
+    step(*batches("mlp", 1, 4, seed=rank)[0])
+    write = dcp.FileSystemWriter.write_data
+
+    def interrupted_write(writer, plan, planner):
+        os.kill(os.getpid(), signal.SIGINT)
+        return write(writer, plan, planner)
+    if rank == 1:
+        dcp.FileSystemWriter.write_data = interrupted_write
+    raised = "no interrupt"
+    try:
+        zerocc.save_checkpoint(step, os.path.join(folder, "ckpt"))
+    except KeyboardInterrupt:
+        raised = "KeyboardInterrupt after the save"
+    finally:
+        dcp.FileSystemWriter.write_data = write
+    return raised, step.full_state_dict()
+
+
+@pytest.mark.multirank
+def test_ctrl_c_during_a_save_is_raised_once_every_rank_saved(tmp_path):
+    """The second SIGINT torchrun forwards interrupted the save on one rank: the others waited in its collectives
+    until the timeout and no checkpoint was written. The save now ends on every rank, then the interrupt is raised."""
+    (_, state), (raised, _) = distributed.run(_ctrl_c_saves, 2, str(tmp_path))
+    assert raised == "KeyboardInterrupt after the save"
+    model, _, loss_fn = build("mlp")
+    step = zerocc.compile(model, adamw(model), stage=3, loss_fn=loss_fn)
+    zerocc.load_checkpoint(step, str(tmp_path / "ckpt"))
+    assert step.steps == 1
+    loaded = step.full_state_dict()
+    for key, value in state.items():
+        assert torch.equal(loaded[key], value), key
 
 
 def _different_batch_shapes(rank, world_size):
