@@ -88,6 +88,23 @@ def _ctrl_c_saves(rank, world_size, folder):
     return raised, step.full_state_dict()
 
 
+def test_a_held_ctrl_c_pressed_again_and_again_is_raised_at_once():
+    """A save that hangs can still be stopped: the third Ctrl-C (a second press under torchrun) is not held."""
+    from zerocc.runtime.release import HeldInterrupt
+    held = HeldInterrupt(let_through=2)
+    held.hold()
+    try:
+        for _ in range(2):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler   # the user's handler is back
+    finally:
+        held.release(deliver=False)
+
+
 @pytest.mark.multirank
 def test_ctrl_c_during_a_save_is_raised_once_every_rank_saved(tmp_path):
     """The second SIGINT torchrun forwards interrupted the save on one rank: the others waited in its collectives

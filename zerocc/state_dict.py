@@ -543,10 +543,11 @@ def save_checkpoint(step, path: str) -> str:
 
     Ctrl-C is held until the save ends, then raised: the save a loop makes in ``except KeyboardInterrupt:`` is
     where torchrun's own SIGINT lands (it forwards the terminal's Ctrl-C to every worker, a second one), and a
-    rank interrupted in the middle left the others waiting in the save's collectives and no checkpoint.
+    rank interrupted in the middle left the others waiting in the save's collectives and no checkpoint. A third
+    Ctrl-C is raised at once (a save that hangs can still be interrupted: one press under torchrun is two).
     """
     _check_step_and_path("zerocc.save_checkpoint", step, path)
-    held = HeldInterrupt()
+    held = HeldInterrupt(let_through=2)
     held.hold()
     try:
         with failures.collective_failures(step.ranks, step.steps, step.timeout, call="zerocc.save_checkpoint"):
