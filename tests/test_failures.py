@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 
 import zerocc
 from tests import distributed
@@ -16,9 +18,9 @@ from tests.reference import adamw
 TIMEOUT = 10   # seconds; gloo reports a closed peer at once, a silent one after this
 
 
-def _one_rank_dies(rank, world_size, stage):
+def _one_rank_dies(rank, world_size, stage, timeout=TIMEOUT):
     model, _, loss_fn = build("mlp")
-    step = zerocc.compile(model, adamw(model), stage=stage, loss_fn=loss_fn, timeout=TIMEOUT)
+    step = zerocc.compile(model, adamw(model), stage=stage, loss_fn=loss_fn, timeout=timeout)
     data = batches("mlp", 3, 4, seed=rank)
     step(*data[0])
     dist.barrier()
@@ -48,6 +50,74 @@ def test_a_dead_rank_stops_the_others_with_a_clear_error(world_size, stage):
         assert "another rank probably died" in message
         assert f"  where: rank {world_size - 1} was not in step 2 (rank {world_size - 1}'s last call: step 1)" in message
         assert seconds < TIMEOUT + 60, seconds   # includes compiling step 2's program on a loaded machine
+
+
+@pytest.mark.multirank
+def test_a_dead_rank_without_a_timeout_is_named_by_no_where_line():
+    """Without timeout= no rank writes where it is: the error must not claim the dead rank was in no call ("rank 1's
+    last call: none") when it trained step 1 (and may have died inside step 2)."""
+    results, exit_codes = distributed.run_tolerant(_one_rank_dies, 2, 3, None)
+    assert exit_codes == [0, 3], exit_codes   # gloo reports the closed peer at once
+    kind, message, _ = results[0]
+    assert kind == "RankFailureError", (kind, message)
+    assert "rank 0 of 2: a collective of step 2 did not complete (" in message
+    assert "another rank probably died" in message and "where:" not in message, message
+
+
+def _ctrl_c_saves(rank, world_size, folder):
+    """Ctrl-C under torchrun: the terminal's SIGINT ends the loop, torchrun forwards a second one to every worker,
+    which lands in the save the loop makes in ``except KeyboardInterrupt:`` (here on rank 1, in DCP's file write)."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    model, _, loss_fn = build("mlp")
+    step = zerocc.compile(model, adamw(model), stage=3, loss_fn=loss_fn, timeout=TIMEOUT)
+    step(*batches("mlp", 1, 4, seed=rank)[0])
+    write = dcp.FileSystemWriter.write_data
+
+    def interrupted_write(writer, plan, planner):
+        os.kill(os.getpid(), signal.SIGINT)
+        return write(writer, plan, planner)
+    if rank == 1:
+        dcp.FileSystemWriter.write_data = interrupted_write
+    raised = "no interrupt"
+    try:
+        zerocc.save_checkpoint(step, os.path.join(folder, "ckpt"))
+    except KeyboardInterrupt:
+        raised = "KeyboardInterrupt after the save"
+    finally:
+        dcp.FileSystemWriter.write_data = write
+    return raised, step.full_state_dict()
+
+
+def test_a_held_ctrl_c_pressed_again_and_again_is_raised_at_once():
+    """A save that hangs can still be stopped: the third Ctrl-C (a second press under torchrun) is not held."""
+    from zerocc.runtime.release import HeldInterrupt
+    held = HeldInterrupt(let_through=2)
+    held.hold()
+    try:
+        for _ in range(2):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler   # the user's handler is back
+    finally:
+        held.release(deliver=False)
+
+
+@pytest.mark.multirank
+def test_ctrl_c_during_a_save_is_raised_once_every_rank_saved(tmp_path):
+    """The second SIGINT torchrun forwards interrupted the save on one rank: the others waited in its collectives
+    until the timeout and no checkpoint was written. The save now ends on every rank, then the interrupt is raised."""
+    (_, state), (raised, _) = distributed.run(_ctrl_c_saves, 2, str(tmp_path))
+    assert raised == "KeyboardInterrupt after the save"
+    model, _, loss_fn = build("mlp")
+    step = zerocc.compile(model, adamw(model), stage=3, loss_fn=loss_fn)
+    zerocc.load_checkpoint(step, str(tmp_path / "ckpt"))
+    assert step.steps == 1
+    loaded = step.full_state_dict()
+    for key, value in state.items():
+        assert torch.equal(loaded[key], value), key
 
 
 def _different_batch_shapes(rank, world_size):

@@ -23,9 +23,9 @@ SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "launched.py")
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
 
-def _start(arguments, out, log):
-    return subprocess.Popen([*TORCHRUN, *arguments, SCRIPT, str(out)], stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+def _start(arguments, out, log, *script_arguments, environment=()):
+    return subprocess.Popen([*TORCHRUN, *arguments, SCRIPT, str(out), *script_arguments], stdout=log,
+                            stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1", **dict(environment)})
 
 
 def _results(folder):
@@ -63,3 +63,37 @@ def test_two_nodes_train_bit_for_bit_like_one_node(tmp_path):
             assert torch.equal(two_nodes["state"][key], value), (rank, key)
     first, second = _results(multi)
     assert all(torch.equal(a, b) for a, b in zip(first["state"].values(), second["state"].values()))   # ranks agree
+
+
+@pytest.mark.multirank
+@pytest.mark.slow   # two torchrun jobs of 2 ranks, one of them started twice: about 40 s on 2 cores
+def test_a_job_torchrun_restarts_resumes_from_its_checkpoint_bit_for_bit(tmp_path):
+    """``torchrun --max-restarts 1``: rank 1 dies before step 2 (index 1) of the first attempt; torchrun stops rank 0
+    and starts both again, which load the last checkpoint (after step 1) and train on. Losses of the steps after the
+    restart and the final state equal, bit for bit, a job that never failed. TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1:
+    with torchrun's shared store the restarted ranks read the dead ones' addresses (zerocc.compile says so)."""
+    plain, restarted = tmp_path / "plain", tmp_path / "restarted"
+    plain.mkdir()
+    restarted.mkdir()
+    logs = [open(tmp_path / f"{name}.log", "w") for name in ("plain", "restarted")]
+    standalone = ["--standalone", "--nproc-per-node", "2"]
+    launches = [_start(standalone, plain, logs[0]),
+                _start([*standalone, "--max-restarts", "1"], restarted, logs[1], "1",
+                       environment={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})]
+    try:
+        codes = [launch.wait(timeout=300) for launch in launches]
+    finally:
+        for launch in launches:
+            if launch.poll() is None:
+                launch.kill()
+        for log in logs:
+            log.close()
+    output = "\n".join((tmp_path / f"{name}.log").read_text()[-3000:] for name in ("plain", "restarted"))
+    assert codes == [0, 0], output
+    for rank, (once, again) in enumerate(zip(_results(plain), _results(restarted))):
+        assert again["environment"]["TORCHELASTIC_RESTART_COUNT"] == "1", rank
+        assert len(once["losses"]) == 3 and len(again["losses"]) == 2, rank   # steps 2 and 3 after the restart
+        assert all(torch.equal(a, b) for a, b in zip(once["losses"][1:], again["losses"])), rank
+        assert once["state"].keys() == again["state"].keys()
+        for key, value in once["state"].items():
+            assert torch.equal(again["state"][key], value), (rank, key)

@@ -279,7 +279,12 @@ def _close_earlier_steps(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
         if owner is not None and (step := owner()) is not None:
             steps_run = max(steps_run, step.steps)
             scaler = {slot: value.clone() for slot, value in step.scaler_state().items()}
-            step.close()
+            try:
+                step.close()
+            except ConfigError as error:   # its group destroyed (a notebook re-initializing): say who closed it
+                raise ConfigError(f"zerocc.compile: this {'model' if thing is model else 'optimizer'} is held by "
+                                  f"a step compiled earlier (after {step.steps} steps), which compiling it again "
+                                  f"first closes, handing it back whole; that failed:\n{error}") from None
     return steps_run, scaler
 
 

@@ -59,6 +59,7 @@ from . import decisions, precision as mixed
 from .capture import named_tensors, state_dict_names
 from .optimizer_step import initial_state_layout
 from .runtime import failures, slots as slot_store
+from .runtime.release import HeldInterrupt
 from .errors import CheckpointError, ConfigError
 from .user_views import refuse_inside_full_model
 
@@ -539,10 +540,23 @@ def save_checkpoint(step, path: str) -> str:
 
     What rank 0 does alone (choosing the version, publishing it) ends in a broadcast of its outcome, not a
     barrier: where it fails, every rank raises the same error instead of the others waiting for rank 0.
+
+    Ctrl-C is held until the save ends, then raised: the save a loop makes in ``except KeyboardInterrupt:`` is
+    where torchrun's own SIGINT lands (it forwards the terminal's Ctrl-C to every worker, a second one), and a
+    rank interrupted in the middle left the others waiting in the save's collectives and no checkpoint. A third
+    Ctrl-C is raised at once (a save that hangs can still be interrupted: one press under torchrun is two).
     """
     _check_step_and_path("zerocc.save_checkpoint", step, path)
-    with failures.collective_failures(step.ranks, step.steps, step.timeout, call="zerocc.save_checkpoint"):
-        return _save(step, os.path.abspath(path))
+    held = HeldInterrupt(let_through=2)
+    held.hold()
+    try:
+        with failures.collective_failures(step.ranks, step.steps, step.timeout, call="zerocc.save_checkpoint"):
+            version = _save(step, os.path.abspath(path))
+    except BaseException:
+        held.release(deliver=False)
+        raise
+    held.release(deliver=True)
+    return version
 
 
 def _check_step_and_path(call: str, step, path) -> None:

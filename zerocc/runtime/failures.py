@@ -210,7 +210,7 @@ def collective_failures(ranks: Ranks, step_number: int, timeout: float | None, c
         raise RankFailureError(
             f"rank {ranks.rank} of {ranks.world_size}: a collective of {what} did not complete {within}"
             f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})\n"
-            + _where_the_others_are(ranks, what, error)
+            + (_where_the_others_are(ranks, what, error) if timeout is not None else "")   # no marks without it
             + f"  why: {why}\n"
             "  fix: look at the other ranks' output for the first error; restart every rank from the last "
             "checkpoint (zerocc.load_checkpoint). compile(..., timeout=seconds) bounds how long ranks wait. "

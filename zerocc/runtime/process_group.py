@@ -36,12 +36,31 @@ def resolve(group=None, device: torch.device | None = None) -> Ranks:
                     "torchrun (it sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT), call "
                     "dist.init_process_group yourself before zerocc.compile, or unset WORLD_SIZE to train in one "
                     "process") from error
+            except (RuntimeError, dist.DistError) as error:
+                if not _restarted_on_the_agents_store():
+                    raise
+                raise ConfigError(
+                    f"zerocc.compile: torchrun restarted this job (TORCHELASTIC_RESTART_COUNT="
+                    f"{os.environ['TORCHELASTIC_RESTART_COUNT']}) and creating the default process group failed: "
+                    f"{str(error).splitlines()[0] if str(error) else type(error).__name__}\n  why: torchrun's c10d "
+                    "rendezvous hands every attempt the same store (TORCHELASTIC_USE_AGENT_STORE=True), which still "
+                    "holds the addresses the ranks of the failed attempt published: a rank connects to a process "
+                    "that is gone (a torch issue, pytorch/pytorch#135712)\n  fix: start torchrun with "
+                    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment (each attempt then gets a store of its "
+                    "own), e.g. TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --max-restarts 1 ... "
+                    "(docs/launch.md)") from error
         if not dist.is_initialized():
             return Ranks(1, 0, None, None)
         group = dist.group.WORLD
     world_size = dist.get_world_size(group)
     rank = dist.get_rank(group)
     return Ranks(world_size, rank, group, group.group_name)
+
+
+def _restarted_on_the_agents_store() -> bool:
+    """Whether torchrun restarted this job with its c10d rendezvous's store shared with the workers."""
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0" \
+        and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
 
 
 def _cuda_device(device: torch.device) -> torch.device:

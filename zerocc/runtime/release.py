@@ -85,9 +85,11 @@ class HeldInterrupt:
     Ctrl-C is held while forward and backward run) and only where Python's handler can be swapped (the main
     thread, a Python handler)."""
 
-    def __init__(self):
+    def __init__(self, let_through: int | None = None):
         self.previous = None
         self.received = None
+        self.count = 0
+        self.let_through = let_through   # this many interrupts received: the next one is raised at once
 
     def hold(self) -> None:
         if self.previous is not None or threading.current_thread() is not threading.main_thread():
@@ -98,7 +100,9 @@ class HeldInterrupt:
             signal.signal(signal.SIGINT, self._receive)
 
     def _receive(self, signum, frame) -> None:
-        self.received = (signum, frame)
+        self.received, self.count = (signum, frame), self.count + 1
+        if self.let_through is not None and self.count > self.let_through:   # the user insists: a hang, say
+            self.release(deliver=True)
 
     def release(self, deliver: bool) -> None:
         """Put the handler back; with ``deliver``, call it on an interrupt received meanwhile (it raises)."""
