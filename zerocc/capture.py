@@ -313,6 +313,12 @@ def refuse_shared_memory(params: Sequence, buffers: Sequence, trained_ids: set[i
 
 def _fake_value_hint(error: BaseException) -> str:
     """Why a tensor used as a Python number fails while tracing, and the way out (PackedSequence: pad instead)."""
+    if ".numpy() is not supported for tensor subclasses" in str(error):
+        return ("\n  why: a tensor's values were taken to the host as a NumPy array (.numpy(); scipy's "
+                "linear_sum_assignment in a Hungarian matcher such as DETR's loss does so); zerocc traces the step on "
+                "fake tensors, which hold no values, and one program cannot run host code on the values it computes"
+                "\n  fix: compute it with tensor ops, or outside the step: e.g. match on the outputs of a no_grad "
+                "forward in the training loop and pass the matched indices to the step as tensors of the batch")
     if "FakeTensor" not in str(error):
         return ""
     hint = ("\n  why: a tensor's value was used where PyTorch needs a Python number (a size, an index); zerocc traces "
