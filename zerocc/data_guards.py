@@ -131,6 +131,7 @@ class GuardRecorder:
         self.read_values = read_values
         self.unread_batch_values = False
         self.needed_at = needed_at   # the user's line where the trace with them as symbols failed
+        self.random_branch = False   # a branch on a random draw (torch.rand([]) < layerdrop) could not be decided
 
     def decide(self, condition: sympy.Basic) -> bool | int | None:
         """The value of ``condition`` on the real batch, recording its guard; None if it reads more than the batch.
@@ -148,7 +149,10 @@ class GuardRecorder:
         guard_graph, batch_indices = self._graph_over_batch(tracer.root, tracer.graph, list(sources.values()))
         if guard_graph is None or not all(_is_real(self.batch[i]) for i in batch_indices):
             # planning (zerocc/planning.py) traces meta or fake batches: no values to decide on
-            return _checked_in_the_program(tracer.graph, condition, sources)
+            taken = _checked_in_the_program(tracer.graph, condition, sources)
+            if taken is None and any(is_random(node) for node in g.ancestors([node for node, _ in sources.values()])):
+                self.random_branch = True   # the error says so: LayerDrop, turned off by its option
+            return taken
         values = _run_on_real_values(guard_graph, [self.batch[i] for i in batch_indices])
         symbols = tuple((symbol, read == _BOOL) for symbol, (_, read) in sources.items())
         substitution = {symbol: int(value) if is_bool else value for (symbol, is_bool), value in zip(symbols, values)}
