@@ -217,10 +217,13 @@ class LayerDrop(nn.Module):
 
 
 def test_a_branch_on_a_random_draw_is_refused_naming_its_line():
-    """A guard would re-draw the number (taking the step's random numbers) and the branch changes the computation."""
+    """A guard would re-draw the number (taking the step's random numbers) and the branch changes the computation.
+    The error says it is a random draw and how transformers' LayerDrop is turned off (HuBERT, Data2VecAudio,
+    SpeechT5, the time-series transformers have it on by default), where it only said to use tensor ops."""
     model = LayerDrop()
     step = zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), stage=0)
-    with pytest.raises(zerocc.CaptureError, match=r"(?s)the step cannot be traced at .*test_data_guards.py.*torch.rand"):
+    with pytest.raises(zerocc.CaptureError, match=r"(?s)the step cannot be traced at .*test_data_guards.py.*torch.rand"
+                                                  r".*note: the branch is on a random draw .*layerdrop=0.0"):
         step(torch.randn(3, 4), torch.tensor([0, 1, 2]))
 
 
@@ -386,3 +389,46 @@ def test_a_distribution_argument_breaking_its_constraint_raises_in_the_step_and_
         step(bad)
     assert all(torch.equal(value, before[key]) for key, value in step.full_state_dict().items())
     assert torch.equal(step(good), eager(reference, reference_optimizer, good))
+
+
+class ClampedWhenNotFinite(nn.Module):
+    """transformers' DETR-family encoder layers in training (and BART's under float16): ``if not
+    torch.isfinite(hidden_states).all(): hidden_states = torch.clamp(...)``, a Python branch on activations."""
+
+    def __init__(self):
+        super().__init__()
+        self.encode, self.head = nn.Linear(4, 8), nn.Linear(8, 3)
+
+    def forward(self, x, labels):
+        hidden = self.encode(x)
+        if self.training:
+            if not torch.isfinite(hidden).all():
+                clamp = torch.finfo(hidden.dtype).max - 1000
+                hidden = torch.clamp(hidden, min=-clamp, max=clamp)
+        return F.cross_entropy(self.head(hidden), labels)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_branch_on_finite_activations_trains_like_eager_and_checks_them_in_the_program(stage):
+    """The branch was refused as data-dependent control flow (DETR, Mask2Former, RT-DETR, ... and BART-family
+    models with param_dtype=torch.float16 could not be compiled); the program now takes the finite side and checks it
+    as an op, which raises, naming the line, on a batch that makes the activations infinite (eager clamps them) and
+    changes nothing."""
+    generator = torch.Generator().manual_seed(1)
+    data = [(torch.randn(4, 4, generator=generator), torch.randint(0, 3, (4,), generator=generator)) for _ in range(3)]
+    torch.manual_seed(0)
+    model = ClampedWhenNotFinite()
+    reference = copy.deepcopy(model)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    step = zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-2), stage=stage)
+    for number, batch in enumerate(data[:2]):
+        assert torch.equal(step(*batch), eager(reference, reference_optimizer, *batch)), number
+    before = {key: value.clone() for key, value in step.full_state_dict().items()}
+    with pytest.raises(RuntimeError, match=r"non-finite values \(inf or nan\) in the branch at "
+                                           r".*test_data_guards.py:\d+: if not torch.isfinite\(hidden\).all\(\)"):
+        step(torch.full((4, 4), float("inf")), data[0][1])
+    assert all(torch.equal(value, before[key]) for key, value in step.full_state_dict().items())
+    assert torch.equal(step(*data[2]), eager(reference, reference_optimizer, *data[2]))
+    full = step.full_state_dict()
+    for key, value in reference.state_dict().items():
+        assert torch.equal(full[key], value), key

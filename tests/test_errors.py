@@ -824,3 +824,26 @@ def test_a_backward_formula_failing_while_tracing_names_the_forward_line_it_diff
                                                   r"curvature = torch\.func\.vmap\(torch\.func\.hessian.*"
                                                   r"\(the backward of its \w+Backward\d\)"):
         step(torch.randn(8, 3), torch.randn(8, 1))
+
+
+class _MatchedOnTheHost(nn.Module):
+    """A Hungarian-style matcher as DETR's loss runs it: the cost matrix's values to NumPy, an assignment there."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x, target):
+        cost = torch.cdist(self.linear(x), target)
+        order = torch.as_tensor(cost.detach().numpy().argmin(1))   # scipy's linear_sum_assignment does this
+        return F.mse_loss(self.linear(x), target[order])
+
+
+def test_values_taken_to_numpy_in_the_step_say_why_and_to_match_outside_the_step():
+    """It failed with torch's bare 'RuntimeError: .numpy() is not supported for tensor subclasses.'"""
+    model = _MatchedOnTheHost()
+    step = zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), stage=3)
+    with pytest.raises(zerocc.CaptureError, match=r"(?s)tracing the training step failed at .*test_errors.py:\d+: "
+                                                  r"order = torch.as_tensor.*why: a tensor's values were taken to the "
+                                                  r"host as a NumPy array.*fix: .*pass the matched indices"):
+        step(torch.randn(5, 4), torch.randn(5, 4))

@@ -344,6 +344,12 @@ def _forward_line_of_failed_backward(trace_again: Callable[[], Any]) -> str | No
 
 def _fake_value_hint(error: BaseException) -> str:
     """Why a tensor used as a Python number fails while tracing, and the way out (PackedSequence: pad instead)."""
+    if ".numpy() is not supported for tensor subclasses" in str(error):
+        return ("\n  why: a tensor's values were taken to the host as a NumPy array (.numpy(); scipy's "
+                "linear_sum_assignment in a Hungarian matcher such as DETR's loss does so); zerocc traces the step on "
+                "fake tensors, which hold no values, and one program cannot run host code on the values it computes"
+                "\n  fix: compute it with tensor ops, or outside the step: e.g. match on the outputs of a no_grad "
+                "forward in the training loop and pass the matched indices to the step as tensors of the batch")
     if "FakeTensor" not in str(error):
         return ""
     hint = ("\n  why: a tensor's value was used where PyTorch needs a Python number (a size, an index); zerocc traces "
@@ -558,7 +564,8 @@ def trace_step(
                 "  why: a BatchNorm with momentum=None (a cumulative average of the batch statistics) divides by "
                 "its num_batches_tracked read as a Python number, another value every step, which one graph cannot "
                 "represent.\n  fix: give the BatchNorm a momentum (0.1 is PyTorch's default)") from error
-        raise _data_dependent_error(user_frame(error.__traceback__), type(error).__name__, str(error)) from error
+        raise _data_dependent_error(user_frame(error.__traceback__), type(error).__name__, str(error),
+                                    recorder.random_branch) from error
     except ZeroccError:
         raise
     except Exception as error:
@@ -671,8 +678,13 @@ def _cumulative_batch_norm(tb, model: nn.Module) -> str | None:
 _ZERO_SIZE_BRANCH = re.compile(r"data-dependent expression (Eq\(u\d+, 0\)|Ne\(u\d+, 0\)|u\d+ (> 0|>= 1|< 1|<= 0))[ .]")
 
 
-def _data_dependent_error(where: str | None, why: str, message: str = "") -> CaptureError:
-    if where and re.search(r":\d+: for .+ in .+:", where):
+def _data_dependent_error(where: str | None, why: str, message: str = "", random_branch: bool = False
+                          ) -> CaptureError:
+    if random_branch:
+        note = ("\n  note: the branch is on a random draw (LayerDrop's `torch.rand([]) < layerdrop`, stochastic depth), "
+                "which would skip a layer in some steps and not in others; a transformers model turns it off with "
+                "its config's probability set to 0 (layerdrop=0.0, encoder_layerdrop=0.0, decoder_layerdrop=0.0).")
+    elif where and re.search(r":\d+: for .+ in .+:", where):
         note = ("\n  note: the loop runs once per element of a tensor whose length the data decides (the experts that "
                 "received tokens): loop over a fixed `range(num_experts)` instead, where an expert without tokens "
                 "runs on zero rows and adds nothing; a transformers model whose config has experts_implementation "

@@ -131,6 +131,7 @@ class GuardRecorder:
         self.read_values = read_values
         self.unread_batch_values = False
         self.needed_at = needed_at   # the user's line where the trace with them as symbols failed
+        self.random_branch = False   # a branch on a random draw (torch.rand([]) < layerdrop) could not be decided
 
     def decide(self, condition: sympy.Basic) -> bool | int | None:
         """The value of ``condition`` on the real batch, recording its guard; None if it reads more than the batch.
@@ -147,7 +148,11 @@ class GuardRecorder:
             return None
         guard_graph, batch_indices = self._graph_over_batch(tracer.root, tracer.graph, list(sources.values()))
         if guard_graph is None or not all(_is_real(self.batch[i]) for i in batch_indices):
-            return None   # planning (zerocc/planning.py) traces meta or fake batches: no values to decide on
+            # planning (zerocc/planning.py) traces meta or fake batches: no values to decide on
+            taken = _checked_in_the_program(tracer.graph, condition, sources)
+            if taken is None and any(is_random(node) for node in g.ancestors([node for node, _ in sources.values()])):
+                self.random_branch = True   # the error says so: LayerDrop, turned off by its option
+            return taken
         values = _run_on_real_values(guard_graph, [self.batch[i] for i in batch_indices])
         symbols = tuple((symbol, read == _BOOL) for symbol, (_, read) in sources.items())
         substitution = {symbol: int(value) if is_bool else value for (symbol, is_bool), value in zip(symbols, values)}
@@ -297,6 +302,42 @@ def _symbol_sources(graph: fx.Graph, symbols) -> dict[sympy.Symbol, tuple[fx.Nod
     if not symbols <= found.keys():
         return None
     return {symbol: found[symbol] for symbol in sorted(symbols, key=str)}
+
+
+def _checked_in_the_program(graph: fx.Graph, condition: sympy.Basic, sources: dict) -> bool | None:
+    """A branch on whether activations are all finite, ``if not torch.isfinite(hidden_states).all(): hidden_states =
+    torch.clamp(...)`` (transformers' DETR family, Mask2Former and time-series encoders in training): the program is
+    traced on the finite side and checks it as an op (``aten._assert_async``), which raises where eager would take
+    the other side, as ``_distribution_checks_in_the_program`` does; None for any other branch."""
+    if len(sources) != 1:
+        return None
+    (symbol, (node, read)), = sources.items()
+    if read != _BOOL or condition != sympy.Eq(symbol, 1) or node.target is not torch.ops.aten._local_scalar_dense.default:
+        return None
+    reduced = node.args[0]
+    if not (isinstance(reduced, fx.Node) and reduced.target is torch.ops.aten.all.default
+            and _is_isfinite(reduced.args[0])):
+        return None
+    where = user_frame_of_stack() or "(no user frame found)"
+    graph.call_function(torch.ops.aten._assert_async.msg, (reduced, (
+        f"non-finite values (inf or nan) in the branch at {where} -- eager takes its other side, which the "
+        "program, traced with finite values, does not compute")))
+    return True
+
+
+def _is_isfinite(node) -> bool:
+    """Whether ``node`` is ``torch.isfinite(x)``: the op, or as traced, ``(x == x) * (x.abs() != inf)``."""
+    aten = torch.ops.aten
+    if not isinstance(node, fx.Node):
+        return False
+    if node.target is aten.isfinite.default:
+        return True
+    if node.target is not aten.mul.Tensor or not all(isinstance(a, fx.Node) for a in node.args):
+        return False
+    same, bounded = node.args
+    return (same.target is aten.eq.Tensor and same.args[0] is same.args[1] and bounded.target is aten.ne.Scalar
+            and bounded.args[1] == float("inf") and isinstance(bounded.args[0], fx.Node)
+            and bounded.args[0].target is aten.abs.default and bounded.args[0].args[0] is same.args[0])
 
 
 def _same_values_guard(a: ValueGuard, b: ValueGuard) -> bool:
