@@ -213,6 +213,10 @@ class HandWrittenMoE(torch.nn.Module):
             out.index_add_(0, token, self.expert(e, x[token]) * gates[token, slot, None])
         return out
 
+    def checkpointed_where_loop(self, x, gates, chosen):
+        """The loop under activation checkpointing: backward recomputes it, each expert's tokens found again."""
+        return torch.utils.checkpoint.checkpoint(self.where_loop, x, gates, chosen, use_reentrant=False)
+
     def skipping_empty_experts(self, x, gates, chosen):
         """The loop as older Mixtral code wrote it: an expert that received no tokens is skipped."""
         out = torch.zeros_like(x)
@@ -305,6 +309,15 @@ def test_a_budget_the_tensors_sized_by_the_routing_exceed_is_warned_naming_their
     with warnings.catch_warnings():
         warnings.simplefilter("error", zerocc.MemoryBudgetWarning)
         step(ids.flip(0), ids)   # said once, at the program's first run
+
+
+@pytest.mark.parametrize("stage, options", [(3, {}), (1, dict(memory_budget=10**9, memory_pools=True))])
+def test_checkpointed_experts_whose_sizes_the_data_decides_train_as_eager(stage, options, deterministic):
+    """The recomputation finds each expert's tokens again, a new unbacked size: torch.utils.checkpoint's check that
+    the recomputed tensors have the saved shapes failed the trace ("Could not guard on data-dependent expression
+    Eq(u5, u10)", at "(no user frame found)")."""
+    step = train_hand_written("checkpointed_where_loop", stage=stage, **options)
+    assert len(step.cache.programs()) == 1
 
 
 def test_skipping_experts_without_tokens_is_refused_saying_to_drop_the_check():
