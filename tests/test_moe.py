@@ -407,6 +407,48 @@ def test_two_ranks_whose_experts_get_different_token_counts_match_one_process(de
                                       state, reference.state_dict(), state_rtol=1e-4, state_atol=1e-5)
 
 
+def _checkpointed_and_balanced(rank, world_size, stage, batches, folder, resume):
+    torch.use_deterministic_algorithms(True)
+    torch.manual_seed(0)
+    model = HandWrittenMoE("checkpointed_where_loop", aux_free=True)
+    step = zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-2), stage=stage, memory_pools=True,
+                          clip_grad_norm=0.5)
+    if resume:
+        zerocc.load_checkpoint(step, folder)
+    losses = []
+    for batch in batches:
+        losses.append(step(*(t.chunk(world_size)[rank] for t in batch)))
+        torch.distributed.all_reduce(model.tokens_per_expert)   # torchtitan's pre-step hook, between steps
+        balance_experts(model)
+    if not resume:
+        zerocc.save_checkpoint(step, folder)
+    return losses, step.full_state_dict()
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+def test_checkpointed_experts_balanced_between_steps_resume_at_another_world_size_and_stage(tmp_path, deterministic):
+    """Activation checkpointing over experts whose sizes the data decides, an expert bias moved between steps from
+    the counts all-reduced over the ranks: 2 ranks at stage 3, resumed in new processes on 3 ranks at stage 1."""
+    generator = torch.Generator().manual_seed(1)
+    batches = [(ids, ids.roll(1, 1)) for ids in (torch.randint(0, 64, (6, 8), generator=generator) for _ in range(4))]
+    torch.manual_seed(0)
+    reference = HandWrittenMoE("checkpointed_where_loop", aux_free=True)
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    expected = []
+    for number, batch in enumerate(batches):
+        expected.append(eager_accumulated_step(reference, optimizer, None, batch, 2 if number < 2 else 3, clip=0.5)[0])
+        balance_experts(reference)
+    first = distributed.run(_checkpointed_and_balanced, 2, 3, batches[:2], str(tmp_path / "checkpoint"), False)
+    resumed = distributed.run(_checkpointed_and_balanced, 3, 1, batches[2:], str(tmp_path / "checkpoint"), True)
+    losses = [torch.stack(per_rank).mean() for ranks in (first, resumed) for per_rank in zip(*(r[0] for r in ranks))]
+    torch.testing.assert_close(torch.stack(losses), torch.stack(expected), rtol=1e-5, atol=1e-6)
+    assert reference.expert_bias.abs().sum() > 0
+    for _, state in resumed:
+        for key, value in reference.state_dict().items():
+            torch.testing.assert_close(state[key], value, rtol=1e-4, atol=1e-5, msg=lambda m: f"{key}: {m}")
+
+
 def _as_users_train(name):
     """A MoE model as users train one: the router's load-balancing loss in the loss, activation checkpointing."""
     model = build(name, output_router_logits=True, router_aux_loss_coef=0.02)
