@@ -379,6 +379,30 @@ def test_an_optimizer_step_hook_is_refused_and_the_update_between_steps_trains_a
         assert torch.equal(model.state_dict()[key], value), key
 
 
+@pytest.mark.parametrize("stage", [0, 3])
+def test_counts_forward_writes_in_eval_mode_are_written_by_eval_forward_as_eager(stage, deterministic):
+    """torchtitan's MoE counts the tokens per expert in every forward, evaluation included, and balances the next
+    step with them: eval_forward wrote no buffer, the counts missed the evaluation's tokens, and the expert bias
+    and the training after it silently differed from eager."""
+    torch.manual_seed(0)
+    reference = HandWrittenMoE("where_loop", aux_free=True)
+    model = copy.deepcopy(reference)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    step = zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-2), stage=stage)
+    first, evaluated, last = token_pairs(3)
+    assert torch.equal(step(*first), eager(reference, reference_optimizer, *first))
+    reference.eval()
+    with torch.no_grad():
+        expected = reference(*evaluated)
+    reference.train()
+    assert torch.equal(step.eval_forward(*evaluated), expected)
+    assert torch.equal(model.tokens_per_expert, reference.tokens_per_expert)
+    balance_experts(reference)
+    balance_experts(model)
+    assert torch.equal(step(*last), eager(reference, reference_optimizer, *last))
+    assert torch.equal(model.expert_bias, reference.expert_bias)
+
+
 def _hand_written_on_ranks(rank, world_size, batches):
     torch.use_deterministic_algorithms(True)
     torch.manual_seed(0)
