@@ -213,6 +213,10 @@ class HandWrittenMoE(torch.nn.Module):
             out.index_add_(0, token, self.expert(e, x[token]) * gates[token, slot, None])
         return out
 
+    def checkpointed_where_loop(self, x, gates, chosen):
+        """The loop under activation checkpointing: backward recomputes it, each expert's tokens found again."""
+        return torch.utils.checkpoint.checkpoint(self.where_loop, x, gates, chosen, use_reentrant=False)
+
     def skipping_empty_experts(self, x, gates, chosen):
         """The loop as older Mixtral code wrote it: an expert that received no tokens is skipped."""
         out = torch.zeros_like(x)
@@ -307,6 +311,15 @@ def test_a_budget_the_tensors_sized_by_the_routing_exceed_is_warned_naming_their
         step(ids.flip(0), ids)   # said once, at the program's first run
 
 
+@pytest.mark.parametrize("stage, options", [(3, {}), (1, dict(memory_budget=10**9, memory_pools=True))])
+def test_checkpointed_experts_whose_sizes_the_data_decides_train_as_eager(stage, options, deterministic):
+    """The recomputation finds each expert's tokens again, a new unbacked size: torch.utils.checkpoint's check that
+    the recomputed tensors have the saved shapes failed the trace ("Could not guard on data-dependent expression
+    Eq(u5, u10)", at "(no user frame found)")."""
+    step = train_hand_written("checkpointed_where_loop", stage=stage, **options)
+    assert len(step.cache.programs()) == 1
+
+
 def test_skipping_experts_without_tokens_is_refused_saying_to_drop_the_check():
     """The branch on an expert's token count is a branch on the routing; without it the loop trains (where_loop)."""
     torch.manual_seed(0)
@@ -366,6 +379,30 @@ def test_an_optimizer_step_hook_is_refused_and_the_update_between_steps_trains_a
         assert torch.equal(model.state_dict()[key], value), key
 
 
+@pytest.mark.parametrize("stage", [0, 3])
+def test_counts_forward_writes_in_eval_mode_are_written_by_eval_forward_as_eager(stage, deterministic):
+    """torchtitan's MoE counts the tokens per expert in every forward, evaluation included, and balances the next
+    step with them: eval_forward wrote no buffer, the counts missed the evaluation's tokens, and the expert bias
+    and the training after it silently differed from eager."""
+    torch.manual_seed(0)
+    reference = HandWrittenMoE("where_loop", aux_free=True)
+    model = copy.deepcopy(reference)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    step = zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-2), stage=stage)
+    first, evaluated, last = token_pairs(3)
+    assert torch.equal(step(*first), eager(reference, reference_optimizer, *first))
+    reference.eval()
+    with torch.no_grad():
+        expected = reference(*evaluated)
+    reference.train()
+    assert torch.equal(step.eval_forward(*evaluated), expected)
+    assert torch.equal(model.tokens_per_expert, reference.tokens_per_expert)
+    balance_experts(reference)
+    balance_experts(model)
+    assert torch.equal(step(*last), eager(reference, reference_optimizer, *last))
+    assert torch.equal(model.expert_bias, reference.expert_bias)
+
+
 def _hand_written_on_ranks(rank, world_size, batches):
     torch.use_deterministic_algorithms(True)
     torch.manual_seed(0)
@@ -392,6 +429,48 @@ def test_two_ranks_whose_experts_get_different_token_counts_match_one_process(de
     for rank, (losses, state) in enumerate(results):
         assert_rank_matches_reference(rank, [(a + b) / 2 for a, b in zip(results[0][0], results[1][0])], expected,
                                       state, reference.state_dict(), state_rtol=1e-4, state_atol=1e-5)
+
+
+def _checkpointed_and_balanced(rank, world_size, stage, batches, folder, resume):
+    torch.use_deterministic_algorithms(True)
+    torch.manual_seed(0)
+    model = HandWrittenMoE("checkpointed_where_loop", aux_free=True)
+    step = zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-2), stage=stage, memory_pools=True,
+                          clip_grad_norm=0.5)
+    if resume:
+        zerocc.load_checkpoint(step, folder)
+    losses = []
+    for batch in batches:
+        losses.append(step(*(t.chunk(world_size)[rank] for t in batch)))
+        torch.distributed.all_reduce(model.tokens_per_expert)   # torchtitan's pre-step hook, between steps
+        balance_experts(model)
+    if not resume:
+        zerocc.save_checkpoint(step, folder)
+    return losses, step.full_state_dict()
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+def test_checkpointed_experts_balanced_between_steps_resume_at_another_world_size_and_stage(tmp_path, deterministic):
+    """Activation checkpointing over experts whose sizes the data decides, an expert bias moved between steps from
+    the counts all-reduced over the ranks: 2 ranks at stage 3, resumed in new processes on 3 ranks at stage 1."""
+    generator = torch.Generator().manual_seed(1)
+    batches = [(ids, ids.roll(1, 1)) for ids in (torch.randint(0, 64, (6, 8), generator=generator) for _ in range(4))]
+    torch.manual_seed(0)
+    reference = HandWrittenMoE("checkpointed_where_loop", aux_free=True)
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    expected = []
+    for number, batch in enumerate(batches):
+        expected.append(eager_accumulated_step(reference, optimizer, None, batch, 2 if number < 2 else 3, clip=0.5)[0])
+        balance_experts(reference)
+    first = distributed.run(_checkpointed_and_balanced, 2, 3, batches[:2], str(tmp_path / "checkpoint"), False)
+    resumed = distributed.run(_checkpointed_and_balanced, 3, 1, batches[2:], str(tmp_path / "checkpoint"), True)
+    losses = [torch.stack(per_rank).mean() for ranks in (first, resumed) for per_rank in zip(*(r[0] for r in ranks))]
+    torch.testing.assert_close(torch.stack(losses), torch.stack(expected), rtol=1e-5, atol=1e-6)
+    assert reference.expert_bias.abs().sum() > 0
+    for _, state in resumed:
+        for key, value in reference.state_dict().items():
+            torch.testing.assert_close(state[key], value, rtol=1e-4, atol=1e-5, msg=lambda m: f"{key}: {m}")
 
 
 def _as_users_train(name):

@@ -1,12 +1,17 @@
 """``step.eval_forward(*inputs)``: the model's forward in eval mode on the step's own parameters.
 
-No backward, no optimizer, no state written. The forward is traced (on fake
+No backward, no optimizer, no parameter or optimizer state written. The forward is traced (on fake
 tensors, like capture) with the model in eval mode and gradients off, into a
 graph whose placeholders are the runtime's slots: each bucket (at stage 3
 this rank's shard, all-gathered first, the same buckets the training step
 gathers), frozen parameters, buffers, then the batch. Parameters are views of
 the buckets, exactly as in the training step. Programs are cached by the
 batch's shapes, apart from the training step's, at most ``max_programs``.
+A buffer the forward writes in eval mode (a count of the tokens each expert
+received, as torchtitan's MoE keeps it) is written as eager writes it: the
+program returns its new value, copied into the buffer's slot, which the
+user's module holds (BatchNorm's statistics, written in training mode only,
+stay as they were).
 
 At stage 3 over several ranks the gathers are collectives: every rank must
 call ``eval_forward`` at the same point, as it calls the step (a rank left
@@ -23,6 +28,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from . import decisions
+from . import graph as g
 from .capture import laid_out
 from .autocast import autocast_as, autocast_state, outside_autocast
 from .batch import BatchLayout, check_batch
@@ -43,6 +49,7 @@ class EvalProgram:
     slots: list[str | None]        # per placeholder: the slot it reads, None for a batch leaf
     output_spec: pytree.TreeSpec
     guards: tuple = ()             # data guards (zerocc/data_guards.py): the batches this program is for
+    written: tuple = ()            # (slot, position among the returned buffers) of each buffer forward writes
 
     def run(self, slots: dict[str, torch.Tensor], batch: list) -> Any:
         leaves = iter(pytree.tree_leaves(list(batch)))
@@ -53,7 +60,10 @@ class EvalProgram:
         except Exception as error:
             note_failing_node(error, self.gm, "eval_forward", batch)   # the user's line, not <eval_with_key>
             raise
-        return pytree.tree_unflatten(list(outputs), self.output_spec)
+        output, buffers = pytree.tree_unflatten(list(outputs), self.output_spec)
+        for slot, position in self.written:
+            slots[slot].copy_(buffers[position])
+        return output
 
 
 def eval_forward(step, inputs: tuple, keyword_inputs: dict | None = None) -> Any:
@@ -153,7 +163,7 @@ def _compile(step, batch: list, layout: BatchLayout, autocast: tuple = ()) -> Ev
                 f"eval_forward's output holds objects of type {', '.join(sorted(opaque))}, which a traced program "
                 "cannot return (only tensors and Python numbers); return tensors from the model (for a Hugging "
                 "Face model pass use_cache=False)")
-        return output
+        return output, [by_name[info.name] for info in captured.buffers]   # their values after forward
 
     fake_mode = make_fake_mode()
     values = [step.state.slots[slot] for slot in slots]
@@ -188,4 +198,7 @@ def _compile(step, batch: list, layout: BatchLayout, autocast: tuple = ()) -> Ev
         for module, training in modes.items():
             module.training = training
     batch_leaves = len(pytree.tree_leaves(list(batch)))
-    return EvalProgram(gm, slots + [None] * batch_leaves, spec, tuple(recorder.guards))
+    first_buffer = len(slots) - len(captured.buffers)
+    written = tuple((slots[position], position - first_buffer) for position in sorted(gm.meta.get(g.WRITTEN_INPUTS, {}))
+                    if first_buffer <= position < len(slots))
+    return EvalProgram(gm, slots + [None] * batch_leaves, spec, tuple(recorder.guards), written)

@@ -23,6 +23,16 @@ parameters inside the checkpointed function by a backward of its own, which
 ``torch.autograd.grad`` (how capture differentiates the step) cannot collect:
 PyTorch refuses the combination in backward, where no user line is on the
 stack; the trace refuses it at the ``checkpoint`` call instead, naming it.
+
+A size the data decides (the tokens an MoE routed to an expert, counted with
+``.tolist()`` or made by ``torch.where``) is an unbacked symbol, and the
+recomputation counts it again as a new one: checkpoint's check that each saved
+tensor was recomputed with the same shape asked whether the two symbols are
+equal, a question no trace can answer ("Could not guard on data-dependent
+expression Eq(u5, u10)", with no user line). Eager's recomputation gives the
+same sizes, so the trace asserts them equal instead (``torch._check``: a
+run-time assert in the program), and backward then mixes the two tensors'
+sizes as eager does.
 """
 from __future__ import annotations
 
@@ -248,6 +258,32 @@ class _SetGenerators:
             raise self._error(drawn[0], "the step's end")
 
 
+class _RecomputedShape(tuple):
+    """A saved tensor's shape as checkpoint compares it with the recomputed one's: sizes the data decides are
+    asserted equal (``torch._check``), not guarded on; any other difference is one, as in eager."""
+
+    def __eq__(self, other):
+        if not isinstance(other, tuple) or len(self) != len(other):
+            return False
+        for saved, recomputed in zip(self, other):
+            if isinstance(saved, torch.SymInt) or isinstance(recomputed, torch.SymInt):
+                torch._check(saved == recomputed, lambda: "a size the data decides changed in the recomputation")
+            elif saved != recomputed:
+                return False
+        return True
+
+    def __ne__(self, other):
+        return not self == other
+
+    __hash__ = tuple.__hash__
+
+
+def _recomputation_metadata(tensor: torch.Tensor) -> dict:
+    """``torch.utils.checkpoint``'s default determinism check (shape, dtype, device), its shape a
+    ``_RecomputedShape``."""
+    return {"shape": _RecomputedShape(tensor.shape), "dtype": tensor.dtype, "device": tensor.device}
+
+
 def _refuse_reentrant(*args, **kwargs):
     raise CaptureError(
         f"torch.utils.checkpoint with use_reentrant=True (PyTorch's default where use_reentrant is not passed) at "
@@ -333,6 +369,9 @@ def traced_recomputation(fake_mode, generators=()):
     # is traced as eager runs it: the policy's saved ops are kept, the others recomputed in the traced backward
     is_compiling = checkpointing._is_compiling
     checkpointing._is_compiling = lambda func, args, kwargs: False
+    checks = checkpointing._allowed_determinism_checks_to_fns
+    default_check = checks[checkpointing._DEFAULT_DETERMINISM_MODE]
+    checks[checkpointing._DEFAULT_DETERMINISM_MODE] = _recomputation_metadata
     # in the fake mode, below _Sequence (entered at the first saved state): a draw it replays draws nothing
     fake_mode.draw_observer = set_generators
     failed = True
@@ -341,6 +380,7 @@ def traced_recomputation(fake_mode, generators=()):
         failed = False
     finally:
         checkpointing._is_compiling = is_compiling
+        checks[checkpointing._DEFAULT_DETERMINISM_MODE] = default_check
         if reentrant is None:
             del checkpointing.CheckpointFunction.apply
         else:
