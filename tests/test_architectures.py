@@ -301,9 +301,9 @@ class ContrastivePairs(torch.nn.Module):
             images_all[rank], texts_all[rank] = image, text
             images_all, texts_all = torch.cat(images_all), torch.cat(texts_all)
         else:
-            from torch.distributed._functional_collectives import all_gather_tensor_autograd
-            images_all = all_gather_tensor_autograd(image, 0, dist.group.WORLD)
-            texts_all = all_gather_tensor_autograd(text, 0, dist.group.WORLD)
+            from torch.distributed._functional_collectives import all_gather_single_autograd
+            images_all = all_gather_single_autograd(image, 0, dist.group.WORLD)
+            texts_all = all_gather_single_autograd(text, 0, dist.group.WORLD)
         labels = torch.arange(image.shape[0]) + rank * image.shape[0]
         scale = self.logit_scale.exp().clamp(max=100)
         return (F.cross_entropy(scale * image @ texts_all.t(), labels)
@@ -342,6 +342,6 @@ def test_negatives_gathered_in_forward_need_functional_collectives():
     results = distributed.run(_contrastive, 2)
     for refused, _ in results:
         assert re.search(r"calls a torch.distributed collective \(c10d.allgather_.default\) at .*test_architectures.py:"
-                         r"\d+: dist.all_gather\(images_all, image\)\n  why: .*\n  fix: .*all_gather_tensor_autograd",
+                         r"\d+: dist.all_gather\(images_all, image\)\n  why: .*\n  fix: .*all_gather_single_autograd",
                          refused), refused
     assert_ranks_match_ddp([ddp for _, ddp in results])

@@ -205,3 +205,32 @@ def test_the_cli_help_example_and_planning_page_run_the_same_flags(capsys):
     example = help_text.split("options:")[0]
     for flag in re.findall(r"(?<![\w-])(--[\w-]+)", example.split("zerocc plan", 1)[-1]):
         assert flag in flags, f"zerocc plan --help's example: {flag}"
+
+
+def test_the_home_page_links_every_page_of_the_site_nav():
+    """docs/index.md is where a reader starts: every guide page (and launch, models) in mkdocs.yml's nav is linked
+    from it (what capture accepts, the compile cache, launching and the model zoo were in the nav but not there)."""
+    nav = (ROOT / "mkdocs.yml").read_text()
+    linked = set(re.findall(r"\]\(([\w/.-]+\.md)(?:#[\w-]*)?\)", (ROOT / "docs" / "index.md").read_text()))
+    pages = [page for page in re.findall(r":\s+([\w/.-]+\.md)\s*$", nav, flags=re.MULTILINE)
+             if page.startswith("guide/") or page in ("launch.md", "models.md")]
+    assert len(pages) >= 15
+    assert not [page for page in pages if page not in linked], sorted(set(pages) - linked)
+
+
+def test_readme_links_and_named_files_exist():
+    """README.md is not built by mkdocs (whose --strict build checks the site's links): its relative links (and
+    their #anchors) and the files it names in backticks exist."""
+    def slug(heading: str) -> str:   # Python-Markdown's toc slugify, as mkdocs and GitHub make anchors
+        return re.sub(r"[\s]+", "-", re.sub(r"[^\w\s-]", "", heading).strip().lower())
+    text = (ROOT / "README.md").read_text()
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if target.startswith(("http://", "https://", "mailto:")):
+            continue
+        path, _, anchor = target.partition("#")
+        assert (ROOT / path).exists(), f"README.md links {target}"
+        if anchor and path.endswith(".md"):
+            headings = {slug(h) for h in re.findall(r"^#+ (.*)$", (ROOT / path).read_text(), flags=re.MULTILINE)}
+            assert anchor in headings, f"README.md links {target}: no such heading"
+    for path in re.findall(r"`((?:zerocc|tests|benchmarks|examples|docs)/[\w./-]+\.(?:py|md))`", text):
+        assert (ROOT / path).exists(), f"README.md names {path}"

@@ -1190,7 +1190,7 @@ class CompiledStep:
             "measured_peak_bytes": entry.measured_peak_bytes,
             "compile_seconds": round(self.compile_seconds, 3),
             "compile_seconds_by_phase": compile_stats.by_phase(self.compile_stats),
-            # zerocc/disk_cache.py: the last compile "loaded", "stored (...)" or "miss (why), then stored (...)"
+            # zerocc/disk_cache.py: the last compile "loaded", or "miss (why), then stored (...)" / "then not stored: ..."
             "compile_cache": "off" if self.disk_cache is None else self.disk_cache.last_outcome,
             "remat": ctx.remat_plan.to_dict() if ctx.remat_plan is not None else None,
         }

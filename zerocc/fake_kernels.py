@@ -305,8 +305,8 @@ def _eager_collective_error(func) -> CaptureError:
         "differentiable ones built on them) run on the process group outside the program: the compiled step would "
         "read their results without waiting for them, and train on what the output tensors held before.\n"
         "  fix: use the traceable functional collectives, which the program runs and waits on: "
-        "torch.distributed._functional_collectives.all_gather_tensor_autograd(x, 0, group) (gradients flow back "
-        "to each rank's slice, as torch.distributed.nn.all_gather's do) or all_gather_tensor(x.detach(), 0, group) "
+        "torch.distributed._functional_collectives.all_gather_single_autograd(x, 0, group) (gradients flow back "
+        "to each rank's slice, as torch.distributed.nn.all_gather's do) or all_gather_single(x.detach(), 0, group) "
         "(dist.all_gather's: no gradient), all_reduce(x, 'sum', group).")
 
 
