@@ -214,6 +214,17 @@ def test_a_batch_of_another_dtype_names_the_input_and_the_first_batch():
     assert torch.isfinite(step(x, y))   # refused before running: the step goes on
 
 
+def test_a_keyword_batch_of_another_dtype_names_the_keyword_as_it_is_passed():
+    """It read 'the first batch was x=: (4, 12) float32 on cpu'."""
+    model = MLP()
+    step = zerocc.compile(model, adamw(model), stage=0, loss_fn=F.mse_loss)
+    x, y = batches("mlp", 1, 4)[0]
+    step(y, x=x)   # the target positional, the model's input by keyword
+    with pytest.raises(zerocc.ConfigError, match=r"\(the first batch was argument 0: \(4, 5\) float32 on cpu, "
+                                                 r"x=\(4, 12\) float32 on cpu\).*\n  - x= is float64"):
+        step(y, x=x.double())
+
+
 def test_a_batch_that_requires_grad_is_refused_with_the_fix():
     step, _, _ = compiled_mlp(stage=0)
     x, y = batches("mlp", 1, 4)[0]

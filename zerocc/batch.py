@@ -84,12 +84,15 @@ class FirstBatch:
 
 
 def describe_batch(batch: Sequence[Any], layout: BatchLayout) -> str:
-    """'argument 0: (8, 12) float32 on cpu, labels=: (8,) int64 on cpu'."""
+    """'argument 0: (8, 12) float32 on cpu, labels=(8,) int64 on cpu'."""
     def describe(value):
         if isinstance(value, torch.Tensor):
             return f"{tuple(value.shape)} {_dtype_name(value.dtype)} on {value.device}"
         return repr(value)
-    return ", ".join(f"{layout.name_of(i)}: {describe(v)}" for i, v in enumerate(batch))
+
+    def named(name):   # a keyword reads as it is passed: 'labels=(8,) ...', not 'labels=: (8,) ...'
+        return name if name.endswith("=") else f"{name}: "
+    return ", ".join(f"{named(layout.name_of(i))}{describe(v)}" for i, v in enumerate(batch))
 
 
 def check_batch(batch: Sequence[Any], layout: BatchLayout, first: FirstBatch | None, where: str = "step") -> None:
