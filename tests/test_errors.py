@@ -393,6 +393,27 @@ def test_max_programs_not_positive():
         zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), max_programs=0)
 
 
+class _Flagged(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(12, 5)
+
+    def forward(self, x, double=False):
+        return self.linear(x) * (2 if double else 1)
+
+
+def test_static_shapes_with_a_python_value_changed_names_the_value_not_the_shape():
+    """It said to pad or cut the batch to the compiled shape, where a keyword (use_cache=) had changed."""
+    model = _Flagged()
+    step = zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), stage=0, loss_fn=F.mse_loss,
+                          static_shapes=True)
+    x, y = torch.randn(4, 12), torch.randn(4, 5)
+    step(y, x=x, double=False)
+    with pytest.raises(zerocc.ConfigError, match=r"static_shapes=True, but .*a Python value of the batch changed.*"
+                                                 r"pass the value the step was compiled with"):
+        step(y, x=x, double=True)
+
+
 def test_a_new_shape_under_static_shapes():
     model = MLP()
     step = zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=F.mse_loss, static_shapes=True)

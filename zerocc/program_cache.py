@@ -395,6 +395,13 @@ def changed_batch_values(old: tuple, new: tuple) -> list[str]:
     return changed
 
 
+def _differ_in_python_values_only(signature: tuple, other: tuple) -> bool:
+    """Whether two batch signatures are alike but for Python values (a Hugging Face ``use_cache=True``)."""
+    def python(entry):
+        return entry[0] == "python" or (entry[0] in ("keyword", "leaf") and python(entry[2]))
+    return len(signature) == len(other) and all(a == b or (python(a) and python(b)) for a, b in zip(signature, other))
+
+
 def describe_signature(signature: tuple) -> str:
     """A batch signature as a person reads it: 'shapes (8, 12) float32, (8, 5) float32'."""
     def describe(entry):
@@ -455,6 +462,12 @@ class ProgramCache:
         """static_shapes=True: a batch unlike the one compiled is an error, not a new program."""
         compiled = {key.signature for key in self.entries}
         if self.static_shapes and compiled and signature not in compiled:
+            if all(_differ_in_python_values_only(signature, other) for other in compiled):
+                raise ConfigError(
+                    f"static_shapes=True, but this batch is {describe_signature(signature)} and the step was "
+                    f"compiled for {' and '.join(describe_signature(s) for s in compiled)}: a Python value of the "
+                    "batch changed, and each value traces another program; pass the value the step was compiled "
+                    "with on every call, or compile with static_shapes=False to compile a program per value")
             raise ConfigError(
                 f"static_shapes=True, but this batch is {describe_signature(signature)} and the step was compiled "
                 f"for {' and '.join(describe_signature(s) for s in compiled)}; pad or cut the batch to the compiled "
