@@ -62,6 +62,7 @@ def test_the_table_unit_fits_a_small_model(capsys):
     assert "model states per rank (kB = 1e3 bytes)" in out
     row = next(line for line in out.splitlines() if line.strip().startswith("0 "))
     assert all(cell != "0.000" for cell in row.split()[2:6]), row   # comm/step is 0 at one rank
+    assert "step peak" in out.splitlines()[1]
 
 
 def test_dumps_of_several_plans_are_kept_apart(tmp_path):
@@ -76,8 +77,9 @@ def test_dumps_of_several_plans_are_kept_apart(tmp_path):
 
 
 def test_the_table_unit_fits_a_large_model():
-    text = table([(3, 1024, 2 * 10 ** 9, 10 ** 9, 12 * 10 ** 9, 15 * 10 ** 9, 4 * 10 ** 9)], 10 ** 9, "bfloat16")
-    assert "(GB = 1e9 bytes)" in text and "15.000" in text
+    text = table([(3, 1024, 2 * 10 ** 9, 10 ** 9, 12 * 10 ** 9, 15 * 10 ** 9, 4 * 10 ** 9, 17 * 10 ** 9)], 10 ** 9,
+                 "bfloat16")
+    assert "(GB = 1e9 bytes)" in text and "15.000" in text and "17.000" in text
 
 
 HUGGING_FACE_FACTORY = """

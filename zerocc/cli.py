@@ -254,10 +254,13 @@ def plan_command(args) -> int:
             reports.append(report)
             held = report["model_state_bytes_per_rank"]
             rows.append((stage, world_size, held["params"], held["grads"], held["optimizer"], sum(held.values()),
-                         sum(report["comm_bytes_per_step"].values())))
+                         sum(report["comm_bytes_per_step"].values()), report["planned_peak_bytes"]))
             if args.explain:
                 print(plan.explain() + "\n")
     print(table(rows, param_count, param_dtype or next(model.parameters()).dtype, accounting=param_dtype is not None))
+    print("step peak: the most bytes the planned step holds at once on a rank (model states, gathered buckets, "
+          "activations), as compiled" + (f" (in {str(next(model.parameters()).dtype).replace('torch.', '')}, not "
+                                         "the accounting dtype)" if param_dtype is not None else ""))
     print(f"\nplanned {len(rows)} configuration(s) in {time.perf_counter() - started:.1f} s "
           f"({'mixed-precision accounting: ' + str(param_dtype).replace('torch.', '') + ' params/grads, fp32 master + optimizer state' if param_dtype else 'as compiled'})")
     if args.json:
@@ -280,10 +283,11 @@ def table(rows, param_count: int, dtype, accounting: bool = False) -> str:
     unit, size = unit_for(max((max(row[2:]) for row in rows), default=0))
     lines = [f"model states per rank ({unit}{f' = 1e{len(str(size)) - 1} bytes' if size > 1 else ''}), {param_count:,} "
              f"parameters, {str(dtype).replace('torch.', '')} {'accounting' if accounting else 'compute'}:",
-             f"{'stage':>5} {'ranks':>6} {'params':>10} {'grads':>10} {'optimizer':>10} {'total':>10} {'comm/step':>10}"]
-    for stage, world_size, params, grads, optimizer, total, comm in rows:
+             f"{'stage':>5} {'ranks':>6} {'params':>10} {'grads':>10} {'optimizer':>10} {'total':>10} {'comm/step':>10}"
+             f" {'step peak':>10}"]
+    for stage, world_size, params, grads, optimizer, total, comm, peak in rows:
         lines.append(f"{stage:>5} {world_size:>6} {params / size:>10.3f} {grads / size:>10.3f} "
-                     f"{optimizer / size:>10.3f} {total / size:>10.3f} {comm / size:>10.3f}")
+                     f"{optimizer / size:>10.3f} {total / size:>10.3f} {comm / size:>10.3f} {peak / size:>10.3f}")
     return "\n".join(lines)
 
 
