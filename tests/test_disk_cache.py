@@ -430,6 +430,56 @@ def test_a_hugging_face_model_loads_in_an_interpreter_with_another_hash_seed(tmp
     assert outcomes[1] == "loaded", outcomes
 
 
+_SCRIPT_WITH_A_SET_OF_NAMES = """
+import copy, sys, torch, torch.nn.functional as F, zerocc
+class Net(torch.nn.Module):
+    def __init__(self, activations):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(6, 8), torch.nn.Linear(8, 2)
+        self.activations = set(activations)   # iterated in the process's string-hash order
+        self.scales = {"hidden": 1.0}
+    def forward(self, x):
+        x = self.a(x)
+        for name in sorted(self.activations):
+            x = getattr(F, name)(x)
+        return self.b(x * self.scales["hidden"])
+torch.manual_seed(0)
+model = Net(sys.argv[2].split(","))
+reference = copy.deepcopy(model)
+x, y = torch.randn(4, 6), torch.randn(4, 2)
+step = zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), stage=3, loss_fn=F.mse_loss,
+                      cache_dir=sys.argv[1])
+optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+for _ in range(2):
+    expected = F.mse_loss(reference(x), y)
+    optimizer.zero_grad()
+    expected.backward()
+    optimizer.step()
+    assert torch.equal(step(x, y), expected.detach()), "trained otherwise than eager"
+print(step.report()["compile_cache"])
+"""
+
+
+@pytest.mark.slow   # three new interpreters
+def test_a_set_of_names_the_model_reads_loads_under_another_hash_seed_and_another_set_misses(tmp_path):
+    """Sets (and dicts) of Python values a module holds were no part of the fingerprint (a set was the text
+    "set"): a run whose model read another set loaded the first run's program and trained with the first set.
+    They are keyed now, a set's items sorted, as a set of strings iterates in each process's own hash order."""
+    outcomes = []
+    for seed, activations in (("1", "gelu,relu,silu,tanh,sigmoid"), ("2", "gelu,relu,silu,tanh,sigmoid"),
+                              ("3", "gelu,relu")):
+        environment = dict(os.environ, PYTHONHASHSEED=seed,
+                           PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                                       os.environ.get("PYTHONPATH", "")]))
+        done = subprocess.run([sys.executable, "-c", _SCRIPT_WITH_A_SET_OF_NAMES, str(tmp_path), activations],
+                              env=environment, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        outcomes.append(done.stdout.strip().splitlines()[-1])
+    assert outcomes[0].startswith("miss (no entry), then stored"), outcomes
+    assert outcomes[1] == "loaded", outcomes
+    assert outcomes[2].startswith("miss (changed since the entry for this program: ") and "python values" in outcomes[2]
+
+
 _SCRIPT_WITH_ITS_OWN_NET = """
 import copy, sys, torch, torch.nn.functional as F, zerocc
 class Net(torch.nn.Module):

@@ -489,7 +489,7 @@ class Settings:   # a config object a module holds, as Hugging Face's self.confi
 
 class Annealed(nn.Module):
     """Reads Python numbers a training loop changes between steps: dropout's p, a temperature, a config's
-    field and a list's entry."""
+    field, a list's entry, a dict's entry and whether a set holds a value."""
 
     def __init__(self):
         super().__init__()
@@ -499,11 +499,14 @@ class Annealed(nn.Module):
         self.temperature = 1.0
         self.settings = Settings()
         self.widths = [1.0, 2.0]
+        self.scales = {"hidden": 1.0}
+        self.gelu_at = {0}
         self.calls = 0   # forward's own counter: the trace writes it, which is no reason to compile again
 
     def forward(self, x):
         self.calls += 1
-        hidden = self.dropout(F.gelu(self.linear(x))) * self.widths[0] + self.settings.shift
+        activation = F.gelu if 0 in self.gelu_at else F.silu
+        hidden = self.dropout(activation(self.linear(x))) * self.widths[0] * self.scales["hidden"] + self.settings.shift
         return self.head(hidden) / self.temperature, hidden
 
 
@@ -534,13 +537,15 @@ class WeightedLoss(nn.Module):
         return self.weight * F.mse_loss(output[0], target)
 
 
-@pytest.mark.parametrize("changed", ["dropout p", "attribute", "config", "list", "loss global", "loss closure",
-                                     "loss module"])
+@pytest.mark.parametrize("changed", ["dropout p", "attribute", "config", "list", "dict", "set", "loss global",
+                                     "loss closure", "loss module"])
 @pytest.mark.parametrize("stage", [0, 3])
 def test_python_numbers_forward_and_the_loss_read_changed_between_steps_train_as_eager(stage, changed, monkeypatch):
     """A trace bakes the Python numbers forward and the loss read into the program as constants: a loop that
     annealed dropout's p, a temperature or a loss weight between steps silently trained on with the first value.
-    A changed value now compiles its own program, with a warning naming it."""
+    A changed value now compiles its own program, with a warning naming it. Dicts and sets of such values were
+    not read at all (``model.scales["hidden"] = 2.0``, ``model.gelu_at.discard(0)`` trained on with the first
+    program), changed in place or replaced."""
     model = Annealed()
     reference = copy.deepcopy(model)
     loss_fn = _loss_with_auxiliary
@@ -561,6 +566,14 @@ def test_python_numbers_forward_and_the_loss_read_changed_between_steps_train_as
             model.settings.shift = reference.settings.shift = 0.1 * index
         elif changed == "list":
             model.widths[0] = reference.widths[0] = 1.0 + index
+        elif changed == "dict":
+            model.scales["hidden"] = reference.scales["hidden"] = 1.0 + index
+        elif changed == "set":   # in place, then replaced; back to the first program's set at the last step
+            for module in (model, reference):
+                if index == 1:
+                    module.gelu_at.discard(0)
+                elif index > 1:
+                    module.gelu_at = {1} if index == 2 else {0}
         elif changed == "loss global":
             monkeypatch.setattr(sys.modules[__name__], "AUX_WEIGHT", 0.5 * index)
         else:
@@ -575,7 +588,7 @@ def test_python_numbers_forward_and_the_loss_read_changed_between_steps_train_as
         expected.backward()
         reference_optimizer.step()
         assert torch.equal(loss, expected.detach()), index
-    assert len(step.compile_stats) == 4
+    assert len(step.compile_stats) == (3 if changed == "set" else 4)
     full = step.full_state_dict()
     for key, value in reference.state_dict().items():
         assert torch.equal(full[key], value), key

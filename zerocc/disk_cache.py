@@ -133,6 +133,8 @@ def _stable(value: Any, depth: int = 0) -> str:
         return repr(value)
     if isinstance(value, (list, tuple)):
         return "(" + ",".join(_stable(v, depth + 1) for v in value) + ")"
+    if isinstance(value, (set, frozenset)):   # sorted: a set of strings iterates in the process's string-hash order
+        return "{" + ",".join(sorted(_stable(v, depth + 1) for v in value)) + "}"
     if isinstance(value, dict):
         return "{" + ",".join(f"{_stable(k, depth + 1)}:{_stable(v, depth + 1)}" for k, v in value.items()
                               if k not in _PER_PROCESS_ATTRIBUTES) + "}"

@@ -117,8 +117,38 @@ _MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))   # nn.Module's own bookk
 _IDENTITIES = frozenset({"_original_object_hash"})
 
 
-def _plain(value) -> bool:
-    return isinstance(value, _PLAIN) or type(value) in (tuple, list) and all(isinstance(v, _PLAIN) for v in value)
+def _plain(value, nested: bool = False) -> bool:
+    """A value a trace may bake in: a number, string or flag; at the top, also a list, tuple, set or dict of them
+    (``self.relu_layers = {0, 2}``, ``self.loss_weights = {"mse": 1.0}``; a dict's values may be lists of them)."""
+    if isinstance(value, _PLAIN):
+        return True
+    if nested:
+        return type(value) in (tuple, list) and all(isinstance(v, _PLAIN) for v in value)
+    if type(value) in (tuple, list, set, frozenset):
+        return all(isinstance(v, _PLAIN) for v in value)
+    return type(value) is dict and all(isinstance(k, _PLAIN) and _plain(v, True) for k, v in value.items())
+
+
+class DictItems(tuple):
+    """A dict's items as the key holds them (hashable, compared in order), shown as the dict."""
+
+    def __repr__(self) -> str:
+        return "{" + ", ".join(f"{k!r}: {v!r}" for k, v in self) + "}"
+
+
+def _key_value(value):
+    """``value`` (``_plain``) as a key holds it now: hashable, a copy of a container the loop may change in place."""
+    if type(value) in (list, set):
+        return tuple(value) if type(value) is list else frozenset(value)
+    if type(value) is dict:
+        return DictItems((k, tuple(v) if type(v) is list else v) for k, v in value.items())
+    return value
+
+
+def _contents(value) -> list:
+    """What ``ValuesReader`` compares of a container read as a value, by identity: its items (a dict's keys and
+    values), which the loop may change in place (``model.relu_layers.add(1)``, ``model.weights["a"] = 2.0``)."""
+    return [*value.keys(), *value.values()] if type(value) is dict else list(value)
 
 
 def _settings_object(value) -> bool:
@@ -211,8 +241,8 @@ def values_read(sources: tuple, skipped: frozenset = frozenset()) -> tuple[tuple
             elif isinstance(value, torch.Generator):   # the graph holds another Python object for the same generator
                 tensors.append((label, name, value._cdata))
             elif name not in _MODULE_INTERNALS and name not in _IDENTITIES and _plain(value):
-                # 1 and 1.0 trace differently; a list as it is now
-                values.append((label, name, type(value), tuple(value) if type(value) is list else value))
+                # 1 and 1.0 trace differently; a list, set or dict as it is now
+                values.append((label, name, type(value), _key_value(value)))
             elif name not in _MODULE_INTERNALS and (held := tensors_held(value)):
                 tensors.append((label, name, held))
     return tuple(values), tuple(tensors)
@@ -267,7 +297,8 @@ class ValuesReader:
             else:
                 values = [namespace.get(name, _ABSENT) for name in names]
                 self._seen.append((namespace, names, values, None))
-            self._lists += [(value, list(value)) for value in values if type(value) is list]
+            self._lists += [(value, _contents(value)) for value in values
+                            if type(value) is list or type(value) in (set, dict) and _plain(value)]
             # a module (or container) holding tensors: one of its parameters replaced leaves the holder the same object
             self._holders += [(value, held) for name, value in source_items(namespace, names)
                               if name not in _MODULE_INTERNALS and isinstance(value, (torch.nn.Module, list, tuple, dict))
@@ -286,7 +317,8 @@ class ValuesReader:
                 now = [namespace.get(name, _ABSENT) for name in names]
             if not all(map(operator.is_, now, values)):
                 return False
-        return all(len(value) == len(items) and all(map(operator.is_, value, items)) for value, items in self._lists) \
+        return all(len(_contents(value)) == len(items) and all(map(operator.is_, _contents(value), items))
+                   for value, items in self._lists) \
             and all(tensors_held(value) == held for value, held in self._holders)
 
 
