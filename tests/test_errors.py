@@ -374,6 +374,15 @@ def test_clip_grad_norm_not_positive():
         zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), clip_grad_norm=-1.0)
 
 
+def test_no_targets_declared_for_a_loss_that_takes_one_names_the_models_call():
+    """num_targets=0 passed the target to the model: the error said it failed at "(no user frame found)"."""
+    model = torch.nn.Linear(4, 2)
+    step = zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=F.mse_loss, num_targets=0)
+    with pytest.raises(zerocc.CaptureError, match=r"failed at the step's call of the model \(Linear.forward at "
+                                                  r".*linear.py:\d+\): TypeError: .*last 0 to loss_fn as targets"):
+        step(torch.randn(3, 4), torch.randn(3, 2))
+
+
 def test_clip_norm_type_without_clip_grad_norm_is_refused_rather_than_ignored():
     model = torch.nn.Linear(4, 2)
     with pytest.raises(zerocc.ConfigError, match=r"clip_norm_type=1 without clip_grad_norm clips nothing"):

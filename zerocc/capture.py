@@ -577,6 +577,9 @@ def trace_step(
         if where is None and _in_backward(error):   # no user code on the stack: name the forward line instead
             where = _forward_line_of_failed_backward(
                 lambda: traced(GuardRecorder(inputs, input_positions, recorder.read_values), fake_arguments(), None))
+        if where is None and isinstance(error, TypeError) and f"{type(model).__name__}.forward()" in str(error):
+            # the model's own call failed (the step's split of its arguments): no line of the user's ran
+            where = f"the step's call of the model ({type(model).__name__}.forward at {_defined_at(type(model).forward)})"
         raise CaptureError(f"tracing the training step failed at {where or '(no user frame found)'}: "
                            f"{type(error).__name__}: {error}"
                            f"{_fake_value_hint(error)}{_split_hint(error, num_model_inputs, num_targets, model)}"
