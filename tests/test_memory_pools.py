@@ -343,6 +343,26 @@ def test_by_default_the_planned_peak_is_the_measured_peak_within_3_percent_at_wo
         _within_3_percent(peaks)
 
 
+def _two_ranks_accumulating_in_bf16(rank, world_size):
+    model, _, loss_fn = build("gpt")
+    step = zerocc.compile(model, adamw(model), stage=3, loss_fn=loss_fn, param_dtype=torch.bfloat16,
+                          grad_accumulation=2, clip_grad_norm=1.0)
+    for batch in batches("gpt", 2, 8, seed=1 + rank):
+        step(*batch)
+    report = step.report()
+    return report["planned_peak_bytes"], report["measured_peak_bytes"]
+
+
+@pytest.mark.multirank
+def test_a_gather_input_is_measured_until_its_wait_as_planned_at_world_size_2():
+    """Stage 3 with grad_accumulation issues a bucket's gathers for every micro-batch from one shard cast to bf16:
+    the plan holds the cast until the last gather's wait, but gloo dropped it once the gathers were done and the
+    run stopped counting it, 1.9% under the plan (3.7% on a LoRA model). The tracker holds a collective's input
+    until its wait, the program's order of releases."""
+    for planned, measured in distributed.run(_two_ranks_accumulating_in_bf16, 2):
+        assert measured <= planned <= 1.005 * measured, (planned, measured)
+
+
 # -- out= kernels that use their output as scratch (analysis/kernels.py's SCRATCH_OUT) ----------------------
 
 def _resizes_its_output(packet, args, capfd) -> bool:

@@ -107,6 +107,13 @@ def is_collective(node: fx.Node) -> bool:
     return is_all_gather(node) or is_reduce_scatter(node) or is_all_reduce(node) or is_broadcast(node)
 
 
+def reads_inputs_until_wait(node: fx.Node) -> bool:
+    """A collective that reads its inputs while it runs, until its wait: not ``all_reduce`` and ``broadcast``,
+    which clone their input when called and run on the clone (c10d's functional ops), so the input may die
+    there (planned until the wait, stage 0 held every bucket's gradients twice through backward)."""
+    return is_collective(node) and not (is_all_reduce(node) or is_broadcast(node))
+
+
 def tensor_meta(node: fx.Node) -> torch.Tensor | None:
     value = node.meta.get(VAL)
     return value if isinstance(value, torch.Tensor) else None

@@ -12,7 +12,8 @@ multi-output op live at least as long as the op's tuple. Slots read by the
 step live across the whole step, except those ``release_slots`` marked
 (``analysis/releases.py``): they live to the release point or their last
 use, whichever is later; values that replace slots (and the loss) live to
-the end. A collective's inputs live until its wait. Tensors sized by the
+the end. A collective's inputs live until its wait (but an all_reduce's or a broadcast's: it
+clones them when called). Tensors sized by the
 data are listed apart, as ``memory_plan.Unplanned``.
 """
 from __future__ import annotations
@@ -97,8 +98,9 @@ def lifetimes_and_unplanned(gm: fx.GraphModule):
 
 
 def _released_at(user: fx.Node, position: dict[fx.Node, int]) -> int:
-    """Where ``user`` is done reading its inputs: a collective reads them until its wait, as it runs meanwhile."""
-    if g.is_collective(user):
+    """Where ``user`` is done reading its inputs: a collective reads them until its wait, as it runs meanwhile
+    (but for those that read them once, when called: ``g.reads_inputs_until_wait``)."""
+    if g.reads_inputs_until_wait(user):
         return max((position[w] for w in user.users if g.is_wait(w)), default=position[user])
     return position[user]
 

@@ -265,7 +265,7 @@ def _created_state_in_place(gm: fx.GraphModule, plan: MemoryPlan, nodes: dict[st
 
 
 def _read_until(user: fx.Node, position: dict[str, int]) -> int:
-    if g.is_collective(user):
+    if g.reads_inputs_until_wait(user):
         return max((position[w.name] for w in user.users if g.is_wait(w)), default=position[user.name])
     return position[user.name]
 

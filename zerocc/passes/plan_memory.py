@@ -16,7 +16,8 @@ which the program holds until its last ``getitem``. Slots read by the step
 live across the whole step, except those ``release_slots`` marked: they live
 to the release point or their last use, whichever is later; values that
 replace slots (and the loss) live to the end. A collective's inputs live until its wait: it reads them while
-the program runs on. Tensors sized by the data are listed as unplanned.
+the program runs on (an all_reduce or a broadcast clones its input when called: that dies there). Tensors
+sized by the data are listed as unplanned.
 
 Pools group buffers by role (``memory_plan.POOLS``): persistent shards and
 optimizer state, gathered parameters, activations and temporaries, gradient

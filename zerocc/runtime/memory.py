@@ -8,13 +8,18 @@ storage's release through a weak reference. The peak is taken after every op,
 so it is the most bytes alive between ops: an op's own workspace inside a
 kernel is not seen, nor is allocator caching or fragmentation.
 
-A reduction's input (a gradient bucket) dies at the reduction's wait in the
-plan, but gloo's worker thread drops its own reference a moment after the
-wait returns, and only once it holds the GIL: about one wait in five, the
-bucket was still counted a few ops later, and a budget met with a bucket to
-spare measured over it. The tracker gives the thread that moment (at most
-``_RELEASE_WAIT`` seconds per reduction), so what it measures is the
-program's order of releases, not the thread's timing.
+A collective's input (a gradient bucket, a shard cast to ``param_dtype``)
+dies at the collective's wait in the plan: the collective reads it until
+then. gloo's worker thread holds it only until the collective is done, which
+may be before the wait (then the program's own reference gone, the input was
+not counted from there: stage 3 with ``grad_accumulation`` issues a bucket's
+gathers for every micro-batch at once, from one cast shard, and measured up
+to 4% under its plan) or a moment after the wait returns, once the thread
+holds the GIL (about one wait in five, a reduced bucket was still counted a
+few ops later, and a budget met with a bucket to spare measured over it).
+The tracker holds each collective's input until its wait and there gives the
+thread that moment (at most ``_RELEASE_WAIT`` seconds per collective), so what
+it measures is the program's order of releases, not the thread's timing.
 """
 from __future__ import annotations
 
@@ -31,8 +36,12 @@ from ..autocast import autocast_as
 from ..ops import users_op_autocast
 
 
-_REDUCTIONS = {torch.ops._c10d_functional.all_to_all_single.default,
-               torch.ops._c10d_functional.reduce_scatter_tensor.default}
+_c10d = torch.ops._c10d_functional
+# the collectives that read their input until their wait (g.reads_inputs_until_wait; an all_reduce or a
+# broadcast clones its input when called)
+_READ_UNTIL_WAIT = {_c10d.all_to_all_single.default, _c10d.reduce_scatter_tensor.default,
+                    _c10d.reduce_scatter_tensor_out.default, _c10d.all_gather_into_tensor.default,
+                    _c10d.all_gather_into_tensor_out.default, torch.ops.zerocc.all_gather_by_send_recv.default}
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
 _RELEASE_WAIT = 1e-3
 
@@ -51,7 +60,7 @@ class LiveBytesTracker(TorchDispatchMode):
         self._live: dict[int, tuple[StorageWeakRef, int]] = {}
         self.live_bytes = 0
         self.peak_bytes = 0
-        self._reduced: dict[int, StorageWeakRef] = {}   # a reduction's output storage -> its input's
+        self._in_flight: dict[int, torch.Tensor] = {}   # a collective's output address -> its input, held
         for tensor in tensors:
             self._add(tensor)
         inputs: dict[int, tuple[StorageWeakRef, int]] = {}   # inputs sharing a storage: their bytes added, at most it
@@ -85,11 +94,13 @@ class LiveBytesTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         with autocast_as(users_op_autocast()):   # a user's op the program runs under autocast (zerocc/ops.py)
             result = func(*args, **(kwargs or {}))
-        if func in _REDUCTIONS and (reduced := StorageWeakRef(args[0].untyped_storage())).cdata not in self._given:
-            self._reduced[result.untyped_storage()._cdata] = reduced
-        elif func is _WAIT and (reduced := self._reduced.pop(result.untyped_storage()._cdata, None)) is not None:
+        if func in _READ_UNTIL_WAIT and StorageWeakRef(args[0].untyped_storage()).cdata not in self._given:
+            self._in_flight[result.data_ptr()] = args[0]   # read until the wait, as planned: held until then
+        elif func is _WAIT and (held := self._in_flight.pop(result.data_ptr(), None)) is not None:
+            reference = StorageWeakRef(held.untyped_storage())
+            del held
             deadline = time.perf_counter() + _RELEASE_WAIT
-            while not reduced.expired() and time.perf_counter() < deadline:
+            while not reference.expired() and time.perf_counter() < deadline:
                 time.sleep(0)   # the worker thread needs the GIL to drop the input
         for value in pytree.tree_leaves(result):
             if isinstance(value, torch.Tensor):
