@@ -295,3 +295,54 @@ def test_llama_with_a_padded_batch_on_one_rank_trains_as_the_reference_on_two_ra
             distributed.run(_llama_with_masks_on_ranks, 2, timeout=300)):
         assert_rank_matches_reference(rank, losses, expected, state, expected_state, state_rtol=1e-4, state_atol=1e-5)
         assert compiles == 3   # the first batch, and each step one rank's batch took the other side (both ranks)
+
+
+def _trainer_optimizer(model):
+    """What the Trainer's create_optimizer builds with optim="adamw_torch": weight decay off for biases and norms."""
+    decay = transformers.trainer_pt_utils.get_parameter_names(model, [torch.nn.LayerNorm], ["bias"])
+    groups = [{"params": [p for n, p in model.named_parameters() if n in decay], "weight_decay": 0.1},
+              {"params": [p for n, p in model.named_parameters() if n not in decay], "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW(groups, lr=1e-2)
+    return optimizer, transformers.get_cosine_schedule_with_warmup(optimizer, 2, 6)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_what_a_trainer_subclass_runs_around_the_step_trains_as_the_trainers_own_step(stage):
+    """docs/guide/training-loops.md's Trainer recipe without the Trainer (it needs accelerate): gradient
+    checkpointing without reentrancy enabled before compiling, the Trainer's LabelSmoother normalized by the step's
+    token count (a tensor, counted over the unshifted labels as the Trainer counts), its weight-decay groups and a
+    cosine schedule with warm-up stepped after each step: bit for bit the Trainer's eager training_step."""
+    smoother = transformers.trainer_pt_utils.LabelSmoother(epsilon=0.1)
+
+    def loss_fn(output, labels, num_items_in_batch):
+        return smoother(output, labels, shift_labels=True, num_items_in_batch=num_items_in_batch)
+
+    generator = torch.Generator().manual_seed(1)
+    data = []
+    for _ in range(4):
+        ids = torch.randint(0, VOCAB, (4, 16), generator=generator)
+        labels = ids.masked_fill(torch.rand(ids.shape, generator=generator) < 0.2, -100)
+        data.append((ids, labels, labels.ne(-100).sum()))
+    torch.manual_seed(0)
+    reference = gpt2()
+    model = copy.deepcopy(reference)
+    for m in (reference, model):
+        m.config.use_cache = False
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    optimizer, schedule = _trainer_optimizer(model)
+    step = zerocc.compile(model, optimizer, stage=stage, loss_fn=loss_fn, clip_grad_norm=1.0)
+    eager, eager_schedule = _trainer_optimizer(reference)
+    for seed, (ids, labels, count) in enumerate(data):
+        torch.manual_seed(seed)    # GPT-2's dropout draws the same masks in both
+        loss = loss_fn(reference(ids), labels, count)
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
+        eager.step()
+        eager.zero_grad()
+        eager_schedule.step()
+        torch.manual_seed(seed)
+        assert torch.equal(step(ids, labels, count), loss.detach())
+        assert torch.equal(step.last_grad_norm, norm)
+        schedule.step()
+        assert optimizer.param_groups[0]["lr"] == eager.param_groups[0]["lr"]
+    assert all(torch.equal(v, reference.state_dict()[k]) for k, v in step.full_state_dict().items())

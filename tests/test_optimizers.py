@@ -260,6 +260,56 @@ def test_zero_redundancy_optimizer_is_refused_naming_the_one_it_wraps(tmp_path):
         torch.distributed.destroy_process_group()
 
 
+class _PreparedOptimizer(torch.optim.Optimizer):
+    """What accelerate's accelerator.prepare returns (AcceleratedOptimizer): an Optimizer subclass that skips
+    Optimizer.__init__ and forwards param_groups, state and step() to the optimizer it holds."""
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    def step(self, closure=None):
+        return self.optimizer.step(closure)
+
+
+class _NoInit(torch.optim.Optimizer):
+    def __init__(self, params):
+        self.param_groups = [{"params": list(params), "lr": 0.1}]
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_an_optimizer_wrapper_from_accelerate_prepare_is_refused_naming_the_optimizer_it_wraps(stage):
+    """Passing accelerate's prepared optimizer failed at the first call with an AttributeError about
+    _optimizer_step_pre_hooks; the optimizer it wraps trains as eager."""
+    torch.manual_seed(0)
+    model = Net()
+    reference = copy.deepcopy(model)
+    wrapper = _PreparedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    with pytest.raises(zerocc.ConfigError, match=r"(?s)\(tests\.test_optimizers\._PreparedOptimizer\) wraps a AdamW "
+                                                 r"\(accelerator.prepare.*fix: pass the optimizer it wraps, "
+                                                 r"zerocc.compile\(model, optimizer.optimizer, ...\)"):
+        zerocc.compile(model, wrapper, stage=stage, loss_fn=F.mse_loss)
+    with pytest.raises(zerocc.ConfigError, match=r"(?s)never ran torch.optim.Optimizer.__init__.*fix: call "
+                                                 r"super\(\).__init__\(params, defaults\) in _NoInit.__init__"):
+        zerocc.compile(model, _NoInit(model.parameters()), stage=stage, loss_fn=F.mse_loss)
+    step = zerocc.compile(model, wrapper.optimizer, stage=stage, loss_fn=F.mse_loss)
+    eager = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    for tokens, target in data(batch=4):
+        eager.zero_grad()
+        loss = F.mse_loss(reference(tokens), target)
+        loss.backward()
+        eager.step()
+        assert torch.equal(step(tokens, target), loss.detach())
+    assert all(torch.equal(v, reference.state_dict()[k]) for k, v in step.full_state_dict().items())
+
+
 def _muon_at_stage_0(rank, world_size):
     torch.manual_seed(0)
     model = Net()

@@ -206,10 +206,34 @@ def check_model_and_optimizer(model, optimizer) -> None:
             f"  fix: pass the optimizer it wraps, built on the model's parameters: "
             f"{optimizer.optim.__class__.__name__}(model.parameters(), ...), to zerocc.compile(model, optimizer, "
             "stage=1)")
+    check_not_an_optimizer_wrapper(optimizer)
     if next(model.parameters(), None) is None:
         raise ConfigError(f"the model ({type(model).__name__}) has no parameters: there is nothing to train or shard; "
                           "pass the module that holds the trained parameters")
     check_not_parallelized(model)
+
+
+def check_not_an_optimizer_wrapper(optimizer) -> None:
+    """An Optimizer subclass that never ran ``Optimizer.__init__`` and forwards to another optimizer
+    (accelerate's ``AcceleratedOptimizer`` from ``accelerator.prepare``, Lightning's ``LightningOptimizer``): its
+    ``step()`` is the wrapper's bookkeeping (skipping steps under its gradient accumulation or loss scaler) around
+    the wrapped optimizer's, and it lacks the hook tables the step reads."""
+    if hasattr(optimizer, "_optimizer_step_pre_hooks"):
+        return
+    kind = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
+    inner = next((value for value in vars(optimizer).values() if isinstance(value, torch.optim.Optimizer)), None)
+    if inner is None:
+        raise ConfigError(
+            f"the optimizer ({kind}) never ran torch.optim.Optimizer.__init__, so it has no hooks or defaults of its "
+            f"own.\n  fix: call super().__init__(params, defaults) in {type(optimizer).__name__}.__init__")
+    attribute = next(name for name, value in vars(optimizer).items() if value is inner)
+    raise ConfigError(
+        f"the optimizer ({kind}) wraps a {type(inner).__name__} (accelerator.prepare returns such a wrapper): "
+        "its step() is the wrapper's bookkeeping around the wrapped optimizer's, which zerocc replaces (the "
+        "gradient accumulation, loss scaling and data parallelism are the step's options).\n"
+        f"  fix: pass the optimizer it wraps, zerocc.compile(model, optimizer.{attribute}, ...), or the one you "
+        "built before prepare; use grad_accumulation=, clip_grad_norm= and param_dtype= for what the "
+        "wrapper did")
 
 
 def check_not_parallelized(model: nn.Module) -> None:
