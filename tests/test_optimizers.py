@@ -292,7 +292,7 @@ def test_an_optimizer_wrapper_from_accelerate_prepare_is_refused_naming_the_opti
     model = Net()
     reference = copy.deepcopy(model)
     wrapper = _PreparedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
-    with pytest.raises(zerocc.ConfigError, match=r"(?s)\(tests\.test_optimizers\._PreparedOptimizer\) wraps a AdamW "
+    with pytest.raises(zerocc.ConfigError, match=r"(?s)\(tests\.test_optimizers\._PreparedOptimizer\) wraps the optimizer AdamW "
                                                  r"\(accelerator.prepare.*fix: pass the optimizer it wraps, "
                                                  r"zerocc.compile\(model, optimizer.optimizer, ...\)"):
         zerocc.compile(model, wrapper, stage=stage, loss_fn=F.mse_loss)

@@ -228,7 +228,7 @@ def check_not_an_optimizer_wrapper(optimizer) -> None:
             f"own.\n  fix: call super().__init__(params, defaults) in {type(optimizer).__name__}.__init__")
     attribute = next(name for name, value in vars(optimizer).items() if value is inner)
     raise ConfigError(
-        f"the optimizer ({kind}) wraps a {type(inner).__name__} (accelerator.prepare returns such a wrapper): "
+        f"the optimizer ({kind}) wraps the optimizer {type(inner).__name__} (accelerator.prepare returns such a wrapper): "
         "its step() is the wrapper's bookkeeping around the wrapped optimizer's, which zerocc replaces (the "
         "gradient accumulation, loss scaling and data parallelism are the step's options).\n"
         f"  fix: pass the optimizer it wraps, zerocc.compile(model, optimizer.{attribute}, ...), or the one you "
