@@ -430,6 +430,23 @@ def test_a_hugging_face_model_loads_in_an_interpreter_with_another_hash_seed(tmp
     assert outcomes[1] == "loaded", outcomes
 
 
+# the end of the scripts below: two SGD steps of the script's ``model`` beside eager, then the cache's outcome
+_TRAINED_BESIDE_EAGER = """\
+reference = copy.deepcopy(model)
+x, y = torch.randn(4, 6), torch.randn(4, 2)
+step = zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), stage=3, loss_fn=F.mse_loss,
+                      cache_dir=sys.argv[1])
+optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+for _ in range(2):
+    expected = F.mse_loss(reference(x), y)
+    optimizer.zero_grad()
+    expected.backward()
+    optimizer.step()
+    assert torch.equal(step(x, y), expected.detach()), "trained otherwise than eager"
+print(step.report()["compile_cache"])
+"""
+
+
 _SCRIPT_WITH_A_SET_OF_NAMES = """
 import copy, sys, torch, torch.nn.functional as F, zerocc
 class Net(torch.nn.Module):
@@ -445,19 +462,7 @@ class Net(torch.nn.Module):
         return self.b(x * self.scales["hidden"])
 torch.manual_seed(0)
 model = Net(sys.argv[2].split(","))
-reference = copy.deepcopy(model)
-x, y = torch.randn(4, 6), torch.randn(4, 2)
-step = zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), stage=3, loss_fn=F.mse_loss,
-                      cache_dir=sys.argv[1])
-optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
-for _ in range(2):
-    expected = F.mse_loss(reference(x), y)
-    optimizer.zero_grad()
-    expected.backward()
-    optimizer.step()
-    assert torch.equal(step(x, y), expected.detach()), "trained otherwise than eager"
-print(step.report()["compile_cache"])
-"""
+""" + _TRAINED_BESIDE_EAGER
 
 
 @pytest.mark.slow   # three new interpreters
@@ -490,19 +495,7 @@ class Net(torch.nn.Module):
         return self.b(F.ACTIVATION(self.a(x)))
 torch.manual_seed(0)
 model = Net()
-reference = copy.deepcopy(model)
-x, y = torch.randn(4, 6), torch.randn(4, 2)
-step = zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), stage=3, loss_fn=F.mse_loss,
-                      cache_dir=sys.argv[1])
-optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
-for _ in range(2):
-    expected = F.mse_loss(reference(x), y)
-    optimizer.zero_grad()
-    expected.backward()
-    optimizer.step()
-    assert torch.equal(step(x, y), expected.detach()), "trained otherwise than eager"
-print(step.report()["compile_cache"])
-"""
+""" + _TRAINED_BESIDE_EAGER
 
 
 @pytest.mark.slow   # four new interpreters

@@ -23,6 +23,18 @@ SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "launched.py")
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
 
+def _waited(launches, logs, timeout: float) -> list[int]:
+    """Each launch's exit code, waiting at most ``timeout`` seconds each; whatever still runs is killed, the logs closed."""
+    try:
+        return [launch.wait(timeout=timeout) for launch in launches]
+    finally:
+        for launch in launches:
+            if launch.poll() is None:
+                launch.kill()
+        for log in logs:
+            log.close()
+
+
 def _start(arguments, out, log, *script_arguments, environment=()):
     return subprocess.Popen([*TORCHRUN, *arguments, SCRIPT, str(out), *script_arguments], stdout=log,
                             stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1", **dict(environment)})
@@ -44,14 +56,7 @@ def test_two_nodes_train_bit_for_bit_like_one_node(tmp_path):
     launches = [_start(["--standalone", "--nproc-per-node", "2"], single, logs[0]),
                 _start([*node, "--node-rank", "0"], multi, logs[1]),
                 _start([*node, "--node-rank", "1"], multi, logs[2])]
-    try:
-        codes = [launch.wait(timeout=540) for launch in launches]
-    finally:
-        for launch in launches:
-            if launch.poll() is None:
-                launch.kill()
-        for log in logs:
-            log.close()
+    codes = _waited(launches, logs, timeout=540)
     output = "\n".join((tmp_path / f"{name}.log").read_text()[-3000:] for name in ("single", "node0", "node1"))
     assert codes == [0, 0, 0], output
     for rank, (one_node, two_nodes) in enumerate(zip(_results(single), _results(multi))):
@@ -80,14 +85,7 @@ def test_a_job_torchrun_restarts_resumes_from_its_checkpoint_bit_for_bit(tmp_pat
     launches = [_start(standalone, plain, logs[0]),
                 _start([*standalone, "--max-restarts", "1"], restarted, logs[1], "1",
                        environment={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})]
-    try:
-        codes = [launch.wait(timeout=300) for launch in launches]
-    finally:
-        for launch in launches:
-            if launch.poll() is None:
-                launch.kill()
-        for log in logs:
-            log.close()
+    codes = _waited(launches, logs, timeout=300)
     output = "\n".join((tmp_path / f"{name}.log").read_text()[-3000:] for name in ("plain", "restarted"))
     assert codes == [0, 0], output
     for rank, (once, again) in enumerate(zip(_results(plain), _results(restarted))):
