@@ -183,11 +183,15 @@ def tag_parameter_casts(gm: fx.GraphModule, precision: Precision) -> None:
     if precision.param_dtype is None:
         return
     for placeholder in g.placeholders(gm, g.ROLE_PARAM):
-        for user in placeholder.users:
-            if (user.op == "call_function" and user.target is torch.ops.aten._to_copy.default
-                    and user.meta[g.VAL].dtype == precision.param_dtype):
-                user.meta[g.PRECISION_CAST] = "param"
+        for cast in _casts_to(placeholder, precision.param_dtype):
+            cast.meta[g.PRECISION_CAST] = "param"
     _cast_where_first_read(gm, precision)
+
+
+def _casts_to(placeholder: fx.Node, dtype: torch.dtype) -> list[fx.Node]:
+    """The ops that cast ``placeholder`` to ``dtype`` (``compute_values``' casts)."""
+    return [user for user in placeholder.users if user.op == "call_function"
+            and user.target is torch.ops.aten._to_copy.default and user.meta[g.VAL].dtype == dtype]
 
 
 def _cast_where_first_read(gm: fx.GraphModule, precision: Precision) -> None:
@@ -197,16 +201,10 @@ def _cast_where_first_read(gm: fx.GraphModule, precision: Precision) -> None:
     before the first reader of its parameters, and the schedule waits for a gather at its views: left there,
     stage 3 gathered the whole model before forward's first op (a 2-layer 7B-width Llama at world size 64
     held 1.33 GB of gathered bf16 parameters at its peak instead of one layer's)."""
+    order = g.topological_index(gm)   # only the casts move: the readers keep their order
     for placeholder in [*g.placeholders(gm, g.ROLE_PARAM), *g.placeholders(gm, g.ROLE_FROZEN)]:
-        for cast in list(placeholder.users):
-            if (cast.op == "call_function" and cast.target is torch.ops.aten._to_copy.default
-                    and cast.meta[g.VAL].dtype == precision.param_dtype and cast.users):
-                first = next(node for node in _after(cast) if node in cast.users)
+        for cast in _casts_to(placeholder, precision.param_dtype):
+            if cast.users:
+                first = min(cast.users, key=order.__getitem__)
                 if first is not cast.next:
                     first.prepend(cast)
-
-
-def _after(node: fx.Node):
-    while node.op != "output":
-        node = node.next
-        yield node
