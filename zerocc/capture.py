@@ -43,7 +43,7 @@ from .autocast import autocast_as, autocast_state, outside_autocast
 from .batch import BatchLayout
 from .data_guards import DataGuard, GuardRecorder, recording
 from .errors import (CaptureError, ConfigError, ZeroccError, defined_at, innermost_frame, is_users,
-                     raised_by_user_code, user_frame)
+                     raised_by_user_code, user_frame, user_line_of_node)
 from .optimizer_step import REPLICATE_IF_ELEMENTWISE, check_elementwise, check_state_shapes, splice_update
 from . import precision as mixed
 from .host_random import EXTREMES, HostDraws, same_program
@@ -742,7 +742,6 @@ def _splice_optimizer(gm, fake_mode, optimizer, grad_nodes, group_of):
 
 def _writes_into_inputs(gm, leaves, roles) -> list[tuple[str, int, str]]:
     """Each graph input of ``roles`` an op writes in place: (role, index, 'by <op> at <user line>')."""
-    from .errors import user_line_of_node
     found = []
     for position, node in sorted(gm.meta.get(g.WRITTEN_INPUTS, {}).items()):
         role, index, _ = leaves[position]
@@ -817,7 +816,6 @@ def _restored(attributes: dict[int, tuple[str, torch.Tensor]]):
 def _refuse_writes_to_constants(written: dict[int, fx.Node], attributes) -> None:
     """A tensor the step writes in place that is none of its inputs (a tensor attribute that is no buffer, a
     global tensor): a constant of the traced program, whose new value would be lost."""
-    from .errors import user_line_of_node
     if not written:
         return
 
@@ -870,7 +868,6 @@ def readable(name: str) -> str:
 def _sparse_lookups(gm) -> list[str]:
     """The user's lines of the forward ops that make a sparse gradient: those called with ``sparse=True``
     (``embedding``, ``_embedding_bag``), once each. The backward ops that build it carry no stack trace."""
-    from .errors import user_line_of_node
     lines = []
     for node in gm.graph.nodes:
         schema = getattr(node.target, "_schema", None)

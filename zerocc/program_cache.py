@@ -317,7 +317,7 @@ class ValuesReader:
                 now = [namespace.get(name, _ABSENT) for name in names]
             if not all(map(operator.is_, now, values)):
                 return False
-        return all(len(_contents(value)) == len(items) and all(map(operator.is_, _contents(value), items))
+        return all(len(now := _contents(value)) == len(items) and all(map(operator.is_, now, items))
                    for value, items in self._lists) \
             and all(tensors_held(value) == held for value, held in self._holders)
 
@@ -494,15 +494,15 @@ class ProgramCache:
         """static_shapes=True: a batch unlike the one compiled is an error, not a new program."""
         compiled = {key.signature for key in self.entries}
         if self.static_shapes and compiled and signature not in compiled:
+            unlike = (f"static_shapes=True, but this batch is {describe_signature(signature)} and the step was "
+                      f"compiled for {' and '.join(describe_signature(s) for s in compiled)}")
             if all(_differ_in_python_values_only(signature, other) for other in compiled):
                 raise ConfigError(
-                    f"static_shapes=True, but this batch is {describe_signature(signature)} and the step was "
-                    f"compiled for {' and '.join(describe_signature(s) for s in compiled)}: a Python value of the "
-                    "batch changed, and each value traces another program; pass the value the step was compiled "
-                    "with on every call, or compile with static_shapes=False to compile a program per value")
+                    f"{unlike}: a Python value of the batch changed, and each value traces another program; pass "
+                    "the value the step was compiled with on every call, or compile with static_shapes=False to "
+                    "compile a program per value")
             raise ConfigError(
-                f"static_shapes=True, but this batch is {describe_signature(signature)} and the step was compiled "
-                f"for {' and '.join(describe_signature(s) for s in compiled)}; pad or cut the batch to the compiled "
+                f"{unlike}; pad or cut the batch to the compiled "
                 "shape (the last batch of an epoch: drop_last=True) and lay it out as the compiled batch (a "
                 "permuted or channels-last batch: .contiguous(memory_format=...)), or compile with "
                 "static_shapes=False to compile a program per shape and layout")
