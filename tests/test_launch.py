@@ -95,3 +95,63 @@ def test_a_job_torchrun_restarts_resumes_from_its_checkpoint_bit_for_bit(tmp_pat
         assert once["state"].keys() == again["state"].keys()
         for key, value in once["state"].items():
             assert torch.equal(again["state"][key], value), (rank, key)
+
+
+def _own_disk(disk, mount_point) -> list[str]:
+    """A command prefix running what follows with ``mount_point`` showing ``disk``: a node-local disk at a path
+    every node has (``unshare --mount``, root only); [] where this machine cannot."""
+    prefix = ["unshare", "--mount", "sh", "-c", 'mount --bind "$1" "$2" && shift 2 && exec "$@"', "sh",
+              str(disk), str(mount_point)]
+    try:
+        probe = subprocess.run([*prefix, "true"], capture_output=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return prefix if probe.returncode == 0 else []
+
+
+@pytest.mark.multirank
+def test_a_checkpoint_on_each_nodes_own_disk_is_refused_naming_the_rank(tmp_path):
+    """Two nodes saving to the same path on their own disks: each rank wrote its shards on its own node, the save
+    reported success and no node held a whole checkpoint (node 1 kept every version it wrote). The save is refused
+    on every rank before anything is written, naming rank 1; a folder node 1 alone holds is refused naming the
+    missing shard; a copy only node 0 holds is refused at load on every rank. A shared folder saves as before."""
+    (tmp_path / "local").mkdir()
+    (tmp_path / "disk1").mkdir()
+    own_disk = _own_disk(tmp_path / "disk1", tmp_path / "local")
+    if not own_disk:
+        pytest.skip("needs `unshare --mount` and bind mounts (root) to give one node its own disk")
+    port = free_port()
+    node = ["--nnodes", "2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port)]
+    script = os.path.join(os.path.dirname(SCRIPT), "launched_node_local.py")
+    environment = {**os.environ, "OMP_NUM_THREADS": "1"}
+    logs = [open(tmp_path / f"node{n}.log", "w") for n in (0, 1)]
+    launches = [subprocess.Popen([*prefix, *TORCHRUN, *node, "--node-rank", str(n), script, str(tmp_path)],
+                                 stdout=logs[n], stderr=subprocess.STDOUT, env=environment)
+                for n, prefix in enumerate(([], own_disk))]
+    codes = _waited(launches, logs, timeout=240)
+    output = "\n".join((tmp_path / f"node{n}.log").read_text()[-3000:] for n in (0, 1))
+    assert codes == [0, 0], output
+    first, second = _results(tmp_path)
+    for result in (first, second):
+        assert "rank(s) 1 (host" in result["node_local"] and "do not see the folder" in result["node_local"]
+        assert "Nothing was written" in result["node_local"] and "NFS" in result["node_local"]
+        assert "lacks __1_0.distcp" in result["stale"], result["stale"]
+        assert result["shared"].endswith("ckpt.v1")
+    assert "rank 1: ConfigError" in first["load"] and "rank 0 sees it" in first["load"], first["load"]
+    assert "it does not exist" in second["load"]
+    assert first["listing"] == ["copy"]                      # node 0: nothing of the refused saves
+    assert second["listing"] == ["stale.v1"]                 # node 1: only the folder it held (and its shard)
+    assert os.listdir(tmp_path / "disk1" / "stale.v1") == ["__1_0.distcp"]
+
+
+def test_a_lost_store_host_is_named_where_no_rank_can_be(monkeypatch):
+    """A whole node down (its torchrun agent with its ranks) takes the store it hosts: the ranks left waiting could
+    not read where the others were, and the error named no rank and no node. It now names the store's address and
+    says its node is probably down (a step's error read with no default store: as with a store that is gone)."""
+    from zerocc.hardware import Ranks
+    from zerocc.runtime import failures
+    monkeypatch.setenv("MASTER_ADDR", "node0.example")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    assert not torch.distributed.is_initialized()
+    line = failures._where_the_others_are(Ranks(2, 1, object(), "0"), "step 2", RuntimeError("Connection closed by peer"))
+    assert "the ranks' store (node0.example:29500) does not answer" in line and "probably down" in line, line

@@ -42,7 +42,9 @@ import json
 import os
 import re
 import shutil
+import socket
 import struct
+import time
 import warnings
 
 import torch
@@ -574,6 +576,7 @@ def _save(step, path: str) -> str:
     ranks = step.ranks
     failures.meet(ranks, "zerocc.save_checkpoint", step.steps, step.timeout)   # every rank saves, or all fail
     version = _on_rank_0(ranks, lambda: _new_version(path))
+    _check_every_rank_sees(ranks, path, version)
     state = state_dict(step)
     writer = dcp.FileSystemWriter(version, sync_files=True)
     # a tensor every rank holds whole is written by rank 0: buffers the step updates (BatchNorm statistics) differ
@@ -589,6 +592,7 @@ def _save(step, path: str) -> str:
     _barrier(ranks)   # every rank's files are written and fsynced
 
     def publish():
+        _check_every_shard_written(path, version)
         _write_meta(step, version)
         _fsync_tree(version)
         _publish(path, version)
@@ -613,6 +617,49 @@ def _new_version(path: str) -> str:
     version = f"{path}.v{max(numbers, default=0) + 1}"
     os.makedirs(version)
     return version
+
+
+SHARED_STORAGE = ("every rank writes its own shards into the one checkpoint folder, so the path must be on storage every "
+                  "node mounts at the same path (NFS, Lustre, a mounted bucket); see docs/guide/checkpoints.md")
+
+
+def _node() -> str:
+    """This rank's node as torchrun names it, for errors naming ranks on other machines."""
+    group = os.environ.get("GROUP_RANK")
+    return f"host {socket.gethostname()}" + (f", node {group}" if group is not None else "")
+
+
+def _check_every_rank_sees(ranks, path: str, version: str) -> None:
+    """Every rank sees the version folder rank 0 created, or no rank writes: a rank on a node whose ``path`` is on
+    its own disk wrote its shards there, where no load ever finds them, and the save reported success while no
+    node held a whole checkpoint (and that node's folders were never cleaned up).
+
+    A brief retry: a shared filesystem may show another node's new folder a moment late."""
+    deadline = time.monotonic() + 2.0
+    while not os.path.isdir(version) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    failed = failures.failed_ranks(ranks, None if os.path.isdir(version) else _node())
+    if not failed:
+        return
+    if ranks.rank == 0:
+        shutil.rmtree(version, ignore_errors=True)
+    raise ConfigError(f"zerocc.save_checkpoint({path!r}): rank(s) " + ", ".join(f"{rank} ({where})" for rank, where in failed)
+                      + f" do not see the folder {version} rank 0 created for this save: the path is on each node's own "
+                      f"disk, not shared. Nothing was written; {SHARED_STORAGE}")
+
+
+def _check_every_shard_written(path: str, version: str) -> None:
+    """On rank 0 before publishing: every file the checkpoint's metadata names is in the version folder. Where a rank
+    wrote elsewhere (a node-local folder of the same name left by an earlier save), the checkpoint would load
+    nowhere: refused, the previous checkpoint kept."""
+    names = {info.relative_path for info in dcp.FileSystemReader(version).read_metadata().storage_data.values()}
+    missing = sorted(name for name in names if not os.path.exists(os.path.join(version, name)))
+    if missing:
+        shutil.rmtree(version, ignore_errors=True)
+        raise ConfigError(f"zerocc.save_checkpoint({path!r}): {version} on rank 0 lacks {', '.join(missing[:8])}"
+                          f"{' ...' if len(missing) > 8 else ''} (__<rank>_<n>.distcp: written by that rank, on its own "
+                          f"node's disk); {path} still holds the previous checkpoint, if any. "
+                          + SHARED_STORAGE[0].upper() + SHARED_STORAGE[1:])
 
 
 def _on_rank_0(ranks, work):
@@ -788,7 +835,11 @@ def _load(step, path: str) -> None:
                 _on_every_rank(step.ranks, lambda: _refuse_state_without_a_place(parts, without_a_place))
             dcp.load(state, storage_reader=reader, process_group=step.ranks.group, no_dist=step.ranks.group is None)
     except CheckpointException as error:   # a BaseException: ``except Exception`` would not see it
-        raise CheckpointError(f"loading {path} failed: {_first_line(error)}") from error
+        why = _first_line(error)
+        if "FileNotFoundError" in why:
+            why += ("; every rank reads the pieces it needs from any rank's files, so the whole checkpoint folder must be "
+                    "readable on every node (storage every node mounts, or copied whole to each)")
+        raise CheckpointError(f"loading {path} failed: {why}") from error
     load_state_dict(step, state)
 
 
@@ -846,8 +897,11 @@ def _on_every_rank(ranks, check) -> None:
     if problem is not None:
         raise problem
     if failed:
+        unseen = any(message.endswith("it does not exist") for _, message in failed)
         raise ConfigError("the checkpoint cannot be loaded on every rank, so no rank loads it:\n"
-                          + "\n".join(f"  rank {rank}: {message}" for rank, message in failed))
+                          + "\n".join(f"  rank {rank}: {message}" for rank, message in failed)
+                          + (f"\n  rank {ranks.rank} sees it: the path must be on storage every node reads at the same path "
+                             "(or the checkpoint copied whole to every node)" if unseen else ""))
 
 
 def _one_element_of_another_shape(value, saved) -> bool:

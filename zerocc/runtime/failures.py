@@ -18,6 +18,7 @@ import collections
 import contextlib
 import datetime
 import hashlib
+import os
 from typing import Sequence
 
 import torch
@@ -222,10 +223,14 @@ def collective_failures(ranks: Ranks, step_number: int, timeout: float | None, c
 def _where_the_others_are(ranks: Ranks, what: str, error: BaseException) -> str:
     """A line naming the ranks that were not in ``what`` when it failed here (the backend's error names no rank), with
     the last call each was in: every call with collectives writes where its rank is (``_mark``). An empty string where
-    every rank was in it, or the store does not answer."""
+    every rank was in it; where the store does not answer, a line saying so (its node went down)."""
     marks = _marks(ranks)
-    if marks is None:
-        return ""
+    if marks is None:   # the store's host is gone: across nodes, the whole node that hosts it (its torchrun agent)
+        address = (f" ({os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']})"
+                   if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ else "")
+        return (f"  where: the ranks' store{address} does not answer either: the node that hosts it (its "
+                "torchrun agent: the --master-addr or --rdzv-endpoint node, usually rank 0's) is probably down, and "
+                "its ranks with it\n")
     elsewhere = {rank: mark for rank, mark in marks.items() if rank != ranks.rank and mark != what}
     if not elsewhere:
         return ""
