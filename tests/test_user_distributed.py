@@ -95,7 +95,7 @@ def _unseeded_replicas(rank, world_size):
     model = nn.Linear(4, 4)
 
     def loss_fn(out, y):
-        everyone = funcol.all_gather_tensor_autograd(out, 0, dist.group.WORLD)
+        everyone = funcol.all_gather_single_autograd(out, 0, dist.group.WORLD)
         return (everyone.sum() - y.sum()) ** 2
 
     quiet = nn.Linear(4, 4)   # differing too, no collective of its own: no warning
@@ -188,3 +188,56 @@ def test_two_steps_interleaved_with_the_users_collectives(timeout):
             torch.testing.assert_close(d_full["d." + name], value, rtol=1e-5, atol=1e-6)
         for name, value in eager_g.items():
             torch.testing.assert_close(g_full["g." + name], value, rtol=1e-5, atol=1e-6)
+
+
+class Normalized(nn.Module):
+    """A loss normalized by the global token count, as many LLM trainers write it, with the user's ``how``."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.how = how
+
+    def forward(self, x, mask):
+        total = (self.fc(x).pow(2).sum(-1) * mask).sum()
+        count = mask.sum()
+        if self.how == "barrier":
+            dist.barrier()
+        elif self.how == "all_reduce":
+            dist.all_reduce(count)
+        elif self.how == "functional":
+            count = funcol.all_reduce(count, "sum", dist.group.WORLD)
+        return total / count * dist.get_world_size()
+
+
+def _normalized(rank, world_size, how):
+    torch.manual_seed(0)
+    model = Normalized(how)
+    eager = copy.deepcopy(model)
+    step = zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), stage=3)
+    x, mask = torch.randn(2 * world_size, 3, 4, generator=torch.Generator().manual_seed(1)), torch.ones(2 * world_size, 3)
+    mask[1:, 2:] = 0
+    rows = slice(2 * rank, 2 * rank + 2)
+    try:
+        step(x[rows], mask[rows])
+    except zerocc.CaptureError as error:
+        return str(error)
+    eager_optimizer = torch.optim.SGD(eager.parameters(), lr=0.1)
+    ((eager.fc(x).pow(2).sum(-1) * mask).sum() / mask.sum()).backward()   # one process, the global batch
+    eager_optimizer.step()
+    full = step.full_state_dict()
+    return max((full[k] - v).abs().max().item() for k, v in eager.state_dict().items())
+
+
+@pytest.mark.multirank
+def test_collectives_in_forward_are_refused_with_the_fix_for_each():
+    """A barrier in forward was refused with advice to use functional gathers, which have no barrier among them;
+    dist.all_reduce's advice now names its functional counterpart, which trains like one process on the global
+    batch."""
+    barrier = distributed.run(_normalized, 1, "barrier")[0]
+    assert "(c10d.barrier.default) at" in barrier and "test_user_distributed.py:" in barrier
+    assert "fix: remove it from the step" in barrier and "between calls to the step" in barrier
+    all_reduce = distributed.run(_normalized, 1, "all_reduce")[0]
+    assert "dist.all_reduce(count)" in all_reduce and "_functional_collectives.all_reduce(x, 'sum', group)" in all_reduce
+    for difference in distributed.run(_normalized, 2, "functional"):
+        assert difference < 1e-6
