@@ -569,6 +569,32 @@ def test_a_model_under_ddp_or_fully_shard_is_refused_before_tracing_its_collecti
     assert fsdp.startswith("the model's parameters are DTensors (") and "before fully_shard" in fsdp
 
 
+def _under_replicate_or_with_a_dtensor_buffer(rank, world_size):
+    from torch.distributed._composable.replicate import replicate
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+    messages = []
+    replicated = replicate(MLP())
+    with_buffer = MLP()
+    with_buffer.register_buffer("scale", distribute_tensor(torch.ones(4), init_device_mesh("cpu", (1,)), [Replicate()]))
+    for model in (replicated, with_buffer):
+        try:
+            zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=F.mse_loss)
+        except zerocc.ConfigError as error:
+            messages.append(str(error))
+    return messages
+
+
+@pytest.mark.multirank
+def test_a_model_under_replicate_or_with_dtensor_buffers_is_refused():
+    """replicate() (DDP as hooks) kept the model's class and plain parameters: tracing failed inside torch with
+    "data is not allocated yet" at no user frame. A DTensor buffer failed in compile's broadcast from rank 0 with
+    torch's "no sharding strategy registered"."""
+    replicated, with_buffer = distributed.run(_under_replicate_or_with_a_dtensor_buffer, 1)[0]
+    assert replicated.startswith("the model is under torch.distributed's replicate()") and "before replicate()" in replicated
+    assert with_buffer.startswith("the model's buffers are DTensors (scale)") and "full_tensor()" in with_buffer
+
+
 class CumulativeNorm(nn.Module):
     def __init__(self):
         super().__init__()

@@ -15,7 +15,8 @@ from .planning import Plan, plan
 from .hardware import measure_hardware
 from .analysis.step_time import HardwareProfile, StepTime
 from .errors import (CaptureError, CheckpointError, CompileCacheError, CompileCacheWarning, ConfigError, MemoryBudgetError,
-                     MemoryBudgetWarning, ObservedValueWarning, PassError, RecompileWarning, UnsupportedOptimizerError, ZeroccError)
+                     MemoryBudgetWarning, ObservedValueWarning, PassError, RecompileWarning, ReplicaWarning,
+                     UnsupportedOptimizerError, ZeroccError)
 from .runtime.failures import RankFailureError, RankMismatchError
 from .runtime.host_allocator import keep_freed_host_memory
 
@@ -23,7 +24,7 @@ __all__ = ["compile", "CompiledStep", "DynamicLossScale", "plan", "Plan", "regis
            "save_checkpoint", "load_checkpoint", "export_full_state_dict",
            "ZeroccError", "ConfigError", "CaptureError", "CheckpointError", "MemoryBudgetError", "PassError",
            "UnsupportedOptimizerError", "RecompileWarning", "ObservedValueWarning", "CompileCacheWarning", "CompileCacheError",
-           "MemoryBudgetWarning",
+           "MemoryBudgetWarning", "ReplicaWarning",
            "RankFailureError", "RankMismatchError", "keep_freed_host_memory",
            "measure_hardware", "HardwareProfile", "StepTime"]
 __version__ = "0.1.0"

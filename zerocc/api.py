@@ -30,7 +30,8 @@ from .analysis.step_time import HardwareProfile, StepTime, predict
 from .data_guards import all_hold, values_that_differ
 from .device_budget import DeviceBudget, device_budget
 from .driver import Compiled, fewer_collections, final_peak, run_passes
-from .errors import (CaptureError, CompileCacheWarning, ConfigError, MemoryBudgetWarning, RecompileWarning, user_line_of_node,
+from .errors import (CaptureError, CompileCacheWarning, ConfigError, MemoryBudgetWarning, RecompileWarning, ReplicaWarning,
+                     user_line_of_node,
                      user_stacklevel)
 from .hardware import measure_hardware, profile_of
 from .memory_plan import MemoryPlan, memory_plan_entries
@@ -288,6 +289,45 @@ def _close_earlier_steps(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
     return steps_run, scaler
 
 
+def _say_if_replaced_shards(step: "CompiledStep", captured: Captured) -> None:
+    """Warn where parameters that differed across ranks were replaced by rank 0's and the step's forward
+    communicates between those ranks itself.
+
+    A model split across ranks by hand (Megatron-style column and row parallel layers: each rank holds its slice
+    of a weight, forward all-reduces the partial products) compiled over those same ranks trains as replicas:
+    compile broadcast rank 0's slices to every rank, as DDP does, and the step averages their gradients, so the
+    step trains a model that is not the user's, without an error. Differing parameters alone are common (ranks
+    not seeded alike) and so are collectives alone (CLIP's gathered negatives), so only both together warn.
+    """
+    from torch.distributed.distributed_c10d import _resolve_process_group
+    replaced = step._replaced_parameters
+    if not replaced:
+        return
+    mine = set(dist.get_process_group_ranks(step.ranks.group))
+    lines = []
+    for node in captured.gm.graph.nodes:
+        if not g.is_collective(node) or "sync_batch_norm.py" in (node.meta.get(g.STACK_TRACE) or ""):
+            continue
+        try:
+            between = mine & set(dist.get_process_group_ranks(_resolve_process_group(node.args[-1])))
+        except (ValueError, RuntimeError, TypeError):
+            between = mine
+        if len(between) > 1 and (line := user_line_of_node(node)):
+            lines.append(line)
+    if not lines:
+        return
+    names = ", ".join(replaced[:3]) + (f" and {len(replaced) - 3} more" if len(replaced) > 3 else "")
+    warnings.warn(
+        f"this rank's parameters {names} differed from rank 0's and were replaced by them at compile (every rank "
+        "starts from rank 0's, as under DDP), and the step's forward communicates between these ranks itself, at "
+        f"{'; '.join(dict.fromkeys(lines))}. If the parameters are this rank's shards of a model split across the "
+        "ranks (tensor parallelism), the step trains rank 0's shards as replicas on every rank: compile over a "
+        "group of the ranks that hold copies of the same shards (group=, one group per replica set; "
+        "dist.new_group([rank]) for each rank where no two ranks hold the same shard). If they are replicas "
+        "that were only initialized differently, seed every rank alike to silence this.",
+        ReplicaWarning, stacklevel=user_stacklevel())
+
+
 def _refuse_tensors_another_step_trains(step: "CompiledStep", captured: Captured | None = None) -> None:
     """A model sharing a parameter with another compiled step's model, trained by either step, is refused.
 
@@ -379,6 +419,7 @@ class CompiledStep:
         self._hardware: HardwareProfile | None = None   # _hardware_profile: measured (or read) when first needed
         self._progress = CompileProgress(False, self.ranks.rank)   # what the compile under way says (_compile_for)
         self.closed = False   # close(): the model and optimizer were handed back
+        self._replaced_parameters: list[str] = []   # _sync_initial_state: this rank's, replaced by rank 0's
         if self.ranks.world_size > 1:
             self._sync_initial_state()
 
@@ -745,6 +786,7 @@ class CompiledStep:
         program.guards = captured.guards
         if not state.started:
             _refuse_tensors_another_step_trains(self, captured)
+            _say_if_replaced_shards(self, captured)
             state.captured = captured
             state.module_tensors = module_tensors_of(self.model)
             state.module_tree = ModuleTree(self.model)
@@ -961,10 +1003,21 @@ class CompiledStep:
         return states
 
     def _sync_initial_state(self) -> None:
-        """Every rank starts from rank 0's parameters and buffers, as DDP does."""
+        """Every rank starts from rank 0's parameters and buffers, as DDP does.
+
+        The parameters this rank held other values of are remembered (``_replaced_parameters``): where the step's
+        own collectives run between these ranks, they may be shards of a model split across them
+        (``_say_if_replaced_shards``).
+        """
+        replaced = []
         with torch.no_grad():
-            for tensor in [*self.model.parameters(), *self.model.buffers()]:
+            named = [*self.model.named_parameters(), *((None, b) for b in self.model.buffers())]
+            for name, tensor in named:
+                mine = tensor.detach().clone() if name is not None and self.ranks.rank != 0 else None
                 dist.broadcast(tensor.data, group_src=0, group=self.ranks.group)   # the group's first rank
+                if mine is not None and not torch.equal(mine, tensor.data):
+                    replaced.append(name)
+        self._replaced_parameters = replaced
 
     def _fake_state(self, fake_mode) -> list[dict[str, torch.Tensor]]:
         states = []

@@ -69,6 +69,11 @@ class ObservedValueWarning(UserWarning):
     """The step's Python (forward, a hook, the loss function) stored a tensor it computes outside the step."""
 
 
+class ReplicaWarning(UserWarning):
+    """Parameters that differed across the step's ranks were replaced by its first rank's, and the step's own
+    collectives run between those ranks: a model split across them (tensor parallelism) trains as replicas."""
+
+
 class CompileCacheWarning(UserWarning):
     """The compile cache on disk (``zerocc/disk_cache.py``) missed an entry it had for this model, or could not
     read or write one; the step compiles, and loses nothing."""

@@ -297,17 +297,32 @@ if FakeTensorMode in _auto_functionalized.python_key_table:   # torch's own rule
     _auto_functionalized.py_impl(ZeroccFakeTensorMode)(_auto_functionalized.python_key_table[FakeTensorMode])
 
 
+# the fix for the eager collectives whose counterpart is not a gather (the default's): a barrier has none, and
+# the message listing gathers for it sent the user looking for one
+_EAGER_COLLECTIVE_FIX = {
+    "barrier": "remove it from the step: the step's own collectives keep the ranks together; a barrier your loop "
+               "needs goes between calls to the step (dist.barrier() there runs as eager).",
+    "broadcast_": "use the traceable functional collective, which the program runs and waits on: "
+                  "torch.distributed._functional_collectives.broadcast(x, src, group) (returns the result).",
+    "allreduce_": "use the traceable functional collective, which the program runs and waits on: "
+                  "torch.distributed._functional_collectives.all_reduce(x, 'sum', group) (returns the result; its "
+                  "gradient is summed over the ranks, as torch.distributed.nn.functional.all_reduce's is).",
+}
+
+
 def _eager_collective_error(func) -> CaptureError:
     """A ``torch.distributed`` collective called in the step (CLIP's negatives gathered by ``dist.all_gather``)."""
+    fix = _EAGER_COLLECTIVE_FIX.get(func._opname, (
+        "use the traceable functional collectives, which the program runs and waits on: "
+        "torch.distributed._functional_collectives.all_gather_single_autograd(x, 0, group) (gradients flow back "
+        "to each rank's slice, as torch.distributed.nn.all_gather's do) or all_gather_single(x.detach(), 0, group) "
+        "(dist.all_gather's: no gradient), all_reduce(x, 'sum', group)."))
     return CaptureError(
         f"the step calls a torch.distributed collective ({func}) at {user_frame_here() or '(no user frame found)'}\n"
         "  why: torch.distributed's eager collectives (dist.all_gather, dist.all_reduce, torch.distributed.nn's "
         "differentiable ones built on them) run on the process group outside the program: the compiled step would "
         "read their results without waiting for them, and train on what the output tensors held before.\n"
-        "  fix: use the traceable functional collectives, which the program runs and waits on: "
-        "torch.distributed._functional_collectives.all_gather_single_autograd(x, 0, group) (gradients flow back "
-        "to each rank's slice, as torch.distributed.nn.all_gather's do) or all_gather_single(x.detach(), 0, group) "
-        "(dist.all_gather's: no gradient), all_reduce(x, 'sum', group).")
+        f"  fix: {fix}")
 
 
 @contextlib.contextmanager

@@ -239,6 +239,7 @@ def check_not_an_optimizer_wrapper(optimizer) -> None:
 def check_not_parallelized(model: nn.Module) -> None:
     """A model already wrapped for data parallelism (DDP, DataParallel, FSDP) or sharded into DTensors: zerocc is
     the data parallelism, and tracing the wrapper would trace its collectives (or fail on DTensors) too."""
+    from torch.distributed._composable.contract import _get_registry
     from torch.distributed.fsdp import FullyShardedDataParallel
     from torch.distributed.tensor import DTensor
     wrappers = (nn.parallel.DistributedDataParallel, nn.DataParallel, FullyShardedDataParallel)
@@ -250,12 +251,28 @@ def check_not_parallelized(model: nn.Module) -> None:
                 "is DDP's), and would trace the wrapper's own communication. Pass the module inside "
                 f"(model.{name + '.' if name else ''}module) to zerocc.compile, and build the optimizer over its "
                 "parameters")
+    for name, module in model.named_modules():
+        # torch.distributed's composable replicate() (DDP as hooks: the module keeps its class and plain parameters,
+        # and tracing it failed inside torch on its flattened gradient buckets)
+        if "replicate" in (_get_registry(module) or {}):
+            where = f"the model{f' (its submodule {name!r})' if name else ''}"
+            raise ConfigError(
+                f"{where} is under torch.distributed's replicate() (DDP as hooks): zerocc does the data parallelism "
+                "itself (stage 0 is DDP's), and would trace its communication. Pass the model as built, before "
+                "replicate(), to zerocc.compile")
     distributed = [name for name, param in model.named_parameters() if isinstance(param, DTensor)]
     if distributed:
         raise ConfigError(
             f"the model's parameters are DTensors ({', '.join(distributed[:3])}{', ...' if len(distributed) > 3 else ''}"
             "): FSDP2's fully_shard or tensor parallelism already sharded them. zerocc shards plain tensors itself: "
-            "pass the model as built, before fully_shard or parallelize_module")
+            "pass the model as built, before fully_shard or parallelize_module (zerocc has no tensor parallelism of "
+            "its own: a model split across ranks by hand, with functional collectives in forward, compiles over one "
+            "group per replica set, group=; docs/guide/your-model.md, 'Collectives in the step')")
+    distributed = [name for name, buffer in model.named_buffers() if isinstance(buffer, DTensor)]
+    if distributed:   # broadcast from rank 0 at compile, a DTensor failed inside torch (no sharding strategy)
+        raise ConfigError(
+            f"the model's buffers are DTensors ({', '.join(distributed[:3])}{', ...' if len(distributed) > 3 else ''}"
+            "): zerocc's steps hold plain tensors. Register the buffer's full value instead (buffer.full_tensor())")
 
 
 def check_not_meta(model: nn.Module) -> None:
