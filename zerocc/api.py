@@ -328,6 +328,12 @@ def _say_if_replaced_shards(step: "CompiledStep", captured: Captured) -> None:
         ReplicaWarning, stacklevel=user_stacklevel())
 
 
+def _float64_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """The sum of ``tensor``'s values (real and imaginary parts alike) in float64: a parameter's fingerprint."""
+    values = tensor.detach()
+    return (torch.view_as_real(values) if values.is_complex() else values).sum(dtype=torch.float64)
+
+
 def _refuse_tensors_another_step_trains(step: "CompiledStep", captured: Captured | None = None) -> None:
     """A model sharing a parameter with another compiled step's model, trained by either step, is refused.
 
@@ -1005,19 +1011,24 @@ class CompiledStep:
     def _sync_initial_state(self) -> None:
         """Every rank starts from rank 0's parameters and buffers, as DDP does.
 
-        The parameters this rank held other values of are remembered (``_replaced_parameters``): where the step's
-        own collectives run between these ranks, they may be shards of a model split across them
-        (``_say_if_replaced_shards``).
+        The parameters this rank held other values of are remembered (``_replaced_parameters``, found by comparing
+        each one's sum with rank 0's): where the step's own collectives run between these ranks, they may be
+        shards of a model split across them (``_say_if_replaced_shards``).
         """
-        replaced = []
         with torch.no_grad():
-            named = [*self.model.named_parameters(), *((None, b) for b in self.model.buffers())]
-            for name, tensor in named:
-                mine = tensor.detach().clone() if name is not None and self.ranks.rank != 0 else None
+            named = list(self.model.named_parameters())
+            names, params = [name for name, _ in named], [param for _, param in named]
+            # which parameters differ from rank 0's, by a float64 sum of each: read in place (a copy of each to
+            # compare after the broadcast would write the whole model once more), one broadcast for all of them
+            device = params[0].device if params else torch.device("cpu")
+            sums = torch.stack([_float64_sum(p).to(device) for p in params]) if params \
+                else torch.zeros(0, dtype=torch.float64)
+            first = sums.clone()
+            dist.broadcast(first, group_src=0, group=self.ranks.group)
+            same = (sums == first) | (sums.isnan() & first.isnan())
+            for tensor in [*params, *self.model.buffers()]:
                 dist.broadcast(tensor.data, group_src=0, group=self.ranks.group)   # the group's first rank
-                if mine is not None and not torch.equal(mine, tensor.data):
-                    replaced.append(name)
-        self._replaced_parameters = replaced
+        self._replaced_parameters = [name for name, alike in zip(names, same.tolist()) if not alike]
 
     def _fake_state(self, fake_mode) -> list[dict[str, torch.Tensor]]:
         states = []
