@@ -36,6 +36,7 @@ from .data_guards import GuardRecorder, all_hold, recording
 from .program_cache import attention_backends, input_signature
 from .errors import CaptureError, ConfigError, RecompileWarning, ZeroccError, note_failing_node, user_frame, user_stacklevel
 from .runtime import failures
+from .runtime.program import forget_source_when_freed
 from .tracing import fakeify, make_fake_mode, module_conversions_as_eager, no_traced_values_left, trace_functional
 from .user_tooling import suspended_user_tooling
 
@@ -50,6 +51,9 @@ class EvalProgram:
     output_spec: pytree.TreeSpec
     guards: tuple = ()             # data guards (zerocc/data_guards.py): the batches this program is for
     written: tuple = ()            # (slot, position among the returned buffers) of each buffer forward writes
+
+    def __post_init__(self):
+        forget_source_when_freed(self.gm)   # dropped past max_programs: its generated Python goes too
 
     def run(self, slots: dict[str, torch.Tensor], batch: list) -> Any:
         leaves = iter(pytree.tree_leaves(list(batch)))

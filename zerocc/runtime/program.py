@@ -11,10 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import linecache
 import operator
+import weakref
 
 import torch
 import torch.fx as fx
+import torch.fx.graph_module as fx_graph_module
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from .. import graph as g
 from ..autocast import outside_autocast
@@ -24,6 +28,28 @@ from .release import releases_slots
 
 
 _BATCH, _ARENA, _SLOT = "batch", "arena", "slot"
+
+
+def forget_source_when_freed(gm: fx.GraphModule) -> None:
+    """Drop ``gm``'s generated Python from torch's caches once ``gm`` is freed.
+
+    torch.fx keeps the source of every module it generates code for (``_loader.eval_cache``, and an entry in
+    ``linecache``), so that tracebacks show it, and never lets it go: each program a step compiles left its
+    source behind (about 330 kB for a 6-layer toy GPT, megabytes for a real model) though ``max_programs``,
+    an evicted ``eval_forward`` program or ``step.close()`` dropped the program, and a run whose batches
+    take many shapes grew without bound. Generated now (it would be at the first run), so its name is known.
+    """
+    if isinstance(gm, _LazyGraphModule):
+        gm.real_recompile()
+    forward = vars(type(gm)).get("forward")
+    name = getattr(getattr(forward, "__code__", None), "co_filename", None)
+    if name in fx_graph_module._loader.eval_cache:
+        weakref.finalize(gm, _forget_source, name)
+
+
+def _forget_source(name: str) -> None:
+    fx_graph_module._loader.eval_cache.pop(name, None)
+    linecache.cache.pop(name, None)
 
 
 @dataclasses.dataclass
@@ -37,6 +63,9 @@ class Program:
     released_slots: tuple[str, ...] = () # slots dropped at the release point (passes/release_slots.py)
     arena_sizes: tuple = ()              # (slot, bytes, device) of each arena this program writes into
     guards: tuple = ()                   # data guards (zerocc/data_guards.py): the batches this program is for
+
+    def __post_init__(self):
+        forget_source_when_freed(self.gm)
 
     @functools.cached_property
     def _argument_sources(self) -> list[tuple[object, object]]:
