@@ -591,6 +591,46 @@ def test_a_parameter_written_in_place_outside_full_model_at_stage_3_is_refused_a
 
 
 @pytest.mark.parametrize("stage", [0, 3])
+def test_wgan_weight_clipping_through_data_between_steps_trains_as_eager_or_is_refused_at_stage_3(stage):
+    """The original WGAN's critic clipping, ``for p in D.parameters(): p.data.clamp_(-c, c)`` after each update: at
+    stage 3 it clamped the empty placeholders (``p.data`` has a version counter of its own, which the check of the
+    placeholders' counters missed), and the step trained on unclipped weights where eager clips, silently. The
+    next call is refused now, naming the parameters; clipped inside ``full_model()`` it trains as eager, bit for
+    bit; at stage 0 the parameters are the step's and clipping them outside trains as eager. Closing the step
+    hands back plain ``nn.Parameter`` objects (the same ones)."""
+    model, _, loss_fn = build("mlp")
+    reference = copy.deepcopy(model)
+    optimizer, reference_optimizer = adamw(model), adamw(reference)
+    params = list(model.parameters())
+    step = zerocc.compile(model, optimizer, stage=stage, loss_fn=loss_fn)
+    data = batches("mlp", 5, 8)
+
+    def clip(module):
+        for p in module.parameters():
+            p.data.clamp_(-0.05, 0.05)
+
+    for index, batch in enumerate(data):
+        assert torch.equal(step(*batch), eager_step(reference, reference_optimizer, loss_fn, batch))
+        clip(reference)
+        if stage == 3 and index == 1:
+            clip(model)
+            with pytest.raises(zerocc.ConfigError, match=r"parameter\(s\) 'net.0.weight', 'net.0.bias', 'net.2.weight', "
+                                                         r"'net.2.bias', ... were written in place after the step's last "
+                                                         r"call, outside step.full_model\(\) \(directly or through .data\)"
+                                                         r".*weight clipping.*Nothing was trained by this call"):
+                step(*data[index + 1])
+        if stage == 3:
+            with step.full_model():
+                clip(model)
+        else:
+            clip(model)
+    step.close()
+    assert all(type(p) is torch.nn.Parameter for p in model.parameters())
+    assert all(a is b for a, b in zip(model.parameters(), params))
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
+
+
+@pytest.mark.parametrize("stage", [0, 3])
 def test_reading_a_parameters_optimizer_state_after_a_step_names_where_it_is(stage):
     """A loop logging Adam's moments or step count from ``optimizer.state[p]`` got an empty dict after a compiled
     step (the step holds the state in its buckets) and a bare ``KeyError: 'exp_avg'``; an edit there would have

@@ -487,6 +487,7 @@ class CompiledStep:
         except BaseException:
             for tensor, data in tensors:
                 tensor.data = data
+                user_views.restore_parameter_class(tensor)
             for parameter, grad in grads:
                 parameter.grad = grad
             self.optimizer.state = held_state

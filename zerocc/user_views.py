@@ -277,14 +277,56 @@ def release_model_parameters(step) -> None:
         param = tensors[info.name]
         state.released_shapes[info.name] = info.shape
         param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+        if type(param) is torch.nn.Parameter:   # a subclass of the user's own keeps its class
+            param.__class__ = ReleasedParameter
     state.pointed_at.clear()
     point_module_at_slots(step)
     _note_placeholder_versions(step)
 
 
+class ReleasedParameter(torch.nn.Parameter):
+    """The class of a released parameter (stage 3) while the step holds it: a ``Parameter`` that notes what
+    ``.data`` handed out, so that a write through it is seen.
+
+    ``p.data`` is a new tensor with a version counter of its own (0), so the placeholder's counter
+    (``check_placeholders_unwritten``) misses a write through it: the original WGAN's weight clipping,
+    ``for p in D.parameters(): p.data.clamp_(-0.01, 0.01)``, clamped an empty placeholder and the step trained on
+    unclipped, where eager clips. Each ``.data`` read is kept until the next check, which finds its counter moved.
+    Set on the parameter objects themselves (``p.__class__``): the user's references stay the same objects,
+    ``isinstance(p, nn.Parameter)`` holds; the class goes back to ``nn.Parameter`` when the step hands the
+    parameters back (``restore_parameter_class``)."""
+
+    @property
+    def data(self):
+        data = torch._C.TensorBase.data.__get__(self)
+        reads = self.__dict__.get("_zerocc_data_reads")
+        if reads is not None:
+            reads.append(data)
+        return data
+
+    @data.setter
+    def data(self, value):
+        torch._C.TensorBase.data.__set__(self, value)
+
+
+def restore_parameter_class(tensor: torch.Tensor) -> None:
+    """A parameter the step hands back (closing, a first call undone) is a plain ``nn.Parameter`` again."""
+    if type(tensor) is ReleasedParameter:
+        tensor.__class__ = torch.nn.Parameter
+        tensor.__dict__.pop("_zerocc_data_reads", None)
+
+
 def _note_placeholder_versions(step) -> None:
     tensors = step.state.tensors("param")
     step.state.placeholder_versions = {name: tensors[name]._version for name in step.state.released_shapes}
+    for name in step.state.released_shapes:
+        if type(tensors[name]) is ReleasedParameter:
+            tensors[name].__dict__["_zerocc_data_reads"] = []
+
+
+def _written_through_data(tensor: torch.Tensor) -> bool:
+    """Whether a ``.data`` of ``tensor`` handed out since the last check was written in place (its own counter)."""
+    return any(data._version for data in tensor.__dict__.get("_zerocc_data_reads", ()))
 
 
 def check_placeholders_unwritten(step) -> None:
@@ -297,16 +339,20 @@ def check_placeholders_unwritten(step) -> None:
     if not state.placeholder_versions or state.full_model_depth:
         return
     tensors = state.tensors("param")
-    written = [name for name, version in state.placeholder_versions.items() if tensors[name]._version != version]
+    written = [name for name, version in state.placeholder_versions.items()
+               if tensors[name]._version != version or _written_through_data(tensors[name])]
     if not written:
+        for name in state.placeholder_versions:   # reads that wrote nothing need not be kept
+            tensors[name].__dict__.get("_zerocc_data_reads", []).clear()
         return
     _note_placeholder_versions(step)
     raise ConfigError(
         f"parameter(s) {', '.join(repr(n) for n in written[:4])}{', ...' if len(written) > 4 else ''} were written in "
-        f"place after the step's last call, outside step.full_model(): at stage {step.stage} the module holds empty "
-        "placeholders there (the step holds the parameters, sharded), so the write changed nothing and this call "
-        "would train without it. Write inside `with step.full_model(): ...` (an init, model.apply(fn), "
-        "reset_parameters()): on exit the values go into the step. Nothing was trained by this call")
+        f"place after the step's last call, outside step.full_model() (directly or through .data): at stage {step.stage} "
+        "the module holds empty placeholders there (the step holds the parameters, sharded), so the write changed "
+        "nothing and this call would train without it. Write inside `with step.full_model(): ...` (an init, "
+        "model.apply(fn), reset_parameters(), weight clipping `for p in D.parameters(): p.clamp_(-c, c)`): on exit "
+        "the values go into the step. Nothing was trained by this call")
 
 
 def hand_back(step, optimizer_state: dict[str, dict[str, torch.Tensor]]) -> None:
@@ -318,6 +364,7 @@ def hand_back(step, optimizer_state: dict[str, dict[str, torch.Tensor]]) -> None
         for names, tensor in step.state.module_tensors[kind]:   # the tensors the step trained, renamed or not
             if names[0] in full:
                 tensor.data = full[names[0]]
+            restore_parameter_class(tensor)
             if kind == "param":
                 params[names[0]] = tensor
     step.state.released_shapes = {}
