@@ -631,6 +631,53 @@ def test_wgan_weight_clipping_through_data_between_steps_trains_as_eager_or_is_r
 
 
 @pytest.mark.parametrize("stage", [0, 3])
+def test_setting_a_parameters_data_between_steps_is_refused_and_the_module_shows_the_steps_parameters_again(stage):
+    """``p.data = p.data.clamp(-c, c)`` (clipping by assignment), ``model.half()`` or ``model.to(torch.float64)``
+    between steps set each parameter's ``.data`` to a new tensor: the step went on training its own copy, never
+    reading the new values (eager does), silently, and at stage 0 the module went on showing the stale new
+    tensors. Refused now at the next call, naming the parameters (a frozen one too), and the module shows the
+    step's parameters again; the same clipping done in place (inside ``full_model()`` at stage 3) trains as eager,
+    bit for bit. A ``.to`` that changes nothing (``model.float()``) is no change."""
+    model, _, loss_fn = build("mlp")
+    model.net[0].requires_grad_(False)   # frozen: the program reads it as it was at the first call
+    reference = copy.deepcopy(model)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
+    reference_optimizer = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=1e-2,
+                                            weight_decay=0.1)
+    step = zerocc.compile(model, optimizer, stage=stage, loss_fn=loss_fn)
+    data = batches("mlp", 4, 8)
+    for batch in data[:2]:
+        assert torch.equal(step(*batch), eager_step(reference, reference_optimizer, loss_fn, batch))
+    model.float()
+    for change, names in ((lambda: [setattr(p, "data", p.data.clamp(-0.05, 0.05)) for p in model.parameters()],
+                           r"'net.0.weight', 'net.0.bias', 'net.2.weight', 'net.2.bias', \.\.\."),
+                          (lambda: model.net[0].weight.__setattr__("data", model.net[0].weight.data * 0.5), "'net.0.weight'"),
+                          (model.half, r"'net.0.weight', .*"), (lambda: model.to(torch.float64), r"'net.0.weight', .*")):
+        with step.full_model(writeback=False):
+            before = {name: p.detach().clone() for name, p in model.named_parameters()}
+        change()
+        with pytest.raises(zerocc.ConfigError, match=rf"\.data of parameter\(s\) {names} was set to another tensor after "
+                                                     r"the step's last call.*Nothing was trained by this call, and the "
+                                                     r"module's parameters are the step's again"):
+            step(*data[2])
+        with step.full_model(writeback=False):
+            assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
+    with step.full_model() if stage == 3 else contextlib.nullcontext():
+        with torch.no_grad():
+            for p in model.parameters():
+                p.clamp_(-0.05, 0.05)
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.clamp_(-0.05, 0.05)
+    for batch in data[2:]:
+        assert torch.equal(step(*batch), eager_step(reference, reference_optimizer, loss_fn, batch))
+    full = step.full_state_dict()
+    assert all(torch.equal(full[key], value) for key, value in reference.state_dict().items())
+    if stage == 0:   # the module shows the step's current parameters
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
+
+
+@pytest.mark.parametrize("stage", [0, 3])
 def test_reading_a_parameters_optimizer_state_after_a_step_names_where_it_is(stage):
     """A loop logging Adam's moments or step count from ``optimizer.state[p]`` got an empty dict after a compiled
     step (the step holds the state in its buckets) and a bare ``KeyError: 'exp_avg'``; an edit there would have
