@@ -268,6 +268,58 @@ def test_compiling_again_on_two_ranks_continues_as_ddp():
                                       state_atol=1e-6)
 
 
+def _mid_training_changes_against_ddp(rank, world_size):
+    """Stage 3 on 2 ranks beside DDP, changing between steps what a loop changes: weight_decay and eps (new
+    programs), a forward hook registered, WGAN's clipping inside full_model(); and, refused on every rank, the same
+    clipping through .data outside it and a model.half(). Per rank: losses, state, the two refusals' messages."""
+    data = [tuple(t[rank * 4:(rank + 1) * 4] for t in batch) for batch in batches("mlp", 5, 4 * world_size)]
+
+    def changes(model, optimizer, index, step=None):
+        if index == 1:
+            for group in optimizer.param_groups:
+                group["weight_decay"], group["eps"] = 0.3, 1e-6
+        if index == 2:
+            model.net[2].register_forward_hook(lambda module, args, output: output * 0.5)
+        if index >= 3:
+            with step.full_model() if step is not None else contextlib.nullcontext(), torch.no_grad():
+                for p in model.parameters():
+                    p.clamp_(-0.1, 0.1)
+
+    reference, _, loss_fn = build("mlp")
+    reference_optimizer = adamw(reference)
+    ddp = DistributedDataParallel(reference)
+    expected = []
+    for index, batch in enumerate(data):
+        changes(reference, reference_optimizer, index)
+        expected.append(eager_step(ddp, reference_optimizer, loss_fn, batch))
+    model, _, _ = build("mlp")
+    optimizer = adamw(model)
+    step = zerocc.compile(model, optimizer, stage=3, loss_fn=loss_fn)
+    losses, refusals = [], []
+    for index, batch in enumerate(data):
+        if index == 3:
+            for change in (lambda: [p.data.clamp_(-0.1, 0.1) for p in model.parameters()], model.half):
+                change()
+                try:
+                    step(*batch)
+                except zerocc.ConfigError as error:
+                    refusals.append(str(error))
+        changes(model, optimizer, index, step)
+        losses.append(step(*batch))
+    return losses, expected, step.full_state_dict(), reference.state_dict(), refusals
+
+
+@pytest.mark.multirank
+def test_changes_between_steps_on_two_ranks_at_stage_3_train_as_ddp_or_are_refused_on_every_rank():
+    for rank, (losses, expected, state, expected_state, refusals) in enumerate(
+            distributed.run(_mid_training_changes_against_ddp, 2)):
+        assert_rank_matches_reference(rank, losses, expected, state, expected_state, state_rtol=1e-4, state_atol=1e-5)
+        assert len(refusals) == 2, refusals
+        assert "were written in place after the step's last call, outside step.full_model() (directly or through " \
+               ".data)" in refusals[0]
+        assert "was set to another tensor after the step's last call" in refusals[1]
+
+
 @pytest.mark.parametrize("stage", [2, 3])
 def test_an_average_of_the_weights_kept_beside_training_equals_eager(stage):
     """An EMA updated after each step (docs/guide/checkpoints.md): from model.parameters() at stages 0-2, inside
