@@ -268,6 +268,58 @@ def test_compiling_again_on_two_ranks_continues_as_ddp():
                                       state_atol=1e-6)
 
 
+def _mid_training_changes_against_ddp(rank, world_size):
+    """Stage 3 on 2 ranks beside DDP, changing between steps what a loop changes: weight_decay and eps (new
+    programs), a forward hook registered, WGAN's clipping inside full_model(); and, refused on every rank, the same
+    clipping through .data outside it and a model.half(). Per rank: losses, state, the two refusals' messages."""
+    data = [tuple(t[rank * 4:(rank + 1) * 4] for t in batch) for batch in batches("mlp", 5, 4 * world_size)]
+
+    def changes(model, optimizer, index, step=None):
+        if index == 1:
+            for group in optimizer.param_groups:
+                group["weight_decay"], group["eps"] = 0.3, 1e-6
+        if index == 2:
+            model.net[2].register_forward_hook(lambda module, args, output: output * 0.5)
+        if index >= 3:
+            with step.full_model() if step is not None else contextlib.nullcontext(), torch.no_grad():
+                for p in model.parameters():
+                    p.clamp_(-0.1, 0.1)
+
+    reference, _, loss_fn = build("mlp")
+    reference_optimizer = adamw(reference)
+    ddp = DistributedDataParallel(reference)
+    expected = []
+    for index, batch in enumerate(data):
+        changes(reference, reference_optimizer, index)
+        expected.append(eager_step(ddp, reference_optimizer, loss_fn, batch))
+    model, _, _ = build("mlp")
+    optimizer = adamw(model)
+    step = zerocc.compile(model, optimizer, stage=3, loss_fn=loss_fn)
+    losses, refusals = [], []
+    for index, batch in enumerate(data):
+        if index == 3:
+            for change in (lambda: [p.data.clamp_(-0.1, 0.1) for p in model.parameters()], model.half):
+                change()
+                try:
+                    step(*batch)
+                except zerocc.ConfigError as error:
+                    refusals.append(str(error))
+        changes(model, optimizer, index, step)
+        losses.append(step(*batch))
+    return losses, expected, step.full_state_dict(), reference.state_dict(), refusals
+
+
+@pytest.mark.multirank
+def test_changes_between_steps_on_two_ranks_at_stage_3_train_as_ddp_or_are_refused_on_every_rank():
+    for rank, (losses, expected, state, expected_state, refusals) in enumerate(
+            distributed.run(_mid_training_changes_against_ddp, 2)):
+        assert_rank_matches_reference(rank, losses, expected, state, expected_state, state_rtol=1e-4, state_atol=1e-5)
+        assert len(refusals) == 2, refusals
+        assert "were written in place after the step's last call, outside step.full_model() (directly or through " \
+               ".data)" in refusals[0]
+        assert "was set to another tensor after the step's last call" in refusals[1]
+
+
 @pytest.mark.parametrize("stage", [2, 3])
 def test_an_average_of_the_weights_kept_beside_training_equals_eager(stage):
     """An EMA updated after each step (docs/guide/checkpoints.md): from model.parameters() at stages 0-2, inside
@@ -588,6 +640,93 @@ def test_a_parameter_written_in_place_outside_full_model_at_stage_3_is_refused_a
         assert torch.equal(step(*batch), eager_step(reference, reference_optimizer, loss_fn, batch))
     full = step.full_state_dict()
     assert all(torch.equal(full[key], value) for key, value in reference.state_dict().items())
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_wgan_weight_clipping_through_data_between_steps_trains_as_eager_or_is_refused_at_stage_3(stage):
+    """The original WGAN's critic clipping, ``for p in D.parameters(): p.data.clamp_(-c, c)`` after each update: at
+    stage 3 it clamped the empty placeholders (``p.data`` has a version counter of its own, which the check of the
+    placeholders' counters missed), and the step trained on unclipped weights where eager clips, silently. The
+    next call is refused now, naming the parameters; clipped inside ``full_model()`` it trains as eager, bit for
+    bit; at stage 0 the parameters are the step's and clipping them outside trains as eager. Closing the step
+    hands back plain ``nn.Parameter`` objects (the same ones)."""
+    model, _, loss_fn = build("mlp")
+    reference = copy.deepcopy(model)
+    optimizer, reference_optimizer = adamw(model), adamw(reference)
+    params = list(model.parameters())
+    step = zerocc.compile(model, optimizer, stage=stage, loss_fn=loss_fn)
+    data = batches("mlp", 5, 8)
+
+    def clip(module):
+        for p in module.parameters():
+            p.data.clamp_(-0.05, 0.05)
+
+    for index, batch in enumerate(data):
+        assert torch.equal(step(*batch), eager_step(reference, reference_optimizer, loss_fn, batch))
+        clip(reference)
+        if stage == 3 and index == 1:
+            clip(model)
+            with pytest.raises(zerocc.ConfigError, match=r"parameter\(s\) 'net.0.weight', 'net.0.bias', 'net.2.weight', "
+                                                         r"'net.2.bias', ... were written in place after the step's last "
+                                                         r"call, outside step.full_model\(\) \(directly or through .data\)"
+                                                         r".*weight clipping.*Nothing was trained by this call"):
+                step(*data[index + 1])
+        if stage == 3:
+            with step.full_model():
+                clip(model)
+        else:
+            clip(model)
+    step.close()
+    assert all(type(p) is torch.nn.Parameter for p in model.parameters())
+    assert all(a is b for a, b in zip(model.parameters(), params))
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_setting_a_parameters_data_between_steps_is_refused_and_the_module_shows_the_steps_parameters_again(stage):
+    """``p.data = p.data.clamp(-c, c)`` (clipping by assignment), ``model.half()`` or ``model.to(torch.float64)``
+    between steps set each parameter's ``.data`` to a new tensor: the step went on training its own copy, never
+    reading the new values (eager does), silently, and at stage 0 the module went on showing the stale new
+    tensors. Refused now at the next call, naming the parameters (a frozen one too), and the module shows the
+    step's parameters again; the same clipping done in place (inside ``full_model()`` at stage 3) trains as eager,
+    bit for bit. A ``.to`` that changes nothing (``model.float()``) is no change."""
+    model, _, loss_fn = build("mlp")
+    model.net[0].requires_grad_(False)   # frozen: the program reads it as it was at the first call
+    reference = copy.deepcopy(model)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
+    reference_optimizer = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=1e-2,
+                                            weight_decay=0.1)
+    step = zerocc.compile(model, optimizer, stage=stage, loss_fn=loss_fn)
+    data = batches("mlp", 4, 8)
+    for batch in data[:2]:
+        assert torch.equal(step(*batch), eager_step(reference, reference_optimizer, loss_fn, batch))
+    model.float()
+    for change, names in ((lambda: [setattr(p, "data", p.data.clamp(-0.05, 0.05)) for p in model.parameters()],
+                           r"'net.0.weight', 'net.0.bias', 'net.2.weight', 'net.2.bias', \.\.\."),
+                          (lambda: model.net[0].weight.__setattr__("data", model.net[0].weight.data * 0.5), "'net.0.weight'"),
+                          (model.half, r"'net.0.weight', .*"), (lambda: model.to(torch.float64), r"'net.0.weight', .*")):
+        with step.full_model(writeback=False):
+            before = {name: p.detach().clone() for name, p in model.named_parameters()}
+        change()
+        with pytest.raises(zerocc.ConfigError, match=rf"\.data of parameter\(s\) {names} was set to another tensor after "
+                                                     r"the step's last call.*Nothing was trained by this call, and the "
+                                                     r"module's parameters are the step's again"):
+            step(*data[2])
+        with step.full_model(writeback=False):
+            assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
+    with step.full_model() if stage == 3 else contextlib.nullcontext():
+        with torch.no_grad():
+            for p in model.parameters():
+                p.clamp_(-0.05, 0.05)
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.clamp_(-0.05, 0.05)
+    for batch in data[2:]:
+        assert torch.equal(step(*batch), eager_step(reference, reference_optimizer, loss_fn, batch))
+    full = step.full_state_dict()
+    assert all(torch.equal(full[key], value) for key, value in reference.state_dict().items())
+    if stage == 0:   # the module shows the step's current parameters
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
 
 
 @pytest.mark.parametrize("stage", [0, 3])

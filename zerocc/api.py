@@ -468,6 +468,7 @@ class CompiledStep:
             check_requires_grad_unchanged(state.requires_grad, self.model)
             check_module_tensors_unchanged(state, self.model)
             user_views.check_placeholders_unwritten(self)
+            user_views.check_parameters_unreplaced(self)
         held = HeldInterrupt()   # runtime/release.py: Ctrl-C in the update is raised once the call has its new state
         try:
             with self._undone_if_first_call_fails(), \
@@ -533,7 +534,8 @@ class CompiledStep:
             yield
         except BaseException:
             for tensor, data in tensors:
-                tensor.data = data
+                user_views.set_data(tensor, data)
+                user_views.restore_parameter_class(tensor)
             for parameter, grad in grads:
                 parameter.grad = grad
             self.optimizer.state = held_state
@@ -1184,6 +1186,7 @@ class CompiledStep:
         if self.state.started:   # it reads the step's slots as the tensors of the first call
             check_module_tensors_unchanged(self.state, self.model)
             user_views.check_placeholders_unwritten(self)
+            user_views.check_parameters_unreplaced(self)
         from .eval import eval_forward
         return eval_forward(self, inputs, keyword_inputs)
 

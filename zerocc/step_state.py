@@ -40,6 +40,7 @@ class StepState:
         self.state_signature: list[dict[str, tuple[bool, torch.dtype]]] | None = None
         self.released_shapes: dict[str, tuple[int, ...]] = {}   # parameters the user's module holds as (0,)
         self.placeholder_versions: dict[str, int] = {}   # their version counters then (user_views.check_placeholders)
+        self.watch = None   # user_views.ParameterWatch: .data read or set on the held parameters since the last check
         self.initial_scaler = scaler                     # the loss scale before the first compile (or a loaded one)
         self.param_groups: tuple[tuple[int, ...], ...] | None = None   # param_groups_of at the first call
         self.requires_grad: tuple[tuple[torch.nn.Parameter, bool], ...] | None = None   # requires_grad_of, 1st call
@@ -98,6 +99,7 @@ class StepState:
         self.param_groups = self.first_batch = self.requires_grad = None
         self.released_shapes = {}
         self.placeholder_versions = {}
+        self.watch = None
         self.pointed_at = {}
 
 

@@ -195,7 +195,7 @@ def full_model(step, writeback: bool = True):
     params = step.state.tensors("param")
     kept = {name: tensor.data for name, tensor in params.items()}
     for index, view in views.items():
-        params[captured.params[index].name].data = view.clone()
+        set_data(params[captured.params[index].name], view.clone())
     step.state.full_model_depth += 1
     try:
         yield step.model
@@ -203,8 +203,10 @@ def full_model(step, writeback: bool = True):
             _write_back(step, buckets, params)
     finally:
         step.state.full_model_depth -= 1
+        if step.state.watch is not None:   # `p.data = new` inside the block went into the step with the rest
+            step.state.watch.replaced.clear()
         for name, tensor in params.items():
-            tensor.data = kept[name]
+            set_data(tensor, kept[name])
         step.state.pointed_at.clear()   # the write-back may have replaced slots
         point_module_at_slots(step)
         _note_placeholder_versions(step)
@@ -264,27 +266,135 @@ def point_module_at_slots(step) -> None:
     views = slot_store.parameter_views(state.plan, state.captured, whole)
     tensors = state.tensors("param")
     for index, view in views.items():
-        tensors[state.captured.params[index].name].data = view
+        set_data(tensors[state.captured.params[index].name], view)
     pointed.update(whole)
 
 
 def release_model_parameters(step) -> None:
     """At the first compile: the user's module gives up the parameters whose masters the step shards."""
     state = step.state
+    watch_parameters(step)
     tensors = state.tensors("param")
     for index in state.param_indices(sharded_only=True):
         info = state.captured.params[index]
         param = tensors[info.name]
         state.released_shapes[info.name] = info.shape
-        param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+        set_data(param, torch.empty(0, dtype=param.dtype, device=param.device))
     state.pointed_at.clear()
     point_module_at_slots(step)
     _note_placeholder_versions(step)
 
 
+class ParameterWatch:
+    """What was done to the step's parameters through ``.data`` since the last check (``HeldParameter``)."""
+
+    def __init__(self):
+        self.reads: list[tuple[torch.nn.Parameter, torch.Tensor]] = []   # each ``.data`` taken of a placeholder
+        # each parameter whose ``.data`` was set to another tensor, with the tensor it held before
+        self.replaced: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+
+
+class HeldParameter(torch.nn.Parameter):
+    """The class of each parameter the step holds, from its first call until it hands them back (``close``): a
+    ``Parameter`` whose ``.data`` tells the step's ``ParameterWatch`` what was done with it.
+
+    Two edits between steps went past the checks, silently lost:
+
+    - a write through ``p.data`` into a released placeholder (stage 3): ``p.data`` is a new tensor with a version
+      counter of its own, so the placeholder's (``check_placeholders_unwritten``) did not move. The original WGAN
+      clips its critic so, ``for p in D.parameters(): p.data.clamp_(-0.01, 0.01)``: the step trained on unclipped
+      weights where eager clips. Each ``.data`` taken of a placeholder is kept until the next check, which finds
+      its counter moved.
+    - ``p.data = other`` at every stage (``p.data = p.data.clamp(-c, c)``, ``model.half()`` or ``model.to(dtype)``,
+      which set ``.data`` of each parameter): the module's parameter then holds a tensor the step never reads,
+      while the step trains on its own copy of the old values. Noted here, refused at the next call
+      (``check_parameters_unreplaced``). A ``.to`` that changes nothing (``model.float()`` of a float model) sets
+      the parameter to itself and is not a change.
+
+    Set on the parameter objects themselves (``p.__class__``): the user's references stay the same objects and
+    ``isinstance(p, nn.Parameter)`` holds; the step's own moves of ``.data`` go through ``set_data``. A parameter
+    of a subclass of the user's own keeps its class (and is not watched)."""
+
+    @property
+    def data(self):
+        data = torch._C.TensorBase.data.__get__(self)
+        watch = self.__dict__.get("_zerocc_watch")
+        if watch is not None and data.numel() == 0:
+            watch.reads.append((self, data))
+        return data
+
+    @data.setter
+    def data(self, value):
+        watch = self.__dict__.get("_zerocc_watch")
+        if watch is not None and value is not self:
+            watch.replaced.append((self, torch._C.TensorBase.data.__get__(self)))
+        torch._C.TensorBase.data.__set__(self, value)
+
+    # a copy or a pickle (copy.deepcopy(model) for an EMA, torch.save(model)) is a plain Parameter, without the watch
+    def __deepcopy__(self, memo):
+        if id(self) not in memo:
+            data = torch._C.TensorBase.data.__get__(self)
+            memo[id(self)] = torch.nn.Parameter(data.clone(memory_format=torch.preserve_format), self.requires_grad)
+        return memo[id(self)]
+
+    def __getstate__(self):
+        return {key: value for key, value in self.__dict__.items() if key != "_zerocc_watch"}
+
+
+def set_data(tensor: torch.Tensor, value: torch.Tensor) -> None:
+    """The step's own ``tensor.data = value`` (no change of the user's to note)."""
+    torch._C.TensorBase.data.__set__(tensor, value)
+
+
+def watch_parameters(step) -> None:
+    """At the first call: every parameter the step holds becomes a ``HeldParameter`` reporting to ``step.state.watch``."""
+    step.state.watch = watch = ParameterWatch()
+    for _, tensor in step.state.module_tensors["param"]:
+        if type(tensor) in (torch.nn.Parameter, HeldParameter):   # HeldParameter: a step dropped without close()
+            tensor.__class__ = HeldParameter
+            tensor.__dict__["_zerocc_watch"] = watch
+
+
+def restore_parameter_class(tensor: torch.Tensor) -> None:
+    """A parameter the step hands back (closing, a first call undone) is a plain ``nn.Parameter`` again."""
+    if type(tensor) is HeldParameter:
+        tensor.__class__ = torch.nn.Parameter
+        tensor.__dict__.pop("_zerocc_watch", None)
+
+
 def _note_placeholder_versions(step) -> None:
     tensors = step.state.tensors("param")
     step.state.placeholder_versions = {name: tensors[name]._version for name in step.state.released_shapes}
+    if step.state.watch is not None:
+        step.state.watch.reads.clear()
+
+
+def check_parameters_unreplaced(step) -> None:
+    """A parameter whose ``.data`` was set to another tensor after the step's last call (``HeldParameter``) is
+    refused at the next call, naming it: the step trains on its own tensors and would never read the new one."""
+    watch = step.state.watch
+    if watch is None or not watch.replaced or step.state.full_model_depth:
+        return
+    names = {id(tensor): names[0] for names, tensor in step.state.module_tensors["param"]}
+    replaced = list(dict.fromkeys(names.get(id(p), "?") for p, _ in watch.replaced))
+    for param, before in reversed(watch.replaced):   # the module shows the step's tensors again, as before the change
+        set_data(param, before)
+    watch.replaced.clear()
+    _note_placeholder_versions(step)
+    raise ConfigError(
+        f".data of parameter(s) {', '.join(map(repr, replaced[:4]))}{', ...' if len(replaced) > 4 else ''} was set to "
+        "another tensor after the step's last call (`p.data = ...`, or model.to(dtype) / model.half(), which set it): "
+        "the step holds the parameters in its own buffers and would go on training those, never reading the new "
+        "tensor, where eager reads it. To change values, write them in place (`p.copy_(new)`, `p.clamp_(-c, c)`, "
+        "model.load_state_dict(sd); at stage 3, and under param_dtype, inside `with step.full_model(): ...`); to "
+        "change the parameters' dtype, step.close(), cast the model and compile again (or compile with param_dtype=); "
+        "to evaluate a cast copy, use `with step.full_model(writeback=False): copy.deepcopy(model)`. Nothing was "
+        "trained by this call, and the module's parameters are the step's again (the new tensors were dropped)")
+
+
+def _written_through_data(step) -> set[int]:
+    """The ids of the parameters a ``.data`` of whose placeholder, handed out since the last check, was written."""
+    return {id(param) for param, data in step.state.watch.reads if data._version} if step.state.watch else set()
 
 
 def check_placeholders_unwritten(step) -> None:
@@ -297,16 +407,21 @@ def check_placeholders_unwritten(step) -> None:
     if not state.placeholder_versions or state.full_model_depth:
         return
     tensors = state.tensors("param")
-    written = [name for name, version in state.placeholder_versions.items() if tensors[name]._version != version]
+    through_data = _written_through_data(step)
+    written = [name for name, version in state.placeholder_versions.items()
+               if tensors[name]._version != version or id(tensors[name]) in through_data]
     if not written:
+        if state.watch is not None:   # reads that wrote nothing need not be kept
+            state.watch.reads.clear()
         return
     _note_placeholder_versions(step)
     raise ConfigError(
         f"parameter(s) {', '.join(repr(n) for n in written[:4])}{', ...' if len(written) > 4 else ''} were written in "
-        f"place after the step's last call, outside step.full_model(): at stage {step.stage} the module holds empty "
-        "placeholders there (the step holds the parameters, sharded), so the write changed nothing and this call "
-        "would train without it. Write inside `with step.full_model(): ...` (an init, model.apply(fn), "
-        "reset_parameters()): on exit the values go into the step. Nothing was trained by this call")
+        f"place after the step's last call, outside step.full_model() (directly or through .data): at stage {step.stage} "
+        "the module holds empty placeholders there (the step holds the parameters, sharded), so the write changed "
+        "nothing and this call would train without it. Write inside `with step.full_model(): ...` (an init, "
+        "model.apply(fn), reset_parameters(), weight clipping `for p in D.parameters(): p.clamp_(-c, c)`): on exit "
+        "the values go into the step. Nothing was trained by this call")
 
 
 def hand_back(step, optimizer_state: dict[str, dict[str, torch.Tensor]]) -> None:
@@ -317,7 +432,8 @@ def hand_back(step, optimizer_state: dict[str, dict[str, torch.Tensor]]) -> None
     for kind in ("param", "buffer"):
         for names, tensor in step.state.module_tensors[kind]:   # the tensors the step trained, renamed or not
             if names[0] in full:
-                tensor.data = full[names[0]]
+                set_data(tensor, full[names[0]])
+            restore_parameter_class(tensor)
             if kind == "param":
                 params[names[0]] = tensor
     step.state.released_shapes = {}
