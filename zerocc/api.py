@@ -60,6 +60,11 @@ from .tracing import make_fake_mode
 from .user_tooling import saved_tensors_hooks_state, suspended_user_tooling
 
 
+_DYNAMO_SKIPS = ("zerocc's step is a compiled program of its own: torch.compile runs it as it is "
+                 "(docs/guide/your-model.md, torch.compile)")
+
+
+@torch.compiler.disable(reason=_DYNAMO_SKIPS)
 def compile(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -400,6 +405,9 @@ class CompiledStep:
         self.state.steps = value
 
     # -- the step ----------------------------------------------------------------
+    # torch.compile around the step (``torch.compile(step)``, or a compiled function that calls it) leaves it to run
+    # as it is: the step is zerocc's compiled program, and dynamo, tracing into zerocc, failed inside it
+    @torch.compiler.disable(reason=_DYNAMO_SKIPS)
     def __call__(self, *inputs, **keyword_inputs):
         self._check_open()
         user_views.refuse_inside_full_model(self, "the training step")
@@ -1114,6 +1122,7 @@ class CompiledStep:
             return None
         return self.state.slots.get(GRAD_NORM_SLOT)
 
+    @torch.compiler.disable(reason=_DYNAMO_SKIPS)
     def eval_forward(self, *inputs, **keyword_inputs):
         """The model's output on ``inputs`` in eval mode: forward only, no gradient, no update (``zerocc/eval.py``)."""
         self._check_open()
