@@ -60,8 +60,9 @@ from .tracing import make_fake_mode
 from .user_tooling import saved_tensors_hooks_state, suspended_user_tooling
 
 
-_DYNAMO_SKIPS = ("zerocc's step is a compiled program of its own: torch.compile runs it as it is "
-                 "(docs/guide/your-model.md, torch.compile)")
+# dynamo's message when fullgraph=True refuses the skip (its hint, to remove torch.compiler.disable, is not the user's)
+_DYNAMO_SKIPS = ("zerocc's step is a compiled program already: remove torch.compile around the step or zerocc.compile "
+                 "(without fullgraph=True, torch.compile runs them as they are; docs/guide/your-model.md)")
 
 
 @torch.compiler.disable(reason=_DYNAMO_SKIPS)
