@@ -61,6 +61,12 @@ from .tracing import make_fake_mode
 from .user_tooling import saved_tensors_hooks_state, suspended_user_tooling
 
 
+# dynamo's message when fullgraph=True refuses the skip (its hint, to remove torch.compiler.disable, is not the user's)
+_DYNAMO_SKIPS = ("zerocc's step is a compiled program already: remove torch.compile around the step or zerocc.compile "
+                 "(without fullgraph=True, torch.compile runs them as they are; docs/guide/your-model.md)")
+
+
+@torch.compiler.disable(reason=_DYNAMO_SKIPS)
 def compile(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -447,6 +453,9 @@ class CompiledStep:
         self.state.steps = value
 
     # -- the step ----------------------------------------------------------------
+    # torch.compile around the step (``torch.compile(step)``, or a compiled function that calls it) leaves it to run
+    # as it is: the step is zerocc's compiled program, and dynamo, tracing into zerocc, failed inside it
+    @torch.compiler.disable(reason=_DYNAMO_SKIPS)
     def __call__(self, *inputs, **keyword_inputs):
         self._check_open()
         user_views.refuse_inside_full_model(self, "the training step")
@@ -1180,6 +1189,7 @@ class CompiledStep:
             return None
         return self.state.slots.get(GRAD_NORM_SLOT)
 
+    @torch.compiler.disable(reason=_DYNAMO_SKIPS)
     def eval_forward(self, *inputs, **keyword_inputs):
         """The model's output on ``inputs`` in eval mode: forward only, no gradient, no update (``zerocc/eval.py``)."""
         self._check_open()

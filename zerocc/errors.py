@@ -24,6 +24,8 @@ _LIBRARY_DIRS = (
 
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+# the frame ``torch.compiler.disable`` puts around zerocc's entry points (``compile``, the step's ``__call__``)
+_DISABLE_WRAPPER = os.path.join(_LIBRARY_DIRS[1], "_dynamo", "eval_frame.py")
 
 
 def user_stacklevel() -> int:
@@ -31,10 +33,11 @@ def user_stacklevel() -> int:
     (``loss = step(x, y)``, ``zerocc.compile(...)``): the frame outside zerocc's outermost one, however deep in
     zerocc the warning is raised and whatever runs between (a ``with`` block's contextlib frames, torch's
     tracing). A fixed count named one frame too far out on some paths, and the first frame outside zerocc was
-    contextlib's on others."""
+    contextlib's on others; the frame torch.compiler.disable wraps an entry point in counts as zerocc's."""
     frame, level, outermost = sys._getframe(1), 1, 1
     while frame is not None:
-        if os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE_DIR + os.sep):
+        path = os.path.abspath(frame.f_code.co_filename)
+        if path.startswith(_PACKAGE_DIR + os.sep) or (level == outermost + 1 and path == _DISABLE_WRAPPER):
             outermost = level
         frame, level = frame.f_back, level + 1
     return outermost + 1

@@ -29,6 +29,7 @@ import contextlib
 import torch
 from torch.nn.attention import SDPBackend
 from torch.utils._python_dispatch import _disable_current_modes
+from torch._higher_order_ops.utils import registered_hop_fake_fns
 from torch._prims_common import compute_elementwise_output_strides, make_contiguous_strides_for, suggest_memory_format
 from torch._subclasses.fake_impls import op_implementations_dict
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, _BypassDispatchCache
@@ -219,6 +220,21 @@ class ZeroccFakeTensorMode(FakeTensorMode):
             raise _BypassDispatchCache("zerocc: laid out as its CPU kernel")
         return super()._cache_key(state, func, args, kwargs)
 
+    # Higher-order ops (flex_attention, torch.cond, while_loop, a custom op's ``auto_functionalized`` in the
+    # functionalizing replay) find their fake rule by the mode's exact class, and had none for this subclass: the
+    # trace of a model calling one failed with torch's "no rule registered for HigherOrderOperator". Told that this
+    # mode takes them, torch hands each here: FakeTensorMode's dispatch runs the ones registered with
+    # ``register_fake``, FakeTensorMode's ``py_impl`` rule (which would send those back here) runs the others.
+    supports_higher_order_operators = True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if isinstance(func, torch._ops.HigherOrderOperator) and func not in registered_hop_fake_fns:
+            rule = func.python_key_table.get(FakeTensorMode)
+            if rule is None:
+                raise NotImplementedError(f"the higher-order op {func.name()} has no rule for fake tensors")
+            return rule(self, *args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs or {})
+
     # model_recomputation's check of the random generators' states, while the step is traced (else None): it sees
     # each op tagged as seeded here, where every op passes anyway
     draw_observer = None
@@ -226,7 +242,7 @@ class ZeroccFakeTensorMode(FakeTensorMode):
     def dispatch(self, func, types, args=(), kwargs=None):
         if func.namespace == "c10d":
             raise _eager_collective_error(func)
-        if self.draw_observer is not None and torch.Tag.nondeterministic_seeded in func.tags:
+        if self.draw_observer is not None and torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):   # a HOP has none
             return self.draw_observer.draw(func, args, kwargs or {}, lambda: super(ZeroccFakeTensorMode, self).dispatch(
                 func, types, args, kwargs or {}))
         if func is aten._local_scalar_dense.default:   # .item(), .tolist() of values computed from the batch alone
@@ -287,14 +303,6 @@ class ZeroccFakeTensorMode(FakeTensorMode):
                 return (torch.empty_like(first, memory_format=layout), *rest)
         with self:   # ``input.suggest_memory_format()``: channels-last where its strides are, a size-1 channel included
             return torch.empty_like(result, memory_format=suggest_memory_format(input))
-
-
-# Higher-order ops find their fake rule by the mode's exact class: the functionalizing replay's
-# ``auto_functionalized`` (a custom op that writes into its arguments, zerocc/tracing.py) runs on
-# FakeTensorMode's rule in this mode too
-_auto_functionalized = torch._higher_order_ops.auto_functionalize.auto_functionalized
-if FakeTensorMode in _auto_functionalized.python_key_table:   # torch's own rule, where this torch has one
-    _auto_functionalized.py_impl(ZeroccFakeTensorMode)(_auto_functionalized.python_key_table[FakeTensorMode])
 
 
 # the fix for the eager collectives whose counterpart is not a gather (the default's): a barrier has none, and

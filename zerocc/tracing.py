@@ -746,6 +746,10 @@ class _UsersOpsAutocast(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         result = func(*args, **(kwargs or {}))
+        if not isinstance(func, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+            # before any other use of ``func``: dynamo traces this method where a higher-order op (flex_attention,
+            # torch.cond) compiles itself inside the trace, and cannot wrap the operator as a value of its own
+            return result
         packet = getattr(func, "overloadpacket", func)
         if isinstance(packet, torch._ops.OpOverloadPacket) and fake_kernels.users_op(packet):
             state = autocast_state()

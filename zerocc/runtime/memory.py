@@ -53,7 +53,12 @@ class LiveBytesTracker(TorchDispatchMode):
     (``X[i:i + 8]`` of a dataset held in memory, ``x.chunk(world_size)[rank]``) shares that tensor's storage,
     which the user holds whatever the step does; counted whole, it measured the step over its budget by the
     dataset's size (a ``MemoryBudgetWarning`` asking to lower the budget by it).
+
+    A higher-order op in the program (flex_attention, ``torch.cond``) comes here whole, as one op: torch
+    refuses such an op under a mode that does not say it takes them.
     """
+
+    supports_higher_order_operators = True
 
     def __init__(self, tensors: Iterable[torch.Tensor] = (), batch: Iterable[torch.Tensor] = ()):
         super().__init__()
