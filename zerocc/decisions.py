@@ -90,8 +90,11 @@ class ShardPlan:
         return self.stage == 3 or self.has_compute_copy(bucket)
 
     def has_compute_copy(self, bucket: Bucket) -> bool:
-        """Stages 1-2 with a ``param_dtype``: the full bucket is kept in it (slot ``compute:<i>``), the masters sharded."""
-        return self.stage in (1, 2) and self.param_dtype is not None and self.param_dtype != bucket.dtype
+        """Stages 1-2 with a ``param_dtype``: the full bucket is kept in it (slot ``compute:<i>``), the masters sharded.
+
+        Not a complex bucket: complex parameters compute in their own dtype (as ``model.bfloat16()`` keeps them)."""
+        return (self.stage in (1, 2) and self.param_dtype is not None and bucket.dtype.is_floating_point
+                and self.param_dtype != bucket.dtype)
 
     def owned_pieces(self) -> Iterator[tuple[Bucket, int, Piece]]:
         """(bucket, piece number, piece) for every piece whose optimizer state lives on this rank."""

@@ -27,6 +27,7 @@ VAL = "val"                   # FakeTensor (or SymFloat) of the node's value, as
 RELEASED = "zerocc_released"  # placeholders: the runtime drops the old slot value during the step (release_slots)
 RELEASE_POINT = "zerocc_release_point"  # the node after which the runtime drops the RELEASED slots' old values
 PRECISION_CAST = "zerocc_precision_cast"  # casts mixed precision adds: "param" (master -> param_dtype), ...
+COMPLEX_AS_REAL = "zerocc_complex_as_real"  # the real views a complex tensor is communicated as (insert_collectives)
 GRAD_OF = "zerocc_grad_of"    # gradient nodes (capture): indices of the parameters it is the gradient of
 UNUSED = "zerocc_unused"      # parameter placeholders (capture): the step does not read the parameter
 STATE_KEY = "zerocc_state_key"  # optimizer-state placeholders: the key in the optimizer's per-parameter state
@@ -97,7 +98,10 @@ def wait_of(collective: fx.Node) -> fx.Node:
 
 
 def is_parameter_shard(node: fx.Node) -> bool:
-    """A bucket's persistent shard (a placeholder), or its cast to the compute dtype under mixed precision."""
+    """A bucket's persistent shard (a placeholder), its cast to the compute dtype under mixed precision, or the real
+    view of a complex one that a collective sends."""
+    if node.op == "call_function" and node.meta.get(COMPLEX_AS_REAL):
+        node = node.args[0]
     if node.op == "call_function" and node.meta.get(PRECISION_CAST) == "param":
         node = node.args[0]
     return node.op == "placeholder"

@@ -76,10 +76,12 @@ class Precision:
     cast_forward_inputs: bool = True
 
     def compute_dtype(self, master: torch.dtype) -> torch.dtype:
-        return self.param_dtype or master
+        return (self.param_dtype or master) if master.is_floating_point else master
 
     def reduction_dtype(self, master: torch.dtype) -> torch.dtype:
-        return self.reduce_dtype or self.param_dtype or master
+        """The dtype a bucket of ``master`` parameters' gradients is reduced in: a complex bucket keeps its own
+        (``param_dtype`` and ``reduce_dtype`` are real dtypes: a cast to one discards the imaginary part)."""
+        return (self.reduce_dtype or self.param_dtype or master) if master.is_floating_point else master
 
     def describe(self) -> str:
         def name(dtype):

@@ -914,6 +914,7 @@ def _one_element_of_another_shape(value, saved) -> bool:
 _SAFETENSORS_DTYPES = {
     "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64", "int32": "I32",
     "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
+    "complex64": "C64",   # an FNO's spectral weights, a rotary embedding's freqs_cis buffer (safetensors.torch reads C64)
 }
 
 
@@ -936,6 +937,11 @@ def export_full_state_dict(checkpoint_dir: str, out_path: str) -> dict:
     reader = dcp.FileSystemReader(checkpoint_dir)
     saved = reader.read_metadata().state_dict_metadata
     header, offset = {}, 0
+    unwritable = sorted(f"{name} ({dtype})" for name, _, _, dtype in meta["model"] if dtype not in _SAFETENSORS_DTYPES)
+    if unwritable:   # refused before any file is written
+        raise CheckpointError(f"export_full_state_dict: safetensors has no dtype for {', '.join(unwritable)}; "
+                              "read the checkpoint with zerocc.load_checkpoint into a compiled step and save "
+                              "step.full_state_dict() with torch.save instead")
     for name, _, shape, dtype in meta["model"]:
         size = _numel(shape) * getattr(torch, dtype).itemsize
         header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": shape, "data_offsets": [offset, offset + size]}

@@ -18,6 +18,14 @@ Establishes: no markers left. At world size N > 1 each marker becomes a
 
 At world size 1 every marker is replaced by its input: there is nothing to
 communicate. Collectives are waited right away here; ``schedule`` moves waits.
+
+A complex tensor (the bucket of complex parameters, a complex buffer) travels
+as its real view: gloo and NCCL reduce and gather no complex dtype, and
+``_c10d_functional``'s ops do not convert (``torch.distributed``'s own do, the
+same way). A flat bucket is viewed as a flat real bucket twice as long
+(``view.dtype``, one alias on each side, tagged ``COMPLEX_AS_REAL``), so the
+passes after this one see the pattern of a real bucket; summing the real and
+imaginary parts separately is summing the complex numbers.
 """
 from __future__ import annotations
 
@@ -67,12 +75,40 @@ def insert_collectives(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModul
 
 
 def _collective(graph, ctx, target, args, value, bucket) -> fx.Node:
-    """A collective and its wait, inserted at the current point; returns the wait."""
+    """A collective and its wait, inserted at the current point; returns the wait (a complex ``value``: its view
+    as complex, the collective run on the real view of ``args[0]``)."""
+    if value.is_complex():
+        return _complex_collective(graph, ctx, target, args, value, bucket)
     started = graph.call_function(target, args)
     started.meta.update({g.VAL: value, g.PHASE: g.COMMUNICATION, g.BUCKET: bucket})
     waited = graph.call_function(c10d.wait_tensor.default, (started,))
     waited.meta.update({g.VAL: value, g.PHASE: g.COMMUNICATION, g.BUCKET: bucket})
     return waited
+
+
+def _complex_collective(graph, ctx, target, args, value, bucket) -> fx.Node:
+    """The collective on the real view of a complex tensor, its result viewed back as complex.
+
+    A flat (1-d) tensor is viewed as ``value.real.dtype`` twice as long, a flat real bucket to the passes
+    after this one; another shape (a complex buffer broadcast, 0-d included) through ``view_as_real``."""
+    tensor = args[0]
+    flat = g.tensor_meta(tensor).dim() == 1 and value.dim() == 1
+    real_dtype = value.real.dtype
+    tags = {g.PHASE: g.COMMUNICATION, g.BUCKET: bucket, g.COMPLEX_AS_REAL: True}
+    if flat:
+        real = g.call(graph, ctx.fake_mode, aten.view.dtype, tensor, real_dtype)
+    else:
+        real = g.call(graph, ctx.fake_mode, aten.view_as_real.default, tensor)
+    real.meta.update(tags)
+    with ctx.fake_mode:
+        real_value = value.view(real_dtype) if flat else torch.view_as_real(value)
+    waited = _collective(graph, ctx, target, (real, *args[1:]), real_value, bucket)
+    if flat:
+        back = g.call(graph, ctx.fake_mode, aten.view.dtype, waited, value.dtype)
+    else:
+        back = g.call(graph, ctx.fake_mode, aten.view_as_complex.default, waited)
+    back.meta.update(tags)
+    return back
 
 
 def _gather(graph, ctx, shard: fx.Node, value, bucket) -> fx.Node:
@@ -206,9 +242,10 @@ def _broadcast_updated_buffers(gm, ctx) -> int:
         return 0
     first_compute = next(n for n in graph.nodes if n.op != "placeholder")
     for node in buffers:
+        readers = list(node.users)   # not the broadcast (or the real view of a complex buffer) that sends it
         with graph.inserting_before(first_compute):
             synced = _collective(graph, ctx, c10d.broadcast.default, (node, 0, ctx.group_name), node.meta[g.VAL], None)
-        for user in list(node.users):
-            if user is not synced.args[0]:
-                user.replace_input_with(node, synced)
+        for user in readers:
+            user.replace_input_with(node, synced)
     return len(buffers)
+
