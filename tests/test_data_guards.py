@@ -432,3 +432,40 @@ def test_a_branch_on_finite_activations_trains_like_eager_and_checks_them_in_the
     full = step.full_state_dict()
     for key, value in reference.state_dict().items():
         assert torch.equal(full[key], value), key
+
+
+class VisiblePatches(nn.Module):
+    """VideoMAE's and SpeechT5's pattern: activations selected by a boolean mask of the batch (``h[~mask]``,
+    ``h.masked_select(mask)``), then a branch on how many were kept (transformers' SDPA attention's
+    ``q_length > 1``) or the selection met with the labels selected by the same mask (an L1 loss's broadcast)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x, hidden, targets):
+        h = self.linear(x)[~hidden].reshape(x.shape[0], -1, 8)
+        if h.shape[1] > 1:   # the number kept: the batch's mask alone decides it
+            h = h * 2
+        padding = targets != -100.0
+        selected = self.linear(x).masked_select(padding)
+        return h.square().mean() + F.l1_loss(selected, targets.masked_select(padding))
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_sizes_of_activations_selected_by_a_mask_of_the_batch_are_decided_on_the_batch(stage):
+    torch.manual_seed(0)
+    model = VisiblePatches()
+    reference = copy.deepcopy(model)
+    step = zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=0.1), stage=stage)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.1)
+    generator = torch.Generator().manual_seed(1)
+    for kept in (3, 1, 4):   # one patch kept per row takes the branch's other side
+        order = torch.rand(2, 6, generator=generator).argsort(1)
+        hidden = torch.ones(2, 6, dtype=torch.bool).scatter(1, order[:, :kept], False)
+        targets = torch.randn(2, 6, 8, generator=generator)
+        targets[:, kept:] = -100.0
+        batch = (torch.randn(2, 6, 8, generator=generator), hidden, targets)
+        assert torch.equal(step(*batch), eager(reference, reference_optimizer, *batch)), kept
+    for parameter, expected in zip(step.full_state_dict().values(), reference.state_dict().values()):
+        assert torch.equal(parameter, expected)
