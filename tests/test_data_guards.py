@@ -227,6 +227,35 @@ def test_a_branch_on_a_random_draw_is_refused_naming_its_line():
         step(torch.randn(3, 4), torch.tensor([0, 1, 2]))
 
 
+class CodebookCollisions(nn.Module):
+    """wav2vec2 pretraining's contrastive loss: Gumbel-softmax codes (a random draw), then ``if neg_is_pos.any():
+    logits[neg_is_pos] = -inf``, a branch on activations."""
+
+    def __init__(self):
+        super().__init__()
+        self.codes = nn.Linear(4, 3)
+
+    def forward(self, x):
+        chosen = F.gumbel_softmax(self.codes(x), tau=1.0, hard=True)
+        logits = x[:, :3] * 1.0
+        same = chosen == 1
+        if same.any():
+            logits[same] = float("-inf")
+        return logits.clamp(min=-1.0).square().mean()
+
+
+def test_a_branch_on_activations_after_a_random_draw_is_refused_with_what_to_do_not_as_a_layerdrop():
+    """The condition reads parameters: no option turns it off, where the note said it was LayerDrop (layerdrop=0.0);
+    it now says that a body writing only where the mask is True can run without the ``if``."""
+    model = CodebookCollisions()
+    step = zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), stage=0)
+    with pytest.raises(zerocc.CaptureError, match=r"(?s)the step cannot be traced at .*test_data_guards.py.*same.any"
+                                                  r".*note: the branch asks whether a mask computed from activations "
+                                                  r".*masked_fill") as caught:
+        step(torch.randn(3, 4))
+    assert "LayerDrop" not in str(caught.value)
+
+
 class PerImage(nn.Module):
     """Splits its patches per image by sizes read from the batch's grid, as Qwen2-VL's vision tower does:
     ``repeat_interleave`` and ``F.pad`` of the lengths, ``split(lengths.tolist())``, a view per image."""

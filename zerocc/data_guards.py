@@ -150,7 +150,8 @@ class GuardRecorder:
         if guard_graph is None or not all(_is_real(self.batch[i]) for i in batch_indices):
             # planning (zerocc/planning.py) traces meta or fake batches: no values to decide on
             taken = _checked_in_the_program(tracer.graph, condition, sources)
-            if taken is None and any(is_random(node) for node in g.ancestors([node for node, _ in sources.values()])):
+            read = g.ancestors([node for node, _ in sources.values()])
+            if taken is None and any(is_random(node) for node in read) and not self._reads_state(tracer.graph, read):
                 self.random_branch = True   # the error says so: LayerDrop, turned off by its option
             return taken
         values = _run_on_real_values(guard_graph, [self.batch[i] for i in batch_indices])
@@ -220,6 +221,13 @@ class GuardRecorder:
         guard_graph, batch_indices = self._graph_over_batch(mode.tracer.root, mode.tracer.graph,
                                                             [(slot.proxy.node, _SCALAR)])
         return guard_graph is not None and all(_is_real(self.batch[i]) for i in batch_indices)
+
+    def _reads_state(self, graph: fx.Graph, nodes) -> bool:
+        """Whether ``nodes`` read a placeholder that is no batch entry (a parameter, buffer or optimizer state): a
+        branch on activations, which a random draw among its ancestors (wav2vec2's Gumbel-softmax codebook before
+        ``if neg_is_pos.any()``) does not make a LayerDrop."""
+        positions = {node: i for i, node in enumerate(n for n in graph.nodes if n.op == "placeholder")}
+        return any(node.op == "placeholder" and positions[node] not in self.batch_of_position for node in nodes)
 
     def _graph_over_batch(self, root, graph: fx.Graph, outputs: list[tuple[fx.Node, Any]]):
         """A copy of the ancestors of ``outputs`` ((node, what is read of it), as ``_symbol_sources`` gives) whose
