@@ -141,6 +141,93 @@ def llava():
         image_token_index=IMAGE_TOKEN, vision_feature_layer=-1, projector_hidden_act="gelu"))
 
 
+def pixels(generator, rows=ROWS):
+    return dict(pixel_values=torch.randn(rows, 3, 32, 32, generator=generator))
+
+
+def _keep(generator, rows, patches, hidden):
+    """A boolean mask hiding ``hidden`` of ``patches`` per row, drawn per row (as MAE-style collators do)."""
+    order = torch.rand(rows, patches, generator=generator).argsort(1)
+    return torch.zeros(rows, patches, dtype=torch.bool).scatter(1, order[:, :hidden], True)
+
+
+def video_patches(generator, rows=2):
+    """VideoMAE: its batch's ``bool_masked_pos`` hides half the tubelets; the encoder keeps the others
+    (``embeddings[~bool_masked_pos]``), whose number transformers' SDPA attention branches on."""
+    return dict(pixel_values=torch.randn(rows, 4, 3, 16, 16, generator=generator),
+                bool_masked_pos=_keep(generator, rows, 8, 4))
+
+
+def masked_image_tokens(generator, rows=ROWS):
+    """BEiT masked image modeling: a visual token per hidden patch, six per image."""
+    return dict(pixel_values=torch.randn(rows, 3, 32, 32, generator=generator), bool_masked_pos=_keep(generator, rows, 16, 6),
+                labels=torch.randint(0, 64, (rows * 6,), generator=generator))
+
+
+def text_to_spectrogram(generator, rows=ROWS):
+    """SpeechT5 text to speech: its loss selects spectrogram and labels by the labels' padding mask (masked_select)."""
+    return dict(input_ids=_ids(generator, rows, tokens=8), attention_mask=torch.ones(rows, 8, dtype=torch.long),
+                labels=torch.randn(rows, 6, 8, generator=generator))
+
+
+def segment_by_text(generator, rows=ROWS):
+    return dict(input_ids=_ids(generator, rows, tokens=8), pixel_values=torch.randn(rows, 3, 32, 32, generator=generator),
+                labels=torch.rand(rows, 32, 32, generator=generator))
+
+
+def perceiver_masked(generator, rows=ROWS):
+    return dict(inputs=_ids(generator, rows), labels=_ids(generator, rows))
+
+
+def query_tokens_then_text(generator, rows=ROWS, image_tokens=4):
+    """BLIP-2, PaliGemma, Idefics3: image placeholder tokens first, then text; the loss on every token."""
+    ids = torch.cat([torch.full((rows, image_tokens), IMAGE_TOKEN), torch.randint(3, 100, (rows, 8), generator=generator)], 1)
+    return dict(pixel_values=torch.randn(rows, 3, 32, 32, generator=generator), input_ids=ids, labels=ids)
+
+
+def prefix_image_then_text(generator, rows=ROWS):
+    batch = query_tokens_then_text(generator, rows, IMAGE_PATCHES)
+    return dict(batch, token_type_ids=(torch.arange(batch["input_ids"].shape[1]) >= IMAGE_PATCHES).long().expand(rows, -1))
+
+
+def time_series(generator, rows=ROWS):
+    return dict(past_values=torch.randn(rows, 10, generator=generator), past_time_features=torch.randn(rows, 10, 1, generator=generator),
+                past_observed_mask=torch.ones(rows, 10), future_values=torch.randn(rows, 4, generator=generator),
+                future_time_features=torch.randn(rows, 4, 1, generator=generator))
+
+
+def patched_series(generator, rows=ROWS):
+    return dict(past_values=torch.randn(rows, 32, 3, generator=generator), future_values=torch.randn(rows, 8, 3, generator=generator))
+
+
+def speech_to_text(generator, rows=ROWS):
+    return dict(input_values=torch.randn(rows, 400, generator=generator), labels=torch.randint(3, VOCAB, (rows, 6), generator=generator))
+
+
+def image_to_text(generator, rows=ROWS):
+    return dict(pixel_values=torch.randn(rows, 3, 32, 32, generator=generator),
+                labels=torch.randint(3, VOCAB, (rows, 6), generator=generator))
+
+
+def trocr():
+    """A ViT encoder and a TrOCR decoder joined by VisionEncoderDecoderModel, which shifts the labels itself."""
+    model = T.VisionEncoderDecoderModel(encoder=T.ViTModel(T.ViTConfig(**_VISION, intermediate_size=64)),
+                                        decoder=T.TrOCRForCausalLM(T.TrOCRConfig(
+                                            vocab_size=VOCAB, d_model=32, decoder_layers=2, decoder_attention_heads=4,
+                                            decoder_ffn_dim=64, cross_attention_hidden_size=32)))
+    model.config.decoder_start_token_id, model.config.pad_token_id = 2, 1
+    return model
+
+
+_SPEECHT5 = dict(vocab_size=VOCAB, hidden_size=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+                 decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, conv_dim=(16, 16), conv_stride=(5, 4),
+                 conv_kernel=(10, 8), num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4, mask_time_prob=0.0,
+                 speech_decoder_prenet_units=32, encoder_layerdrop=0.0, decoder_layerdrop=0.0)
+_SERIES = dict(prediction_length=4, context_length=8, lags_sequence=[1, 2], d_model=16, encoder_layers=1, decoder_layers=1,
+               encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32,
+               num_time_features=1, encoder_layerdrop=0.0, decoder_layerdrop=0.0)
+
+
 def _seeded(make_model):
     def build():
         torch.manual_seed(0)
@@ -225,6 +312,58 @@ _BUILDERS = {
     "llava": (llava, image_and_text),
     # patches split per image by sizes read from the batch's image_grid_thw (zerocc/data_guards.py)
     "qwen2_vl": (qwen2_vl, images_in_text),
+    # MAE: random masking by torch.rand noise and argsort in forward
+    "vitmae": (lambda: T.ViTMAEForPreTraining(T.ViTMAEConfig(
+        **_VISION, intermediate_size=64, decoder_hidden_size=32, decoder_num_hidden_layers=1, decoder_num_attention_heads=4,
+        decoder_intermediate_size=64)), pixels),
+    "videomae": (lambda: T.VideoMAEForPreTraining(T.VideoMAEConfig(
+        **dict(_VISION, image_size=16), intermediate_size=64, num_frames=4, tubelet_size=2, decoder_hidden_size=32,
+        decoder_num_hidden_layers=1, decoder_num_attention_heads=4, decoder_intermediate_size=64)), video_patches),
+    "beit_mim": (lambda: T.BeitForMaskedImageModeling(T.BeitConfig(
+        **_VISION, intermediate_size=64, vocab_size=64, use_mask_token=True)), masked_image_tokens),
+    "hiera": (lambda: T.HieraForImageClassification(T.HieraConfig(
+        image_size=[32, 32], embed_dim=16, num_heads=[1, 2], depths=[1, 1], num_query_pool=1, masked_unit_size=[4, 4],
+        num_labels=5)), images),
+    "levit": (lambda: T.LevitForImageClassification(T.LevitConfig(
+        image_size=32, patch_size=16, hidden_sizes=[32, 48, 64], num_attention_heads=[1, 2, 2], depths=[1, 1, 1],
+        key_dim=[8, 8, 8], num_labels=5)), images),
+    "swinv2": (lambda: T.Swinv2ForImageClassification(T.Swinv2Config(
+        image_size=32, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[2, 2], window_size=4, num_labels=5)), images),
+    "clipseg": (lambda: T.CLIPSegForImageSegmentation(T.CLIPSegConfig(
+        text_config=_ENCODER, vision_config=dict(_VISION, intermediate_size=64), projection_dim=32, extract_layers=[0, 1],
+        reduce_dim=16, decoder_num_attention_heads=4, decoder_intermediate_size=32)), segment_by_text),
+    "perceiver": (lambda: T.PerceiverForMaskedLM(T.PerceiverConfig(
+        num_latents=8, d_latents=32, d_model=32, num_blocks=1, num_self_attends_per_block=2, num_self_attention_heads=4,
+        num_cross_attention_heads=4, vocab_size=VOCAB, max_position_embeddings=TOKENS)), perceiver_masked),
+    # Fourier transforms in place of attention (torch.fft.fftn: complex tensors in the step)
+    "fnet": (lambda: T.FNetForMaskedLM(T.FNetConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, max_position_embeddings=64)), masked),
+    "esm": (lambda: T.EsmForMaskedLM(T.EsmConfig(
+        **dict(_ENCODER, vocab_size=33), pad_token_id=1, mask_token_id=32, position_embedding_type="rotary")),
+        lambda generator, rows=ROWS: dict(input_ids=torch.randint(4, 30, (rows, TOKENS), generator=generator),
+                                          labels=torch.randint(4, 30, (rows, TOKENS), generator=generator))),
+    "blip2": (lambda: T.Blip2ForConditionalGeneration(T.Blip2Config(
+        vision_config=dict(_VISION, intermediate_size=64), qformer_config=dict(_ENCODER, encoder_hidden_size=32),
+        text_config=dict(model_type="opt", vocab_size=VOCAB, hidden_size=32, ffn_dim=64, num_hidden_layers=2,
+                         num_attention_heads=4, word_embed_proj_dim=32, max_position_embeddings=64),
+        num_query_tokens=4, image_token_index=IMAGE_TOKEN)), query_tokens_then_text),
+    "paligemma": (lambda: T.PaliGemmaForConditionalGeneration(T.PaliGemmaConfig(
+        vision_config=dict(_VISION, intermediate_size=64, model_type="siglip_vision_model"),
+        text_config=dict(model_type="gemma", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=1, head_dim=8),
+        image_token_index=IMAGE_TOKEN, projection_dim=32)), prefix_image_then_text),
+    "trocr": (trocr, image_to_text),
+    "speecht5_asr": (lambda: T.SpeechT5ForSpeechToText(T.SpeechT5Config(**_SPEECHT5)), speech_to_text),
+    "speecht5_tts": (lambda: T.SpeechT5ForTextToSpeech(T.SpeechT5Config(
+        **_SPEECHT5, num_mel_bins=8, reduction_factor=2, speech_decoder_postnet_units=16, speech_decoder_postnet_layers=2)),
+        text_to_spectrogram),
+    # distribution heads: the negative log-likelihood of a Student's t and of a normal
+    "time_series": (lambda: T.TimeSeriesTransformerForPrediction(T.TimeSeriesTransformerConfig(
+        **_SERIES, distribution_output="student_t")), time_series),
+    "informer": (lambda: T.InformerForPrediction(T.InformerConfig(**_SERIES, distribution_output="normal")), time_series),
+    "patchtst": (lambda: T.PatchTSTForPrediction(T.PatchTSTConfig(
+        num_input_channels=3, context_length=32, patch_length=8, patch_stride=8, prediction_length=8, d_model=32,
+        num_attention_heads=4, num_hidden_layers=2, ffn_dim=64)), patched_series),
 }
 
 MODELS = {name: (_seeded(make_model), batch) for name, (make_model, batch) in _BUILDERS.items()}

@@ -227,6 +227,35 @@ def test_a_branch_on_a_random_draw_is_refused_naming_its_line():
         step(torch.randn(3, 4), torch.tensor([0, 1, 2]))
 
 
+class CodebookCollisions(nn.Module):
+    """wav2vec2 pretraining's contrastive loss: Gumbel-softmax codes (a random draw), then ``if neg_is_pos.any():
+    logits[neg_is_pos] = -inf``, a branch on activations."""
+
+    def __init__(self):
+        super().__init__()
+        self.codes = nn.Linear(4, 3)
+
+    def forward(self, x):
+        chosen = F.gumbel_softmax(self.codes(x), tau=1.0, hard=True)
+        logits = x[:, :3] * 1.0
+        same = chosen == 1
+        if same.any():
+            logits[same] = float("-inf")
+        return logits.clamp(min=-1.0).square().mean()
+
+
+def test_a_branch_on_activations_after_a_random_draw_is_refused_with_what_to_do_not_as_a_layerdrop():
+    """The condition reads parameters: no option turns it off, where the note said it was LayerDrop (layerdrop=0.0);
+    it now says that a body writing only where the mask is True can run without the ``if``."""
+    model = CodebookCollisions()
+    step = zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), stage=0)
+    with pytest.raises(zerocc.CaptureError, match=r"(?s)the step cannot be traced at .*test_data_guards.py.*same.any"
+                                                  r".*note: the branch asks whether a mask computed from activations "
+                                                  r".*masked_fill") as caught:
+        step(torch.randn(3, 4))
+    assert "LayerDrop" not in str(caught.value)
+
+
 class PerImage(nn.Module):
     """Splits its patches per image by sizes read from the batch's grid, as Qwen2-VL's vision tower does:
     ``repeat_interleave`` and ``F.pad`` of the lengths, ``split(lengths.tolist())``, a view per image."""
@@ -432,3 +461,40 @@ def test_a_branch_on_finite_activations_trains_like_eager_and_checks_them_in_the
     full = step.full_state_dict()
     for key, value in reference.state_dict().items():
         assert torch.equal(full[key], value), key
+
+
+class VisiblePatches(nn.Module):
+    """VideoMAE's and SpeechT5's pattern: activations selected by a boolean mask of the batch (``h[~mask]``,
+    ``h.masked_select(mask)``), then a branch on how many were kept (transformers' SDPA attention's
+    ``q_length > 1``) or the selection met with the labels selected by the same mask (an L1 loss's broadcast)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x, hidden, targets):
+        h = self.linear(x)[~hidden].reshape(x.shape[0], -1, 8)
+        if h.shape[1] > 1:   # the number kept: the batch's mask alone decides it
+            h = h * 2
+        padding = targets != -100.0
+        selected = self.linear(x).masked_select(padding)
+        return h.square().mean() + F.l1_loss(selected, targets.masked_select(padding))
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_sizes_of_activations_selected_by_a_mask_of_the_batch_are_decided_on_the_batch(stage):
+    torch.manual_seed(0)
+    model = VisiblePatches()
+    reference = copy.deepcopy(model)
+    step = zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=0.1), stage=stage)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.1)
+    generator = torch.Generator().manual_seed(1)
+    for kept in (3, 1, 4):   # one patch kept per row takes the branch's other side
+        order = torch.rand(2, 6, generator=generator).argsort(1)
+        hidden = torch.ones(2, 6, dtype=torch.bool).scatter(1, order[:, :kept], False)
+        targets = torch.randn(2, 6, 8, generator=generator)
+        targets[:, kept:] = -100.0
+        batch = (torch.randn(2, 6, 8, generator=generator), hidden, targets)
+        assert torch.equal(step(*batch), eager(reference, reference_optimizer, *batch)), kept
+    for parameter, expected in zip(step.full_state_dict().values(), reference.state_dict().values()):
+        assert torch.equal(parameter, expected)

@@ -5,12 +5,15 @@
   generator before each step). The default suite trains three: BART after
   ``resize_token_embeddings`` (one embedding module at three places, which
   trained to nan), ALBERT (one layer's parameters shared by every layer) and
-  Marian (encoder-decoder); the rest under ``-m slow``.
+  Marian (encoder-decoder), Qwen2-VL and VideoMAE (activations selected by
+  the batch's boolean mask, whose number SDPA attention branches on); the
+  rest under ``-m slow``.
 - Five of them with options combined at stage 1: bf16 compute, gradient
   accumulation over two micro-batches and gradient clipping, bit for bit the
   hand-written reference (``hf_more.mixed_accumulated_keyword_step``).
 - Five of them across two ranks against DDP on the same per-rank batches,
-  within tests/test_numerics.py's tolerances.
+  within tests/test_numerics.py's tolerances; three more with masks drawn
+  or selected per rank (ViTMAE, VideoMAE, SpeechT5 text to speech).
 """
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ from tests.reference import assert_ranks_match_ddp
 pytest.importorskip("transformers")
 from tests.hf_more import MODELS, batches, mixed_accumulated_keyword_step  # noqa: E402  (needs transformers)
 
-DEFAULT_SLICE = {"bart_resized", "albert", "marian", "qwen2_vl"}
+DEFAULT_SLICE = {"bart_resized", "albert", "marian", "qwen2_vl", "videomae"}
 
 # Architectures that fail today, each with the error a user sees; strict, so a fix shows up as a failure here.
 KNOWN_FAILURES: dict[str, str] = {}
@@ -87,3 +90,12 @@ def _against_ddp(rank, world_size, names):
 @pytest.mark.multirank
 def test_five_architectures_across_two_ranks_match_ddp():
     assert_ranks_match_ddp(distributed.run(_against_ddp, 2, ACROSS_RANKS, timeout=600))
+
+
+MASKED_ACROSS_RANKS = ["vitmae", "videomae", "speecht5_tts"]   # each rank draws and selects by its own masks
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+def test_masked_pretraining_and_masked_losses_across_two_ranks_match_ddp():
+    assert_ranks_match_ddp(distributed.run(_against_ddp, 2, MASKED_ACROSS_RANKS, timeout=600))

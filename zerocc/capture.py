@@ -687,6 +687,11 @@ def _data_dependent_error(where: str | None, why: str, message: str = "", random
         note = ("\n  note: the branch is on a random draw (LayerDrop's `torch.rand([]) < layerdrop`, stochastic depth), "
                 "which would skip a layer in some steps and not in others; a transformers model turns it off with "
                 "its config's probability set to 0 (layerdrop=0.0, encoder_layerdrop=0.0, decoder_layerdrop=0.0).")
+    elif where and re.search(r":\d+: if .*\.any\(\):", where):
+        note = ("\n  note: the branch asks whether a mask computed from activations has any True element; where its body "
+                "only writes where the mask is True (`if mask.any(): x[mask] = value`), it does nothing on an all-False "
+                "mask: drop the `if` (or write `x = x.masked_fill(mask, value)`), and the program computes what eager "
+                "does on either side.")
     elif where and re.search(r":\d+: for .+ in .+:", where):
         note = ("\n  note: the loop runs once per element of a tensor whose length the data decides (the experts that "
                 "received tokens): loop over a fixed `range(num_experts)` instead, where an expert without tokens "

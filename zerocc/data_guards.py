@@ -150,7 +150,8 @@ class GuardRecorder:
         if guard_graph is None or not all(_is_real(self.batch[i]) for i in batch_indices):
             # planning (zerocc/planning.py) traces meta or fake batches: no values to decide on
             taken = _checked_in_the_program(tracer.graph, condition, sources)
-            if taken is None and any(is_random(node) for node in g.ancestors([node for node, _ in sources.values()])):
+            read = g.ancestors([node for node, _ in sources.values()])
+            if taken is None and any(is_random(node) for node in read) and not self._reads_state(tracer.graph, read):
                 self.random_branch = True   # the error says so: LayerDrop, turned off by its option
             return taken
         values = _run_on_real_values(guard_graph, [self.batch[i] for i in batch_indices])
@@ -221,6 +222,13 @@ class GuardRecorder:
                                                             [(slot.proxy.node, _SCALAR)])
         return guard_graph is not None and all(_is_real(self.batch[i]) for i in batch_indices)
 
+    def _reads_state(self, graph: fx.Graph, nodes) -> bool:
+        """Whether ``nodes`` read a placeholder that is no batch entry (a parameter, buffer or optimizer state): a
+        branch on activations, which a random draw among its ancestors (wav2vec2's Gumbel-softmax codebook before
+        ``if neg_is_pos.any()``) does not make a LayerDrop."""
+        positions = {node: i for i, node in enumerate(n for n in graph.nodes if n.op == "placeholder")}
+        return any(node.op == "placeholder" and positions[node] not in self.batch_of_position for node in nodes)
+
     def _graph_over_batch(self, root, graph: fx.Graph, outputs: list[tuple[fx.Node, Any]]):
         """A copy of the ancestors of ``outputs`` ((node, what is read of it), as ``_symbol_sources`` gives) whose
         placeholders are batch entries, returning the node's value or, for a dimension, its size; (None, ()) if
@@ -244,9 +252,18 @@ class GuardRecorder:
                 batch_indices.append(self.batch_of_position[positions[node]])
             else:
                 copied[node] = copy.node_copy(node, lambda n: copied[n])
-        copy.output(tuple(copy.call_function(torch.ops.aten.sym_size.int, (copied[node], read))
-                          if isinstance(read, int) else copied[node] for node, read in outputs))
+        copy.output(tuple(_read_in(copy, copied[node], read) for node, read in outputs))
         return fx.GraphModule(root, copy), tuple(batch_indices)
+
+
+def _read_in(graph: fx.Graph, node: fx.Node, read) -> fx.Node:
+    """What a guard reads of ``node`` (``_symbol_sources``' second element), as a node of ``graph``."""
+    aten = torch.ops.aten
+    if isinstance(read, int):
+        return graph.call_function(aten.sym_size.int, (node, read))
+    if read == _COUNT:
+        return graph.call_function(aten._local_scalar_dense.default, (graph.call_function(aten.sum.default, (node,)),))
+    return node
 
 
 def _run_on_real_values(graph: fx.GraphModule, inputs: list) -> tuple:
@@ -276,20 +293,26 @@ def _is_real(value) -> bool:
     return not isinstance(value, torch.Tensor) or not (is_fake(value) or value.is_meta)
 
 
-_SCALAR, _BOOL = "scalar", "bool"   # what a guard reads of a node: its value (or bool(tensor)); an int is a dimension
+_SCALAR, _BOOL, _COUNT = "scalar", "bool", "count"   # what a guard reads of a node: its value (or bool(tensor)), its
+# number of True elements (a boolean mask's); an int is a dimension
 
 
 def _symbol_sources(graph: fx.Graph, symbols) -> dict[sympy.Symbol, tuple[fx.Node, Any]] | None:
     """Per unbacked symbol, the node that read it from a tensor (``.item()``, ``bool(tensor)``), or the node whose
     output has it as a size (an op whose output size depends on values: ``repeat_interleave``, ``nonzero``), with
-    what is read of that node (``_SCALAR``, ``_BOOL`` or the dimension)."""
+    what is read of that node (``_SCALAR``, ``_BOOL``, ``_COUNT`` or the dimension).
+
+    Indexing by a boolean mask (``hidden[~mask]``: ``aten.index.Tensor``, whose kernel counts the mask's True
+    elements inside) gives its output a size that the mask alone decides, however the indexed tensor was computed:
+    the symbol is read as the mask's count (VideoMAE keeps the patches its batch's ``bool_masked_pos`` leaves
+    visible, and transformers' SDPA attention then branches on their number); so is ``masked_select``'s."""
     found: dict[sympy.Symbol, tuple[fx.Node, Any]] = {}
     for node in graph.nodes:
         value = node.meta.get(g.VAL)
         if isinstance(value, torch.Tensor):
             for dim, size in enumerate(value.shape):
                 if isinstance(size, torch.SymInt) and isinstance(size.node._expr, sympy.Symbol):
-                    found.setdefault(size.node._expr, (node, dim))
+                    found.setdefault(size.node._expr, _boolean_mask_of(node, dim) or (node, dim))
             continue
         if not isinstance(value, _SYMBOLIC):
             continue
@@ -302,6 +325,35 @@ def _symbol_sources(graph: fx.Graph, symbols) -> dict[sympy.Symbol, tuple[fx.Nod
     if not symbols <= found.keys():
         return None
     return {symbol: found[symbol] for symbol in sorted(symbols, key=str)}
+
+
+def _boolean_mask_of(node: fx.Node, dim: int) -> tuple[fx.Node, str] | None:
+    """``(mask, _COUNT)`` where dimension ``dim`` of ``node`` is the count of one boolean mask's True elements:
+    ``x[mask]`` with that mask the only tensor index, at position ``dim``, or ``x.masked_select(mask)`` with a mask
+    of ``x``'s shape (SpeechT5's loss selects its spectrogram and its labels by the labels' padding mask)."""
+    aten = torch.ops.aten
+    if node.target is aten.index.Tensor and len(node.args) >= 2:
+        given = [(position, index) for position, index in enumerate(node.args[1]) if index is not None]
+        if len(given) != 1 or given[0][0] != dim:
+            return None
+        mask = given[0][1]
+    elif node.target is aten.masked_select.default:
+        mask = node.args[1]
+        if not (isinstance(mask, fx.Node) and isinstance(node.args[0], fx.Node)
+                and _shape_of(node.args[0]) == _shape_of(mask) is not None):
+            return None
+    else:
+        return None
+    value = mask.meta.get(g.VAL) if isinstance(mask, fx.Node) else None
+    return (mask, _COUNT) if isinstance(value, torch.Tensor) and value.dtype == torch.bool else None
+
+
+def _shape_of(node: fx.Node) -> tuple[int, ...] | None:
+    """``node``'s shape where every size is a number (comparing symbolic ones would itself guard)."""
+    value = node.meta.get(g.VAL)
+    if not isinstance(value, torch.Tensor) or not all(isinstance(size, int) for size in value.shape):
+        return None
+    return tuple(value.shape)
 
 
 def _checked_in_the_program(graph: fx.Graph, condition: sympy.Basic, sources: dict) -> bool | None:
