@@ -24,9 +24,9 @@ program use it).
 from __future__ import annotations
 
 import collections
-import copy
 import dataclasses
 import os
+import traceback
 from typing import Sequence
 
 import torch
@@ -70,14 +70,37 @@ class _Creations(TorchDispatchMode):
         return out
 
 
-def _shadow(optimizer: torch.optim.Optimizer, group: int, param: torch.Tensor) -> torch.optim.Optimizer:
-    """A copy of ``optimizer`` holding only ``param`` in a copy of group ``group``, with no state."""
-    shadow = copy.copy(optimizer)
+_HOOKS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
+          "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
+          "_optimizer_load_state_dict_post_hooks")
+
+
+def shadow_of(optimizer: torch.optim.Optimizer, param_groups: list[dict]) -> torch.optim.Optimizer:
+    """A copy of ``optimizer`` with ``param_groups``, no state and no hooks, whose ``step()`` the user's never sees.
+
+    Every attribute of the optimizer is copied (shallowly): ``copy.copy`` goes through torch's
+    ``Optimizer.__getstate__``, which keeps only ``defaults``, ``state`` and ``param_groups``, so an optimizer that
+    keeps a setting on itself (pytorch_optimizer's ``self.maximize``) failed in its own ``step()`` with an
+    ``AttributeError``. The hooks are left out, as ``Optimizer.__setstate__`` leaves them out of such a copy.
+    """
+    shadow = object.__new__(type(optimizer))
+    shadow.__dict__.update(optimizer.__dict__)
+    for hooks in _HOOKS:
+        setattr(shadow, hooks, collections.OrderedDict())
     shadow.state = collections.defaultdict(dict)
-    settings = {key: value for key, value in optimizer.param_groups[group].items() if key != "params"}
-    settings["params"] = [param]
-    shadow.param_groups = [settings]
+    shadow.param_groups = param_groups
     return shadow
+
+
+def _shadow(optimizer: torch.optim.Optimizer, group: int, param: torch.Tensor) -> torch.optim.Optimizer:
+    """A copy of ``optimizer`` holding only ``param`` in a copy of group ``group``, with no state.
+
+    Tensor settings are copied too: a ``step()`` that writes into one in place leaves the user's untouched.
+    """
+    settings = {key: value.clone() if isinstance(value, torch.Tensor) else value
+                for key, value in optimizer.param_groups[group].items() if key != "params"}
+    settings["params"] = [param]
+    return shadow_of(optimizer, [settings])
 
 
 def _stand_in(shape, dtype, device, seed: int) -> list[torch.Tensor]:
@@ -125,14 +148,82 @@ def _learned(optimizer, group, shape, dtype, device) -> dict[str, InitialValue] 
         else:
             return None
     for seed in (1, 2):   # the guess gives the optimizer's own first steps, on other values
-        fresh = _two_steps(optimizer, group, shape, dtype, device, seed)
-        given = _two_steps(optimizer, group, shape, dtype, device, seed, state=learned)
+        try:   # the guess may lack state the step needs (SOAP's list of matrices 'Q', not a tensor): KeyError
+            fresh = _two_steps(optimizer, group, shape, dtype, device, seed)
+            given = _two_steps(optimizer, group, shape, dtype, device, seed, state=learned)
+        except Exception:   # the trace of the first step will say what is wrong
+            return None
         # compared on the CPU: eager keeps some state elsewhere than the parameter (Adam's step count on the
         # CPU for a CUDA parameter), the guess makes it on the parameter's device; the values are what matters
         if len(fresh) != len(given) or not all(a.dtype == b.dtype and a.shape == b.shape
                                                and torch.equal(a.cpu(), b.cpu()) for a, b in zip(fresh, given)):
             return None
     return learned
+
+
+class _RecordedWrites(dict):
+    """A param group that remembers where ``step()`` first wrote each key ('file:line: code'), for the message."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.lines: dict = {}
+
+    def _record(self, key):
+        if key not in self.lines:
+            frame = traceback.extract_stack(limit=3)[0]
+            self.lines[key] = f"{frame.filename}:{frame.lineno}: {(frame.line or '').strip()}"
+
+    def __setitem__(self, key, value):
+        self._record(key)
+        super().__setitem__(key, value)
+
+    def setdefault(self, key, default=None):
+        if key not in self:
+            self._record(key)
+        return super().setdefault(key, default)
+
+    def update(self, *args, **kwargs):
+        for key, value in dict(*args, **kwargs).items():
+            self[key] = value
+
+
+def _snapshot(values: dict) -> dict:
+    """``values`` with each tensor copied, so that one written in place is seen to change."""
+    return {key: value.detach().clone() if isinstance(value, torch.Tensor) else value for key, value in values.items()
+            if key not in ("params", "state", "param_groups")}
+
+
+def _same(a, b) -> bool:
+    if a is b:
+        return True
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape \
+            and a.dtype == b.dtype and torch.equal(a, b)
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:
+        return False
+
+
+def _undo_writes(values: dict, before: dict, owner: str, is_group: bool) -> dict[str, tuple[str, str | None]]:
+    """Put back the values ``step()`` changed in ``values`` (a param group or the optimizer's ``vars``), as the
+    program would have them at its next step; returns each changed one, named, with its change and line."""
+    changed = {}
+    for key in [key for key in values if key not in ("params", "state", "param_groups")]:
+        if key in before and _same(values[key], before[key]):
+            continue
+        name = f"{owner}[{key!r}]" if is_group else f"{owner}.{key}"
+        was = f"{before[key]!r}" if key in before and not isinstance(before[key], torch.Tensor) else \
+            ("a tensor" if key in before else "absent")
+        now = values[key]
+        now = "a tensor" if isinstance(now, torch.Tensor) else f"{now!r}"
+        line = getattr(values, "lines", {}).get(key)
+        changed[name] = (f"{was} before the first step, {now} after", line)
+        if key in before:
+            values[key] = before[key].clone() if isinstance(before[key], torch.Tensor) else before[key]
+        else:
+            del values[key]
+    return changed
 
 
 def refuse_python_state(optimizer: torch.optim.Optimizer, params: Sequence[tuple[str, torch.Tensor, int]]) -> None:
@@ -153,26 +244,46 @@ def refuse_python_state(optimizer: torch.optim.Optimizer, params: Sequence[tuple
         checked.add(kind)
         shape = tuple(range(2, 2 + tensor.dim()))
         runs = []
-        try:
-            for drop in (False, True):
+        for drop in (False, True):
+            python_values, written = {}, {}
+            try:
                 param, *grads = _stand_in(shape, tensor.dtype, "cpu", seed=0)
                 shadow = _shadow(optimizer, group, param)
-                python_values = {}
+                shadow.param_groups[0] = settings = _RecordedWrites(shadow.param_groups[0])
+                before_settings, before_attributes = _snapshot(settings), _snapshot(vars(shadow))
                 with torch.no_grad():
                     for grad in grads:
                         state = shadow.state[param]
                         if drop:
                             for key in [key for key, value in state.items() if not isinstance(value, torch.Tensor)]:
                                 python_values[key] = state.pop(key)
+                            written.update(_undo_writes(settings, before_settings, f"param_groups[{group}]", True))
+                            written.update(_undo_writes(vars(shadow), before_attributes, "self", False))
                         param.grad = grad
                         shadow.step()
                 tensors = sorted((k, v) for k, v in shadow.state[param].items() if isinstance(v, torch.Tensor))
-                runs.append((param.detach(), tensors, python_values))
-        except Exception:   # the trace of the step will say what is wrong
+                runs.append((param.detach(), tensors, python_values, written))
+            except Exception:   # the trace of the step will say what is wrong; without the values, they are needed
+                runs.append(None if not drop or not (python_values or written) else (None, None, python_values, written))
+        if runs[0] is None or runs[1] is None:
             continue
-        (eager_param, eager_state, _), (program_param, program_state, dropped) = runs
-        same = torch.equal(eager_param, program_param) and [k for k, _ in eager_state] == [k for k, _ in program_state] \
+        (eager_param, eager_state, _, _), (program_param, program_state, dropped, written) = runs
+        same = program_param is not None and torch.equal(eager_param, program_param) \
+            and [k for k, _ in eager_state] == [k for k, _ in program_state] \
             and all(torch.equal(a, b) for (_, a), (_, b) in zip(eager_state, program_state))
+        if written and not same:
+            described = "; ".join(f"{name} ({change}{f', at {line}' if line else ''})"
+                                  for name, (change, line) in written.items())
+            raise UnsupportedOptimizerError(
+                f"{type(optimizer).__name__}.step() writes values its later steps read into its param group or "
+                f"onto itself: {described}\n"
+                "  why: zerocc traces the update once, with the settings of the param groups and the optimizer's "
+                "attributes as constants, and runs it every step: every step would see them as before the first "
+                "step (a step count kept in the param group stays 0) and update differently from eager.\n"
+                "  fix: keep what changes from step to step as a tensor in the per-parameter state "
+                "(self.state[p]['step'] = torch.tensor(0.0), as torch.optim's optimizers keep their step count); a "
+                "statistic over all parameters (D-Adaptation's and Prodigy's d) cannot be kept per parameter: "
+                "such an optimizer trains with eager PyTorch only.")
         if dropped and not same:
             described = ", ".join(f"{key!r} (a Python {type(value).__name__}, {value!r} after the first step)"
                                   for key, value in dropped.items())

@@ -8,7 +8,6 @@ re-implementation.
 from __future__ import annotations
 
 import collections
-import copy
 import functools
 import numbers
 import inspect
@@ -26,6 +25,7 @@ from torch._prims_common import make_contiguous_strides_for
 from . import graph as g
 from .tracing import empty_fake, fakeify, make_fake_mode, record_source_lines_of, trace_functional
 from .errors import ConfigError, UnsupportedOptimizerError, innermost_frame, user_line_of_node
+from .optimizer_init import shadow_of
 
 aten = torch.ops.aten
 
@@ -132,11 +132,9 @@ def optimizer_update(
     Called inside a trace: ``params`` and the rest are fake tensors. The user's
     optimizer object is not modified; a shallow copy gets its own groups and state.
     """
-    for function in (type(optimizer).step, *_optimizer_functions(type(optimizer))):
+    for function in (type(optimizer).step, *_optimizer_methods(type(optimizer)), *_optimizer_functions(type(optimizer))):
         record_source_lines_of(function)
-    shadow = copy.copy(optimizer)
-    shadow.state = collections.defaultdict(dict)
-    shadow.param_groups = []
+    shadow = shadow_of(optimizer, [])
     read = _read_settings(optimizer, learning_rates)
     for index, group in enumerate(optimizer.param_groups):
         settings = {key: _known_constant(value) if isinstance(value, torch.Tensor) else value
@@ -153,16 +151,19 @@ def optimizer_update(
     try:
         with torch.no_grad():
             shadow.step()
-    except TypeError as error:
-        if "closure" not in str(error):
-            raise
-        raise UnsupportedOptimizerError(
-            f"{name}.step() needs a closure: it re-evaluates the loss itself (as LBFGS does), while zerocc "
-            "traces one forward and backward per step.\n  fix: use an optimizer whose step() takes no closure."
-        ) from error
     except Exception as error:
         if isinstance(error, UnsupportedOptimizerError):
             raise
+        if "closure" in str(error).lower():   # LBFGS's TypeError; SAM's `assert closure is not None, "... closure"`
+            where = innermost_frame(traceback.extract_tb(error.__traceback__), _optimizer_files(type(optimizer)).__contains__)
+            raise UnsupportedOptimizerError(
+                f"{name}.step() needs a closure{f', at {where}' if where else ''}: {type(error).__name__}: "
+                f"{str(error).splitlines()[0]}\n"
+                "  why: such a step re-evaluates the loss itself, a second forward and backward inside step() (SAM's "
+                "perturbed gradient, LBFGS's line search), while zerocc traces one forward and backward per step and "
+                "calls step() without a closure.\n"
+                "  fix: use an optimizer whose step() takes no closure, or train it with eager PyTorch."
+            ) from error
         if any(group.get("fused") for group in optimizer.param_groups):
             raise UnsupportedOptimizerError(
                 f"{name}(fused=True).step() could not be traced: {type(error).__name__}: "
@@ -244,6 +245,15 @@ def _optimizer_line_of_node(node: fx.Node, optimizer_class: type) -> str | None:
     For torch.optim's optimizers, whose files ``user_line_of_node`` leaves out as library code by default.
     """
     return user_line_of_node(node, wanted=_optimizer_files(optimizer_class).__contains__)
+
+
+@functools.lru_cache(maxsize=None)
+def _optimizer_methods(optimizer_class: type) -> tuple:
+    """The methods of the optimizer class and of the classes it inherits from (not torch's base class): the
+    helpers its step() calls (pytorch_optimizer's ``_step_per_param``), whose lines the error messages name."""
+    return tuple(inspect.unwrap(function) for cls in optimizer_class.__mro__
+                 if cls not in (torch.optim.Optimizer, object)
+                 for function in vars(cls).values() if inspect.isfunction(inspect.unwrap(function)))
 
 
 @functools.lru_cache(maxsize=None)

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import copy
 import sys
 import time
 from typing import Any, Callable, Mapping, Sequence
@@ -399,12 +398,11 @@ def fake_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, fak
 
 def probe_state(optimizer: torch.optim.Optimizer, group: int, dtype: torch.dtype) -> dict[str, tuple[bool, torch.dtype, bool]]:
     """The state one real step of ``optimizer``'s group ``group`` creates: key -> (scalar, dtype, on CPU)."""
-    shadow = copy.copy(optimizer)
-    shadow.state = collections.defaultdict(dict)
+    from .optimizer_init import shadow_of
     tiny = torch.zeros(1, dtype=dtype, requires_grad=True)
     settings = {k: v for k, v in optimizer.param_groups[group].items() if k != "params"}
     settings["params"] = [tiny]
-    shadow.param_groups = [settings]
+    shadow = shadow_of(optimizer, [settings])
     tiny.grad = torch.zeros_like(tiny)
     with torch.no_grad():
         shadow.step()
