@@ -428,7 +428,7 @@ class CompiledStep:
         self._parameters = tuple(model.parameters())   # whose hooks each call's program key reads
         # channels-last parameters, read in their strides by every program (the step keeps them in flat buckets)
         self._parameter_layouts = parameter_layouts(model)
-        self._python_sources = python_sources(model, options.loss_fn)   # where forward and the loss read Python values
+        self._python_sources = python_sources(model, options.loss_fn, options.metrics_fn)   # Python values forward, loss, metrics read
         self._metric_slots: list[str] = []   # the slots of metrics_fn's values in the last program run (last_metrics)
         self._values_reader = ValuesReader(self._python_sources)   # values_read at every call, remembered
         self._written_python: frozenset = frozenset()   # those forward writes itself (a counter): not in the key
