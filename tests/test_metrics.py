@@ -161,3 +161,28 @@ def test_each_rank_has_the_metrics_of_its_own_slice():
         for g, e in zip(got, expected):
             for name in e:
                 torch.testing.assert_close(g[name], e[name])
+
+
+def test_a_model_returning_loss_and_logits_trains_and_its_logits_are_read_with_metrics_fn():
+    """``return (loss, logits)``: the refusal names both keywords, and with them the step trains as eager and
+    gives the logits of its own forward."""
+    class LossAndLogits(MultiTask):
+        def forward(self, x, y):
+            output = super().forward(x, y)
+            return output["loss"], output["logits"]
+
+    torch.manual_seed(0)
+    model = LossAndLogits()
+    step = zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-2), stage=0, progress=False)
+    with pytest.raises(zerocc.CaptureError, match=r"loss_fn=lambda output: output\[0\], num_targets=0, and metrics_fn="):
+        step(*batch(0))
+    _, expected, expected_state = eager(2, 1)
+    torch.manual_seed(0)
+    model = LossAndLogits()
+    step = zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-2), stage=3, loss_fn=lambda out: out[0],
+                          num_targets=0, metrics_fn=lambda out, x, y: {"logits": out[1]}, progress=False)
+    for i in range(2):
+        step(*batch(i))
+        assert torch.equal(step.last_metrics["logits"], expected[i]["logits"])
+    state = step.full_state_dict()
+    assert all(torch.equal(state[k], v) for k, v in expected_state.items())

@@ -157,7 +157,8 @@ def extract_loss(output: Any, targets: Sequence[Any], loss_fn: Callable | None) 
     scalars = [i for i, item in enumerate(output) if isinstance(item, torch.Tensor) and item.dim() == 0] \
         if isinstance(output, (tuple, list)) else []
     hint = (f" (its item {scalars[0]} is a scalar: if that is the loss, as in a Hugging Face model's "
-            f"return_dict=False output, pass loss_fn=lambda output: output[{scalars[0]}], num_targets=0)") if scalars else ""
+            f"return_dict=False output, pass loss_fn=lambda output: output[{scalars[0]}], num_targets=0, and metrics_fn= to "
+            "read its other items, such as the logits, in step.last_metrics)") if scalars else ""
     raise CaptureError(
         f"the model returned {got}, not a scalar loss or an object with a scalar 'loss' entry{hint}; "
         "pass loss_fn=... to zerocc.compile (it is called as loss_fn(output, *targets), the targets being the "
