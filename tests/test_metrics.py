@@ -87,7 +87,7 @@ def test_metrics_of_the_step_equal_eager_and_stay_as_read(stage, accumulation, p
 
 def test_a_parameter_read_as_a_metric_is_its_value_before_the_update():
     """A metric that is a parameter (a learned temperature) is the value forward used, as eager reads it before
-    ``optimizer.step()``: a copy, not a view of the parameter the update writes in place."""
+    ``optimizer.step()``, and stays so: the update does not write into a tensor the step returned."""
     def read_weight(output, x, y):
         return {"w": model.head.weight, "w00": model.head.weight[0, 0]}
 
@@ -186,3 +186,27 @@ def test_a_model_returning_loss_and_logits_trains_and_its_logits_are_read_with_m
         assert torch.equal(step.last_metrics["logits"], expected[i]["logits"])
     state = step.full_state_dict()
     assert all(torch.equal(state[k], v) for k, v in expected_state.items())
+
+
+def test_a_running_statistic_read_as_a_metric_is_not_overwritten_by_the_next_step():
+    """The running mean forward wrote is also the value the step writes back into its buffer's slot (in place
+    where memory pools can): a kept one must stay the step's value, not follow the buffer."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 4), nn.BatchNorm1d(4))
+    norm = model[1]
+    step = zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), stage=0, memory_pools=True,
+                          loss_fn=F.cross_entropy, metrics_fn=lambda output, x, y: {"mean": norm.running_mean},
+                          progress=False)
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(8, 4), nn.BatchNorm1d(4))
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    kept, expected = [], []
+    for i in range(3):
+        step(*batch(i))
+        kept.append(step.last_metrics["mean"])
+        F.cross_entropy(reference(batch(i)[0]), batch(i)[1]).backward()
+        expected.append(reference[1].running_mean.clone())
+        reference_optimizer.step()
+        reference_optimizer.zero_grad()
+    for got, want in zip(kept, expected):
+        assert torch.equal(got, want)

@@ -188,7 +188,7 @@ def compile(
     ``metrics_fn`` (``docs/guide/training-loops.md``, "Metrics and logging"): called inside the step on each
     micro-batch as ``metrics_fn(output, *inputs, **keyword_inputs)`` (the model's output, no gradient), it returns
     a dict of tensors (a training accuracy from the logits, an auxiliary loss, the logits themselves), which
-    ``step.last_metrics`` holds after the call: copies, this rank's own, with ``grad_accumulation=K`` the K
+    ``step.last_metrics`` holds after the call: this rank's own, unchanged by later steps, with ``grad_accumulation=K`` the K
     micro-batches' values stacked along a new first dimension.
 
     ``progress`` (``zerocc/progress.py``): by default a compile that has run 10 s says each phase it ends
@@ -1204,8 +1204,8 @@ class CompiledStep:
     def last_metrics(self) -> dict[str, torch.Tensor]:
         """What ``metrics_fn`` returned in the last step, by name (empty without ``metrics_fn``, or before a step).
 
-        Each value is the step's own tensor, a copy made inside the program: the next steps replace it in the
-        step and leave the one read unchanged, so a list of them kept across steps holds every step's values.
+        Each value is the step's own output tensor: the next steps replace it in the step and never write into
+        it, so a list of them kept across steps holds every step's values.
         """
         if not self.state.started:
             return {}

@@ -172,10 +172,11 @@ METRIC_PREFIX = "metric:output:"   # the runtime slot of each value ``metrics_fn
 def metrics_of(metrics_fn: Callable, output: Any, arguments: tuple[list, dict]) -> dict[str, torch.Tensor]:
     """What ``metrics_fn(output, *positional, **keywords)`` returns on one micro-batch: a dict of tensors by name.
 
-    Each value is copied: the program returns it as its own tensor, so a value kept from one step is not a view
-    of a parameter the update writes in place, nor of memory a later step reuses (a kept list of accuracies or
-    logits stays as it was read). A value that is not a tensor would be the traced batch's, frozen into the
-    program: refused, naming ``metrics_fn``.
+    Not copied (logits can be the size of the step's peak): a program output is alive to the end of its step in
+    the lifetimes (``analysis/lifetimes.py``: "updated state", the persistent pool, never an arena), so no op of
+    this step writes into it in place and no later step reuses its memory; a kept list of accuracies or logits
+    stays as it was read. A value that is not a tensor would be the traced batch's, frozen into the program:
+    refused, naming ``metrics_fn``.
     """
     from .options import called_function   # options imports the passes, which import this module
     positional, keywords = arguments
@@ -198,7 +199,7 @@ def metrics_of(metrics_fn: Callable, output: Any, arguments: tuple[list, dict]) 
             f"metrics_fn ({_defined_at(metrics_fn)}) returned {', '.join(f'{n!r} ({type(metrics[n]).__name__})' for n in wrong)}"
             ", not a tensor: a Python number computed while tracing would be the first batch's value in every step; "
             "return the tensor (the step's values are read with step.last_metrics[name].item())")
-    return {name: value.detach().clone() for name, value in metrics.items()}
+    return {name: value.detach() for name, value in metrics.items()}
 
 
 def stacked_metrics(per_micro_batch: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
