@@ -24,7 +24,7 @@ from . import precision as mixed   # the step has a ``precision`` property
 from . import state_dict as state_dict_module   # its functions share the methods' names
 from . import user_views
 from .batch import BatchLayout, FirstBatch, agreement_lines, check_batch
-from .capture import Captured, capture, named_tensors, parameter_layouts, state_dict_names, trained_parameters
+from .capture import METRIC_PREFIX, Captured, capture, named_tensors, parameter_layouts, state_dict_names, trained_parameters
 from .compile_stats import CompileStats
 from .analysis.step_time import HardwareProfile, StepTime, predict
 from .data_guards import all_hold, values_that_differ
@@ -95,6 +95,7 @@ def compile(
     gather_per_micro_batch: bool = True,
     cache_dir: str | None = None,
     progress: "bool | Callable[[str], None] | None" = None,
+    metrics_fn: Callable | None = None,
 ) -> "CompiledStep":
     """Compile one training step of ``model`` with ``optimizer`` under ZeRO ``stage`` (0-3).
 
@@ -184,6 +185,12 @@ def compile(
     (``zerocc/disk_cache.py``); ``report()["compile_cache"]`` says whether
     the last compile loaded, stored or missed, and why.
 
+    ``metrics_fn`` (``docs/guide/training-loops.md``, "Metrics and logging"): called inside the step on each
+    micro-batch as ``metrics_fn(output, *inputs, **keyword_inputs)`` (the model's output, no gradient), it returns
+    a dict of tensors (a training accuracy from the logits, an auxiliary loss, the logits themselves), which
+    ``step.last_metrics`` holds after the call: this rank's own, unchanged by later steps, with ``grad_accumulation=K`` the K
+    micro-batches' values stacked along a new first dimension.
+
     ``progress`` (``zerocc/progress.py``): by default a compile that has run 10 s says each phase it ends
     (the trace, each pass, the program) on rank 0's stderr, so a long compile is not taken for a hang;
     ``True`` says every phase of every compile, ``False`` nothing, and a function gets each line instead.
@@ -209,7 +216,8 @@ def compile(
             static_shapes=static_shapes, max_programs=max_programs, memory_budget=memory_budget,
             param_dtype=param_dtype, reduce_dtype=reduce_dtype, loss_scale=loss_scale,
             cast_forward_inputs=cast_forward_inputs, memory_pools=memory_pools,
-            gather_per_micro_batch=gather_per_micro_batch, cache_dir=cache_dir, progress=progress)
+            gather_per_micro_batch=gather_per_micro_batch, cache_dir=cache_dir, progress=progress,
+            metrics_fn=metrics_fn)
         options.passes()   # unknown or essential names in ``disable`` fail here, before any tracing
     except ConfigError as error:
         refused = error
@@ -420,7 +428,8 @@ class CompiledStep:
         self._parameters = tuple(model.parameters())   # whose hooks each call's program key reads
         # channels-last parameters, read in their strides by every program (the step keeps them in flat buckets)
         self._parameter_layouts = parameter_layouts(model)
-        self._python_sources = python_sources(model, options.loss_fn)   # where forward and the loss read Python values
+        self._python_sources = python_sources(model, options.loss_fn, options.metrics_fn)   # Python values forward, loss, metrics read
+        self._metric_slots: list[str] = []   # the slots of metrics_fn's values in the last program run (last_metrics)
         self._values_reader = ValuesReader(self._python_sources)   # values_read at every call, remembered
         self._written_python: frozenset = frozenset()   # those forward writes itself (a counter): not in the key
         self._warned_python = False   # _say_which_python_values_changed: once per step
@@ -511,6 +520,7 @@ class CompiledStep:
                     if entry.stored_as is not None:   # a later process loading it need not measure again
                         self.disk_cache.remember_peak(entry.stored_as, tracker.peak_bytes)
                 self._drop_state_of_skipped_first_step(entry, batch, layout)
+                self._metric_slots = [slot for slot in entry.program.output_slots if slot.startswith(METRIC_PREFIX)]
             state.steps += 1
             user_views.point_module_at_slots(self)
             # the step ran the optimizer's update; tell LR schedulers so, as optimizer.step() would
@@ -880,7 +890,8 @@ class CompiledStep:
                 num_targets=options.num_targets, fake_mode=fake_mode, optimizer_state=optimizer_state,
                 check_update_elementwise=options.stage != 0, parameter_shapes=state.released_shapes,
                 parameter_layouts=self._parameter_layouts,
-                grad_accumulation=options.grad_accumulation, precision=options.precision, autocast=autocast)
+                grad_accumulation=options.grad_accumulation, precision=options.precision, autocast=autocast,
+                metrics_fn=options.metrics_fn)
 
         # before the first step the step makes the optimizer's initial state itself, when it can learn it
         # (zerocc/optimizer_init.py): the first step then runs the steady state's program, one compile for both
@@ -1188,6 +1199,18 @@ class CompiledStep:
         if not self.state.started:
             return None
         return self.state.slots.get(GRAD_NORM_SLOT)
+
+    @property
+    def last_metrics(self) -> dict[str, torch.Tensor]:
+        """What ``metrics_fn`` returned in the last step, by name (empty without ``metrics_fn``, or before a step).
+
+        Each value is the step's own output tensor: the next steps replace it in the step and never write into
+        it, so a list of them kept across steps holds every step's values.
+        """
+        if not self.state.started:
+            return {}
+        return {slot[len(METRIC_PREFIX):]: self.state.slots[slot] for slot in self._metric_slots
+                if slot in self.state.slots}
 
     @torch.compiler.disable(reason=_DYNAMO_SKIPS)
     def eval_forward(self, *inputs, **keyword_inputs):

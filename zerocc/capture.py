@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import re
 import time
 import traceback
@@ -142,9 +143,9 @@ def extract_loss(output: Any, targets: Sequence[Any], loss_fn: Callable | None) 
             return loss
         got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
         items = loss.values() if isinstance(loss, dict) else loss if isinstance(loss, (tuple, list)) else ()
-        hint = ("; the step returns the loss alone: return it alone, and compute metrics from the step's loss or "
-                "with step.eval_forward(...)" if any(isinstance(i, torch.Tensor) and i.dim() == 0 for i in items)
-                else "; reduce it (e.g. with .mean())")
+        hint = ("; the step returns the loss alone: return it alone, and compute metrics with metrics_fn= (given "
+                "to zerocc.compile, called as metrics_fn(output, *arguments): they are then in step.last_metrics)"
+                if any(isinstance(i, torch.Tensor) and i.dim() == 0 for i in items) else "; reduce it (e.g. with .mean())")
         raise CaptureError(f"loss_fn ({_defined_at(loss_fn)}) returned {got}, not a scalar tensor{hint}")
     if isinstance(output, dict) and "loss" in output:
         output = output["loss"]
@@ -156,12 +157,58 @@ def extract_loss(output: Any, targets: Sequence[Any], loss_fn: Callable | None) 
     scalars = [i for i, item in enumerate(output) if isinstance(item, torch.Tensor) and item.dim() == 0] \
         if isinstance(output, (tuple, list)) else []
     hint = (f" (its item {scalars[0]} is a scalar: if that is the loss, as in a Hugging Face model's "
-            f"return_dict=False output, pass loss_fn=lambda output: output[{scalars[0]}], num_targets=0)") if scalars else ""
+            f"return_dict=False output, pass loss_fn=lambda output: output[{scalars[0]}], num_targets=0, and metrics_fn= to "
+            "read its other items, such as the logits, in step.last_metrics)") if scalars else ""
     raise CaptureError(
         f"the model returned {got}, not a scalar loss or an object with a scalar 'loss' entry{hint}; "
         "pass loss_fn=... to zerocc.compile (it is called as loss_fn(output, *targets), the targets being the "
         "last num_targets arguments of the step)"
     )
+
+
+METRIC_PREFIX = "metric:output:"   # the runtime slot of each value ``metrics_fn`` returned, by its name (step.last_metrics)
+
+
+def metrics_of(metrics_fn: Callable, output: Any, arguments: tuple[list, dict]) -> dict[str, torch.Tensor]:
+    """What ``metrics_fn(output, *positional, **keywords)`` returns on one micro-batch: a dict of tensors by name.
+
+    Not copied (logits can be the size of the step's peak): a program output is alive to the end of its step in
+    the lifetimes (``analysis/lifetimes.py``: "updated state", the persistent pool, never an arena), so no op of
+    this step writes into it in place and no later step reuses its memory; a kept list of accuracies or logits
+    stays as it was read. A value that is not a tensor would be the traced batch's, frozen into the program:
+    refused, naming ``metrics_fn``.
+    """
+    from .options import called_function   # options imports the passes, which import this module
+    positional, keywords = arguments
+    try:   # a call that does not bind is the metrics function's signature, not the model's: say so
+        inspect.signature(called_function(metrics_fn)).bind(output, *positional, **keywords)
+    except TypeError as error:
+        shown = ", ".join(["output", *(f"arg{i}" for i in range(len(positional))), *keywords])
+        raise CaptureError(f"metrics_fn ({_defined_at(metrics_fn)}) cannot be called as metrics_fn({shown}), with the "
+                           f"model's output and the step's arguments: {error}\n  fix: take them all (e.g. "
+                           "def metrics_fn(output, *args, **kwargs))") from None
+    except ValueError:   # a builtin without a signature: called as it is
+        pass
+    metrics = metrics_fn(output, *positional, **keywords)
+    if not isinstance(metrics, dict) or not all(isinstance(k, str) for k in metrics):
+        raise CaptureError(f"metrics_fn ({_defined_at(metrics_fn)}) returned {type(metrics).__name__}, not a dict of "
+                           "tensors by name (e.g. {'accuracy': (output.argmax(-1) == y).float().mean()})")
+    wrong = [name for name, value in metrics.items() if not isinstance(value, torch.Tensor)]
+    if wrong:
+        raise CaptureError(
+            f"metrics_fn ({_defined_at(metrics_fn)}) returned {', '.join(f'{n!r} ({type(metrics[n]).__name__})' for n in wrong)}"
+            ", not a tensor: a Python number computed while tracing would be the first batch's value in every step; "
+            "return the tensor (the step's values are read with step.last_metrics[name].item())")
+    return {name: value.detach() for name, value in metrics.items()}
+
+
+def stacked_metrics(per_micro_batch: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """One tensor per name: the micro-batch's value, or with grad_accumulation K the K values stacked along a new
+    first dimension, in order (what an eager loop over the micro-batches would collect; ``.mean(0)`` of a mean
+    over equal micro-batches is the batch's mean, ``.flatten(0, 1)`` of per-sample values the batch's)."""
+    if len(per_micro_batch) <= 1:
+        return per_micro_batch[0] if per_micro_batch else {}
+    return {name: torch.stack([metrics[name] for metrics in per_micro_batch]) for name in per_micro_batch[0]}
 
 
 def _split_hint(error: Exception, num_model_inputs: int, num_targets: int, model: nn.Module) -> str:
@@ -396,6 +443,7 @@ def trace_step(
     precision: mixed.Precision | None = None,
     autocast: tuple = (),
     layout: BatchLayout | None = None,
+    metrics_fn: Callable | None = None,
 ) -> Captured:
     """Trace one training step of ``model`` and ``optimizer`` on ``inputs``.
 
@@ -417,6 +465,8 @@ def trace_step(
     the loss is the sum of the K scaled losses, and the optimizer runs once.
     ``precision`` (``zerocc/precision.py``) traces forward and backward in its
     ``param_dtype`` and, with loss scaling, adds the scale as a placeholder.
+    ``metrics_fn`` (``metrics_of``) adds what it returns on each micro-batch as outputs, each replacing a
+    ``METRIC_PREFIX`` slot.
     """
     params_all = named_tensors(model, "param")
     buffers_all = named_tensors(model, "buffer")
@@ -472,7 +522,7 @@ def trace_step(
             tensors[info.name] = value
         for info, value in zip(buffer_infos, buffers):
             tensors[info.name] = value
-        total, grads = None, None
+        total, grads, metrics = None, None, []
         # the model's checkpointing replays its dropout masks (model_recomputation.py); what Python's and
         # NumPy's generators give is noted: the trace would keep it as a constant (host_random.py)
         with traced_recomputation(fake_mode, generators), host_draws.recording():
@@ -489,6 +539,9 @@ def trace_step(
                     with autocast_as(autocast):   # the caller's torch.autocast, as eager casts forward and loss
                         output = model(*micro_inputs, **keyword)
                         loss = extract_loss(output, positional[num_model_inputs:], loss_fn)
+                    if metrics_fn is not None:   # as a loop reads them after forward: outside autocast, no gradient
+                        with torch.no_grad():
+                            metrics.append(metrics_of(metrics_fn, output, layout.split(micro)))
                     if precision is not None:
                         loss = loss.float()
                     if grad_accumulation > 1:
@@ -502,11 +555,13 @@ def trace_step(
                 grads = micro_grads if grads is None else tuple(
                     new if old is None else old if new is None else old + new for old, new in zip(grads, micro_grads))
                 total = loss.detach() if total is None else total + loss.detach()
-        return total, grads, list(buffers)   # the optimizer's step is spliced in after tracing
+        # the optimizer's step is spliced in after tracing
+        return total, grads, list(buffers), stacked_metrics(metrics)
 
     started = time.perf_counter()
     stats = CompileStats("capture")
     record_source_lines_of(loss_fn)
+    record_source_lines_of(metrics_fn)
     real_args = (
         [t for _, t in trained], [t for _, t in frozen], [t for _, t in buffers_all],
         [dict(s) for s in optimizer_state], learning_rates, list(inputs),
@@ -594,7 +649,7 @@ def trace_step(
     out_nodes = list(g.output_node(gm).args[0])
     import torch.utils._pytree as pytree
     structured = pytree.tree_unflatten(out_nodes, out_spec)
-    loss_node, grad_nodes, new_buffer_nodes = structured
+    loss_node, grad_nodes, new_buffer_nodes, metric_nodes = structured
     sparse = [param_infos[i].name for i, grad in enumerate(grad_nodes)
               if grad is not None and grad.meta[g.VAL].layout != torch.strided]
     if sparse:
@@ -617,11 +672,12 @@ def trace_step(
     written_buffers = tuple(info.name for info, new, old in zip(buffer_infos, new_buffer_nodes,
                                                                 g.placeholders(gm, g.ROLE_BUFFER)) if new is not old)
     output = g.output_node(gm)
-    output.args = ([loss_node, *new_param_nodes, *new_buffer_nodes, *flat_states],)
+    output.args = ([loss_node, *new_param_nodes, *new_buffer_nodes, *flat_states, *metric_nodes.values()],)
     gm.meta[g.OUTPUT_SLOTS] = (
         [decisions.param_slot(info.name) for info in param_infos]
         + [decisions.buffer_slot(info.name) for info in buffer_infos]
         + [decisions.state_slot(param_infos[i].name, key) for i, keys in enumerate(new_state_keys) for key in keys]
+        + [METRIC_PREFIX + name for name in metric_nodes]
     )
     gm.graph.eliminate_dead_code()
     _tag_phases(gm, loss_node, [x for x in grad_nodes if x is not None], new_buffer_nodes, step_nodes)

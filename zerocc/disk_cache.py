@@ -243,8 +243,7 @@ def _code_identity(step) -> str:
     source check at all: an edited ``forward`` in a notebook loaded the program traced before the edit.
     """
     things = {type(m) for m in step.model.modules()} | {type(step.optimizer)}
-    if step.options.loss_fn is not None:
-        things.add(step.options.loss_fn)
+    things |= {fn for fn in (step.options.loss_fn, step.options.metrics_fn) if fn is not None}
     text = "\n".join(sorted(_code_name(thing) for thing in things))
     main = sys.modules.get("__main__")
     if main is not None and not os.path.isfile(getattr(main, "__file__", None) or ""):
@@ -308,8 +307,7 @@ def source_files(captured, step) -> dict[str, str]:
         if trace:
             paths.update(_FILE_IN_TRACE.findall(trace))
     things: list[Any] = [type(m) for m in step.model.modules()] + [type(step.optimizer)]
-    if step.options.loss_fn is not None:
-        things.append(step.options.loss_fn)
+    things += [fn for fn in (step.options.loss_fn, step.options.metrics_fn) if fn is not None]
     things += [p.run for p in step.options.passes()]
     for thing in things:
         try:

@@ -58,6 +58,7 @@ class CompileOptions:
     stage: int = 3
     loss_fn: Callable | None = None
     num_targets: int = 0
+    metrics_fn: Callable | None = None
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     prefetch_bytes: int = DEFAULT_PREFETCH_BYTES
     disable: tuple[str, ...] = ()
@@ -87,10 +88,11 @@ class CompileOptions:
                  memory_budget: int | None = None, param_dtype: torch.dtype | None = None,
                  reduce_dtype: torch.dtype | None = None, loss_scale=None, cast_forward_inputs: bool = True,
                  memory_pools: bool | None = None, gather_per_micro_batch: bool = True,
-                 cache_dir: str | None = None, progress=None) -> "CompileOptions":
+                 cache_dir: str | None = None, progress=None, metrics_fn: Callable | None = None) -> "CompileOptions":
         """Check every keyword (``ConfigError`` naming it and the fix); ``passes()`` checks ``disable``."""
         check_stage(stage)
         check_loss_fn(loss_fn, num_targets)
+        check_metrics_fn(metrics_fn)
         check_bucket_bytes(bucket_bytes)
         check_timeout(timeout)
         check_prefetch_bytes(prefetch_bytes)
@@ -113,7 +115,7 @@ class CompileOptions:
                    precision=mixed.resolve(param_dtype, reduce_dtype, loss_scale, cast_forward_inputs, model),
                    gather_per_micro_batch=gather_per_micro_batch, memory_pools=memory_pools, timeout=timeout,
                    static_shapes=static_shapes, max_programs=max_programs, cache_dir=cache_dir_of(cache_dir),
-                   progress=progress)
+                   progress=progress, metrics_fn=metrics_fn)
 
     def for_pipeline(self, *, stage: int, disable: Sequence[str] = (), verify: bool = False,
                      dump_dir: str | None = None, memory_pools: bool | None = None,
@@ -157,7 +159,7 @@ def targets_of(loss_fn: Callable | None) -> int:
     if loss_fn is None:
         return 0
     try:
-        parameters = inspect.signature(_called(loss_fn)).parameters.values()
+        parameters = inspect.signature(called_function(loss_fn)).parameters.values()
     except (TypeError, ValueError):
         return 1
     positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
@@ -168,10 +170,10 @@ def targets_of(loss_fn: Callable | None) -> int:
     return max(1, sum(p.default is p.empty for p in positional) - 1)
 
 
-def _called(loss_fn: Callable) -> Callable:
+def called_function(loss_fn: Callable) -> Callable:
     """What calling ``loss_fn`` runs, for its signature: a module's ``forward``, also inside partials."""
     if isinstance(loss_fn, functools.partial):
-        return functools.partial(_called(loss_fn.func), *loss_fn.args, **loss_fn.keywords)
+        return functools.partial(called_function(loss_fn.func), *loss_fn.args, **loss_fn.keywords)
     if isinstance(loss_fn, nn.Module):
         return loss_fn.forward
     return loss_fn
@@ -285,6 +287,12 @@ def check_not_meta(model: nn.Module) -> None:
             "To plan memory without materializing the model, use zerocc.plan(model, optimizer, stage=..., "
             "world_size=..., example_inputs=...); to train, materialize it first "
             "(model.to_empty(device='cpu'), then initialize its weights)")
+
+
+def check_metrics_fn(metrics_fn) -> None:
+    if metrics_fn is not None and not callable(metrics_fn):
+        raise ConfigError(f"metrics_fn must be callable (called as metrics_fn(output, *arguments, **keyword_arguments) "
+                          f"with the step's arguments, returning a dict of tensors) or None, got {metrics_fn!r}")
 
 
 def check_loss_fn(loss_fn, num_targets) -> None:

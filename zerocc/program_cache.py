@@ -159,12 +159,12 @@ def _settings_object(value) -> bool:
                                             or any(c.__name__.endswith("Config") for c in type(value).__mro__))
 
 
-def python_sources(model: torch.nn.Module, loss_fn) -> tuple:
+def python_sources(model: torch.nn.Module, loss_fn, metrics_fn=None) -> tuple:
     """Where forward and the loss read Python values a trace bakes in, for ``values_read``: (label, namespace,
     names) for each of the model's modules' attributes (``names`` None: every one), the module globals each
     module's ``forward`` names, the attributes of the settings objects the modules hold (a Hugging Face config,
     a dataclass; listed once however many modules hold it), and ``loss_fn``'s attributes, closure, globals and
-    ``functools.partial`` keywords.
+    ``functools.partial`` keywords, and ``metrics_fn``'s alike (``metrics_fn=``: traced into the step too).
     A closure's namespace is None and its names (name, cell) pairs. Helpers those functions call are not looked
     into."""
     sources, seen = [], set()
@@ -210,8 +210,9 @@ def python_sources(model: torch.nn.Module, loss_fn) -> tuple:
                     sources.append((f"{where} parameters", module._parameters, None))
 
     add_object("model", model)
-    if loss_fn is not None:
-        add_callable("loss_fn", loss_fn)
+    for label, function in (("loss_fn", loss_fn), ("metrics_fn", metrics_fn)):
+        if function is not None:
+            add_callable(label, function)
     return tuple(sources)
 
 
