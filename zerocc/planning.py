@@ -63,7 +63,8 @@ PLANNING_GROUP = "zerocc_plan"
 
 def plan(model: nn.Module, optimizer: torch.optim.Optimizer, stage: int = 3, world_size: int = 1, *,
          example_inputs: Sequence[Any] = (), example_keyword_inputs: Mapping[str, Any] | None = None,
-         loss_fn: Callable | None = None, num_targets: int | None = None, param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None, loss_scale=None,
+         loss_fn: Callable | None = None, num_targets: int | None = None, metrics_fn: Callable | None = None,
+         param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None, loss_scale=None,
          cast_forward_inputs: bool = True, grad_accumulation: int = 1, clip_grad_norm: float | None = None,
          clip_norm_type: float = 2.0, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
          prefetch_bytes: int = DEFAULT_PREFETCH_BYTES, rank: int = 0,
@@ -91,7 +92,7 @@ def plan(model: nn.Module, optimizer: torch.optim.Optimizer, stage: int = 3, wor
     """
     check_runtime_only(runtime_only)
     return Planner(model, optimizer, example_inputs=example_inputs, example_keyword_inputs=example_keyword_inputs,
-                   loss_fn=loss_fn, num_targets=num_targets,
+                   loss_fn=loss_fn, num_targets=num_targets, metrics_fn=metrics_fn,
                    param_dtype=param_dtype, reduce_dtype=reduce_dtype, loss_scale=loss_scale,
                    cast_forward_inputs=cast_forward_inputs, grad_accumulation=grad_accumulation,
                    clip_grad_norm=clip_grad_norm, clip_norm_type=clip_norm_type, prefetch_bytes=prefetch_bytes,
@@ -161,7 +162,7 @@ class Planner:
     """Captures a model's step once (per stage kind) and plans it for many stages and world sizes."""
 
     def __init__(self, model, optimizer, *, example_inputs, example_keyword_inputs=None, loss_fn=None,
-                 num_targets=None, param_dtype=None, reduce_dtype=None, loss_scale=None, cast_forward_inputs=True,
+                 num_targets=None, metrics_fn=None, param_dtype=None, reduce_dtype=None, loss_scale=None, cast_forward_inputs=True,
                  grad_accumulation=1, clip_grad_norm=None, clip_norm_type=2.0, prefetch_bytes=DEFAULT_PREFETCH_BYTES,
                  bucket_bytes=DEFAULT_BUCKET_BYTES, progress=False, accounting_dtype=None,
                  gather_per_micro_batch=True, **runtime_only):
@@ -178,7 +179,7 @@ class Planner:
         check_one_device(model)
         # the stage and the pipeline's keywords come with each plan() (CompileOptions.for_pipeline)
         self.options = CompileOptions.validate(
-            model, loss_fn=loss_fn, num_targets=num_targets, bucket_bytes=bucket_bytes,
+            model, loss_fn=loss_fn, num_targets=num_targets, metrics_fn=metrics_fn, bucket_bytes=bucket_bytes,
             prefetch_bytes=prefetch_bytes, grad_accumulation=grad_accumulation, clip_grad_norm=clip_grad_norm,
             clip_norm_type=clip_norm_type, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
             loss_scale=loss_scale, cast_forward_inputs=cast_forward_inputs,
@@ -207,7 +208,8 @@ class Planner:
                                    loss_fn=self.options.loss_fn,
                                    num_targets=self.options.num_targets, fake_mode=fake_mode, optimizer_state=state,
                                    check_update_elementwise=elementwise_check,
-                                   grad_accumulation=self.options.grad_accumulation, precision=self.options.precision)
+                                   grad_accumulation=self.options.grad_accumulation, precision=self.options.precision,
+                                   metrics_fn=self.options.metrics_fn)
             seconds = time.perf_counter() - started
             if self.say:
                 self.say(f"capture: {len(captured.gm.graph.nodes)} nodes, {seconds:.1f} s")
