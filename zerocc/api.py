@@ -23,7 +23,7 @@ from . import optimizer_init
 from . import precision as mixed   # the step has a ``precision`` property
 from . import state_dict as state_dict_module   # its functions share the methods' names
 from . import user_views
-from .batch import BatchLayout, FirstBatch, agreement_lines, check_batch
+from .batch import BatchLayout, FirstBatch, agreement_lines, check_batch, with_arrays_copied
 from .capture import Captured, capture, named_tensors, parameter_layouts, state_dict_names, trained_parameters
 from .compile_stats import CompileStats
 from .analysis.step_time import HardwareProfile, StepTime, predict
@@ -724,6 +724,8 @@ class CompiledStep:
                     "arguments." + (" A torch.Generator passed to the step is the program's: pass the same one at "
                     "every call (reseed it with manual_seed, as eager would), not a new one per call."
                     if any("Generator" in change for change in changed) else "")
+                    + (" A numpy array in the batch is a Python value too: pass torch.from_numpy(array), a tensor that one "
+                       "program reads at every step." if any(": ndarray " in change for change in changed) else "")
                     + " Said once per zerocc.compile.", RecompileWarning, stacklevel=user_stacklevel())
                 self._warned_batch_values = True
                 return
@@ -792,7 +794,8 @@ class CompiledStep:
             fingerprint = made = None
             failures.every_rank_has(self.ranks, False)
         if made is None:
-            made = self._capture_and_run_passes(batch, layout, autocast, device)
+            # numpy arrays copied: a constant traced from one must not share the memory a data loader reuses
+            made = self._capture_and_run_passes(with_arrays_copied(batch), layout, autocast, device)
             if fingerprint is not None and self._store_on_disk(fingerprint, made):
                 made = made._replace(stored_as=fingerprint.digest)
         captured, compiled, fresh, state_signature = made.captured, made.compiled, made.fresh, made.state_signature

@@ -28,7 +28,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .batch import BatchLayout
+from .batch import BatchLayout, python_value_text
 from .context import CompileContext
 from .data_guards import all_hold
 from .errors import ConfigError, RecompileWarning, user_stacklevel
@@ -393,7 +393,7 @@ def input_signature(batch, layout: BatchLayout) -> tuple:
         elif isinstance(value, torch.Generator):   # the generator itself: the program holds another Python object
             entry = ("python", "Generator", f"<torch.Generator {value._cdata:#x}>")   # for it, so an id is reused
         else:
-            entry = ("python", type(value).__name__, repr(value))
+            entry = ("python", type(value).__name__, python_value_text(value))   # exact: numpy's repr elides
         if layout.spec is not None:   # containers: each leaf by its name ('argument 0['ids']', 'extra[1]=')
             entry = ("leaf", layout.name_of(index), entry)
         elif index >= layout.positional:
