@@ -44,7 +44,8 @@ from .planning import communication, model_state_bytes
 from .precision import DynamicLossScale
 from .progress import CompileProgress
 from .autocast import autocast_state, outside_autocast
-from .program_cache import (INITIAL_STATE, attention_backends, CacheEntry, CacheKey, ProgramCache, changed_batch_values,
+from .program_cache import (INITIAL_STATE, attention_backends, CacheEntry, CacheKey, ProgramCache, changed_batch_entries,
+                            changed_batch_values,
                             changed_python_values, describe_signature, hook_ids, input_signature, python_sources,
                             training_modes, values_read, ValuesReader)
 from .runtime import failures
@@ -833,7 +834,7 @@ class CompiledStep:
         return CacheEntry(program, compiled.ctx, compiled.history, reads_initial_state=fresh is not None,
                           measured_peak_bytes=made.measured_peak_bytes, stored_as=made.stored_as)
 
-    def _refuse_other_trained_parameters(self, captured: Captured) -> None:
+    def _refuse_other_trained_parameters(self, captured: Captured, batch, layout: BatchLayout) -> None:
         """Refuse a program whose loss reaches other parameters than the first program's did.
 
         The buckets and the optimizer state are laid out once, for the parameters the first program trained; a
@@ -850,10 +851,11 @@ class CompiledStep:
                    if not node.meta.get(g.UNUSED)}
         if planned == reached:
             return
-        changes = []
+        changes = batch_changes = []
         known = next(iter(self.cache.entries), None)
         if known is not None:
-            changes = changed_python_values(known.python, self.values_read()[0])
+            batch_changes = changed_batch_entries(known.signature, input_signature(batch, layout))   # a collator's key
+            changes = batch_changes + changed_python_values(known.python, self.values_read()[0])
             if known.training != training_modes(self._modules):
                 changes.append("the modules' training modes (model.train()/model.eval())")
         lost, gained = sorted(planned - reached), sorted(reached - planned)
@@ -868,7 +870,10 @@ class CompiledStep:
             " The step lays out its buckets and optimizer state once, for the parameters its first program trained, "
             "so it cannot follow a part of the model switched on or off between steps (an auxiliary head, a "
             "warm-up branch). Compile again after the switch: zerocc.compile(model, optimizer, ...) takes the model "
-            "and optimizer over from this step, trained, as eager goes on with them. Nothing was changed")
+            "and optimizer over from this step, trained, as eager goes on with them."
+            + (" A batch that leaves out an entry the first had, or sets it to None, cannot switch a layer off from "
+               "step to step: give every batch the same entries (a collator's optional keys in every batch)."
+               if batch_changes else "") + " Nothing was changed")
 
     def _capture_and_run_passes(self, batch, layout: BatchLayout, autocast: tuple,
                                 device: DeviceBudget | None = None) -> "_Made":
@@ -902,7 +907,7 @@ class CompiledStep:
                     fake_mode, captured = trace(lambda mode: self._fake_initial_state(mode, fresh))
             else:
                 fake_mode, captured = trace(None)
-            self._refuse_other_trained_parameters(captured)
+            self._refuse_other_trained_parameters(captured, batch, layout)
         except Exception as error:   # noqa: BLE001 - raised below, after every rank heard of it
             failed = error
         # a rank whose trace failed (its batch, its optimizer) would leave the others waiting in the passes' or the

@@ -427,6 +427,32 @@ def changed_batch_values(old: tuple, new: tuple) -> list[str]:
     return changed
 
 
+def changed_batch_entries(old: tuple, new: tuple) -> list[str]:
+    """The entries of the batch that one ``input_signature`` has and the other lacks, or that are a tensor in one and
+    a Python value (``None``) in the other: "no argument 0['token_type_ids'] (the first batch had a tensor)".
+
+    A collator leaves a key out of some batches (``token_type_ids``, an optional ``pixel_values``), or sets it to
+    ``None``: forward then skips the layer that reads it, and the loss reaches other parameters than it did.
+    """
+    def named(signature):
+        entries = {}
+        for index, entry in enumerate(signature):
+            if entry[0] == "structure":
+                continue
+            name = f"{entry[1]}=" if entry[0] == "keyword" else entry[1] if entry[0] == "leaf" else f"argument {index}"
+            entries[name] = entry[2] if entry[0] in ("keyword", "leaf") else entry
+        return entries
+
+    def kind(entry):
+        return ("None" if entry[1] == "NoneType" else f"{entry[1]} {entry[2]}") if entry[0] == "python" else "a tensor"
+    before, after = named(old), named(new)
+    changes = [f"no {name} (the first batch had {kind(entry)})" for name, entry in before.items() if name not in after]
+    changes += [f"{name}, which the first batch had not" for name in after if name not in before]
+    changes += [f"{name} is {kind(after[name])} (the first batch had {kind(entry)})" for name, entry in before.items()
+                if name in after and (entry[0] == "python") != (after[name][0] == "python")]
+    return changes
+
+
 def _differ_in_python_values_only(signature: tuple, other: tuple) -> bool:
     """Whether two batch signatures are alike but for Python values (a Hugging Face ``use_cache=True``)."""
     def python(entry):
