@@ -23,7 +23,7 @@ from . import optimizer_init
 from . import precision as mixed   # the step has a ``precision`` property
 from . import state_dict as state_dict_module   # its functions share the methods' names
 from . import user_views
-from .batch import BatchLayout, FirstBatch, agreement_lines, check_batch
+from .batch import BatchLayout, FirstBatch, agreement_lines, check_batch, with_arrays_copied
 from .capture import METRIC_PREFIX, Captured, capture, named_tensors, parameter_layouts, state_dict_names, trained_parameters
 from .compile_stats import CompileStats
 from .analysis.step_time import HardwareProfile, StepTime, predict
@@ -44,7 +44,8 @@ from .planning import communication, model_state_bytes
 from .precision import DynamicLossScale
 from .progress import CompileProgress
 from .autocast import autocast_state, outside_autocast
-from .program_cache import (INITIAL_STATE, attention_backends, CacheEntry, CacheKey, ProgramCache, changed_batch_values,
+from .program_cache import (INITIAL_STATE, attention_backends, CacheEntry, CacheKey, ProgramCache, changed_batch_entries,
+                            changed_batch_values,
                             changed_python_values, describe_signature, hook_ids, input_signature, python_sources,
                             training_modes, values_read, ValuesReader)
 from .runtime import failures
@@ -734,6 +735,8 @@ class CompiledStep:
                     "arguments." + (" A torch.Generator passed to the step is the program's: pass the same one at "
                     "every call (reseed it with manual_seed, as eager would), not a new one per call."
                     if any("Generator" in change for change in changed) else "")
+                    + (" A numpy array in the batch is a Python value too: pass torch.from_numpy(array), a tensor that one "
+                       "program reads at every step." if any(": ndarray " in change for change in changed) else "")
                     + " Said once per zerocc.compile.", RecompileWarning, stacklevel=user_stacklevel())
                 self._warned_batch_values = True
                 return
@@ -802,7 +805,8 @@ class CompiledStep:
             fingerprint = made = None
             failures.every_rank_has(self.ranks, False)
         if made is None:
-            made = self._capture_and_run_passes(batch, layout, autocast, device)
+            # numpy arrays copied: a constant traced from one must not share the memory a data loader reuses
+            made = self._capture_and_run_passes(with_arrays_copied(batch), layout, autocast, device)
             if fingerprint is not None and self._store_on_disk(fingerprint, made):
                 made = made._replace(stored_as=fingerprint.digest)
         captured, compiled, fresh, state_signature = made.captured, made.compiled, made.fresh, made.state_signature
@@ -840,7 +844,7 @@ class CompiledStep:
         return CacheEntry(program, compiled.ctx, compiled.history, reads_initial_state=fresh is not None,
                           measured_peak_bytes=made.measured_peak_bytes, stored_as=made.stored_as)
 
-    def _refuse_other_trained_parameters(self, captured: Captured) -> None:
+    def _refuse_other_trained_parameters(self, captured: Captured, batch, layout: BatchLayout) -> None:
         """Refuse a program whose loss reaches other parameters than the first program's did.
 
         The buckets and the optimizer state are laid out once, for the parameters the first program trained; a
@@ -857,10 +861,11 @@ class CompiledStep:
                    if not node.meta.get(g.UNUSED)}
         if planned == reached:
             return
-        changes = []
+        changes = batch_changes = []
         known = next(iter(self.cache.entries), None)
         if known is not None:
-            changes = changed_python_values(known.python, self.values_read()[0])
+            batch_changes = changed_batch_entries(known.signature, input_signature(batch, layout))   # a collator's key
+            changes = batch_changes + changed_python_values(known.python, self.values_read()[0])
             if known.training != training_modes(self._modules):
                 changes.append("the modules' training modes (model.train()/model.eval())")
         lost, gained = sorted(planned - reached), sorted(reached - planned)
@@ -875,7 +880,10 @@ class CompiledStep:
             " The step lays out its buckets and optimizer state once, for the parameters its first program trained, "
             "so it cannot follow a part of the model switched on or off between steps (an auxiliary head, a "
             "warm-up branch). Compile again after the switch: zerocc.compile(model, optimizer, ...) takes the model "
-            "and optimizer over from this step, trained, as eager goes on with them. Nothing was changed")
+            "and optimizer over from this step, trained, as eager goes on with them."
+            + (" A batch that leaves out an entry the first had, or sets it to None, cannot switch a layer off from "
+               "step to step: give every batch the same entries (a collator's optional keys in every batch)."
+               if batch_changes else "") + " Nothing was changed")
 
     def _capture_and_run_passes(self, batch, layout: BatchLayout, autocast: tuple,
                                 device: DeviceBudget | None = None) -> "_Made":
@@ -910,7 +918,7 @@ class CompiledStep:
                     fake_mode, captured = trace(lambda mode: self._fake_initial_state(mode, fresh))
             else:
                 fake_mode, captured = trace(None)
-            self._refuse_other_trained_parameters(captured)
+            self._refuse_other_trained_parameters(captured, batch, layout)
         except Exception as error:   # noqa: BLE001 - raised below, after every rank heard of it
             failed = error
         # a rank whose trace failed (its batch, its optimizer) would leave the others waiting in the passes' or the

@@ -13,6 +13,7 @@ a program), dtypes and devices may not, and no entry may require grad.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -162,6 +163,37 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def python_value_text(value) -> str:
+    """A Python value of the batch as a program's key and the ranks' agreement compare it: its ``repr``, except for
+    a numpy array, whose values are all in it.
+
+    A numpy array in the batch is a Python value to the program (a model that calls ``torch.as_tensor`` on it traces
+    its values as constants), and numpy's ``repr`` is not exact: it elides all but the corners of an array of more
+    than 1,000 elements (``array([[1, 1, 1, ..., 0, 0, 0], ...``: a padded batch of token ids whose first and last
+    columns are a start token and padding prints the same for every batch) and rounds floats to 8 digits. Keyed by
+    that ``repr``, the next batch reused the first one's program and trained on the first batch's values again.
+    """
+    if _is_ndarray(value):
+        kind = f"{value.dtype}{list(value.shape)}"
+        if value.dtype.hasobject or value.size <= 16:   # small, or not plain bytes: the values as Python objects
+            return f"{kind} {value.tolist()!r}"
+        return f"{kind} (values hashed {hashlib.blake2b(value.tobytes(), digest_size=16).hexdigest()})"
+    return repr(value)
+
+
+def _is_ndarray(value) -> bool:
+    return type(value).__module__ == "numpy" and type(value).__name__ == "ndarray"
+
+
+def with_arrays_copied(batch: Sequence[Any]) -> list[Any]:
+    """The batch with each numpy array replaced by a copy, for the trace to read.
+
+    A model that calls ``torch.from_numpy`` on a batch's array traces a constant that shares its memory; a data
+    loader that reuses its buffer overwrites it, and the program kept for the first values then ran on the new
+    ones when a later batch brought the first values again (its key, ``python_value_text``, matched)."""
+    return [value.copy() if _is_ndarray(value) else value for value in batch]
+
+
 PYTHON_VALUE = "Python "   # how agreement_lines starts a Python value's description
 
 
@@ -174,7 +206,7 @@ def agreement_lines(batch: Sequence[Any], layout: BatchLayout) -> list[str]:
     def describe(value):
         if isinstance(value, torch.Tensor):
             return f"{_dtype_name(value.dtype)}{list(value.shape)}"
-        return f"{PYTHON_VALUE}{type(value).__name__} {value!r}"
+        return f"{PYTHON_VALUE}{type(value).__name__} {python_value_text(value)}"
     named = layout.spec is not None   # containers: every leaf by its name
     return [f"input {i}{' (' + layout.name_of(i) + ')' if named or i >= layout.positional else ''}: {describe(v)}"
             for i, v in enumerate(batch)]

@@ -31,7 +31,7 @@ from . import decisions
 from . import graph as g
 from .capture import laid_out
 from .autocast import autocast_as, autocast_state, outside_autocast
-from .batch import BatchLayout, check_batch
+from .batch import BatchLayout, check_batch, with_arrays_copied
 from .data_guards import GuardRecorder, all_hold, recording
 from .program_cache import attention_backends, input_signature
 from .errors import CaptureError, ConfigError, RecompileWarning, ZeroccError, note_failing_node, user_frame, user_stacklevel
@@ -93,7 +93,7 @@ def eval_forward(step, inputs: tuple, keyword_inputs: dict | None = None) -> Any
     failed = None
     if program is None:
         try:
-            program = _compile(step, batch, layout, autocast)
+            program = _compile(step, with_arrays_copied(batch), layout, autocast)   # no constant shares a loader's buffer
         except Exception as error:   # noqa: BLE001 - raised below, after every rank that gathers heard of it
             if not step._gathers:
                 raise

@@ -28,7 +28,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .batch import BatchLayout
+from .batch import BatchLayout, python_value_text
 from .context import CompileContext
 from .data_guards import all_hold
 from .errors import ConfigError, RecompileWarning, user_stacklevel
@@ -394,7 +394,7 @@ def input_signature(batch, layout: BatchLayout) -> tuple:
         elif isinstance(value, torch.Generator):   # the generator itself: the program holds another Python object
             entry = ("python", "Generator", f"<torch.Generator {value._cdata:#x}>")   # for it, so an id is reused
         else:
-            entry = ("python", type(value).__name__, repr(value))
+            entry = ("python", type(value).__name__, python_value_text(value))   # exact: numpy's repr elides
         if layout.spec is not None:   # containers: each leaf by its name ('argument 0['ids']', 'extra[1]=')
             entry = ("leaf", layout.name_of(index), entry)
         elif index >= layout.positional:
@@ -426,6 +426,32 @@ def changed_batch_values(old: tuple, new: tuple) -> list[str]:
             before, after = before[2], after[2]
         changed.append(f"{named}{before[1]} {before[2]} -> {after[1]} {after[2]}")
     return changed
+
+
+def changed_batch_entries(old: tuple, new: tuple) -> list[str]:
+    """The entries of the batch that one ``input_signature`` has and the other lacks, or that are a tensor in one and
+    a Python value (``None``) in the other: "no argument 0['token_type_ids'] (the first batch had a tensor)".
+
+    A collator leaves a key out of some batches (``token_type_ids``, an optional ``pixel_values``), or sets it to
+    ``None``: forward then skips the layer that reads it, and the loss reaches other parameters than it did.
+    """
+    def named(signature):
+        entries = {}
+        for index, entry in enumerate(signature):
+            if entry[0] == "structure":
+                continue
+            name = f"{entry[1]}=" if entry[0] == "keyword" else entry[1] if entry[0] == "leaf" else f"argument {index}"
+            entries[name] = entry[2] if entry[0] in ("keyword", "leaf") else entry
+        return entries
+
+    def kind(entry):
+        return ("None" if entry[1] == "NoneType" else f"{entry[1]} {entry[2]}") if entry[0] == "python" else "a tensor"
+    before, after = named(old), named(new)
+    changes = [f"no {name} (the first batch had {kind(entry)})" for name, entry in before.items() if name not in after]
+    changes += [f"{name}, which the first batch had not" for name in after if name not in before]
+    changes += [f"{name} is {kind(after[name])} (the first batch had {kind(entry)})" for name, entry in before.items()
+                if name in after and (entry[0] == "python") != (after[name][0] == "python")]
+    return changes
 
 
 def _differ_in_python_values_only(signature: tuple, other: tuple) -> bool:
