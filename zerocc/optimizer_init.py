@@ -226,6 +226,17 @@ def _undo_writes(values: dict, before: dict, owner: str, is_group: bool) -> dict
     return changed
 
 
+_SCHEDULE_FREE_HINT = (
+    "\n  Schedule-Free optimizers (the schedulefree package's AdamWScheduleFree, SGDScheduleFree) keep k and "
+    "weight_sum so; one keeping them as tensors in self.state[p] trains, with optimizer.eval() and optimizer.train() "
+    "called inside `with step.full_optimizer():` (docs/guide/training-loops.md, Schedule-Free).")
+
+
+def _has_train_and_eval(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` has ``train()`` and ``eval()`` methods, as Schedule-Free's optimizers do."""
+    return callable(getattr(optimizer, "train", None)) and callable(getattr(optimizer, "eval", None))
+
+
 def refuse_python_state(optimizer: torch.optim.Optimizer, params: Sequence[tuple[str, torch.Tensor, int]]) -> None:
     """Refuse an optimizer whose per-parameter state holds a Python value that its later steps depend on.
 
@@ -283,7 +294,7 @@ def refuse_python_state(optimizer: torch.optim.Optimizer, params: Sequence[tuple
                 "  fix: keep what changes from step to step as a tensor in the per-parameter state "
                 "(self.state[p]['step'] = torch.tensor(0.0), as torch.optim's optimizers keep their step count); a "
                 "statistic over all parameters (D-Adaptation's and Prodigy's d) cannot be kept per parameter: "
-                "such an optimizer trains with eager PyTorch only.")
+                "such an optimizer trains with eager PyTorch only." + _SCHEDULE_FREE_HINT * _has_train_and_eval(optimizer))
         if dropped and not same:
             described = ", ".join(f"{key!r} (a Python {type(value).__name__}, {value!r} after the first step)"
                                   for key, value in dropped.items())
