@@ -232,6 +232,30 @@ def test_a_state_entry_replaced_inside_the_block_is_refused_and_nothing_written_
     assert all(torch.equal(after[key], value) for key, value in before.items())
 
 
+class GroupCountScheduleFree(SGDScheduleFree):
+    """The schedulefree package's way: the step count ``k`` kept in the param group, a Python int."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            k = group.setdefault("k", 0)
+            for p in group["params"]:
+                self.state[p].setdefault("z", p.clone())
+                p.sub_(p.grad, alpha=group["lr"] / (k + 1))
+            group["k"] = k + 1
+
+
+def test_the_packages_count_in_the_param_group_is_refused_pointing_at_full_optimizer():
+    model = Net()
+    optimizer = GroupCountScheduleFree(model.parameters())
+    optimizer.train()
+    step = zerocc.compile(model, optimizer, stage=0, loss_fn=F.mse_loss)
+    with pytest.raises(zerocc.UnsupportedOptimizerError,
+                       match=r"(?s)param_groups\[0\]\['k'\].*Schedule-Free optimizers .* keep k and weight_sum so; one "
+                             r"keeping them as tensors .*with step.full_optimizer\(\)"):
+        step(*data(1)[0])
+
+
 class DebiasedAdam(torch.optim.Optimizer):
     """Adam whose step makes Python numbers of its betas, as pytorch_optimizer's do (``math.sqrt(1 - beta2)``);
     ``pow_of_item`` makes one of its step count too (``math.pow(beta1, step.item())``)."""

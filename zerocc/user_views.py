@@ -258,7 +258,8 @@ def full_optimizer(step):
                         f"{sorted(before)} before, {sorted(now)} after, or an entry of another shape or dtype): the "
                         "compiled step's program reads the layout its first call laid out. Change the values in "
                         "place (state['z'].copy_(...)); nothing of the block was written back")
-                writes += [(parts[optim_key(fqn, key)], now[key]) for key in sorted(before)]
+                # a rank holding no piece of a parameter's state (stage 3, a small bias on another rank) has no part
+                writes += [(parts[optim_key(fqn, key)], now[key]) for key in sorted(before) if optim_key(fqn, key) in parts]
             for part, value in writes:
                 _copy_into(part, [(0, value.detach().reshape(-1))])
         finally:
