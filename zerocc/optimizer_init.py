@@ -84,7 +84,11 @@ def shadow_of(optimizer: torch.optim.Optimizer, param_groups: list[dict]) -> tor
     ``AttributeError``. The hooks are left out, as ``Optimizer.__setstate__`` leaves them out of such a copy.
     """
     shadow = object.__new__(type(optimizer))
-    shadow.__dict__.update(optimizer.__dict__)
+    # not the instance's own patches of the class's methods: an LR scheduler replaces ``optimizer.step`` by a
+    # wrapper that calls the user's optimizer (through a weak reference to it), so the shadow's step() updated the
+    # user's parameters and groups instead of its own (the shard pass then failed on a KeyError)
+    shadow.__dict__.update({name: value for name, value in optimizer.__dict__.items()
+                            if not (callable(value) and callable(getattr(type(optimizer), name, None)))})
     for hooks in _HOOKS:
         setattr(shadow, hooks, collections.OrderedDict())
     shadow.state = collections.defaultdict(dict)
