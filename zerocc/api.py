@@ -1135,6 +1135,21 @@ class CompiledStep:
             failures.meet(self.ranks, "step.full_model", self.steps, self.timeout)
         return user_views.full_model(self, writeback)
 
+    def full_optimizer(self):
+        """``with step.full_optimizer(): optimizer.eval()``: the whole parameters in the module and the whole
+        optimizer state in ``optimizer.state`` for the block, both written back into the step on exit.
+
+        For an optimizer's own methods that read its state and change the parameters: Schedule-Free's
+        ``optimizer.eval()`` before evaluating or saving, ``optimizer.train()`` before training on (a collective at
+        stages 1-3 over several ranks: every rank enters it). Anything else in the block sees what
+        ``full_model`` shows (``zerocc/user_views.py``).
+        """
+        self._check_open()
+        user_views.refuse_inside_full_model(self, "step.full_optimizer")
+        if self._gathers or (self.state.started and self.ranks.world_size > 1 and self.stage > 0):
+            failures.meet(self.ranks, "step.full_optimizer", self.steps, self.timeout)
+        return user_views.full_optimizer(self)
+
     def close(self) -> None:
         """Hand the model and optimizer back, trained: the step cannot be called afterwards.
 

@@ -84,7 +84,11 @@ def shadow_of(optimizer: torch.optim.Optimizer, param_groups: list[dict]) -> tor
     ``AttributeError``. The hooks are left out, as ``Optimizer.__setstate__`` leaves them out of such a copy.
     """
     shadow = object.__new__(type(optimizer))
-    shadow.__dict__.update(optimizer.__dict__)
+    # not the instance's own patches of the class's methods: an LR scheduler replaces ``optimizer.step`` by a
+    # wrapper that calls the user's optimizer (through a weak reference to it), so the shadow's step() updated the
+    # user's parameters and groups instead of its own (the shard pass then failed on a KeyError)
+    shadow.__dict__.update({name: value for name, value in optimizer.__dict__.items()
+                            if not (callable(value) and callable(getattr(type(optimizer), name, None)))})
     for hooks in _HOOKS:
         setattr(shadow, hooks, collections.OrderedDict())
     shadow.state = collections.defaultdict(dict)
@@ -226,6 +230,17 @@ def _undo_writes(values: dict, before: dict, owner: str, is_group: bool) -> dict
     return changed
 
 
+_SCHEDULE_FREE_HINT = (
+    "\n  Schedule-Free optimizers (the schedulefree package's AdamWScheduleFree, SGDScheduleFree) keep k and "
+    "weight_sum so; one keeping them as tensors in self.state[p] trains, with optimizer.eval() and optimizer.train() "
+    "called inside `with step.full_optimizer():` (docs/guide/training-loops.md, Schedule-Free).")
+
+
+def _has_train_and_eval(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` has ``train()`` and ``eval()`` methods, as Schedule-Free's optimizers do."""
+    return callable(getattr(optimizer, "train", None)) and callable(getattr(optimizer, "eval", None))
+
+
 def refuse_python_state(optimizer: torch.optim.Optimizer, params: Sequence[tuple[str, torch.Tensor, int]]) -> None:
     """Refuse an optimizer whose per-parameter state holds a Python value that its later steps depend on.
 
@@ -283,7 +298,7 @@ def refuse_python_state(optimizer: torch.optim.Optimizer, params: Sequence[tuple
                 "  fix: keep what changes from step to step as a tensor in the per-parameter state "
                 "(self.state[p]['step'] = torch.tensor(0.0), as torch.optim's optimizers keep their step count); a "
                 "statistic over all parameters (D-Adaptation's and Prodigy's d) cannot be kept per parameter: "
-                "such an optimizer trains with eager PyTorch only.")
+                "such an optimizer trains with eager PyTorch only." + _SCHEDULE_FREE_HINT * _has_train_and_eval(optimizer))
         if dropped and not same:
             described = ", ".join(f"{key!r} (a Python {type(value).__name__}, {value!r} after the first step)"
                                   for key, value in dropped.items())

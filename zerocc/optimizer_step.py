@@ -14,6 +14,7 @@ import inspect
 import operator
 import os
 import traceback
+import weakref
 from typing import Sequence
 
 import torch
@@ -25,7 +26,7 @@ from torch._prims_common import make_contiguous_strides_for
 from . import graph as g
 from .tracing import empty_fake, fakeify, make_fake_mode, record_source_lines_of, trace_functional
 from .errors import ConfigError, UnsupportedOptimizerError, innermost_frame, user_line_of_node
-from .optimizer_init import shadow_of
+from .optimizer_init import _has_train_and_eval, shadow_of
 
 aten = torch.ops.aten
 
@@ -36,22 +37,81 @@ aten = torch.ops.aten
 LIVE_SETTINGS = ("lr", "betas")
 
 
-def live_keys(group: dict) -> tuple[str, ...]:
-    """The settings of ``group`` its program reads each step: ``lr``, and with a number lr numeric betas."""
+def live_keys(group: dict, betas_live: bool = True) -> tuple[str, ...]:
+    """The settings of ``group`` its program reads each step: ``lr``, and with a number lr numeric betas (unless
+    ``betas_live`` is False: ``reads_betas_live``)."""
     if isinstance(group["lr"], torch.Tensor):
         return ("lr",)   # a tensor lr is passed as itself (its dtype is eager's); the rest is traced
     betas = group.get("betas")
-    if isinstance(betas, (tuple, list)) and len(betas) == 2 and all(
+    if betas_live and isinstance(betas, (tuple, list)) and len(betas) == 2 and all(
             isinstance(b, numbers.Real) and not isinstance(b, bool) for b in betas):
         return ("lr", "betas")
     return ("lr",)
 
 
+# per optimizer, whether its step() takes betas read each step (``reads_betas_live``)
+_BETAS_LIVE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def reads_betas_live(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the program reads ``optimizer``'s betas each step, as traced numbers, or traces them in as constants.
+
+    Read each step, a scheduler cycling them (OneCycleLR's ``cycle_momentum``) needs no recompile; but the traced
+    step sees them as symbolic numbers, which arithmetic takes and a conversion to a Python float does not: an
+    optimizer from another package computing ``math.sqrt(1 - beta2)``, ``math.pow(beta1, k)`` or ``float(beta1)``
+    (pytorch_optimizer's debiasing) failed to trace, refused as a "branch on a value", though eager's update is
+    the same at every step. torch.optim's own optimizers compute with them as numbers: read each step. Any other
+    is tried once, on a fake stand-in parameter, with them symbolic and with them as constants; if only the
+    constants trace, they are traced in (a change of betas then compiles a new program, as for any setting).
+    """
+    if inspect.unwrap(type(optimizer).step).__module__.startswith("torch."):
+        return True
+    known = _BETAS_LIVE.get(optimizer)
+    if known is None:
+        known = _BETAS_LIVE[optimizer] = not _betas_only_as_constants(optimizer)
+    return known
+
+
+def _betas_only_as_constants(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether one ``step()`` of ``optimizer`` on a fake stand-in traces with numeric betas and not with symbolic ones."""
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+    from .optimizer_init import _shadow
+    from .tracing import make_fake_mode
+    groups = [index for index, group in enumerate(optimizer.param_groups)
+              if "betas" in live_keys(group) and group["params"]]
+    if not groups:
+        return False
+    index = groups[0]
+    like = optimizer.param_groups[index]["params"][0]
+
+    def traces(symbolic: bool) -> bool:
+        fake_mode = make_fake_mode()
+        with fake_mode:
+            param = torch.zeros(2, dtype=like.dtype)
+            grad = torch.ones(2, dtype=like.dtype)
+            betas = torch.tensor([float(b) for b in optimizer.param_groups[index]["betas"]], dtype=torch.float64)
+        shadow = _shadow(optimizer, index, param)
+        if symbolic:
+            with fake_mode:
+                shadow.param_groups[0]["betas"] = (betas[0].item(), betas[1].item())
+        try:
+            with fake_mode, torch.no_grad():
+                param.grad = grad
+                shadow.step()
+        except GuardOnDataDependentSymNode:
+            return False
+        except Exception:   # anything else: the trace of the step says what it is
+            return True
+        return True
+    return not traces(symbolic=True) and traces(symbolic=False)
+
+
 def live_layout(optimizer: torch.optim.Optimizer) -> list[tuple[int, str]]:
     """(param group, name) of each tensor ``live_settings`` returns, in order: ``lr``, ``betas0``, ``betas1``."""
     layout = []
+    betas_live = reads_betas_live(optimizer)
     for index, group in enumerate(optimizer.param_groups):
-        for key in live_keys(group):
+        for key in live_keys(group, betas_live):
             layout += [(index, "betas0"), (index, "betas1")] if key == "betas" else [(index, key)]
     return layout
 
@@ -59,8 +119,9 @@ def live_layout(optimizer: torch.optim.Optimizer) -> list[tuple[int, str]]:
 def hyperparameter_signature(optimizer: torch.optim.Optimizer) -> tuple:
     """The group settings baked into a traced update; a change means re-capture."""
     signature = []
+    betas_live = reads_betas_live(optimizer)
     for group in optimizer.param_groups:
-        live = live_keys(group)
+        live = live_keys(group, betas_live)
         items = [("read every step", live)]
         if isinstance(group["lr"], torch.Tensor):
             items.append(("lr", ("a tensor", str(group["lr"].dtype))))
@@ -78,6 +139,7 @@ def live_settings(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     """This step's live settings in ``live_layout`` order: each a float64 scalar (exact as a Python float), but a
     tensor lr, passed as a copy of itself."""
     values = []
+    betas_live = reads_betas_live(optimizer)
     for index, group in enumerate(optimizer.param_groups):
         lr = group["lr"]
         if isinstance(lr, torch.Tensor):   # eager's update computes with the tensor, in its dtype: so does the step's
@@ -86,7 +148,7 @@ def live_settings(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
         if not isinstance(lr, numbers.Real):
             raise ConfigError(f"param group {index} has lr={lr!r}; zerocc needs a number")
         values.append(torch.tensor(float(lr), dtype=torch.float64))
-        if "betas" in live_keys(group):
+        if "betas" in live_keys(group, betas_live):
             values += [torch.tensor(float(beta), dtype=torch.float64) for beta in group["betas"]]
     return values
 
@@ -180,15 +242,31 @@ def optimizer_update(
                 "on the devices it names only; eager's optimizer.step() raises the same on these parameters.\n"
                 "  fix: build the optimizer with capturable=False (the default)."
             ) from error
+        if _has_train_and_eval(optimizer) and "train" in str(error).lower():
+            where = innermost_frame(traceback.extract_tb(error.__traceback__), _optimizer_files(type(optimizer)).__contains__)
+            raise UnsupportedOptimizerError(
+                f"{name}.step() raised{f' at {where}' if where else ''}: {type(error).__name__}: "
+                f"{str(error).splitlines()[0]}\n"
+                "  why: a Schedule-Free optimizer steps only in train mode, a setting of its param groups "
+                "(optimizer.eval() leaves it, as does loading a checkpoint saved after optimizer.eval()); the compiled "
+                "step traces step() with the param groups as they are at the call.\n"
+                "  fix: call optimizer.train() before the step's first call, and after optimizer.eval() or a load, "
+                "inside `with step.full_optimizer(): optimizer.train()` (it moves the parameters back with the state "
+                "the step holds)."
+            ) from error
         branch = _optimizer_branch(error, type(optimizer))
         if branch is not None:
             raise UnsupportedOptimizerError(
-                f"{name}.step() branches in Python on a value it computes from its state or settings, at {branch}\n"
+                f"{name}.step() branches in Python on a value it computes from its state or settings, or makes a "
+                f"Python number of one, at {branch}\n"
                 "  why: zerocc traces the update once, on tensors whose values it does not know, and runs it every "
                 "step; a branch on the step count (RAdam's rho_t, ASGD's mu) takes different sides at different "
-                "steps. (RAdam's and ASGD's updates are otherwise elementwise; it is this branch that cannot be traced.)\n"
+                "steps, and a Python number made of it (state['step'].item(), float(...), math.pow(beta, step)) would "
+                "be the first step's at every step. (RAdam's and ASGD's updates are otherwise elementwise; it is this "
+                "branch that cannot be traced.)\n"
                 "  fix: use an optimizer whose step() does not branch on values (SGD, Adam, AdamW, NAdam, Adamax, "
-                "Adagrad, Adadelta, RMSprop, Rprop)."
+                "Adagrad, Adadelta, RMSprop, Rprop); in an optimizer of your own, compute with tensor ops "
+                "(1 - beta1 ** state['step'] with the step count a tensor, torch.where instead of an if)."
             ) from error
         raise UnsupportedOptimizerError(
             f"{name}.step() could not be traced: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}\n"
@@ -607,6 +685,11 @@ def initial_state_layout(optimizer: torch.optim.Optimizer, params: Sequence[torc
     """
     group_of_id = {id(p): index for index, group in enumerate(optimizer.param_groups) for p in group["params"]}
     group_of = [group_of_id[id(p)] for p in params]
+    if _has_train_and_eval(optimizer) and any(group.get("train_mode") is False for group in optimizer.param_groups):
+        # Schedule-Free's step() raises in eval mode, and a checkpoint saved after optimizer.eval() loads into a
+        # step before its first call in eval mode: the state its first step creates is the same in either mode
+        optimizer = shadow_of(optimizer, [{**group, "train_mode": True} if "train_mode" in group else group
+                                          for group in optimizer.param_groups])
     fake_mode = make_fake_mode()
     if shapes is None:
         fakes = fakeify(fake_mode, ([p.detach() for p in params], [torch.zeros_like(p.detach()) for p in params]))

@@ -165,7 +165,9 @@ class HeldOptimizerState(collections.defaultdict):
                     f"optimizer.state[{names[0]!r}] after the compiled step's first call: the step holds the "
                     f"optimizer state in its own buckets (stage {step.stage}), and optimizer.state is left empty. "
                     f"Read it from {current}; change it with step.load_state_dict or zerocc.load_checkpoint; "
-                    "step.close() hands it back to optimizer.state")
+                    "step.close() hands it back to optimizer.state. To run the optimizer's own code over its "
+                    "state (Schedule-Free's optimizer.eval() and optimizer.train()), call it inside `with "
+                    "step.full_optimizer(): optimizer.eval()`, which puts the whole state there for the block")
         return super().__missing__(key)
 
     def __reduce__(self):   # copy.deepcopy(optimizer), torch.save(optimizer): a plain defaultdict, no step
@@ -210,6 +212,58 @@ def full_model(step, writeback: bool = True):
         step.state.pointed_at.clear()   # the write-back may have replaced slots
         point_module_at_slots(step)
         _note_placeholder_versions(step)
+
+
+@contextlib.contextmanager
+def full_optimizer(step):
+    """The whole model and the whole optimizer state in the user's objects for the block (a collective at stages
+    1-3 over several ranks), both written back into the step on exit.
+
+    Some optimizers have methods of their own that read the state their ``step()`` keeps and change the
+    parameters: Schedule-Free's ``optimizer.eval()`` and ``optimizer.train()`` move each parameter between the
+    training point ``y`` and the averaged point ``x`` it is evaluated and saved at, ``p.lerp_(state['z'], ...)``.
+    Outside a block ``optimizer.state`` of a trained parameter raises (``HeldOptimizerState``): the step holds it in
+    its slots. Inside, the parameters are whole in the module (``full_model``) and ``optimizer.state`` holds each
+    trained parameter's state whole, as eager's optimizer keeps it, so that code runs as in eager, on the same
+    values with the same elementwise ops: bit for bit. On exit the parameters and the state go back into the
+    step's slots (this rank's shard of each); a state entry replaced by one of another shape or dtype, or a key
+    added or dropped, is refused: the step's program reads the layout its first call laid out. An exception in the
+    block writes nothing back.
+    """
+    if not step.state.started:   # before the first call the optimizer holds its state itself
+        yield step.optimizer
+        return
+    from .state_dict import _copy_into, _parts, gathered_optimizer_state, optim_key
+    whole = gathered_optimizer_state(step)   # a collective at stages 1-3 over several ranks
+    held = step.optimizer.state
+    params = {names[0]: tensor for names, tensor in step.state.module_tensors["param"]}
+    given = {fqn: dict(entries) for fqn, entries in whole.items() if fqn in params}
+    with full_model(step, writeback=True):
+        state = collections.defaultdict(dict, {p: s for p, s in held.items()})   # frozen parameters' state
+        for fqn, entries in whole.items():
+            if fqn in params:
+                state[params[fqn]] = entries
+        step.optimizer.state = state
+        try:
+            yield step.optimizer
+            parts = _parts(step)
+            writes = []
+            for fqn, before in given.items():
+                now = state.get(params[fqn], {})
+                if set(now) != set(before) or any(
+                        not isinstance(now[key], torch.Tensor) or now[key].shape != value.shape
+                        or now[key].dtype != value.dtype for key, value in before.items()):
+                    raise ConfigError(
+                        f"optimizer.state[{fqn!r}] changed its layout inside `with step.full_optimizer():` (keys "
+                        f"{sorted(before)} before, {sorted(now)} after, or an entry of another shape or dtype): the "
+                        "compiled step's program reads the layout its first call laid out. Change the values in "
+                        "place (state['z'].copy_(...)); nothing of the block was written back")
+                # a rank holding no piece of a parameter's state (stage 3, a small bias on another rank) has no part
+                writes += [(parts[optim_key(fqn, key)], now[key]) for key in sorted(before) if optim_key(fqn, key) in parts]
+            for part, value in writes:
+                _copy_into(part, [(0, value.detach().reshape(-1))])
+        finally:
+            step.optimizer.state = held
 
 
 def refuse_inside_full_model(step, call: str) -> None:

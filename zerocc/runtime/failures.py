@@ -423,7 +423,7 @@ def smallest_over_ranks(ranks: Ranks, value: int | None) -> int | None:
 # fails on every rank, naming what each called, instead of pairing its collectives with the wrong ones and hanging
 TRAINING_STEP = "the training step"
 CALLS = (TRAINING_STEP, "step.eval_forward", "step.full_state_dict", "step.full_model", "zerocc.save_checkpoint",
-         "zerocc.load_checkpoint", "step.close")
+         "zerocc.load_checkpoint", "step.close", "step.full_optimizer")
 
 
 def check_calls_agree(ranks: Ranks, call: str, lines: Sequence[str] = (), missed: bool = False,
