@@ -146,3 +146,25 @@ def test_the_wheel_holds_every_subpackage_and_file_of_zerocc(tmp_path):
     assert not missing, f"not in the wheel: {missing}"
     entry_points = zipfile.ZipFile(wheel).read(next(n for n in packed if n.endswith(".dist-info/entry_points.txt")))
     assert "zerocc = zerocc.cli:main" in entry_points.decode()
+
+
+def test_messages_name_zerocc_pages_that_exist():
+    """An installed zerocc has no docs/ folder beside the user's code: a message pointing at a page says it is
+    zerocc's, and the page exists in the repository (a page renamed or moved leaves the message pointing nowhere).
+    Strings only (docstrings and comments are for readers of the source, who have the checkout)."""
+    wrong, seen = [], 0
+    for path in sorted((ROOT / "zerocc").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        docstrings = {id(node.value) for node in ast.walk(tree) if isinstance(node, ast.Expr)}
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Constant) and isinstance(node.value, str)) or id(node) in docstrings:
+                continue
+            for match in re.finditer(r"(\S*\s?)(docs/[\w/-]+\.md)", node.value):
+                seen += 1
+                where = f"{path.relative_to(ROOT)}:{node.lineno}"
+                if not (ROOT / match.group(2)).exists():
+                    wrong.append(f"{where}: {match.group(2)} does not exist")
+                if match.group(1).strip("( ") != "zerocc's":
+                    wrong.append(f"{where}: '{match.group(0)}' does not say the page is zerocc's")
+    assert seen >= 5
+    assert not wrong, "\n".join(wrong)
