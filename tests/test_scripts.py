@@ -168,3 +168,11 @@ def test_messages_name_zerocc_pages_that_exist():
                     wrong.append(f"{where}: '{match.group(0)}' does not say the page is zerocc's")
     assert seen >= 5
     assert not wrong, "\n".join(wrong)
+
+
+def test_benchmarks_readme_lists_every_script():
+    """benchmarks/README.md's table is where a reader finds what each script measures (first_step.py and predict.py
+    were missing from it)."""
+    listed = set(re.findall(r"^\| `([\w.]+)` \|", (ROOT / "benchmarks" / "README.md").read_text(), flags=re.MULTILINE))
+    scripts = {p.name for p in (ROOT / "benchmarks").iterdir() if p.suffix in (".py", ".sh")}
+    assert not scripts - listed, sorted(scripts - listed)
