@@ -66,6 +66,8 @@ class TimedProgram:
             boxed.clear()
         return self.timer.run(*arguments, enable_io_processing=False)
 
+    forward = __call__   # Program.run calls ``gm.forward`` (skipping nn.Module's call machinery)
+
 
 def main():
     parser = argparse.ArgumentParser()
