@@ -27,7 +27,6 @@ import compare  # noqa: E402  (puts zerocc and examples on the path)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.fx as fx  # noqa: E402
-from gpt import random_batch  # noqa: E402
 
 from zerocc import graph as g  # noqa: E402
 from zerocc.runtime.release import releases_slots  # noqa: E402
@@ -67,6 +66,8 @@ class TimedProgram:
             boxed.clear()
         return self.timer.run(*arguments, enable_io_processing=False)
 
+    forward = __call__   # Program.run calls ``gm.forward`` (skipping nn.Module's call machinery)
+
 
 def main():
     parser = argparse.ArgumentParser()
@@ -79,7 +80,7 @@ def main():
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     generator = torch.Generator().manual_seed(1000 + rank)
-    data = [random_batch(generator, compare.BATCH) for _ in range(args.warmup + args.rounds)]
+    data = [compare.model_batch(generator) for _ in range(args.warmup + args.rounds)]
     names = args.systems.split(",")
     steps, timers = {}, {}
     for name in names:

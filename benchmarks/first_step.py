@@ -88,6 +88,8 @@ def main() -> None:
     unknown = [n for n in names if n not in SYSTEMS]
     if unknown:
         raise SystemExit(f"unknown systems {unknown}: choose from {', '.join(SYSTEMS)}")
+    if args.steps < 2:   # the table's columns: the first, the second and the steady step
+        parser.error("--steps: at least 2 (a first and a second step)")
     if "zerocc-warm" in names and "zerocc-cold" not in names:
         raise SystemExit("zerocc-warm loads what zerocc-cold stored in this run: list zerocc-cold before it")
     compare.select_model(args.model)

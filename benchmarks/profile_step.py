@@ -24,7 +24,6 @@ sys.path.insert(0, HERE)
 import compare  # noqa: E402  (sets DeepSpeed's environment, puts zerocc and examples on the path)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from gpt import random_batch  # noqa: E402
 
 
 def main():
@@ -38,7 +37,7 @@ def main():
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     generator = torch.Generator().manual_seed(1000 + rank)
-    data = [random_batch(generator, compare.BATCH) for _ in range(args.warmup + args.steps + 1)]
+    data = [compare.model_batch(generator) for _ in range(args.warmup + args.steps + 1)]
     for name in args.systems.split(","):
         step = compare.system(name)()
         for i in range(args.warmup):

@@ -64,7 +64,7 @@ from .user_tooling import saved_tensors_hooks_state, suspended_user_tooling
 
 # dynamo's message when fullgraph=True refuses the skip (its hint, to remove torch.compiler.disable, is not the user's)
 _DYNAMO_SKIPS = ("zerocc's step is a compiled program already: remove torch.compile around the step or zerocc.compile "
-                 "(without fullgraph=True, torch.compile runs them as they are; docs/guide/your-model.md)")
+                 "(without fullgraph=True, torch.compile runs them as they are; zerocc's docs/guide/your-model.md)")
 
 
 @torch.compiler.disable(reason=_DYNAMO_SKIPS)
@@ -396,7 +396,7 @@ def _refuse_tensors_another_step_trains(step: "CompiledStep", captured: Captured
             "eager reads the shared module's current values. Give this model its own frozen copy of the shared "
             "module (copy.deepcopy(module).requires_grad_(False)) and refresh it in place after every call of "
             "the other step: `with other_step.full_model(writeback=False): my_copy.load_state_dict("
-            "module.state_dict())` (docs/guide/your-model.md, \"Two steps over one module\")")
+            "module.state_dict())` (zerocc's docs/guide/your-model.md, \"Two steps over one module\")")
 
 
 class CompiledStep:

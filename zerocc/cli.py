@@ -4,6 +4,8 @@
                 "seq": 1024, "vocab": 51200}' --inputs long:1x1024 long:1x1024 \\
                 --world-size 1,4,16,64,256,1024 --stage 1,2,3 --param-dtype bfloat16 --plot plan.png
 
+``examples.gpt:GPT`` is the example GPT of zerocc's repository (run from its root); name your own the same
+way: ``my_model:build`` imports my_model.py from the current folder, ``path/to/my_model.py:build`` loads a file.
 The factory (``module:callable``) is called under ``torch.device("meta")``
 (``--device`` changes that) and returns the model, or ``(model,
 example_inputs)`` (a tuple, or a dict of keyword inputs). Inputs given with
@@ -82,10 +84,10 @@ OPTIMIZERS = {
 
 def load_factory(spec: str):
     if ":" not in spec:
-        raise UsageError(f"--model {spec!r}: expected module:factory, e.g. examples.gpt:GPT")
+        raise UsageError(f"--model {spec!r}: expected module:factory, e.g. my_model:build (my_model.py in this folder) or path/to/my_model.py:build")
     module_name, attribute = spec.split(":", 1)
     if not module_name or not attribute:
-        raise UsageError(f"--model {spec!r}: expected module:factory, e.g. examples.gpt:GPT")
+        raise UsageError(f"--model {spec!r}: expected module:factory, e.g. my_model:build (my_model.py in this folder) or path/to/my_model.py:build")
     sys.path.insert(0, os.getcwd())
     try:
         if module_name.endswith(".py") or os.sep in module_name:

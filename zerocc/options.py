@@ -197,7 +197,7 @@ def check_model_and_optimizer(model, optimizer) -> None:
             "backward.\n  fix: one torch.optim.Optimizer whose param groups choose their update (a flag in each "
             "group, as Muon-with-AdamW recipes keep: `use_muon=True` for the hidden matrices, AdamW for embeddings, "
             "norms and biases), its state tensors shaped like their parameters or 0-dim; an update that is not "
-            "elementwise (Muon's) trains at stage=0 only. docs/guide/stages.md has an example")
+            "elementwise (Muon's) trains at stage=0 only. zerocc's docs/guide/stages.md has an example")
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ConfigError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if type(optimizer).__name__ == "ZeroRedundancyOptimizer" and type(optimizer).__module__.startswith(
@@ -269,7 +269,7 @@ def check_not_parallelized(model: nn.Module) -> None:
             "): FSDP2's fully_shard or tensor parallelism already sharded them. zerocc shards plain tensors itself: "
             "pass the model as built, before fully_shard or parallelize_module (zerocc has no tensor parallelism of "
             "its own: a model split across ranks by hand, with functional collectives in forward, compiles over one "
-            "group per replica set, group=; docs/guide/your-model.md, 'Collectives in the step')")
+            "group per replica set, group=; zerocc's docs/guide/your-model.md, 'Collectives in the step')")
     distributed = [name for name, buffer in model.named_buffers() if isinstance(buffer, DTensor)]
     if distributed:   # broadcast from rank 0 at compile, a DTensor failed inside torch (no sharding strategy)
         raise ConfigError(

@@ -620,7 +620,7 @@ def _new_version(path: str) -> str:
 
 
 SHARED_STORAGE = ("every rank writes its own shards into the one checkpoint folder, so the path must be on storage every "
-                  "node mounts at the same path (NFS, Lustre, a mounted bucket); see docs/guide/checkpoints.md")
+                  "node mounts at the same path (NFS, Lustre, a mounted bucket); see zerocc's docs/guide/checkpoints.md")
 
 
 def _node() -> str:

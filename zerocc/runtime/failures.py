@@ -216,7 +216,7 @@ def collective_failures(ranks: Ranks, step_number: int, timeout: float | None, c
             "  fix: look at the other ranks' output for the first error; restart every rank from the last "
             "checkpoint (zerocc.load_checkpoint). compile(..., timeout=seconds) bounds how long ranks wait. "
             "Every rank must make the same calls: give every rank the same number of batches (DistributedSampler "
-            "pads; a dataset sharded by hand: stop every rank when the first runs out, docs/guide/failures.md)."
+            "pads; a dataset sharded by hand: stop every rank when the first runs out, zerocc's docs/guide/failures.md)."
         ) from error
 
 

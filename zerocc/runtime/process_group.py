@@ -48,7 +48,7 @@ def resolve(group=None, device: torch.device | None = None) -> Ranks:
                     "that is gone (a torch issue, pytorch/pytorch#135712)\n  fix: start torchrun with "
                     "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment (each attempt then gets a store of its "
                     "own), e.g. TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --max-restarts 1 ... "
-                    "(docs/launch.md)") from error
+                    "(zerocc's docs/launch.md)") from error
         if not dist.is_initialized():
             return Ranks(1, 0, None, None)
         group = dist.group.WORLD
