@@ -406,6 +406,11 @@ def resumed_world_size(outcome: Outcome, world_size: int) -> int:
     return max(world_size, outcome.resumed_from or 1)
 
 
+def _rows(batch: Batch) -> int:
+    args, kwargs = batch
+    return next(v.shape[0] for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor))
+
+
 def _eval_inputs(loss_fn, batch: Batch) -> Batch:
     args, kwargs = batch
     return (args[:-1] if loss_fn is not None else args), kwargs
@@ -479,8 +484,10 @@ def _run_case(case: Case, rank: int, world_size: int, folder: str | None, first_
     optimizer = make_optimizer(case, model)
     stage = case.resume_stage if resuming and case.resume_stage is not None else case.stage
     try:
+        # the budget is planned on the largest batch: with shape_change the larger shape peaks higher, and a budget
+        # of the smaller one's peak is rightly refused when that shape compiles
         options = compile_options(dataclasses.replace(case, stage=stage), model, optimizer, loss_fn,
-                                  data[numbers[0]], world_size)
+                                  max(data.values(), key=_rows), world_size)
         if case.cache_dir:
             options["cache_dir"] = os.path.join(folder, "cache")
         outcome.budget = options.get("memory_budget")
