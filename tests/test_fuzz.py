@@ -214,6 +214,21 @@ def test_a_budget_of_the_planned_pooled_peak_is_accepted_on_the_first_step(monke
     compare(run_case(Case(model="mlp", stage=0, memory_budget_fraction=1.0, memory_pools=True)))
 
 
+@pytest.mark.xfail(strict=True, reason="not fixed yet: a step that loads a checkpoint before its first call plans a "
+                                       "higher peak than the run that saved it (108,352 against 68,672 bytes)")
+def test_a_resumed_run_fits_the_budget_the_run_that_saved_it_fit():
+    """Found by the 2026-12-07 run (seed 1813, world size 2; world size 1 too): the first run trains under a 0.75
+    budget (81,264 bytes, peak 68,672); the same compile in a new process that zerocc.load_checkpoint's before the
+    first call (same stage, world size, options, batch) is refused with MemoryBudgetError (smallest peak 108,352).
+    AdamW in fp32 under a 1.0 budget resumes within it."""
+    runs = run_whole_case(Case(model="mlp", stage=3, optimizer="adam_amsgrad", precision="fp16_dynamic",
+                               memory_budget_fraction=0.75, memory_pools=True, prefetch_bytes=4096,
+                               frozen=("net.0.bias", "net.2.bias"), frozen_in_optimizer=False, resume_after=1))
+    assert [outcome.refused for _, (outcome,) in runs] == [None, None]
+    for _, (outcome,) in runs:
+        compare(outcome)
+
+
 # -- the long run as a script: every case logged, failures collected, none stops the run -----
 
 def main(argv=None) -> int:
