@@ -34,14 +34,17 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
+import tempfile
 import time
+import warnings
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
 import zerocc
-from zerocc.errors import MemoryBudgetError
+from zerocc.errors import MemoryBudgetError, RecompileWarning
 from tests.models import ZOO, build
 
 MODELS = ("mlp", "gpt", "cnn")
@@ -144,6 +147,18 @@ class Case:
     param_groups: bool = False                     # two groups: weights, and the rest with another lr and no decay
     steps: int = 2
     batch_size: int = 8                            # per rank
+    # what a training loop does between and around steps (the long runs draw them: docs/fuzzing.md)
+    eval_between: bool = False                     # step.eval_forward on the step's inputs after every step
+    shape_change: bool = False                     # every odd-numbered step's batch has twice the rows (a new program)
+    max_programs: int | None = None                # None: the default; 1 with shape_change: every step compiles again
+    resume_after: int | None = None                # save_checkpoint after this many steps, resume in new processes
+    resume_stage: int | None = None                # the resumed step's stage (None: the same)
+    resume_world_size: int | None = None           # the resumed run's world size (None: the same)
+    cache_dir: bool = False                        # a compile cache both runs share (the resumed one loads from it)
+
+    @property
+    def resumed(self) -> bool:
+        return self.resume_after is not None
 
 
 def make_optimizer(case: Case, model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -175,10 +190,12 @@ Batch = tuple[tuple, dict]   # (positional arguments, keyword arguments): step(*
 
 
 def case_batches(case: Case, world_size: int, seed: int = 1) -> list[Batch]:
-    """The global batches (``batch_size`` per rank); rank r trains on its r-th slice."""
+    """The global batches (``batch_size`` per rank, twice that on odd steps with ``shape_change``); rank r trains on
+    its r-th slice. ``world_size`` is the first run's: a resumed run at another world size splits the same batches."""
     generator = torch.Generator().manual_seed(seed)
     make = ARCHITECTURES[case.model].batch if case.model in ARCHITECTURES else ZOO[case.model][1]
-    batches = [make(generator, case.batch_size * world_size) for _ in range(case.steps)]
+    batches = [make(generator, case.batch_size * world_size * (2 if case.shape_change and number % 2 else 1))
+               for number in range(case.steps)]
     return [((), batch) if isinstance(batch, dict) else (tuple(batch), {}) for batch in batches]
 
 
@@ -208,6 +225,8 @@ def compile_options(case: Case, model, optimizer, loss_fn, example, world_size) 
         options["prefetch_bytes"] = case.prefetch_bytes
     if case.bucket_bytes is not None:
         options["bucket_bytes"] = case.bucket_bytes
+    if case.max_programs is not None:
+        options["max_programs"] = case.max_programs
     if case.memory_budget_fraction is not None:
         # the budget bounds the highest rank's peak (ranks own different optimizer pieces), and a plan is
         # one rank's: each rank plans its own, the highest is the baseline
@@ -326,21 +345,93 @@ class Outcome:
     expected_norms: list
     expected_state: dict
     expected_scale: float | None
+    expected_evals: list = dataclasses.field(default_factory=list)   # eval_forward's outputs (eval_between)
     losses: list = dataclasses.field(default_factory=list)
     norms: list = dataclasses.field(default_factory=list)
     state: dict = dataclasses.field(default_factory=dict)
     scale: float | None = None
+    evals: list = dataclasses.field(default_factory=list)
     budget: int | None = None
     peak_bytes: int | None = None  # what the budget bounds (budgeted_peak)
     refused: str | None = None     # a documented refusal (MemoryBudgetError): not a failure
     error: str | None = None       # anything else raised: a failure
     seconds: float = 0.0
+    resumed_from: int | None = None   # the resumed run's outcome: the first run's world size
+    compile_cache: str | None = None  # report()["compile_cache"] after the last step (cache_dir)
 
 
-def run_case(case: Case, rank: int = 0, world_size: int = 1) -> Outcome:
-    """Train the reference and the compiled step on this rank's slices of the same batches."""
+def run_case(case: Case, rank: int = 0, world_size: int = 1, folder: str | None = None) -> Outcome:
+    """Train the reference and the compiled step on this rank's slices of the same batches.
+
+    A resumed case (``resume_after``) trains that many steps here and saves both sides into ``folder`` (the step
+    with ``zerocc.save_checkpoint``, the reference's state dicts from rank 0); ``resume_case`` trains the rest."""
+    if case.resumed and folder is None:
+        raise ValueError(f"{case!r} saves a checkpoint: pass a folder (run_whole_case does)")
     with _deterministic(case.model in ARCHITECTURES):
-        return _run_case(case, rank, world_size)
+        return _run_case(case, rank, world_size, folder)
+
+
+def resume_case(rank: int, world_size: int, case: Case, folder: str, first_world_size: int) -> Outcome:
+    """The rest of a resumed case, in new processes (``tests/distributed.py``'s ``run`` target): the reference loads
+    the saved state dicts, the compiled step is compiled at ``resume_stage`` on fresh objects and loads the
+    checkpoint with ``zerocc.load_checkpoint``, as a user's restarted job does."""
+    with _deterministic(case.model in ARCHITECTURES):
+        return _run_case(case, rank, world_size, folder, first_world_size)
+
+
+def run_whole_case(case: Case) -> list[tuple[int, list[Outcome]]]:
+    """A world-size-1 case, resumed in new processes if it says so: (world size, outcomes by rank) of each run."""
+    if not case.resumed:
+        return [(1, [run_case(case)])]
+    with tempfile.TemporaryDirectory() as folder:
+        first = run_case(case, folder=folder)
+        return [(1, [first])] + run_resumed(case, 1, folder, [first])
+
+
+def run_resumed(case: Case, world_size: int, folder: str, first: list[Outcome]) -> list[tuple[int, list[Outcome]]]:
+    """The resumed runs after the first run's ``first`` (outcomes by rank), each as (world size, outcomes by rank),
+    in new processes (multi-rank or not): none if the first was refused or failed (no checkpoint to resume from).
+    With ``cache_dir`` the restart runs twice: the first restart's compiles miss (a step that loaded optimizer
+    state before its first call is another program than the first run's) and store, the second loads them."""
+    from tests import distributed
+    if not case.resumed or any(o.refused or o.error for o in first):
+        return []
+    size = case.resume_world_size or world_size
+    return [(size, distributed.run(resume_case, size, case, folder, world_size)) for _ in range(2 if case.cache_dir else 1)]
+
+
+def resumed_world_size(outcome: Outcome, world_size: int) -> int:
+    """The world size whose tolerance an outcome trained at ``world_size`` is held to: for a resumed run the larger
+    of both runs' (it starts from state trained across ranks, within their tolerance of the reference's)."""
+    return max(world_size, outcome.resumed_from or 1)
+
+
+def _rows(batch: Batch) -> int:
+    args, kwargs = batch
+    return next(v.shape[0] for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor))
+
+
+def _eval_inputs(loss_fn, batch: Batch) -> Batch:
+    args, kwargs = batch
+    return (args[:-1] if loss_fn is not None else args), kwargs
+
+
+def _eval_value(output) -> torch.Tensor:
+    """A tensor of what eval_forward returns: the output, or its loss (Hugging Face, labels given), else logits."""
+    if isinstance(output, torch.Tensor):
+        return output.detach().clone()
+    return (output.loss if getattr(output, "loss", None) is not None else output.logits).detach().clone()
+
+
+def reference_eval(model, loss_fn, batch: Batch) -> torch.Tensor:
+    """``step.eval_forward``'s meaning (docs/guide/eval.md): the forward in eval mode, no gradients, the fp32 masters."""
+    args, kwargs = _eval_inputs(loss_fn, batch)
+    model.eval()
+    try:
+        with torch.no_grad():
+            return _eval_value(model(*args, **kwargs))
+    finally:
+        model.train()
 
 
 @contextlib.contextmanager
@@ -360,32 +451,65 @@ def _seed(step: int) -> None:
     torch.manual_seed(100 + step)
 
 
-def _run_case(case: Case, rank: int, world_size: int) -> Outcome:
+def _run_case(case: Case, rank: int, world_size: int, folder: str | None, first_world_size: int | None = None
+              ) -> Outcome:
     start = time.perf_counter()
-    data = [local(batch, rank, world_size) for batch in case_batches(case, world_size)]
+    resuming = first_world_size is not None
+    batches = case_batches(case, first_world_size or world_size)
+    numbers = range(case.resume_after, case.steps) if resuming else range(case.resume_after or case.steps)
+    data = {number: local(batches[number], rank, world_size) for number in numbers}
     reference, loss_fn = make_model(case)
     reference_optimizer = make_optimizer(case, reference)
     scaler = torch.amp.GradScaler("cpu") if PRECISIONS[case.precision][2] else None
-    expected = []
-    for number, batch in enumerate(data):
+    if resuming:   # eager's resume: the state dicts rank 0 saved (its BatchNorm statistics, as DDP's users save)
+        saved = torch.load(os.path.join(folder, "reference.pt"), weights_only=False)
+        reference.load_state_dict(saved["model"])
+        reference_optimizer.load_state_dict(saved["optimizer"])
+        if scaler is not None:
+            scaler.load_state_dict(saved["scaler"])
+    expected, expected_evals = [], []
+    for number, batch in data.items():
         _seed(number)
         expected.append(reference_step(case, reference, reference_optimizer, loss_fn, batch, scaler, world_size))
+        if case.eval_between:
+            expected_evals.append(reference_eval(reference, loss_fn, batch))
+    if case.resumed and not resuming and rank == 0:
+        torch.save({"model": reference.state_dict(), "optimizer": reference_optimizer.state_dict(),
+                    "scaler": scaler.state_dict() if scaler is not None else None},
+                   os.path.join(folder, "reference.pt"))
     outcome = Outcome(case, [e for e, _ in expected], [n for _, n in expected],
                       {k: v.clone() for k, v in reference.state_dict().items()},
-                      scaler.get_scale() if scaler is not None else None)
+                      scaler.get_scale() if scaler is not None else None, expected_evals, resumed_from=first_world_size)
     model, _ = make_model(case)
     optimizer = make_optimizer(case, model)
+    stage = case.resume_stage if resuming and case.resume_stage is not None else case.stage
     try:
-        options = compile_options(case, model, optimizer, loss_fn, data[0], world_size)
+        # the budget is planned on the largest batch: with shape_change the larger shape peaks higher, and a budget
+        # of the smaller one's peak is rightly refused when that shape compiles
+        options = compile_options(dataclasses.replace(case, stage=stage), model, optimizer, loss_fn,
+                                  max(data.values(), key=_rows), world_size)
+        if case.cache_dir:
+            options["cache_dir"] = os.path.join(folder, "cache")
         outcome.budget = options.get("memory_budget")
         step = zerocc.compile(model, optimizer, timeout=TIMEOUT_S if world_size > 1 else None, **options)
-        for number, (args, kwargs) in enumerate(data):
-            _seed(number)
-            outcome.losses.append(step(*args, **kwargs))
-            outcome.norms.append(step.last_grad_norm)
+        if resuming:
+            zerocc.load_checkpoint(step, os.path.join(folder, "checkpoint"))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RecompileWarning)   # max_programs=1 with shape_change: the point
+            for number, (args, kwargs) in data.items():
+                _seed(number)
+                outcome.losses.append(step(*args, **kwargs))
+                outcome.norms.append(step.last_grad_norm)
+                if case.eval_between:
+                    eval_args, eval_kwargs = _eval_inputs(loss_fn, (args, kwargs))
+                    outcome.evals.append(_eval_value(step.eval_forward(*eval_args, **eval_kwargs)))
+        if case.resumed and not resuming:
+            zerocc.save_checkpoint(step, os.path.join(folder, "checkpoint"))
         outcome.state = step.full_state_dict()
         outcome.scale = step.loss_scale if case.precision == "fp16_dynamic" else None
-        outcome.peak_bytes = step.report()[budgeted_peak(case)]
+        report = step.report()
+        outcome.peak_bytes = report[budgeted_peak(case)]
+        outcome.compile_cache = report["compile_cache"]
     except MemoryBudgetError as error:
         outcome.refused = f"{type(error).__name__}: {error}"
     except Exception as error:  # noqa: BLE001  (every other error is a finding, reported with the case)
@@ -441,8 +565,13 @@ def compare(outcome: Outcome, world_size: int = 1, where: str = "") -> None:
         assert case.memory_budget_fraction is not None and case.memory_budget_fraction < 1, \
             f"{where}: refused {outcome.refused}"
         return
-    tolerance = tolerance_of(case, world_size)
+    if outcome.resumed_from is not None:
+        where += f" (resumed from world size {outcome.resumed_from})"
+    tolerance = tolerance_of(case, resumed_world_size(outcome, world_size))
     _close(torch.stack(outcome.losses), torch.stack(outcome.expected_losses), tolerance.losses, f"{where} losses")
+    assert len(outcome.evals) == len(outcome.expected_evals), where
+    for number, (got, expected) in enumerate(zip(outcome.evals, outcome.expected_evals)):
+        _close(got, expected, tolerance.state, f"{where} eval_forward after step {number}")
     if case.clip_grad_norm is not None:
         _close(torch.stack(outcome.norms), torch.stack(outcome.expected_norms), tolerance.losses, f"{where} norms")
     assert outcome.scale == outcome.expected_scale, f"{where}: loss scale {outcome.scale} != {outcome.expected_scale}"
@@ -454,8 +583,12 @@ def compare(outcome: Outcome, world_size: int = 1, where: str = "") -> None:
             f"{where}: {budgeted_peak(case)} {outcome.peak_bytes} over the budget {outcome.budget}"
 
 
-def describe(outcome: Outcome) -> str:
-    """One line for the long run's log."""
+def describe(outcome: Outcome, with_case: bool = True) -> str:
+    """One line for the long run's log (a resumed run's part of it: ``with_case=False``)."""
     status = "ERROR " + outcome.error if outcome.error else "refused" if outcome.refused else "ran"
-    return f"{outcome.seconds:6.1f}s {status[:300]}  {outcome.case!r}"
+    if outcome.compile_cache not in (None, "off"):
+        status += f" (cache: {outcome.compile_cache[:60]})"
+    if outcome.resumed_from is not None:
+        status = f"resumed: {status}"
+    return f"{outcome.seconds:6.1f}s {status[:300]}" + (f"  {outcome.case!r}" if with_case else "")
 
