@@ -143,6 +143,27 @@ def test_unreachable_budget_says_the_smallest_peak_and_what_dominates():
     assert step.remat_plan.peak_bytes <= smallest and reports[-1]["planned_peak_bytes"] <= smallest
 
 
+def test_a_peak_in_the_optimizer_step_is_not_called_activations():
+    """A wide model on a small batch peaks inside AdamW's update, where no activation is alive: the update's
+    temporaries were counted as "activations", so the error listed activations at a peak recomputation cannot
+    lower (the tiny Llama: "alive: ... activations 0.12 MB") and explain() said the same."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 64))
+    step = zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-2), stage=0, loss_fn=F.mse_loss,
+                          memory_budget=1000)
+    with pytest.raises(MemoryBudgetError) as caught:
+        step(torch.randn(2, 64), torch.randn(2, 64))
+    message = str(caught.value)
+    alive = dict((role.strip(), float(mb)) for role, mb in re.findall(r"([a-z ]+) ([\d.]+) MB", re.search(r"alive: (.*)", message)[1]))
+    assert alive["optimizer temporaries"] > 0.05 and alive.get("activations", 0.0) < 0.01, message
+    assert "the peak is in the optimizer step" in message and "model states dominate it" in message, message
+    unbudgeted = zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-2), stage=0, loss_fn=F.mse_loss)
+    unbudgeted(torch.randn(2, 64), torch.randn(2, 64))
+    roles = dict(unbudgeted.memory_plan.alive_at_live_peak())
+    assert roles["optimizer temporaries"] > 50_000 and roles.get("activations", 0) < 10_000, roles
+    assert "optimizer temporaries" in unbudgeted.explain()
+
+
 def test_without_budget_the_pass_changes_nothing():
     step, _, _ = _train("gpt")
     assert step.remat_plan is None

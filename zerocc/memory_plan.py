@@ -28,7 +28,9 @@ DEFAULT_PLOT_PATH = "memory_plan.png"   # MemoryPlan.plot() without a path write
 POOLS: dict[str, tuple[str, ...]] = {
     "persistent": ("parameters", "optimizer state", "buffers", "inputs", "updated state"),
     "gathered parameters": ("gathered parameters",),
-    "activations": ("activations",),
+    # the optimizer step's own temporaries (what AdamW computes per parameter before writing it) share the
+    # activations' pool and arena, but are not activations: recomputation cannot shrink them, the update's sharding can
+    "activations": ("activations", "optimizer temporaries"),
     "gradient buckets": ("gradient buckets",),
     "communication": ("communication",),
 }
@@ -488,6 +490,7 @@ def overlapping_pairs(buffers: Sequence[Buffer]) -> list[tuple[str, str]]:
 ROLE_COLORS = {
     "parameters": "#4c72b0", "optimizer state": "#8172b3", "buffers": "#937860", "inputs": "#b8b8b8",
     "updated state": "#9ecae1", "gathered parameters": "#dd8452", "activations": "#55a868",
+    "optimizer temporaries": "#8c8c3c",
     "gradient buckets": "#c44e52", "communication": "#da8bc3",
 }
 

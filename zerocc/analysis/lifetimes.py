@@ -189,6 +189,10 @@ def _role(node: fx.Node, index: int | None, updated: bool) -> str:
         if any(g.is_reduce_scatter(a) or g.is_all_reduce(a) or g.is_wait(a) and _reduces(a) for a in node.all_input_nodes):
             return "gradient buckets"
         return "communication"
+    if phase == g.OPTIMIZER:
+        # not "activations": an error saying activations are alive at a peak inside the update misled users into
+        # expecting recomputation (memory_budget) to shrink it
+        return "optimizer temporaries"
     return "activations"
 
 

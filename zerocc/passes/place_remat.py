@@ -507,15 +507,20 @@ def _refuse(budget: int, before: _Peak, best: _Peak, candidates: int) -> None:
     by_pool: dict[str, int] = {}
     for role, nbytes in best.by_role:
         by_pool[POOL_OF_ROLE[role]] = by_pool.get(POOL_OF_ROLE[role], 0) + nbytes
+    # the update's temporaries sit in the activations' pool, but what shrinks them is what shrinks model states
+    temporaries = sum(nbytes for role, nbytes in best.by_role if role == "optimizer temporaries")
     states = sum(v for k, v in by_pool.items() if k in ("persistent", "gathered parameters", "gradient buckets"))
-    activations = by_pool.get("activations", 0)
+    states += temporaries
+    activations = by_pool.get("activations", 0) - temporaries
     parts = ", ".join(f"{role} {megabytes(nbytes)}" for role, nbytes in sorted(best.by_role, key=lambda r: -r[1]))
     # the roles are the bytes alive at the live peak; with memory pools the peak is the pooled layout's, above it
     layout = best.bytes - sum(nbytes for _, nbytes in best.by_role)
     if layout > 0:
         parts += f"; the memory pools' layout adds {megabytes(layout)}"
     if states >= activations:
-        why = ("model states dominate it: a higher ZeRO stage or more ranks shrink them; "
+        held = f" ({megabytes(temporaries)} of them the update's temporaries: the peak is in the optimizer step)" \
+            if temporaries else ""
+        why = (f"model states dominate it{held}: a higher ZeRO stage or more ranks shrink them; "
                "recomputing activations cannot")
     else:
         why = ("activations dominate it even with every recomputable value recomputed: a smaller batch or "
