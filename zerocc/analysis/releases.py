@@ -16,6 +16,7 @@ import torch.fx as fx
 
 from .. import graph as g
 from .. import decisions
+from .aliasing import is_view
 from ..context import CompileContext
 
 
@@ -41,9 +42,24 @@ def mark_releases(gm: fx.GraphModule, ctx: CompileContext) -> tuple[list[fx.Node
 
 def release_point(nodes: list[fx.Node]) -> fx.Node | None:
     """The last collective wait or forward/backward node: the last node that can realistically fail."""
+    last = last_computed_on_the_data(nodes)
+    waits = [node for node in nodes if node.op == "call_function" and g.is_wait(node)]
+    if not waits:
+        return last
+    position = {node: i for i, node in enumerate(nodes)}
+    return waits[-1] if last is None or position[waits[-1]] > position[last] else last
+
+
+def last_computed_on_the_data(nodes: list[fx.Node]) -> fx.Node | None:
+    """The last forward or backward node that computes: after it the user's code on the user's data cannot fail.
+
+    A view (``detach``, ``view``, ``alias``) computes nothing and cannot fail: the loss's ``detach`` that the
+    step returns is a forward node the schedule puts at the end of the graph, and counted, it put the release
+    point after the optimizer's updates, so every old value lived to the end and ``place_buffers`` wrote no
+    update in place (the 5M benchmark GPT's stage-3 plan on 2 ranks: 106.7 MiB where it was 91.1)."""
     last = None
     for node in nodes:
-        if node.op == "call_function" and (g.is_wait(node) or node.meta.get(g.PHASE) in (g.FORWARD, g.BACKWARD)):
+        if node.op == "call_function" and node.meta.get(g.PHASE) in (g.FORWARD, g.BACKWARD) and not is_view(node):
             last = node
     return last
 

@@ -37,6 +37,7 @@ import torch
 import torch.fx as fx
 
 from .. import graph as g
+from ..analysis.releases import last_computed_on_the_data
 from ..analysis.kernels import COLLECTIVE_OUT, has_backend_kernel, out_variant
 from ..context import CompileContext
 from ..memory_plan import Buffer, Lifetime, MemoryPlan, Pool, Unplanned, lower_bound, megabytes, place
@@ -186,8 +187,9 @@ def _updates_in_place(gm: fx.GraphModule, plan: MemoryPlan, nodes: dict[str, fx.
     data, and a failed call changes nothing (``release_slots``' release point).
     """
     position = {name: i for i, name in enumerate(plan.positions)}
-    last_forward_or_backward = max((position[n.name] for n in gm.graph.nodes if n.name in position
-                                    and n.meta.get(g.PHASE) in (g.FORWARD, g.BACKWARD)), default=-1)
+    # no slot written before the last forward or backward node that computes (analysis/releases.py)
+    last = last_computed_on_the_data(list(gm.graph.nodes))
+    last_forward_or_backward = position.get(last.name, -1) if last is not None else -1
     slots = {n.meta.get(g.SLOT): n for n in g.placeholders(gm) if n.meta.get(g.SLOT)}
     persistent = {b.name: b for b in plan.pool(PERSISTENT_POOL).buffers} if any(
         p.name == PERSISTENT_POOL for p in plan.pools) else {}
