@@ -105,3 +105,19 @@ def deterministic():
     torch.use_deterministic_algorithms(True)
     yield
     torch.use_deterministic_algorithms(previous)
+
+
+# torch.distributions' default argument checks as a process starts (on, unless python -O), before any test module
+# is imported: dynamo turns them off for the rest of the process at its first use (TorchPatcher.patch), which a test
+# module decorating a function with torch.compiler.disable at import, or compiling a reference, does
+VALIDATE_ARGS_AT_START = torch.distributions.Distribution._validate_args
+
+
+@pytest.fixture(autouse=True)
+def distributions_validate_their_arguments():
+    """``torch.distributions``' default argument checks as a new process has them, for every test: after
+    tests/test_torch_compile_models.py was collected on a worker, the tests of checks in the program
+    (tests/test_data_guards.py) found eager raising nothing there."""
+    torch.distributions.Distribution.set_default_validate_args(VALIDATE_ARGS_AT_START)
+    yield
+    torch.distributions.Distribution.set_default_validate_args(VALIDATE_ARGS_AT_START)

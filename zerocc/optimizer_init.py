@@ -233,7 +233,7 @@ def _undo_writes(values: dict, before: dict, owner: str, is_group: bool) -> dict
 _SCHEDULE_FREE_HINT = (
     "\n  Schedule-Free optimizers (the schedulefree package's AdamWScheduleFree, SGDScheduleFree) keep k and "
     "weight_sum so; one keeping them as tensors in self.state[p] trains, with optimizer.eval() and optimizer.train() "
-    "called inside `with step.full_optimizer():` (docs/guide/training-loops.md, Schedule-Free).")
+    "called inside `with step.full_optimizer():` (zerocc's docs/guide/training-loops.md, Schedule-Free).")
 
 
 def _has_train_and_eval(optimizer: torch.optim.Optimizer) -> bool:
