@@ -64,11 +64,10 @@ def reads_betas_live(optimizer: torch.optim.Optimizer) -> bool:
     is tried once, on a fake stand-in parameter, with them symbolic and with them as constants; if only the
     constants trace, they are traced in (a change of betas then compiles a new program, as for any setting).
     """
-    if inspect.unwrap(type(optimizer).step).__module__.startswith("torch."):
-        return True
-    known = _BETAS_LIVE.get(optimizer)
+    known = _BETAS_LIVE.get(optimizer)   # asked at every call (live_settings): answered once per optimizer
     if known is None:
-        known = _BETAS_LIVE[optimizer] = not _betas_only_as_constants(optimizer)
+        known = _BETAS_LIVE[optimizer] = inspect.unwrap(type(optimizer).step).__module__.startswith("torch.") \
+            or not _betas_only_as_constants(optimizer)
     return known
 
 
@@ -217,7 +216,7 @@ def optimizer_update(
         if isinstance(error, UnsupportedOptimizerError):
             raise
         if "closure" in str(error).lower():   # LBFGS's TypeError; SAM's `assert closure is not None, "... closure"`
-            where = innermost_frame(traceback.extract_tb(error.__traceback__), _optimizer_files(type(optimizer)).__contains__)
+            where = _optimizer_frame(error, type(optimizer))
             raise UnsupportedOptimizerError(
                 f"{name}.step() needs a closure{f', at {where}' if where else ''}: {type(error).__name__}: "
                 f"{str(error).splitlines()[0]}\n"
@@ -243,7 +242,7 @@ def optimizer_update(
                 "  fix: build the optimizer with capturable=False (the default)."
             ) from error
         if _has_train_and_eval(optimizer) and "train" in str(error).lower():
-            where = innermost_frame(traceback.extract_tb(error.__traceback__), _optimizer_files(type(optimizer)).__contains__)
+            where = _optimizer_frame(error, type(optimizer))
             raise UnsupportedOptimizerError(
                 f"{name}.step() raised{f' at {where}' if where else ''}: {type(error).__name__}: "
                 f"{str(error).splitlines()[0]}\n"
@@ -297,6 +296,11 @@ def _optimizer_branch(error: BaseException, optimizer_class: type) -> str | None
     from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
     if not isinstance(error, GuardOnDataDependentSymNode):
         return None
+    return _optimizer_frame(error, optimizer_class)
+
+
+def _optimizer_frame(error: BaseException, optimizer_class: type) -> str | None:
+    """'file:line: code' of the innermost frame of ``error``'s traceback in the optimizer's own code, if any."""
     return innermost_frame(traceback.extract_tb(error.__traceback__), _optimizer_files(optimizer_class).__contains__)
 
 
