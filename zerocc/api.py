@@ -579,10 +579,17 @@ class CompiledStep:
         read of the flag, on programs that create state only).
         """
         program, slots = entry.program, self.state.slots
+        made, self.state.made_initial_state = self.state.made_initial_state, False
         if mixed.FOUND_INF_SLOT not in slots:   # no loss scaling: nothing to drop (every call comes here)
             return
         arguments = set(program.argument_slots)
         created = [s for s in program.output_slots if s.startswith("state:") and s not in arguments]
+        if made and bool(slots[mixed.FOUND_INF_SLOT] > 0):
+            # the state the step made before its first step, kept as it was: dropped too. The next call compiles a
+            # first-step program (it finds no state), as after a first-step program's skip
+            for slot in [s for s in slots if s.startswith("state:")]:
+                del slots[slot]
+            return
         if created and bool(slots[mixed.FOUND_INF_SLOT] > 0):
             for slot in created:
                 del slots[slot]
@@ -825,6 +832,7 @@ class CompiledStep:
             with compiled.stats.timed(compile_stats.SLOTS):
                 state.slots = slot_store.initial_slots(compiled.ctx.shard_plan, captured, self.model, self.optimizer,
                                                        fresh_state=fresh)
+            state.made_initial_state = fresh is not None
             state.slots.update(state.initial_scaler)   # created (or loaded from a checkpoint) before the first step
             # the step owns the (sharded) optimizer state from now on: reading it from optimizer.state says where it is.
             # A frozen parameter's state (trained before, frozen on resume) is no part of the program: it stays in
@@ -1022,11 +1030,12 @@ class CompiledStep:
     def _initial_optimizer_state(self):
         """The optimizer's initial state per trained parameter, if learned (``zerocc/optimizer_init.py``).
 
-        Not under loss scaling: a first step that overflows leaves eager's optimizer without state, which only
-        the first step's own program can do (``_drop_state_of_skipped_first_step``).
+        Under loss scaling too: the first step then runs the steady state's program, the one a run resumed from a
+        checkpoint compiles, so both plan the same peak under a ``memory_budget`` (a first-step program, whose
+        state is made at the update's end, peaked lower: a run fit a budget its own second step and its resume
+        were refused under). A first step that overflows keeps that state unchanged (``where``) and the step then
+        drops it, as GradScaler's optimizer has none (``_drop_state_of_skipped_first_step``).
         """
-        if self.options.precision is not None and self.options.precision.loss_scale is not None:
-            return None
         return optimizer_init.initial_state(self.optimizer, trained_parameters(self.model, self.optimizer))
 
     def _fake_initial_state(self, fake_mode, fresh) -> list[dict[str, torch.Tensor]]:

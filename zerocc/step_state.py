@@ -54,6 +54,8 @@ class StepState:
         self.full_model_depth = 0                        # inside step.full_model(): the module holds whole parameters
         self.reading_model_keys = False                  # model.state_dict() called for its keys only
         self.lost: str | None = None                     # a call failed after its release point: the error, in short
+        # the slots hold the optimizer's initial state the step made (optimizer_init), no step has updated it yet
+        self.made_initial_state = False
 
     @property
     def started(self) -> bool:
@@ -101,6 +103,7 @@ class StepState:
         self.placeholder_versions = {}
         self.watch = None
         self.pointed_at = {}
+        self.made_initial_state = False
 
 
 def param_groups_of(optimizer: torch.optim.Optimizer) -> tuple[tuple[int, ...], ...]:

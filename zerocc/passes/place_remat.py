@@ -235,17 +235,18 @@ def place_remat(gm: fx.GraphModule, ctx: CompileContext, *, memory_budget: int |
                                    peak_of(plans[i]).bytes <= memory_budget, settled(plans, DEFAULT, before))
             if first is not None:
                 consider(plans[first], DEFAULT)
-    if not fitting and before.bytes > memory_budget:
-        # refusing: the smallest peak it names is measured over family 4's samples, as a search that finds none
-        # fitting measures them. could_fit skips a sample unmeasured where the family's last plan could fit by the
-        # bound, but that plan, measured, need not (the peak is not monotone in the plans): the refusal then named
-        # the peak with nothing recomputed as the smallest the planner reaches
-        plans = plans or analysis.plans()
-        for i in _spread(len(plans) - 1) if plans else ():
-            consider(plans[i], DEFAULT)
     if not fitting:
-        smallest = min([key for key in peaks if key[1] == DEFAULT], key=lambda key: peaks[key].bytes)
-        _refuse(memory_budget, before, peak_of(*smallest, laid_out=True), len(analysis.candidates))
+        # refusing: the smallest peak it names is measured on plans the budget does not choose, nothing recomputed
+        # and family 4's samples from least to most recomputation, each laid out, so every impossible budget names
+        # the same peak. It used to be the least over whatever the budget's search had measured, some of them live
+        # peaks only (not laid out, over the budget), then laid out: a T5 named 1.40 MB at one budget, 1.33 at
+        # another, and 1.33 MB fit. A sampled plan that fits (the searches' bound skipped it) is taken
+        plans = plans or analysis.plans()
+        floor = [None, *(plans[i] for i in _spread(len(plans) - 1))] if plans else [None]
+        smallest = min(floor, key=lambda plan: peak_of(plan, laid_out=True).bytes)
+        consider(smallest, DEFAULT)
+        if not fitting:
+            _refuse(memory_budget, before, peak_of(smallest, laid_out=True), len(analysis.candidates), len(floor))
     seconds, _, recompute, keep = _choose(fitting)
     peak = peaks[recompute or None, keep]
     clones: dict[fx.Node, fx.Node] = {}
@@ -503,7 +504,7 @@ def _spread(count: int, samples: int = 8) -> list[int]:
     return sorted({round(count * i / samples) for i in range(samples + 1)})
 
 
-def _refuse(budget: int, before: _Peak, best: _Peak, candidates: int) -> None:
+def _refuse(budget: int, before: _Peak, best: _Peak, candidates: int, sampled: int) -> None:
     by_pool: dict[str, int] = {}
     for role, nbytes in best.by_role:
         by_pool[POOL_OF_ROLE[role]] = by_pool.get(POOL_OF_ROLE[role], 0) + nbytes
@@ -528,7 +529,8 @@ def _refuse(budget: int, before: _Peak, best: _Peak, candidates: int) -> None:
     raise MemoryBudgetError(
         f"memory_budget={budget:,} bytes ({megabytes(budget)}) cannot be met: the smallest peak the remat "
         f"planner reaches is {best.bytes:,} bytes ({megabytes(best.bytes)}; {megabytes(before.bytes)} with nothing "
-        f"recomputed, {candidates} stored tensors considered).\n"
+        f"recomputed, {candidates} stored tensors considered;\n  the least of {sampled} plans from none to the most "
+        f"recomputation, the same whatever the budget).\n"
         f"  at that peak, alive: {parts}\n"
         f"  model states {megabytes(states)}, activations {megabytes(activations)}: {why}; "
         f"or raise memory_budget to at least {best.bytes:,}.",
