@@ -57,6 +57,11 @@ def reduces_in_its_scratch(op: torch._ops.OpOverload, device_type: str) -> bool:
 STORAGE_COMPARING_OUT = frozenset({aten.linalg_qr.default})
 
 
+def has_backend(device: torch.device) -> bool:
+    """Does ``device`` run kernels that write into memory (CPU, CUDA), not only compute shapes (meta)?"""
+    return device.type in _BACKEND_KEY
+
+
 @functools.cache
 def has_backend_kernel(op: torch._ops.OpOverload, device: torch.device) -> bool:
     """Does ``op`` have a kernel of ``device``'s backend (not only the generated out= that calls the functional
