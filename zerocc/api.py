@@ -488,6 +488,7 @@ class CompiledStep:
             check_module_tensors_unchanged(state, self.model)
             user_views.check_placeholders_unwritten(self)
             user_views.check_parameters_unreplaced(self)
+            user_views.adopt_replaced_buffers(self)
         held = HeldInterrupt()   # runtime/release.py: Ctrl-C in the update is raised once the call has its new state
         try:
             with self._undone_if_first_call_fails(), \
@@ -1252,6 +1253,7 @@ class CompiledStep:
             check_module_tensors_unchanged(self.state, self.model)
             user_views.check_placeholders_unwritten(self)
             user_views.check_parameters_unreplaced(self)
+            user_views.adopt_replaced_buffers(self)
         from .eval import eval_forward
         return eval_forward(self, inputs, keyword_inputs)
 

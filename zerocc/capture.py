@@ -620,7 +620,7 @@ def trace_step(
                 "its num_batches_tracked read as a Python number, another value every step, which one graph cannot "
                 "represent.\n  fix: give the BatchNorm a momentum (0.1 is PyTorch's default)") from error
         raise _data_dependent_error(user_frame(error.__traceback__), type(error).__name__, str(error),
-                                    recorder.random_branch) from error
+                                    recorder.random_branch, _in_fake_quantize(error.__traceback__)) from error
     except ZeroccError:
         raise
     except Exception as error:
@@ -737,9 +737,26 @@ def _cumulative_batch_norm(tb, model: nn.Module) -> str | None:
 _ZERO_SIZE_BRANCH = re.compile(r"data-dependent expression (Eq\(u\d+, 0\)|Ne\(u\d+, 0\)|u\d+ (> 0|>= 1|< 1|<= 0))[ .]")
 
 
-def _data_dependent_error(where: str | None, why: str, message: str = "", random_branch: bool = False
-                          ) -> CaptureError:
-    if random_branch:
+def _in_fake_quantize(traceback) -> bool:
+    """The branch is torch.ao.quantization's ``FakeQuantize`` (``if self.observer_enabled[0] == 1``) or its observer's
+    (``if min_val == float("inf")``): branches on buffers the loop or the first step change, which the fused fake
+    quantize takes as tensors instead."""
+    while traceback is not None:
+        if re.search(r"torch[/\\]ao[/\\]quantization[/\\](fake_quantize|observer)\.py$", traceback.tb_frame.f_code.co_filename):
+            return True
+        traceback = traceback.tb_next
+    return False
+
+
+def _data_dependent_error(where: str | None, why: str, message: str = "", random_branch: bool = False,
+                          fake_quantize: bool = False) -> CaptureError:
+    if fake_quantize:
+        note = ("\n  note: torch.ao.quantization's FakeQuantize (tq.default_qat_qconfig, get_default_qat_qconfig with "
+                "version=0) branches in Python on its observer_enabled and fake_quant_enabled buffers and on whether "
+                "its observer has seen a batch; the fused FakeQuantize of get_default_qat_qconfig(\"x86\") (or "
+                "get_default_qat_qconfig_mapping(\"x86\") for prepare_qat_fx) passes them to one op as tensors: "
+                "model.apply(disable_observer) between steps then trains as eager.")
+    elif random_branch:
         note = ("\n  note: the branch is on a random draw (LayerDrop's `torch.rand([]) < layerdrop`, stochastic depth), "
                 "which would skip a layer in some steps and not in others; a transformers model turns it off with "
                 "its config's probability set to 0 (layerdrop=0.0, encoder_layerdrop=0.0, decoder_layerdrop=0.0).")

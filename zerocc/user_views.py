@@ -209,9 +209,12 @@ def full_model(step, writeback: bool = True):
             step.state.watch.replaced.clear()
         for name, tensor in params.items():
             set_data(tensor, kept[name])
-        step.state.pointed_at.clear()   # the write-back may have replaced slots
-        point_module_at_slots(step)
-        _note_placeholder_versions(step)
+        try:   # `mask.data = new` inside the block (a sparsifier's step) goes into the step too, or is refused here
+            adopt_replaced_buffers(step)
+        finally:
+            step.state.pointed_at.clear()   # the write-back may have replaced slots
+            point_module_at_slots(step)
+            _note_placeholder_versions(step)
 
 
 @contextlib.contextmanager
@@ -322,6 +325,42 @@ def point_module_at_slots(step) -> None:
     for index, view in views.items():
         set_data(tensors[state.captured.params[index].name], view)
     pointed.update(whole)
+
+
+def adopt_replaced_buffers(step) -> None:
+    """A buffer whose ``.data`` was set to another tensor since the step last pointed it at its slot
+    (``buffer.data = new``) is taken into the step: its values are copied into the slot, which it views again.
+
+    The module's buffers view the step's slots (``point_module_at_slots``), so a write in place (``disable_observer``'s
+    ``observer_enabled[0] = 0``) is the step's. ``torch.ao.pruning``'s sparsifiers instead set the mask's ``.data``
+    at every ``sparsifier.step()`` (the same buffer object, so ``check_module_tensors_unchanged`` sees nothing): the
+    program went on reading the first mask, silently, where eager reads the new one, and leaving
+    ``step.full_model()`` pointed the buffer back at the slot, dropping it. Same shape and dtype: adopted, as eager
+    reads it (across ranks rank 0's, broadcast at the start of the step as DDP does). Another shape or dtype, which
+    the program was not compiled for: refused, naming it, and the buffer views the step's slot again."""
+    pointed = step.state.pointed_at
+    if not pointed:
+        return
+    buffers = step.state.tensors("buffer")
+    other = []
+    for info in step.state.captured.buffers:
+        slot = pointed.get(info.name)
+        buffer = buffers[info.name]
+        if slot is None or (buffer.data_ptr() == slot.data_ptr() and buffer.shape == slot.shape):
+            continue
+        if buffer.shape == slot.shape and buffer.dtype == slot.dtype and buffer.stride() == slot.stride():
+            with torch.no_grad():
+                slot.copy_(buffer)
+        else:
+            other.append(f"'{info.name}' ({tuple(slot.shape)} {slot.dtype} then, {tuple(buffer.shape)} {buffer.dtype} now)")
+        set_data(buffer, slot)
+    if other:
+        raise ConfigError(
+            f".data of buffer(s) {', '.join(other[:4])}{', ...' if len(other) > 4 else ''} was set to a tensor of "
+            "another shape, dtype or layout after the step's last call: the step's program reads the buffer as its "
+            "first call laid it out. Write values of the same shape in place (model.mask.copy_(new)); to change its "
+            "shape, compile the model and optimizer again (zerocc.compile(model, optimizer, ...) takes them over from "
+            "this step). The buffer holds the step's values again (the new tensor was dropped)")
 
 
 def release_model_parameters(step) -> None:
