@@ -436,7 +436,8 @@ class CompiledStep:
         self._warned_python = False   # _say_which_python_values_changed: once per step
         self._warned_batch_values = False   # _say_which_batch_values_changed: once per step
         self._warned_read_values = False   # _say_which_read_values_changed: once per step
-        self.compile_stats: list[CompileStats] = []   # per compiled program: seconds per phase (compile_stats.py)
+        # per compiled program: seconds per phase (compile_stats.py), the last compiles' kept, every one counted
+        self.compile_stats = compile_stats.CompileHistory()
         self._user_hooks: list = []          # zerocc/user_views.py, installed at the first compile
         self._hardware: HardwareProfile | None = None   # _hardware_profile: measured (or read) when first needed
         self._progress = CompileProgress(False, self.ranks.rank)   # what the compile under way says (_compile_for)
