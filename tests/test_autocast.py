@@ -278,3 +278,66 @@ def test_float16_autocast_without_loss_scale_warns_naming_loss_scale_not_a_grad_
         with torch.autocast("cpu", dtype=torch.float16):
             step(x, y)
     assert not [w for w in caught if "loss scaling" in str(w.message)]
+
+
+def _eager_amp_step(model, optimizer, scaler, x, y):
+    optimizer.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = F.cross_entropy(model(x), y)
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
+    return loss.detach()
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_grad_scalers_state_moves_into_a_step_and_back_bit_for_bit(stage):
+    """An eager AMP loop moves to the step and back: ``step.scaler_state()`` is ``GradScaler.state_dict()``'s format
+    (it was zerocc's slots, ``{"loss_scale:scale": tensor, ...}``, which ``GradScaler.load_state_dict`` cannot read)
+    and ``step.load_scaler_state`` takes a GradScaler's. Against one eager loop with one scaler all along: the
+    losses, scales and parameters are equal bit for bit, a growth tracker left at 1 mid-interval included."""
+    settings = dict(init_scale=2.0 ** 16, growth_factor=4.0, backoff_factor=0.25, growth_interval=2)
+    data = batches(9)
+    reference, model = build(), build()
+    reference_optimizer, optimizer = adamw(reference), adamw(model)
+    reference_scaler, scaler = torch.amp.GradScaler("cpu", **settings), torch.amp.GradScaler("cpu", **settings)
+    expected = [_eager_amp_step(reference, reference_optimizer, reference_scaler, *batch) for batch in data]
+    scales = []
+    for batch in data[:3]:   # eager first
+        _eager_amp_step(model, optimizer, scaler, *batch)
+        scales.append(scaler.get_scale())
+    assert scaler.state_dict()["_growth_tracker"] == 1 and 2.0 ** 16 not in scales[1:], scales   # mid-interval
+    step = zerocc.compile(model, optimizer, stage=stage, loss_fn=F.cross_entropy,
+                          loss_scale=zerocc.DynamicLossScale(**settings))
+    step.load_scaler_state(scaler.state_dict())
+    for number, batch in enumerate(data[3:6], 3):
+        with torch.autocast("cpu", dtype=torch.float16):
+            assert torch.equal(step(*batch), expected[number]), number
+    state = step.scaler_state()
+    assert set(state) == set(reference_scaler.state_dict())
+    step.close()   # the model and optimizer back whole: the eager loop goes on with a new GradScaler
+    scaler = torch.amp.GradScaler("cpu", **settings)
+    scaler.load_state_dict(state)
+    for number, batch in enumerate(data[6:], 6):
+        assert torch.equal(_eager_amp_step(model, optimizer, scaler, *batch), expected[number]), number
+    assert scaler.state_dict() == reference_scaler.state_dict()
+    for (key, value), expected_value in zip(model.state_dict().items(), reference.state_dict().values()):
+        assert torch.equal(value, expected_value), key
+
+
+def test_load_scaler_state_refuses_settings_the_program_does_not_have_and_takes_the_old_slots():
+    model = build()
+    step = zerocc.compile(model, adamw(model), loss_fn=F.cross_entropy, loss_scale="dynamic")
+    scaler = torch.amp.GradScaler("cpu", growth_interval=100)
+    with pytest.raises(zerocc.ConfigError, match=r"growth_interval 100 \(the step's 2000\) differ.*compile with "
+                                                 r"loss_scale=zerocc.DynamicLossScale\(growth_factor=2.0, "
+                                                 r"backoff_factor=0.5, growth_interval=100\)"):
+        step.load_scaler_state(scaler.state_dict())
+    with pytest.raises(zerocc.ConfigError, match="the state is empty"):
+        step.load_scaler_state(torch.amp.GradScaler("cpu", enabled=False).state_dict())
+    step.load_scaler_state({"loss_scale:scale": torch.tensor(8.0), "loss_scale:growth_tracker": torch.tensor(3)})
+    assert step.scaler_state()["scale"] == 8.0 and step.scaler_state()["_growth_tracker"] == 3
+    assert step.loss_scale == 8.0
+    plain = build()
+    with pytest.raises(zerocc.ConfigError, match="no dynamic loss scale to load into"):
+        zerocc.compile(plain, adamw(plain), loss_fn=F.cross_entropy).load_scaler_state(scaler.state_dict())

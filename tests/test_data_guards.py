@@ -498,3 +498,48 @@ def test_sizes_of_activations_selected_by_a_mask_of_the_batch_are_decided_on_the
         assert torch.equal(step(*batch), eager(reference, reference_optimizer, *batch)), kept
     for parameter, expected in zip(step.full_state_dict().values(), reference.state_dict().values()):
         assert torch.equal(parameter, expected)
+
+
+class GaussianHead(nn.Module):
+    """A regression head predicting a mean and a variance, trained with ``nn.GaussianNLLLoss``, which asks
+    ``torch.any(var < 0)`` (a Python branch on activations) before computing. The variance is the head's raw output:
+    a batch can make it negative."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.head, self.variance = nn.Linear(4, 8), nn.Linear(8, 1), nn.Linear(4, 1)
+        self.loss = nn.GaussianNLLLoss(full=True)
+        with torch.no_grad():
+            self.variance.bias.fill_(5.0)
+
+    def forward(self, x, target):
+        mean, var = self.head(torch.tanh(self.body(x))), self.variance(x)
+        return self.loss(mean, target, var)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_gaussian_nll_loss_trains_like_eager_and_checks_its_variance_in_the_program(stage):
+    """nn.GaussianNLLLoss was refused as data-dependent control flow; the program now takes the side with no negative
+    variance and checks it as an op, which raises, naming the user's line, where eager raises its ValueError, and
+    changes nothing."""
+    generator = torch.Generator().manual_seed(1)
+    data = [(torch.randn(6, 4, generator=generator), torch.randn(6, 1, generator=generator)) for _ in range(3)]
+    torch.manual_seed(0)
+    model = GaussianHead()
+    reference = copy.deepcopy(model)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    step = zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-2), stage=stage)
+    for number, batch in enumerate(data[:2]):
+        assert torch.equal(step(*batch), eager(reference, reference_optimizer, *batch)), number
+    bad = -1000.0 * reference.variance.weight.detach().sign().expand(6, 4).clone()   # a negative variance
+    with pytest.raises(ValueError, match="var has negative entry"):
+        reference(bad, data[0][1])
+    before = {key: value.clone() for key, value in step.full_state_dict().items()}
+    with pytest.raises(RuntimeError, match=r"nn.GaussianNLLLoss's var has negative entries at "
+                                           r".*test_data_guards.py:\d+: return self.loss\(mean, target, var\)"):
+        step(bad, data[0][1])
+    assert all(torch.equal(value, before[key]) for key, value in step.full_state_dict().items())
+    assert torch.equal(step(*data[2]), eager(reference, reference_optimizer, *data[2]))
+    full = step.full_state_dict()
+    for key, value in reference.state_dict().items():
+        assert torch.equal(full[key], value), key

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 
 import pytest
 import torch
@@ -202,6 +203,22 @@ def test_data_dependent_sizes_are_listed_as_unplanned(memory_pools):
     assert sized_by_data and all(u.bytes is None for u in sized_by_data)
     assert all(b.bytes > 0 or b.name not in {u.name for u in sized_by_data} for b in plan.buffers())
     assert "of a size known only at run time" in plan.summary()
+
+
+def test_explain_says_in_words_why_a_data_dependent_size_is_unplanned():
+    """The reason printed was "size depends on the data (u7x1 elements)": torch's symbol for the size read at run
+    time, an internal name, and one reason per shape, which split the summary's count of such buffers."""
+    torch.manual_seed(0)
+    model = BooleanMask()
+    step = zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), stage=0)
+    step(torch.randn(8, 12, generator=torch.Generator().manual_seed(0)))
+    sized_by_data = [u for u in step.memory_plan.unplanned if u.bytes is None]
+    assert sized_by_data
+    reason = "size depends on the data (a boolean mask, nonzero or .tolist() decides it as the step runs)"
+    assert {u.reason for u in sized_by_data} == {reason}
+    text = step.explain()
+    assert f"{len(sized_by_data)} {reason}" in text
+    assert re.search(r"\bu\d+", text + step.memory_plan.table()) is None, text
 
 
 def test_a_collectives_inputs_live_until_its_wait():

@@ -201,3 +201,37 @@ def test_two_ranks_train_like_one_process_on_the_global_batch(name):
             torch.testing.assert_close((loss + other_loss) / 2, expected, rtol=1e-5, atol=1e-6)
         for key, (trained, expected) in state.items():
             torch.testing.assert_close(trained, expected, rtol=1e-4, atol=1e-5, msg=key)
+
+
+def _through_the_cache(rank, world_size, name, stage, folder):
+    """Three steps of ``name`` with ``cache_dir`` beside eager, in a process of its own: the losses equal, the cache's
+    outcome and the phases the compile timed."""
+    validate = flex._validate_device
+    flex._validate_device = lambda *args, **kwargs: None   # as _lift_flex_cpu_check, in this process
+    try:
+        model, reference = _pair(name)
+        step = zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=0.05), stage=stage, cache_dir=folder)
+        reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.05)
+        equal = [torch.equal(step(*batch), _eager_step(reference, reference_optimizer, batch))
+                 for batch in _batches(name, 3, 4)]
+        full = step.full_state_dict()
+        equal.append(all(torch.equal(full[key], value) for key, value in reference.state_dict().items()))
+        report = step.report()
+        return equal, report["compile_cache"], list(report["compile_seconds_by_phase"])
+    finally:
+        flex._validate_device = validate
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.parametrize("name", ["flex_attention", "cond"])
+def test_a_program_with_higher_order_ops_is_stored_and_a_new_process_loads_it(name, stage, tmp_path):
+    """A program holding torch.cond or flex_attention was not stored by the compile cache ("not stored: Can't pickle
+    local object 'HigherOrderOperator.py_autograd_impl...'"): the op is now written by its name. A new process loads
+    it, traces nothing, runs no pass, and trains bit for bit like eager."""
+    folder = str(tmp_path / "cache")
+    [(cold, cold_outcome, _)] = run(_through_the_cache, 1, name, stage, folder)
+    [(warm, warm_outcome, warm_phases)] = run(_through_the_cache, 1, name, stage, folder)
+    assert cold_outcome.startswith("miss (no entry), then stored"), cold_outcome
+    assert warm_outcome == "loaded", warm_outcome
+    assert "capture: trace" not in warm_phases and not any(phase.startswith("pass ") for phase in warm_phases)
+    assert all(cold) and all(warm), (cold, warm)

@@ -475,6 +475,29 @@ def test_programs_dropped_beyond_max_programs_let_their_traces_go():
     assert cached[-1] <= 1.2 * cached[1], cached
 
 
+def test_compile_records_are_bounded_and_still_count_and_time_every_compile(monkeypatch):
+    """``step.compile_stats`` kept a record (about 1 kB) per compile for the step's life: a long run compiling a
+    program per new length grew by it every compile. The last ``KEPT_RECORDS`` are kept whole; ``len`` still counts
+    every compile and ``report()["compile_seconds_by_phase"]`` sums every compile's seconds."""
+    monkeypatch.setattr(zerocc.compile_stats, "KEPT_RECORDS", 2)
+    model, _, loss_fn = build("mlp")
+    step = zerocc.compile(model, adamw(model), loss_fn=loss_fn, max_programs=2)
+    records = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", zerocc.RecompileWarning)
+        for rows in (3, 4, 5, 6):
+            step(*batches("mlp", 1, rows)[0])
+            records.append(step.compile_stats[-1])
+    assert len(step.compile_stats) == 4 and list(step.compile_stats) == records[2:]
+    summed = {}
+    for record in records:
+        for phase, seconds in record.seconds.items():
+            summed[phase] = summed.get(phase, 0.0) + seconds
+    by_phase = step.report()["compile_seconds_by_phase"]
+    assert by_phase.keys() == summed.keys()
+    assert all(abs(by_phase[phase] - seconds) < 1e-3 for phase, seconds in summed.items()), (by_phase, summed)
+
+
 def test_programs_dropped_beyond_max_programs_let_their_generated_python_go():
     """torch.fx keeps the Python it generates for a module (``_loader.eval_cache`` and ``linecache``) forever: every
     program a step compiled left its source behind (330 kB for a 6-layer toy GPT) though max_programs dropped the

@@ -294,7 +294,7 @@ def _close_earlier_steps(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
         owner = _OWNERS.get(thing)
         if owner is not None and (step := owner()) is not None:
             steps_run = max(steps_run, step.steps)
-            scaler = {slot: value.clone() for slot, value in step.scaler_state().items()}
+            scaler = {slot: value.clone() for slot, value in step.state.scaler_state().items()}
             try:
                 step.close()
             except ConfigError as error:   # its group destroyed (a notebook re-initializing): say who closed it
@@ -436,7 +436,8 @@ class CompiledStep:
         self._warned_python = False   # _say_which_python_values_changed: once per step
         self._warned_batch_values = False   # _say_which_batch_values_changed: once per step
         self._warned_read_values = False   # _say_which_read_values_changed: once per step
-        self.compile_stats: list[CompileStats] = []   # per compiled program: seconds per phase (compile_stats.py)
+        # per compiled program: seconds per phase (compile_stats.py), the last compiles' kept, every one counted
+        self.compile_stats = compile_stats.CompileHistory()
         self._user_hooks: list = []          # zerocc/user_views.py, installed at the first compile
         self._hardware: HardwareProfile | None = None   # _hardware_profile: measured (or read) when first needed
         self._progress = CompileProgress(False, self.ranks.rank)   # what the compile under way says (_compile_for)
@@ -600,12 +601,29 @@ class CompiledStep:
     @property
     def loss_scale(self) -> float | None:
         """The current dynamic loss scale (None without loss scaling); reading it waits for the step."""
-        scale = self.scaler_state().get(mixed.SCALE_SLOT)
+        scale = self.state.scaler_state().get(mixed.SCALE_SLOT)
         return None if scale is None else float(scale)
 
-    def scaler_state(self) -> dict[str, torch.Tensor]:
-        """The loss scale and its growth tracker, by slot (empty without loss scaling); checkpoints save them."""
-        return self.state.scaler_state()
+    def scaler_state(self) -> dict[str, float | int]:
+        """The dynamic loss scale as ``torch.amp.GradScaler.state_dict()`` gives it (``scale``, ``growth_factor``,
+        ``backoff_factor``, ``growth_interval``, ``_growth_tracker``; empty without loss scaling, as a disabled
+        scaler's), so that an eager loop's ``GradScaler.load_state_dict`` goes on from it; reading it waits for the
+        step. ``load_scaler_state`` takes it (or a GradScaler's) back. Checkpoints save the scale themselves."""
+        return mixed.grad_scaler_state(self.precision, self.state.scaler_state())
+
+    def load_scaler_state(self, state: dict) -> None:
+        """Go on from ``state``'s dynamic loss scale and growth tracker: a ``torch.amp.GradScaler.state_dict()`` (an
+        eager AMP loop moving to the step), ``step.scaler_state()``, or the slots an earlier zerocc's
+        ``scaler_state()`` gave (``{"loss_scale:scale": ..., "loss_scale:growth_tracker": ...}``). Every rank
+        loads it. The growth and backoff factors and the growth interval are compiled into the program: a state
+        with others is refused, naming the ``loss_scale=`` to compile with, as is one given to a step without loss
+        scaling or an empty one (a disabled GradScaler's) to a step with it."""
+        user_views.refuse_inside_full_model(self, "step.load_scaler_state")
+        slots = self.state.scaler_state()
+        values = mixed.scaler_slot_values(self.precision, state)   # refuses what the program cannot go on from
+        with torch.no_grad():
+            for slot, value in values.items():
+                slots[slot].fill_(value)
 
     def _cache_key(self, batch, layout: BatchLayout) -> CacheKey:
         python, tensors = self.values_read()
@@ -1170,7 +1188,7 @@ class CompiledStep:
         optimizer a started step holds closes that step first, so compiling
         again (other options, newly unfrozen parameters) continues training
         from here; a dynamic loss scale goes on in a new step that scales the
-        loss too (``step.scaler_state()`` holds it for a GradScaler of your own).
+        loss too (``step.scaler_state()`` gives it in ``GradScaler.state_dict()``'s format, for a GradScaler of your own).
         """
         if self.closed:
             return

@@ -357,24 +357,52 @@ def _shape_of(node: fx.Node) -> tuple[int, ...] | None:
 
 
 def _checked_in_the_program(graph: fx.Graph, condition: sympy.Basic, sources: dict) -> bool | None:
-    """A branch on whether activations are all finite, ``if not torch.isfinite(hidden_states).all(): hidden_states =
-    torch.clamp(...)`` (transformers' DETR family, Mask2Former and time-series encoders in training): the program is
-    traced on the finite side and checks it as an op (``aten._assert_async``), which raises where eager would take
-    the other side, as ``_distribution_checks_in_the_program`` does; None for any other branch."""
+    """A branch on activations that only guards against values a healthy step never has, traced on its usual side
+    and checked by the program as an op (``aten._assert_async``), which raises where eager would take the other side,
+    as ``_distribution_checks_in_the_program`` does; None for any other branch. Two such branches are known:
+
+    - whether activations are all finite, ``if not torch.isfinite(hidden_states).all(): hidden_states =
+      torch.clamp(...)`` (transformers' DETR family, Mask2Former and time-series encoders in training): the finite
+      side is taken;
+    - ``nn.GaussianNLLLoss``'s ``elif torch.any(var < 0): raise ValueError`` (``F.gaussian_nll_loss``): the side
+      with no negative variance is taken, and the program raises where eager raises. Only inside that function: a
+      user's own ``if (x < 0).any():`` may take either side in training, and stays refused.
+    """
     if len(sources) != 1:
         return None
     (symbol, (node, read)), = sources.items()
     if read != _BOOL or condition != sympy.Eq(symbol, 1) or node.target is not torch.ops.aten._local_scalar_dense.default:
         return None
     reduced = node.args[0]
-    if not (isinstance(reduced, fx.Node) and reduced.target is torch.ops.aten.all.default
-            and _is_isfinite(reduced.args[0])):
+    if not isinstance(reduced, fx.Node):
         return None
     where = user_frame_of_stack() or "(no user frame found)"
-    graph.call_function(torch.ops.aten._assert_async.msg, (reduced, (
-        f"non-finite values (inf or nan) in the branch at {where} -- eager takes its other side, which the "
-        "program, traced with finite values, does not compute")))
-    return True
+    if reduced.target is torch.ops.aten.all.default and _is_isfinite(reduced.args[0]):
+        graph.call_function(torch.ops.aten._assert_async.msg, (reduced, (
+            f"non-finite values (inf or nan) in the branch at {where} -- eager takes its other side, which the "
+            "program, traced with finite values, does not compute")))
+        return True
+    if reduced.target is torch.ops.aten.any.default and _is_negative_test(reduced.args[0]) and _inside_gaussian_nll():
+        valid = graph.call_function(torch.ops.aten.logical_not.default, (reduced,))
+        fake = reduced.meta["val"]
+        with _disable_current_modes(), fake.fake_mode:
+            valid.meta["val"] = torch.logical_not(fake)
+        graph.call_function(torch.ops.aten._assert_async.msg, (valid, (
+            f"nn.GaussianNLLLoss's var has negative entries at {where} -- eager raises ValueError('var has negative "
+            "entry/entries') there")))
+        return False
+    return None
+
+
+def _is_negative_test(node) -> bool:
+    """Whether ``node`` is ``x < 0``."""
+    return isinstance(node, fx.Node) and node.target is torch.ops.aten.lt.Scalar and node.args[1] == 0
+
+
+def _inside_gaussian_nll() -> bool:
+    """Whether the branch being decided is asked inside ``torch.nn.functional.gaussian_nll_loss``."""
+    return any(frame.name == "gaussian_nll_loss" and os.path.normpath(frame.filename).endswith(
+        os.path.join("torch", "nn", "functional.py")) for frame in traceback.extract_stack())
 
 
 def _is_isfinite(node) -> bool:

@@ -14,7 +14,7 @@ module teaches it the rest:
   writing it again (half a second for the 98M GPT's step);
 - a fake tensor is its shape, strides, dtype and device, made again under
   the loading process's fake mode; the fake mode itself is that mode;
-- an operator (``torch.ops.aten.mm.default``) is its name;
+- an operator (``torch.ops.aten.mm.default``, a higher-order op: ``torch.cond``, ``flex_attention``) is its name;
 - the caller's own objects (its optimizer, its modules, the ``torch.Generator``
   objects its modules hold) are written as names and resolved to the loading
   process's objects, never copied; another generator the program draws from
@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch._ops import OpOverload, OpOverloadPacket
+from torch._ops import HigherOrderOperator, OpOverload, OpOverloadPacket
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.graph import PythonCode
 
@@ -141,6 +141,13 @@ class _Writer(pickle.Pickler):
             return _operator, (obj._schema.name, obj._overloadname)
         if isinstance(obj, OpOverloadPacket):
             return _operator, (obj._qualified_op_name, None)
+        if isinstance(obj, HigherOrderOperator):   # torch.cond, flex_attention: its instance holds closures (its
+            # autograd rule), which pickle cannot write; its subgraphs are the graph's get_attr modules. Node meta
+            # (``original_aten``) may hold a copy torch.fx made (``copy.copy``): the registered op stands for it
+            if type(getattr(torch.ops.higher_order, obj.name(), None)) is not type(obj):
+                raise NotPicklable(f"the higher-order op {obj.name()!r} is not torch.ops.higher_order.{obj.name()}: "
+                                   "a loading process could not find it by its name")
+            return _higher_order_operator, (obj.name(),)
         if isinstance(obj, types.ModuleType):   # a generated program's globals name torch and pytree
             return importlib.import_module, (obj.__name__,)
         if isinstance(obj, fx.GraphModule):
@@ -193,6 +200,10 @@ def _operator(name: str, overload: str | None):
     namespace, _, op = name.partition("::")
     packet = getattr(getattr(torch.ops, namespace), op)
     return packet if overload is None else getattr(packet, overload or "default")
+
+
+def _higher_order_operator(name: str) -> HigherOrderOperator:
+    return getattr(torch.ops.higher_order, name)
 
 
 _loading: list[tuple[FakeTensorMode, dict[str, Any]]] = []   # the load under way: its fake mode, the caller's objects

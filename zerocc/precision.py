@@ -157,6 +157,54 @@ def initial_scaler_slots(precision: Precision | None, device) -> dict[str, torch
 
 
 # -- used by capture while it traces ------------------------------------------------
+# torch.amp.GradScaler.state_dict()'s keys: the scale and tracker a step keeps in slots, the rest its settings
+_GRAD_SCALER_SETTINGS = ("growth_factor", "backoff_factor", "growth_interval")
+_GRAD_SCALER_KEYS = ("scale", *_GRAD_SCALER_SETTINGS, "_growth_tracker")
+
+
+def grad_scaler_state(precision: Precision | None, slots: dict[str, torch.Tensor]) -> dict[str, float | int]:
+    """``slots`` (the scale and growth tracker) as ``torch.amp.GradScaler.state_dict()`` gives them: Python numbers,
+    the scale read from its float32 slot (exactly), with the step's settings; empty without loss scaling."""
+    if not slots:
+        return {}
+    scaling = precision.loss_scale
+    return {"scale": float(slots[SCALE_SLOT]), "growth_factor": float(scaling.growth_factor),
+            "backoff_factor": float(scaling.backoff_factor), "growth_interval": int(scaling.growth_interval),
+            "_growth_tracker": int(slots[GROWTH_TRACKER_SLOT])}
+
+
+def scaler_slot_values(precision: Precision | None, state: dict) -> dict[str, float | int]:
+    """The scale and growth tracker ``state`` (GradScaler's ``state_dict()`` or the slots by name) gives, by slot;
+    ConfigError where the step cannot go on from it (its settings are constants of the program)."""
+    scaling = precision.loss_scale if precision is not None else None
+    if not isinstance(state, dict):
+        raise ConfigError(f"load_scaler_state takes a dict (GradScaler.state_dict() or step.scaler_state()), got "
+                          f"{type(state).__name__}")
+    if scaling is None:
+        if state:
+            raise ConfigError("load_scaler_state: this step has no dynamic loss scale to load into; compile with "
+                              "loss_scale='dynamic' (or zerocc.DynamicLossScale(...)) to go on from a GradScaler")
+        return {}
+    if set(state) == set(SCALER_SLOTS):   # the slots an earlier zerocc's scaler_state() gave
+        return {SCALE_SLOT: float(state[SCALE_SLOT]), GROWTH_TRACKER_SLOT: int(state[GROWTH_TRACKER_SLOT])}
+    if not state:
+        raise ConfigError("load_scaler_state: the state is empty (a disabled GradScaler's state_dict(), or a step's "
+                          "without loss scaling), but this step scales its loss: give the state of a scaler that ran")
+    missing = [key for key in _GRAD_SCALER_KEYS if key not in state]
+    if missing:
+        raise ConfigError(f"load_scaler_state: the state lacks {', '.join(missing)}; give torch.amp.GradScaler's "
+                          f"state_dict() (keys {', '.join(_GRAD_SCALER_KEYS)}) or step.scaler_state()")
+    differ = [f"{key} {state[key]!r} (the step's {getattr(scaling, key)!r})" for key in _GRAD_SCALER_SETTINGS
+              if state[key] != getattr(scaling, key)]
+    if differ:
+        raise ConfigError(
+            f"load_scaler_state: the scaler's {'; '.join(differ)} differ from the step's, which are compiled into "
+            f"its program; compile with loss_scale=zerocc.DynamicLossScale(growth_factor={state['growth_factor']!r}, "
+            f"backoff_factor={state['backoff_factor']!r}, growth_interval={state['growth_interval']!r}) to go on "
+            "from this scaler")
+    return {SCALE_SLOT: float(state["scale"]), GROWTH_TRACKER_SLOT: int(state["_growth_tracker"])}
+
+
 def compute_values(precision: Precision, params, frozen, model_inputs):
     """Parameters, frozen parameters and the model's floating inputs, cast to ``param_dtype``."""
     dtype = precision.param_dtype

@@ -112,7 +112,7 @@ class _Part:
 # -- what this rank holds ---------------------------------------------------------
 def _parts(step) -> dict[str, _Part]:
     parts = _parts_before_compile(step) if not step.state.started else _parts_of_slots(step)
-    for slot, tensor in step.scaler_state().items():   # the dynamic loss scale (zerocc/precision.py)
+    for slot, tensor in step.state.scaler_state().items():   # the dynamic loss scale (zerocc/precision.py)
         parts[SCALER_PREFIX + slot.split(":", 1)[1]] = _whole(SCALER_PREFIX + slot.split(":", 1)[1], tensor)
     return parts
 
@@ -446,7 +446,7 @@ def load_state_dict(step, state: dict[str, object]) -> None:
         for key in (given & parts.keys()) - optimizer_entries:
             _copy_into(parts[key], _sources(state[key]))
         if not any(k.startswith(SCALER_PREFIX) for k in given):   # saved without loss scaling: the scale starts afresh
-            scaler = step.scaler_state()
+            scaler = step.state.scaler_state()
             for slot, value in mixed.initial_scaler_slots(step.precision, "cpu").items():
                 scaler[slot].copy_(value)
         if step.state.started:   # the param_dtype copies of loaded masters (stages 1-2; a collective)

@@ -36,6 +36,9 @@ _PLACEHOLDER_ROLES = {
     g.ROLE_STATE: "optimizer state", g.ROLE_INPUT: "inputs",
 }
 
+# why a buffer whose size a boolean mask, ``nonzero`` or ``.tolist()`` decides is left out of the memory plan
+DATA_DEPENDENT_SIZE = "size depends on the data (a boolean mask, nonzero or .tolist() decides it as the step runs)"
+
 
 def buffer_lifetimes(gm: fx.GraphModule) -> list[tuple[str, str, int, int, int, tuple[str, ...]]]:
     """Every storage of ``gm`` in its node order, unplaced: (name, role, aligned bytes, start, end, aliases)."""
@@ -86,10 +89,9 @@ def lifetimes_and_unplanned(gm: fx.GraphModule):
         value = _value_of(node, index)
         role = _role(node, index, key in updated)
         name = node.name if index is None else f"{node.name}[{index}]"
-        if g.is_data_dependent(value):
-            size = "x".join(str(s) for s in value.shape) or "1"
-            unplanned.append(Unplanned(name, role, None, start[key], end[key],
-                                       f"size depends on the data ({size} elements)"))
+        if g.is_data_dependent(value):   # its shape holds torch's symbols for sizes read at run time (u0, u7):
+            # internal names a reader cannot place, and one reason per shape would split the summary's counts
+            unplanned.append(Unplanned(name, role, None, start[key], end[key], DATA_DEPENDENT_SIZE))
             continue
         size = _scratch_bytes(node) if index is None else None
         size = _storage_bytes(value) if size is None else size
