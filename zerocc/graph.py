@@ -12,6 +12,8 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
+from . import ops  # noqa: F401  registers torch.ops.zerocc, whose gather the predicates below name
+
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 
@@ -65,30 +67,39 @@ def output_node(gm: fx.GraphModule) -> fx.Node:
     return next(n for n in reversed(gm.graph.nodes) if n.op == "output")
 
 
+# The collectives' targets, looked up once: the predicates below run for every node several times per pass (the
+# lifetime analysis, the schedule), and resolving ``torch.ops`` attributes on each call was most of their time.
+_ALL_GATHERS = (c10d.all_gather_into_tensor.default, c10d.all_gather_into_tensor_out.default,
+                torch.ops.zerocc.all_gather_by_send_recv.default)
+_REDUCE_SCATTERS = (c10d.reduce_scatter_tensor.default, c10d.reduce_scatter_tensor_out.default,
+                    c10d.all_to_all_single.default)
+_ALL_REDUCE = c10d.all_reduce.default
+_BROADCAST = c10d.broadcast.default
+_WAIT = c10d.wait_tensor.default
+_COLLECTIVES = (*_ALL_GATHERS, *_REDUCE_SCATTERS, _ALL_REDUCE, _BROADCAST)
+# a tuple, not a set: ``in`` compares by identity first, where a set would hash each OpOverload in Python
+
+
 def is_all_gather(node: fx.Node) -> bool:
     """An all-gather, or the sends and receives that stand for one on gloo (passes/gather_by_send_recv.py)."""
-    return node.op == "call_function" and node.target in (c10d.all_gather_into_tensor.default,
-                                                          c10d.all_gather_into_tensor_out.default,
-                                                          torch.ops.zerocc.all_gather_by_send_recv.default)
+    return node.op == "call_function" and node.target in _ALL_GATHERS
 
 
 def is_reduce_scatter(node: fx.Node) -> bool:
     """A reduce-scatter, or the all-to-all that stands for one on gloo (passes/scatter_by_all_to_all.py)."""
-    return node.op == "call_function" and node.target in (c10d.reduce_scatter_tensor.default,
-                                                          c10d.reduce_scatter_tensor_out.default,
-                                                          c10d.all_to_all_single.default)
+    return node.op == "call_function" and node.target in _REDUCE_SCATTERS
 
 
 def is_all_reduce(node: fx.Node) -> bool:
-    return node.op == "call_function" and node.target is c10d.all_reduce.default
+    return node.op == "call_function" and node.target is _ALL_REDUCE
 
 
 def is_broadcast(node: fx.Node) -> bool:
-    return node.op == "call_function" and node.target is c10d.broadcast.default
+    return node.op == "call_function" and node.target is _BROADCAST
 
 
 def is_wait(node: fx.Node) -> bool:
-    return node.op == "call_function" and node.target is c10d.wait_tensor.default
+    return node.op == "call_function" and node.target is _WAIT
 
 
 def wait_of(collective: fx.Node) -> fx.Node:
@@ -108,14 +119,15 @@ def is_parameter_shard(node: fx.Node) -> bool:
 
 
 def is_collective(node: fx.Node) -> bool:
-    return is_all_gather(node) or is_reduce_scatter(node) or is_all_reduce(node) or is_broadcast(node)
+    return node.op == "call_function" and node.target in _COLLECTIVES
 
 
 def reads_inputs_until_wait(node: fx.Node) -> bool:
     """A collective that reads its inputs while it runs, until its wait: not ``all_reduce`` and ``broadcast``,
     which clone their input when called and run on the clone (c10d's functional ops), so the input may die
     there (planned until the wait, stage 0 held every bucket's gradients twice through backward)."""
-    return is_collective(node) and not (is_all_reduce(node) or is_broadcast(node))
+    return node.op == "call_function" and node.target in _COLLECTIVES and node.target is not _ALL_REDUCE \
+        and node.target is not _BROADCAST
 
 
 def tensor_meta(node: fx.Node) -> torch.Tensor | None:
@@ -134,7 +146,11 @@ def is_data_dependent(value) -> bool:
     Its size is an unbacked symbol, known only when the step runs: the memory plan leaves it unplanned, and the
     cost model counts it as no bytes and no work.
     """
-    return isinstance(value, torch.Tensor) and not all(is_concrete_int(x) for x in (*value.shape, *value.stride()))
+    # a tensor without symbolic sizes (almost every one) answers from one flag: testing each size and stride
+    # was a tenth of a lifetime analysis, which asks for every node (several per pass, per plan measured)
+    if not isinstance(value, torch.Tensor) or not value._has_symbolic_sizes_strides:
+        return False
+    return not all(is_concrete_int(x) for x in (*value.shape, *value.stride()))
 
 
 def values_of(value) -> tuple:

@@ -27,7 +27,6 @@ naming the pass.
 from __future__ import annotations
 
 import collections
-import copy
 import dataclasses
 import functools
 import json
@@ -289,7 +288,9 @@ class NodeRecord:
 
     def __init__(self, graph: fx.Graph):
         self.codegen = graph._codegen   # the calling convention (runtime/release.py) goes with the nodes
-        self.nodes = [(node, node.op, node.target, node.name, node.type, node.args, node.kwargs, copy.copy(node.meta))
+        # meta.copy(): fx's meta is a plain dict, and copy.copy's dispatch doubled the cost of a record, taken
+        # after every pass of every plan place_remat measures
+        self.nodes = [(node, node.op, node.target, node.name, node.type, node.args, node.kwargs, node.meta.copy())
                       for node in graph.nodes]
 
     def build(self) -> fx.Graph:
@@ -303,7 +304,7 @@ class NodeRecord:
             copied.args = fx.map_arg(args, env.__getitem__)
             if kwargs:
                 copied.kwargs = fx.map_arg(kwargs, env.__getitem__)
-            copied.meta = copy.copy(meta)
+            copied.meta = meta.copy()
             env[node] = copied
         return new
 

@@ -25,14 +25,29 @@ _VIEW_IF_POSSIBLE = {aten.reshape.default, aten.contiguous.default, aten.flatten
 # reused while it was still read (the recurrent model of tests/architectures.py under memory pools).
 _UNDECLARED_VIEWS = {aten.unsafe_split.Tensor, aten.unsafe_split_with_sizes.default, aten.unsafe_chunk.default}
 
+
 def returns_alias(node: fx.Node) -> bool:
     """Does the node return views of an input: its schema says so, or its fake value shares an input's storage?"""
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
         return False
-    returns = node.target._schema.returns
-    if node.target in _UNDECLARED_VIEWS or bool(returns) and returns[0].alias_info is not None:
+    if _declares_alias(node.target):
         return True
     return _input_sharing_storage(node) is not None
+
+
+# target -> whether its schema declares that its first output aliases an input (or it is an undeclared view).
+# A fact of the op, asked for every node of every lifetime analysis (several per pass, per plan place_remat
+# measures): reading ``_schema.returns`` builds new Python objects on each call (issue 19).
+_DECLARED_ALIAS: dict[torch._ops.OpOverload, bool] = {}
+
+
+def _declares_alias(target: torch._ops.OpOverload) -> bool:
+    declared = _DECLARED_ALIAS.get(target)
+    if declared is None:
+        returns = target._schema.returns
+        declared = _DECLARED_ALIAS[target] = (target in _UNDECLARED_VIEWS
+                                              or bool(returns) and returns[0].alias_info is not None)
+    return declared
 
 
 def _input_sharing_storage(node: fx.Node) -> fx.Node | None:

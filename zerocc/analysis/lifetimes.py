@@ -18,6 +18,7 @@ data are listed apart, as ``memory_plan.Unplanned``.
 """
 from __future__ import annotations
 
+import dataclasses
 import operator
 
 import torch
@@ -40,17 +41,65 @@ _PLACEHOLDER_ROLES = {
 DATA_DEPENDENT_SIZE = "size depends on the data (a boolean mask, nonzero or .tolist() decides it as the step runs)"
 
 
-def buffer_lifetimes(gm: fx.GraphModule) -> list[tuple[str, str, int, int, int, tuple[str, ...]]]:
+def buffer_lifetimes(gm: fx.GraphModule, storages: Storages | None = None
+                     ) -> list[tuple[str, str, int, int, int, tuple[str, ...]]]:
     """Every storage of ``gm`` in its node order, unplaced: (name, role, aligned bytes, start, end, aliases)."""
-    return lifetimes_and_unplanned(gm)[0]
+    return lifetimes_and_unplanned(gm, storages)[0]
 
 
-def lifetimes_and_unplanned(gm: fx.GraphModule):
-    """``buffer_lifetimes``, and the tensors whose size depends on the data (``Unplanned``, bytes None)."""
+@dataclasses.dataclass(frozen=True)
+class Storages:
+    """What the lifetime analysis finds that does not depend on the node order: which storages each node keeps
+    alive, and each storage's name, role and bytes.
+
+    Half the analysis. A pass that only reorders nodes and weighs the order against the peak
+    (``overlap_updates``: before and after its move) takes it once and the lifetimes of each order from it
+    (``lifetimes_and_unplanned(gm, storages)``); the nodes must be the same, with the same arguments and values.
+    """
+    roots: dict[fx.Node, tuple]   # node -> the storages it keeps alive, as (allocating node, output index or None)
+    facts: dict[tuple, tuple]     # storage -> (name, role, aligned bytes or None where sized by the data)
+    outputs: tuple                # the storages the step returns (alive to the end)
+
+
+def storages_of(gm: fx.GraphModule) -> Storages:
+    """The order-independent half of ``lifetimes_and_unplanned`` (see ``Storages``)."""
+    nodes = list(gm.graph.nodes)
+    roots = _storage_roots(nodes, gm)
+    outputs = pytree.tree_leaves(g.output_node(gm).args[0])   # [loss, *values that replace slots]
+    output_slots = gm.meta.get(g.OUTPUT_SLOTS, ())
+    returned, updated = [], set()
+    for index, value in enumerate(outputs):
+        for key in roots.get(value, ()) if isinstance(value, fx.Node) else ():
+            returned.append(key)
+            if index > 0 and index - 1 < len(output_slots):
+                updated.add(key)
+    facts = {}
+    for keys in roots.values():
+        for key in keys:
+            if key in facts:
+                continue
+            node, index = key
+            value = _value_of(node, index)
+            role = _role(node, index, key in updated)
+            name = node.name if index is None else f"{node.name}[{index}]"
+            if g.is_data_dependent(value):
+                facts[key] = (name, role, None)
+                continue
+            size = _scratch_bytes(node) if index is None else None
+            size = _storage_bytes(value) if size is None else size
+            facts[key] = (name, role, align(size))
+    return Storages(roots, facts, tuple(returned))
+
+
+def lifetimes_and_unplanned(gm: fx.GraphModule, storages: Storages | None = None):
+    """``buffer_lifetimes``, and the tensors whose size depends on the data (``Unplanned``, bytes None).
+
+    ``storages``: ``storages_of(gm)``, taken before the nodes were reordered (None: found here)."""
+    storages = storages_of(gm) if storages is None else storages
     nodes = list(gm.graph.nodes)
     position = {node: i for i, node in enumerate(nodes)}
     last = len(nodes) - 1
-    roots = _storage_roots(nodes, gm)
+    roots = storages.roots
     # released slots (passes/release_slots.py) live to the release point, then to their last use
     release = next((position[n] for n in nodes if n.meta.get(g.RELEASE_POINT)), None)
 
@@ -74,28 +123,17 @@ def lifetimes_and_unplanned(gm: fx.GraphModule):
             end[key] = max(end.get(key, here), reach)
             if key[0] is not node:
                 aliases.setdefault(key, []).append(node.name)
-    outputs = pytree.tree_leaves(g.output_node(gm).args[0])   # [loss, *values that replace slots]
-    output_slots = gm.meta.get(g.OUTPUT_SLOTS, ())
-    updated = set()
-    for index, value in enumerate(outputs):
-        for key in roots.get(value, ()) if isinstance(value, fx.Node) else ():
-            end[key] = last
-            if index > 0 and index - 1 < len(output_slots):
-                updated.add(key)
+    for key in storages.outputs:
+        end[key] = last
 
     buffers, unplanned = [], []
     for key in start:
-        node, index = key
-        value = _value_of(node, index)
-        role = _role(node, index, key in updated)
-        name = node.name if index is None else f"{node.name}[{index}]"
-        if g.is_data_dependent(value):   # its shape holds torch's symbols for sizes read at run time (u0, u7):
-            # internal names a reader cannot place, and one reason per shape would split the summary's counts
+        name, role, size = storages.facts[key]
+        if size is None:   # its shape holds torch's symbols for sizes read at run time (u0, u7): internal names a
+            # reader cannot place, and one reason per shape would split the summary's counts
             unplanned.append(Unplanned(name, role, None, start[key], end[key], DATA_DEPENDENT_SIZE))
             continue
-        size = _scratch_bytes(node) if index is None else None
-        size = _storage_bytes(value) if size is None else size
-        buffers.append((name, role, align(size), start[key], end[key], tuple(aliases.get(key, ()))))
+        buffers.append((name, role, size, start[key], end[key], tuple(aliases.get(key, ()))))
     return buffers, unplanned
 
 

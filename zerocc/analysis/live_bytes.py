@@ -11,11 +11,11 @@ import torch.fx as fx
 
 from .. import graph as g
 from ..context import CompileContext
-from .lifetimes import buffer_lifetimes
+from .lifetimes import Storages, buffer_lifetimes
 from .releases import mark_releases
 
 
-def live_peaks(gm: fx.GraphModule, ctx: CompileContext) -> tuple[int, int]:
+def live_peaks(gm: fx.GraphModule, ctx: CompileContext, storages: Storages | None = None) -> tuple[int, int]:
     """The planned live peak with old slot values kept to the end, and with ``release_slots``' releases.
 
     Moving an update before the last wait also moves its old state's last
@@ -23,15 +23,17 @@ def live_peaks(gm: fx.GraphModule, ctx: CompileContext) -> tuple[int, int]:
     values can no longer die at their last use: with releases, the optimizer
     phase can become the peak (under a ``memory_budget``). The move is kept
     only if neither peak grows, so it is safe with the pass and without it.
+    ``storages``: ``lifetimes.storages_of(gm)`` before a reordering (None: found here).
     """
-    return live_peaks_and_bytes(gm, ctx)[0]
+    return live_peaks_and_bytes(gm, ctx, storages)[0]
 
 
-def live_peaks_and_bytes(gm: fx.GraphModule, ctx: CompileContext) -> tuple[tuple[int, int], list[int]]:
+def live_peaks_and_bytes(gm: fx.GraphModule, ctx: CompileContext,
+                         storages: Storages | None = None) -> tuple[tuple[int, int], list[int]]:
     """``live_peaks`` and ``live_bytes`` from one lifetime analysis (the passes that weigh rewrites read both)."""
     released, _ = mark_releases(gm, ctx)
     try:
-        lifetimes = buffer_lifetimes(gm)
+        lifetimes = buffer_lifetimes(gm, storages)
     finally:
         for node in gm.graph.nodes:
             node.meta.pop(g.RELEASED, None)

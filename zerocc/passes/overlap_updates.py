@@ -47,6 +47,7 @@ import torch.fx as fx
 from .. import graph as g
 from ..context import CompileContext
 from ..decisions import UpdateOrder
+from ..analysis.lifetimes import storages_of
 from ..analysis.live_bytes import live_peaks
 from ..graph import wait_of
 
@@ -87,13 +88,15 @@ def overlap_updates(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
         ctx.notes["overlap_updates"] = "no update to move"
         return gm
 
-    peaks_before = live_peaks(gm, ctx)
+    # the move changes the order only: which storages each node keeps alive is found once, for both counts
+    storages = storages_of(gm)
+    peaks_before = live_peaks(gm, ctx, storages)
     cursor = anchor
     for node in moved:
         cursor.append(node)
         cursor = node
     graph.lint()
-    peaks_after = live_peaks(gm, ctx)
+    peaks_after = live_peaks(gm, ctx, storages)
     peak_before, peak_after = peaks_before[0], peaks_after[0]
     if any(after > before for before, after in zip(peaks_before, peaks_after)):
         _restore(graph, nodes)
