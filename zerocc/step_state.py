@@ -54,6 +54,7 @@ class StepState:
         self.full_model_depth = 0                        # inside step.full_model(): the module holds whole parameters
         self.reading_model_keys = False                  # model.state_dict() called for its keys only
         self.lost: str | None = None                     # a call failed after its release point: the error, in short
+        self.half_loaded: str | None = None              # a load_checkpoint failed after it began to write: its path
 
     @property
     def started(self) -> bool:
