@@ -214,3 +214,98 @@ def test_a_load_that_fails_after_it_began_to_write_refuses_every_call_until_a_lo
     assert "failed: calls refused" in repr(step)
     zerocc.load_checkpoint(step, tmp_path / "ckpt")
     _trains_on_from(step, saved, loss_fn, data)
+
+
+def test_a_deleted_step_keeps_the_model_until_closed_and_compiling_again_hands_it_back():
+    """``del step`` in a notebook left a stage-3 model of empty placeholders whose forward said to use
+    ``step.full_model()``, with no step left to call it on. The message names the way back; compiling again over
+    the model and optimizer closes the deleted step, the model holds plain whole parameters, trained as eager's, and
+    the deleted step is freed."""
+    import gc
+    import weakref
+    model, _, loss_fn = build("mlp")
+    reference, _, _ = build("mlp")
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step = zerocc.compile(model, optimizer, stage=3, loss_fn=loss_fn)
+    data = batches("mlp", 3, 8)
+    for batch in data[:2]:
+        assert torch.equal(step(*batch), eager_step(reference, reference_optimizer, loss_fn, batch))
+    deleted = weakref.ref(step)
+    del step
+    gc.collect()
+    with pytest.raises(zerocc.ConfigError, match=r"`del step` does not.*zerocc.compile\(model, optimizer\).close\(\)"):
+        model(data[2][0])
+    zerocc.compile(model, optimizer, stage=3, loss_fn=loss_fn).close()
+    gc.collect()
+    assert deleted() is None
+    assert all(type(p) is torch.nn.Parameter for p in model.parameters())
+    for (key, value), expected in zip(model.state_dict().items(), reference.state_dict().values()):
+        assert torch.equal(value, expected), key
+    assert torch.equal(eager_step(model, optimizer, loss_fn, data[2]),
+                       eager_step(reference, reference_optimizer, loss_fn, data[2]))
+
+
+def _interrupted_at_every_line(enter, function) -> int:
+    """Run ``enter()`` (a ``with`` over the context manager ``function``) once per line of ``function`` before its
+    ``yield`` (where it wraps what it undoes on exit), raising ``KeyboardInterrupt`` there as Ctrl-C would; returns
+    how many runs were interrupted. (Ctrl-C in the undoing itself, after the ``yield``, is out of any Python code's
+    reach.)"""
+    import inspect
+    function = inspect.unwrap(function)
+    code = function.__code__
+    source, first = inspect.getsourcelines(function)
+    end = first + next(i for i, text in enumerate(source) if text.strip() == "yield")
+    lines = sorted({line for _, _, line in code.co_lines() if line is not None and line < end})
+    interrupted = 0
+    for target in lines:
+        def local(frame, event, arg, target=target):
+            if event == "line" and frame.f_lineno == target:
+                raise KeyboardInterrupt
+            return local
+
+        def tracer(frame, event, arg):
+            return local if frame.f_code is code else None
+        sys.settrace(tracer)
+        try:
+            enter()
+        except KeyboardInterrupt:
+            interrupted += 1
+        finally:
+            sys.settrace(None)
+    return interrupted
+
+
+def test_ctrl_c_while_capture_wraps_torch_and_random_functions_leaves_none_wrapped():
+    """Capture wraps ``torch.get_rng_state``, ``torch.manual_seed``, checkpointing's functions and Python's own
+    ``random`` draws for the trace: Ctrl-C between two of the wraps (before the ``try`` that undoes them) left them
+    wrapped for the rest of the notebook's session."""
+    import random
+
+    import torch.utils.checkpoint as checkpointing
+
+    from zerocc.host_random import HostDraws
+    from zerocc.model_recomputation import traced_recomputation
+    from zerocc.tracing import make_fake_mode
+
+    def torch_functions():
+        return ([getattr(module, name) for module in (torch, torch.random, torch.cuda)
+                 for name in ("get_rng_state", "set_rng_state", "manual_seed", "seed") if hasattr(module, name)]
+                + [checkpointing.CheckpointFunction.__dict__.get("apply"), checkpointing._is_compiling,
+                   dict(checkpointing._allowed_determinism_checks_to_fns)])
+    before = torch_functions()
+
+    def recomputation():
+        with traced_recomputation(make_fake_mode()):
+            pass
+    assert _interrupted_at_every_line(recomputation, traced_recomputation) > 10
+    assert torch_functions() == before
+
+    python_random = {name: getattr(random, name) for name in dir(random)}
+
+    def host_draws():
+        with HostDraws(torch.nn.Linear(2, 2), None).recording():
+            pass
+    assert _interrupted_at_every_line(host_draws, HostDraws.recording) > 5
+    assert {name: getattr(random, name) for name in dir(random)} == python_random
+
