@@ -1225,7 +1225,13 @@ class CompiledStep:
         if cause is not None:
             self.state.lost = f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}"
 
-    def _check_open(self) -> None:
+    def _check_open(self, loading: bool = False) -> None:
+        if self.state.half_loaded is not None and not loading:
+            raise ConfigError(
+                f"an earlier zerocc.load_checkpoint(step, {self.state.half_loaded!r}) failed after it began to "
+                "write the checkpoint into the step: the step holds part of that checkpoint and part of what it "
+                "held before, and cannot train, evaluate or save. Call zerocc.load_checkpoint again (that "
+                "checkpoint or another) before anything else")
         if self.state.lost is not None:
             raise ConfigError(
                 f"an earlier call of this step failed in the optimizer's update ({self.state.lost}), after it had "
@@ -1309,9 +1315,27 @@ class CompiledStep:
         raise AttributeError(decisions.CHECKPOINT_PLAN_RENAMED)
 
     def _require_compiled(self) -> CacheEntry:
+        if self.closed:   # a notebook's earlier step, closed by compiling again: not "call it once with a batch"
+            raise ConfigError("this compiled step was closed (step.close(), or a later zerocc.compile over its model or "
+                              "optimizer, which closes it): its programs were dropped with it. Inspect the step "
+                              "zerocc.compile returned last")
         if self.cache.last is None:
             raise ConfigError("the step has not been compiled yet: call it once with a batch first")
         return self.cache.last
+
+    def __repr__(self) -> str:
+        """What a notebook shows for ``step``: the model, optimizer, stage, ranks and where the step stands."""
+        if self.closed:
+            where = "closed"
+        elif self.state.lost is not None or self.state.half_loaded is not None:
+            where = "failed: calls refused"
+        elif self.cache.last is None:
+            where = "not compiled yet (compiles at its first call)"
+        else:
+            programs = len(self.cache.programs())
+            where = f"{self.steps} steps, {programs} program{'s' if programs != 1 else ''}"
+        return (f"<zerocc step: {type(self.model).__name__} with {type(self.optimizer).__name__}, stage {self.stage}, "
+                f"rank {self.ranks.rank} of {self.ranks.world_size}; {where}>")
 
     def explain(self) -> str:
         """A short human report of what every pass decided for the last compiled program."""

@@ -58,7 +58,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, S
 from torch.utils._python_dispatch import _disable_current_modes
 
 from . import graph as g
-from .errors import _LIBRARY_DIRS
+from .errors import _LIBRARY_DIRS, generated
 from .analysis.remat import is_random
 
 _SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
@@ -546,7 +546,7 @@ def user_frame_of_stack() -> str | None:
     found = None
     for frame in traceback.extract_stack():
         path = os.path.abspath(frame.filename)
-        if path.startswith(_LIBRARY_DIRS) or frame.filename.startswith("<"):
+        if path.startswith(_LIBRARY_DIRS) or generated(frame.filename):
             continue
         found = f"{frame.filename}:{frame.lineno}: {(frame.line or '').strip()}"
     return found

@@ -123,14 +123,28 @@ def user_frame_here() -> str | None:
 
 
 def is_users(path: str) -> bool:
-    return not (path.startswith(_LIBRARY_DIRS) or path.startswith("<"))
+    return not (path.startswith(_LIBRARY_DIRS) or generated(path))
+
+
+# the names Python's interactive shells give the code typed into them: a notebook cell under terminal IPython
+# (``<ipython-input-3-1f2e...>``; Jupyter's kernel writes ``/tmp/ipykernel_<pid>/<hash>.py``, a path), the plain REPL,
+# IDLE. They are the user's code, though no file holds it (IPython keeps each cell's lines in ``linecache``)
+INTERACTIVE_SOURCES = ("<ipython-input-", "<stdin>", "<pyshell#")
+
+
+def generated(filename: str) -> bool:
+    """Whether ``filename`` names code a program generated (``<string>``: exec, dataclasses' methods; fx's
+    ``<eval_with_key>``; ``<frozen ...>``), not the user's: a frame there is never the one an error names. A model
+    defined in a notebook cell is the user's: its errors named "(no user frame found)" where the same model in a
+    file named its line."""
+    return filename.startswith("<") and not filename.startswith(INTERACTIVE_SOURCES)
 
 
 def innermost_frame(frames, wanted) -> str | None:
     """The innermost of ``frames`` whose absolute file path ``wanted`` accepts, as 'file:line: code'."""
     found = None
     for frame in frames:
-        if frame.filename.startswith("<") or not wanted(os.path.abspath(frame.filename)):
+        if generated(frame.filename) or not wanted(os.path.abspath(frame.filename)):
             continue
         code = (frame.line or linecache.getline(frame.filename, frame.lineno)).strip()
         found = f"{frame.filename}:{frame.lineno}: {code}"
@@ -141,7 +155,7 @@ def raised_by_user_code(error: BaseException) -> bool:
     """Whether ``error`` was raised by the user's own code (a ``raise`` in a model), not inside a library."""
     frames = traceback.extract_tb(error.__traceback__)
     return bool(frames) and not (os.path.abspath(frames[-1].filename).startswith(_LIBRARY_DIRS)
-                                 or frames[-1].filename.startswith("<"))
+                                 or generated(frames[-1].filename))
 
 
 def user_line_of_node(node, wanted=None) -> str | None:
@@ -157,7 +171,7 @@ def user_line_of_node(node, wanted=None) -> str | None:
         if line.startswith("File ") and ", line " in line:
             filename = line.split('"')[1]
             path = os.path.abspath(filename)
-            if filename.startswith("<") or not (wanted(path) if wanted else not path.startswith(_LIBRARY_DIRS)):
+            if generated(filename) or not (wanted(path) if wanted else not path.startswith(_LIBRARY_DIRS)):
                 continue
             lineno = line.split(", line ")[1].split(",")[0]
             code = lines[i + 1] if i + 1 < len(lines) and not lines[i + 1].startswith("File ") else ""

@@ -107,18 +107,18 @@ class HostDraws:
         """While the step is traced: note each draw's line, and each generator the trace advanced."""
         before = [generator.state() for generator in self.generators]
         patched = []
-        for generator in self.generators:
-            module = generator.module
-            if module is None:
-                continue
-            shown = "random" if module is random else "np.random"
-            for name in dir(module):
-                value = getattr(module, name, None)
-                if name in _NOT_DRAWS or name.startswith("_") or getattr(value, "__self__", None) is not generator.generator:
+        try:   # patched inside: Ctrl-C between two setattr left Python's own random functions patched for good
+            for generator in self.generators:
+                module = generator.module
+                if module is None:
                     continue
-                patched.append((module, name, value))
-                setattr(module, name, self._noting(f"{shown}.{name}()", value, name in _UNIFORM))
-        try:
+                shown = "random" if module is random else "np.random"
+                for name in dir(module):
+                    value = getattr(module, name, None)
+                    if name in _NOT_DRAWS or name.startswith("_") or getattr(value, "__self__", None) is not generator.generator:
+                        continue
+                    patched.append((module, name, value))
+                    setattr(module, name, self._noting(f"{shown}.{name}()", value, name in _UNIFORM))
             yield
         finally:
             for module, name, original in patched:

@@ -353,39 +353,39 @@ def traced_recomputation(fake_mode, generators=()):
             return original(*args, **kwargs)
         return reseed
 
-    for (module, name), original in originals.items():
-        setattr(module, name, getter(original) if name.startswith("get") else setter(original))
     # torch.manual_seed / torch.seed inside the step: allowed while nothing draws after them (_Sequence)
     reseeding = {(module, name): getattr(module, name) for module in (torch, torch.random) for name in ("manual_seed", "seed")}
-    for (module, name), original in reseeding.items():
-        setattr(module, name, reseeder(original))
-    originals.update(reseeding)
     reentrant = checkpointing.CheckpointFunction.__dict__.get("apply")   # None: Function's classmethod, inherited
-    checkpointing.CheckpointFunction.apply = _refuse_reentrant
-    # selective checkpointing (context_fn=create_selective_checkpoint_contexts) caches every op's output under a
-    # proxy mode, for torch.compile's partitioner to read the policy from the graph, and hands the cached outputs
-    # back in the recomputation: the step then recomputed nothing, and a dropout in the block failed ("Tensor cached
-    # during selective activation checkpoint has been mutated": its bernoulli_ writes a cached empty_like). The step
-    # is traced as eager runs it: the policy's saved ops are kept, the others recomputed in the traced backward
     is_compiling = checkpointing._is_compiling
-    checkpointing._is_compiling = lambda func, args, kwargs: False
     checks = checkpointing._allowed_determinism_checks_to_fns
     default_check = checks[checkpointing._DEFAULT_DETERMINISM_MODE]
-    checks[checkpointing._DEFAULT_DETERMINISM_MODE] = _recomputation_metadata
-    # in the fake mode, below _Sequence (entered at the first saved state): a draw it replays draws nothing
-    fake_mode.draw_observer = set_generators
     failed = True
-    try:
+    try:   # every patch inside: Ctrl-C between two of them left torch's functions patched for the rest of the session
+        for (module, name), original in originals.items():
+            setattr(module, name, getter(original) if name.startswith("get") else setter(original))
+        for (module, name), original in reseeding.items():
+            setattr(module, name, reseeder(original))
+        checkpointing.CheckpointFunction.apply = _refuse_reentrant
+        # selective checkpointing (context_fn=create_selective_checkpoint_contexts) caches every op's output under a
+        # proxy mode, for torch.compile's partitioner to read the policy from the graph, and hands the cached outputs
+        # back in the recomputation: the step then recomputed nothing, and a dropout in the block failed ("Tensor
+        # cached during selective activation checkpoint has been mutated": its bernoulli_ writes a cached
+        # empty_like). The step is traced as eager runs it: the policy's saved ops are kept, the others recomputed in
+        # the traced backward
+        checkpointing._is_compiling = lambda func, args, kwargs: False
+        checks[checkpointing._DEFAULT_DETERMINISM_MODE] = _recomputation_metadata
+        # in the fake mode, below _Sequence (entered at the first saved state): a draw it replays draws nothing
+        fake_mode.draw_observer = set_generators
         yield
         failed = False
     finally:
         checkpointing._is_compiling = is_compiling
         checks[checkpointing._DEFAULT_DETERMINISM_MODE] = default_check
-        if reentrant is None:
-            del checkpointing.CheckpointFunction.apply
-        else:
+        if reentrant is not None:
             checkpointing.CheckpointFunction.apply = reentrant
-        for (module, name), original in originals.items():
+        elif "apply" in checkpointing.CheckpointFunction.__dict__:
+            del checkpointing.CheckpointFunction.apply
+        for (module, name), original in [*originals.items(), *reseeding.items()]:
             setattr(module, name, original)
         if entered:
             sequence.__exit__(None, None, None)

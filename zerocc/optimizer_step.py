@@ -316,7 +316,7 @@ def _optimizer_files(optimizer_class: type) -> set[str]:
         for source in (cls, *functions):
             try:
                 files.add(os.path.abspath(inspect.getsourcefile(source) or ""))
-            except TypeError:
+            except (TypeError, OSError):   # OSError: a class defined in a notebook cell (its module has no file)
                 continue
     return files
 

@@ -561,13 +561,22 @@ def save_checkpoint(step, path: str) -> str:
     return version
 
 
-def _check_step_and_path(call: str, step, path) -> None:
+def _raise_own_interrupt(error: CheckpointException, ranks) -> None:
+    """This rank's Ctrl-C as ``KeyboardInterrupt``: DCP wraps whatever a rank raised in a ``CheckpointException``, so
+    Ctrl-C let through in a save or load (the third press) came out as ``CheckpointError: ... KeyboardInterrupt``,
+    which a loop's ``except KeyboardInterrupt:`` missed. The other ranks' errors say which rank was interrupted."""
+    failure = error.failures.get(ranks.rank if ranks.group is not None else 0)
+    if failure is not None and isinstance(failure[0], KeyboardInterrupt):
+        raise KeyboardInterrupt(*failure[0].args) from error
+
+
+def _check_step_and_path(call: str, step, path, loading: bool = False) -> None:
     """``call(step, path)``'s arguments: the step ``zerocc.compile`` returned (still open) and a path."""
     from .api import CompiledStep
     if not isinstance(step, CompiledStep):
         raise ConfigError(f"{call}(step, path) takes the step zerocc.compile returned first, got "
                           f"{type(step).__name__}{' (the path first?)' if isinstance(step, (str, os.PathLike)) else ''}")
-    step._check_open()
+    step._check_open(loading=loading)
     if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
         raise ConfigError(f"{call}(step, path): path must be a checkpoint's path (str or os.PathLike), got {path!r}")
 
@@ -587,6 +596,7 @@ def _save(step, path: str) -> str:
             dcp.save(state, storage_writer=writer, planner=planner, process_group=ranks.group,
                      no_dist=ranks.group is None)
     except CheckpointException as error:   # a BaseException: ``except Exception`` in a training loop would not see it
+        _raise_own_interrupt(error, ranks)
         raise CheckpointError(f"saving {path} failed: {_first_line(error)}; {path} still holds the previous "
                               "checkpoint, if any (the next save removes the incomplete version)") from error
     _barrier(ranks)   # every rank's files are written and fsynced
@@ -782,11 +792,26 @@ def _barrier(ranks) -> None:
 
 
 def load_checkpoint(step, path: str) -> None:
-    """Load a checkpoint saved at any world size and stage into ``step`` (before or after its first call)."""
-    _check_step_and_path("zerocc.load_checkpoint", step, path)
+    """Load a checkpoint saved at any world size and stage into ``step`` (before or after its first call).
+
+    The checkpoint is read straight into the step's own tensors (no second copy of the model's state), so a load
+    cut short leaves the step holding part of the checkpoint and part of its own training: Ctrl-C (a notebook's
+    interrupt, a load of the wrong checkpoint stopped) did so, and the next call trained on the mix silently. Ctrl-C
+    is now held until the load ends, then raised, as in ``save_checkpoint`` (a third is raised at once); a load that
+    fails after it began to write (that third Ctrl-C, an unreadable shard file) leaves the step refusing every call
+    but another ``load_checkpoint`` (``step.state.half_loaded``).
+    """
+    _check_step_and_path("zerocc.load_checkpoint", step, path, loading=True)
     refuse_inside_full_model(step, "zerocc.load_checkpoint")
-    with failures.collective_failures(step.ranks, step.steps, step.timeout, call="zerocc.load_checkpoint"):
-        _load(step, os.path.abspath(path))
+    held = HeldInterrupt(let_through=2)
+    held.hold()
+    try:
+        with failures.collective_failures(step.ranks, step.steps, step.timeout, call="zerocc.load_checkpoint"):
+            _load(step, os.path.abspath(path))
+    except BaseException:
+        held.release(deliver=False)
+        raise
+    held.release(deliver=True)
 
 
 def _load(step, path: str) -> None:
@@ -833,14 +858,17 @@ def _load(step, path: str) -> None:
                          no_dist=step.ranks.group is None)
                 # each rank reads its own pieces: every rank refuses if any finds state there
                 _on_every_rank(step.ranks, lambda: _refuse_state_without_a_place(parts, without_a_place))
+            step.state.half_loaded = path   # from here the load writes into the step, until load_state_dict ends
             dcp.load(state, storage_reader=reader, process_group=step.ranks.group, no_dist=step.ranks.group is None)
     except CheckpointException as error:   # a BaseException: ``except Exception`` would not see it
+        _raise_own_interrupt(error, step.ranks)
         why = _first_line(error)
         if "FileNotFoundError" in why:
             why += ("; every rank reads the pieces it needs from any rank's files, so the whole checkpoint folder must be "
                     "readable on every node (storage every node mounts, or copied whole to each)")
         raise CheckpointError(f"loading {path} failed: {why}") from error
     load_state_dict(step, state)
+    step.state.half_loaded = None
 
 
 def _check_complete(step, path: str) -> None:

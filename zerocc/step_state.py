@@ -56,6 +56,7 @@ class StepState:
         self.lost: str | None = None                     # a call failed after its release point: the error, in short
         # the slots hold the optimizer's initial state the step made (optimizer_init), no step has updated it yet
         self.made_initial_state = False
+        self.half_loaded: str | None = None              # a load_checkpoint failed after it began to write: its path
 
     @property
     def started(self) -> bool:

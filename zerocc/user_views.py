@@ -96,7 +96,9 @@ def _refuse_released_forward(step) -> None:
         raise ConfigError(
             f"the model's parameters are sharded across the compiled step (stage {step.stage}): the module holds "
             "empty placeholders. To run the eager model, wrap the call in `with step.full_model(): model(x)` "
-            "(`writeback=False` to discard changes); to evaluate, use step.eval_forward(x)")
+            "(`writeback=False` to discard changes); to evaluate, use step.eval_forward(x); to hand the model back "
+            "whole for good, step.close() (`del step` does not: the model keeps the step, which holds its parameters, "
+            "alive; without the step at hand, zerocc.compile(model, optimizer).close() closes it)")
 
 
 def _refuse_released_load(step) -> None:
