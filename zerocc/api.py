@@ -399,6 +399,15 @@ def _refuse_tensors_another_step_trains(step: "CompiledStep", captured: Captured
             "module.state_dict())` (zerocc's docs/guide/your-model.md, \"Two steps over one module\")")
 
 
+def _setting(value) -> str:
+    """A setting as ``hyperparameter_signature`` keys it, for a warning: a value, or how it is read every step."""
+    if isinstance(value, tuple) and value[:1] == ("read every step",):
+        return f"a {value[1]} number read every step" if len(value) > 1 else "a number read every step"
+    if isinstance(value, tuple) and value[:1] in (("tuple",), ("list",)):
+        return "(" + ", ".join(_setting(item) for item in value[1:]) + ")"
+    return repr(value)
+
+
 class CompiledStep:
     """A compiled training step and the sharded state it keeps between calls.
 
@@ -679,7 +688,7 @@ class CompiledStep:
             return
         for known in list(self.cache.entries):
             if known.signature == key.signature and known.hyperparameters != key.hyperparameters:
-                changed = [f"param group {index}'s {name}: {dict(old).get(name)!r} -> {value!r}"
+                changed = [f"param group {index}'s {name}: {_setting(dict(old).get(name))} -> {_setting(value)}"
                            for index, (old, new) in enumerate(zip(known.hyperparameters, key.hyperparameters))
                            for name, value in new if dict(old).get(name) != value]
                 warnings.warn(

@@ -24,7 +24,7 @@ import torch.utils._pytree as pytree
 from torch._prims_common import make_contiguous_strides_for
 
 from . import graph as g
-from .tracing import empty_fake, fakeify, make_fake_mode, record_source_lines_of, trace_functional
+from .tracing import empty_fake, fakeify, loaded_uninteresting_files, make_fake_mode, record_source_lines_of, trace_functional
 from .errors import ConfigError, UnsupportedOptimizerError, innermost_frame, user_line_of_node
 from .optimizer_init import _has_train_and_eval, shadow_of
 
@@ -123,12 +123,16 @@ def _modes_of_group(optimizer: torch.optim.Optimizer, index: int) -> dict[tuple[
             break
         symbols = getattr(error, "cond", None)
         symbols = symbols.free_symbols if symbols is not None else set()
-        blamed = [candidate for candidate, symbol in symbol_of.items() if symbol in symbols]
-        if not blamed:   # not a branch on one of them: trace them all in; the real trace says what fails, if any
-            if all(mode is None for mode in modes.values()):
-                break
-            modes = {candidate: None for candidate in candidates}
-            continue
+        # the learning rate is read every step whatever step() does with it, as it always was (a branch on it
+        # fails naming the line)
+        blamed = [candidate for candidate, symbol in symbol_of.items() if symbol in symbols and candidate != ("lr", None)]
+        if not blamed and ("lr", None) in [c for c, symbol in symbol_of.items() if symbol in symbols]:
+            break
+        if not blamed:   # not a branch on one of them: traced in if that traces; else the real trace says what fails
+            constants = {candidate: FREE if candidate == ("lr", None) else None for candidate in candidates}
+            if modes != constants and _probe(optimizer, index, constants)[0] is None:
+                modes = constants
+            break
         for candidate in blamed:
             modes[candidate] = SIGNED if modes[candidate] == FREE else None
     return {candidate: mode for candidate, mode in modes.items()
@@ -138,6 +142,11 @@ def _modes_of_group(optimizer: torch.optim.Optimizer, index: int) -> dict[tuple[
 def _probe(optimizer: torch.optim.Optimizer, index: int, modes: dict) -> tuple[BaseException | None, dict]:
     """Two ``step()`` calls of group ``index`` on a fake stand-in parameter with its settings symbolic per ``modes``:
     the error they raise (None if none), and the symbol of each symbolic setting."""
+    with loaded_uninteresting_files():   # the ShapeEnv's source location of each .item() (tracing.py)
+        return _probe_traced(optimizer, index, modes)
+
+
+def _probe_traced(optimizer: torch.optim.Optimizer, index: int, modes: dict) -> tuple[BaseException | None, dict]:
     from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
     from .optimizer_init import _shadow
     group = optimizer.param_groups[index]
@@ -146,7 +155,7 @@ def _probe(optimizer: torch.optim.Optimizer, index: int, modes: dict) -> tuple[B
     settings: dict = {}
     symbol_of = {}
     with fake_mode:
-        param = torch.zeros(2, dtype=like.dtype)
+        param = torch.zeros(like.shape, dtype=like.dtype)   # fake: its shape costs nothing (Muon's step needs 2-d)
         for (key, position), mode in modes.items():
             value = _value(group, key, position)
             if mode is None or (mode == SIGNED and value == 0):
@@ -169,7 +178,7 @@ def _probe(optimizer: torch.optim.Optimizer, index: int, modes: dict) -> tuple[B
     try:
         with fake_mode, torch.no_grad():
             for _ in range(2):   # the first step and a step with state: either may branch
-                param.grad = torch.ones(2, dtype=like.dtype)
+                param.grad = torch.ones(like.shape, dtype=like.dtype)
                 shadow.step()
     except GuardOnDataDependentSymNode as error:
         return error, symbol_of
