@@ -147,42 +147,47 @@ def _probe(optimizer: torch.optim.Optimizer, index: int, modes: dict) -> tuple[B
 
 
 def _probe_traced(optimizer: torch.optim.Optimizer, index: int, modes: dict) -> tuple[BaseException | None, dict]:
-    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+    """``_probe`` as the step's own trace runs it (``trace_functional``: its decompositions branch too, addmm's
+    ``if beta == 0`` on Muon's coefficients), on the group's shape (Muon's step needs 2-d; fakes cost nothing)."""
     from .optimizer_init import _shadow
     group = optimizer.param_groups[index]
     like = group["params"][0]
-    fake_mode = make_fake_mode()
-    settings: dict = {}
-    symbol_of = {}
-    with fake_mode:
-        param = torch.zeros(like.shape, dtype=like.dtype)   # fake: its shape costs nothing (Muon's step needs 2-d)
-        for (key, position), mode in modes.items():
-            value = _value(group, key, position)
-            if mode is None or (mode == SIGNED and value == 0):
-                continue
-            number = torch.empty((), dtype=torch.float64).item()
-            if mode == SIGNED:
-                torch._check(number > 0 if value > 0 else number < 0)
-            symbol_of[(key, position)] = number.node.expr
+    symbolic = [(candidate, mode) for candidate, mode in modes.items()
+                if mode is not None and not (mode == SIGNED and _value(group, *candidate) == 0)]
+    symbol_of: dict = {}
+
+    def two_steps(param, grad, numbers):
+        settings: dict = {}
+        for ((key, position), mode), tensor in zip(symbolic, numbers):
+            number = tensor.item()
+            if mode == SIGNED and isinstance(number, torch.SymFloat):
+                torch._check(number > 0 if _value(group, key, position) > 0 else number < 0)
+            if isinstance(number, torch.SymFloat):
+                symbol_of[(key, position)] = number.node.expr
             if position is None:
                 settings[key] = number
             else:
                 settings[key] = list(settings.get(key, group[key]))
                 settings[key][position] = number
-    shadow = _shadow(optimizer, index, param)
-    for key, value in settings.items():
-        shadow.param_groups[0][key] = type(group[key])(value) if isinstance(group[key], (tuple, list)) else value
-    shadow_group = shadow.param_groups[0]
-    if "foreach" in shadow_group and shadow_group["foreach"] is None and not shadow_group.get("fused"):
-        shadow_group["foreach"] = eager_picks_foreach(shadow_group, group["params"])
-    try:
-        with fake_mode, torch.no_grad():
+        shadow = _shadow(optimizer, index, param)
+        for key, value in settings.items():
+            shadow.param_groups[0][key] = type(group[key])(value) if isinstance(group[key], (tuple, list)) else value
+        shadow_group = shadow.param_groups[0]
+        if "foreach" in shadow_group and shadow_group["foreach"] is None and not shadow_group.get("fused"):
+            shadow_group["foreach"] = eager_picks_foreach(shadow_group, group["params"])
+        with torch.no_grad():
             for _ in range(2):   # the first step and a step with state: either may branch
-                param.grad = torch.ones(like.shape, dtype=like.dtype)
+                param.grad = grad
                 shadow.step()
-    except GuardOnDataDependentSymNode as error:
-        return error, symbol_of
-    except Exception as error:   # anything else: the trace of the step says what it is, if it fails without them
+        return param
+
+    fake_mode = make_fake_mode()
+    args = fakeify(fake_mode, (torch.zeros(like.shape, dtype=like.dtype, device="meta"),
+                               torch.zeros(like.shape, dtype=like.dtype, device="meta"),
+                               [torch.zeros((), dtype=torch.float64) for _ in symbolic]))
+    try:
+        trace_functional(two_steps, args, fake_mode)
+    except Exception as error:   # a guard on a setting, or anything else: the caller tells which
         return error, symbol_of
     return None, symbol_of
 
