@@ -399,13 +399,22 @@ def _refuse_tensors_another_step_trains(step: "CompiledStep", captured: Captured
             "module.state_dict())` (zerocc's docs/guide/your-model.md, \"Two steps over one module\")")
 
 
+def _setting(value) -> str:
+    """A setting as ``hyperparameter_signature`` keys it, for a warning: a value, or how it is read every step."""
+    if isinstance(value, tuple) and value[:1] == ("read every step",):
+        return f"a {value[1]} number read every step" if len(value) > 1 else "a number read every step"
+    if isinstance(value, tuple) and value[:1] in (("tuple",), ("list",)):
+        return "(" + ", ".join(_setting(item) for item in value[1:]) + ")"
+    return repr(value)
+
+
 class CompiledStep:
     """A compiled training step and the sharded state it keeps between calls.
 
     Compilation happens at the first call (it needs an example batch) and again
     when the batch's shapes, the optimizer state's structure (the first step
-    creates it) or a baked-in hyper-parameter change. The learning rate and Adam's
-    betas are read at every call. ``options`` are the checked keywords of ``compile``
+    creates it) or a baked-in hyper-parameter change. The float settings of the
+    param groups are read at every call (``optimizer_step.live_modes``). ``options`` are the checked keywords of ``compile``
     (``zerocc/options.py``), ``state`` what the step owns (``zerocc/step_state.py``),
     ``cache`` its programs (``zerocc/program_cache.py``).
     """
@@ -696,22 +705,24 @@ class CompiledStep:
     def _say_which_settings_changed(self, key: CacheKey) -> None:
         """Warn, once per step, when a program is compiled only because optimizer settings changed.
 
-        The learning rate and Adam's betas are read every step (``optimizer_step.LIVE_SETTINGS``); every other
-        group setting is traced into the program, so a scheduler that changes one each step (OneCycleLR and
-        CyclicLR cycle SGD's or RMSprop's momentum unless ``cycle_momentum=False``) compiles a program every step.
+        Every float setting step() reads is read every step (``optimizer_step.live_modes``); what is traced into the
+        program is a flag (nesterov, amsgrad), a number that is not a float, the side of zero of a float step() branches
+        on (``if momentum != 0``), and a float another package's step() makes a Python number of: a schedule that
+        changes one of those each step compiles a program every step.
         """
         if self._warned_settings:
             return
         for known in list(self.cache.entries):
             if known.signature == key.signature and known.hyperparameters != key.hyperparameters:
-                changed = [f"param group {index}'s {name}: {dict(old).get(name)!r} -> {value!r}"
+                changed = [f"param group {index}'s {name}: {_setting(dict(old).get(name))} -> {_setting(value)}"
                            for index, (old, new) in enumerate(zip(known.hyperparameters, key.hyperparameters))
                            for name, value in new if dict(old).get(name) != value]
                 warnings.warn(
                     "zerocc compiles a new program because optimizer settings changed (" + "; ".join(changed[:4]) +
-                    "). Only the learning rate and betas are read every step; any other setting is traced into the program, "
-                    "so a schedule that changes one every step compiles every step (OneCycleLR or CyclicLR: pass "
-                    "cycle_momentum=False). Said once per zerocc.compile.", stacklevel=user_stacklevel())
+                    "). Float settings are read every step; a flag, a number that is not a float, a float crossing zero where "
+                    "step() branches on it (`if momentum != 0`), or one the optimizer's step() turns into a Python number "
+                    "is traced into the program, so a schedule that changes one every step compiles every step. "
+                    "Said once per zerocc.compile.", stacklevel=user_stacklevel())
                 self._warned_settings = True
                 return
 

@@ -192,8 +192,8 @@ def fingerprint(step, key, released_shapes: dict[str, tuple[int, ...]], previous
     if step._parameter_layouts:   # channels-last parameters: read in their strides (capture.laid_out)
         tensors += "\nlaid out " + _stable(sorted(step._parameter_layouts.items()))
     index = {id(p): n for n, p in model.named_parameters()}
-    # which parameters each group holds; its settings traced into the program are key.hyperparameters (lr and
-    # betas are read every step and stay out, so a schedule does not miss)
+    # which parameters each group holds; its settings traced into the program are key.hyperparameters (float
+    # settings are read every step and stay out, so a schedule does not miss)
     groups = "\n".join(",".join(index.get(id(p), "?") for p in group["params"]) for group in optimizer.param_groups)
     # state in the user's optimizer before the first call (a checkpoint loaded): the program reads it as it is
     # sorted by name: the same state inserted in another order (a checkpoint loaded) is the same program

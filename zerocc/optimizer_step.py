@@ -24,142 +24,244 @@ import torch.utils._pytree as pytree
 from torch._prims_common import make_contiguous_strides_for
 
 from . import graph as g
-from .tracing import empty_fake, fakeify, make_fake_mode, record_source_lines_of, trace_functional
+from .tracing import empty_fake, fakeify, loaded_uninteresting_files, make_fake_mode, record_source_lines_of, trace_functional
 from .errors import ConfigError, UnsupportedOptimizerError, innermost_frame, user_line_of_node
 from .optimizer_init import _has_train_and_eval, shadow_of
 
 aten = torch.ops.aten
 
-# Settings read from the param groups at every step (graph inputs: ``live_settings``), so a scheduler
-# changing them needs no recompilation: the learning rate, and Adam's betas, which OneCycleLR and CyclicLR
-# cycle with it. Every other setting is traced into the program (``hyperparameter_signature``); a momentum
-# (SGD, RMSprop) cannot be read each step: the optimizer branches on it in Python (``if momentum != 0``).
-LIVE_SETTINGS = ("lr", "betas")
+# Settings read from the param groups at every step (graph inputs: ``live_settings``), so that a scheduler or a
+# loop changing them needs no recompilation, and the update computes with them in Python doubles as eager's does:
+# every float setting of a group (lr, momentum, dampening, weight_decay, eps, alpha, lr_decay, rho, and each float
+# of betas, etas, step_sizes), each read one of two ways (``live_modes``):
+FREE = "free"       # a symbolic float no branch of step() reads: any value runs the one program
+SIGNED = "signed"   # step() branches on it (``if weight_decay != 0``, ``if momentum > 0``): a symbolic float known to
+#                     be positive (or negative), the sign keyed on (``hyperparameter_signature``); at 0 it is traced
+#                     in as a constant, so a value crossing zero compiles the update of the other branch.
+# Every other setting (a flag: nesterov, amsgrad, maximize; an int; a float a branch compares with another value)
+# is traced into the program and keyed on.
 
 
-def live_keys(group: dict, betas_live: bool = True) -> tuple[str, ...]:
-    """The settings of ``group`` its program reads each step: ``lr``, and with a number lr numeric betas (unless
-    ``betas_live`` is False: ``reads_betas_live``)."""
+def _is_float(value) -> bool:
+    return isinstance(value, float)   # not a bool, an int (their arithmetic is not a float's), a tensor
+
+
+def _candidates(group: dict) -> list[tuple[str, int | None]]:
+    """(key, position in a tuple or None) of each setting of ``group`` that may be read every step: ``lr`` first.
+
+    With a tensor lr, only it (passed as itself, its dtype eager's): the rest of the group is traced."""
     if isinstance(group["lr"], torch.Tensor):
-        return ("lr",)   # a tensor lr is passed as itself (its dtype is eager's); the rest is traced
-    betas = group.get("betas")
-    if betas_live and isinstance(betas, (tuple, list)) and len(betas) == 2 and all(
-            isinstance(b, numbers.Real) and not isinstance(b, bool) for b in betas):
-        return ("lr", "betas")
-    return ("lr",)
+        return [("lr", None)]
+    found = []
+    for key, value in group.items():
+        if key in ("params", "lr"):
+            continue
+        if _is_float(value):
+            found.append((key, None))
+        elif isinstance(value, (tuple, list)):
+            found += [(key, position) for position, item in enumerate(value) if _is_float(item)]
+    return [("lr", None), *sorted(found, key=lambda item: (item[0], -1 if item[1] is None else item[1]))]
 
 
-# per optimizer, whether its step() takes betas read each step (``reads_betas_live``)
-_BETAS_LIVE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+def _value(group: dict, key: str, position: int | None):
+    return group[key] if position is None else group[key][position]
 
 
-def reads_betas_live(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether the program reads ``optimizer``'s betas each step, as traced numbers, or traces them in as constants.
-
-    Read each step, a scheduler cycling them (OneCycleLR's ``cycle_momentum``) needs no recompile; but the traced
-    step sees them as symbolic numbers, which arithmetic takes and a conversion to a Python float does not: an
-    optimizer from another package computing ``math.sqrt(1 - beta2)``, ``math.pow(beta1, k)`` or ``float(beta1)``
-    (pytorch_optimizer's debiasing) failed to trace, refused as a "branch on a value", though eager's update is
-    the same at every step. torch.optim's own optimizers compute with them as numbers: read each step. Any other
-    is tried once, on a fake stand-in parameter, with them symbolic and with them as constants; if only the
-    constants trace, they are traced in (a change of betas then compiles a new program, as for any setting).
-    """
-    known = _BETAS_LIVE.get(optimizer)   # asked at every call (live_settings): answered once per optimizer
-    if known is None:
-        known = _BETAS_LIVE[optimizer] = inspect.unwrap(type(optimizer).step).__module__.startswith("torch.") \
-            or not _betas_only_as_constants(optimizer)
-    return known
+def _name(key: str, position: int | None) -> str:
+    return key if position is None else f"{key}{position}"
 
 
-def _betas_only_as_constants(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether one ``step()`` of ``optimizer`` on a fake stand-in traces with numeric betas and not with symbolic ones."""
-    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
-    from .optimizer_init import _shadow
-    from .tracing import make_fake_mode
-    groups = [index for index, group in enumerate(optimizer.param_groups)
-              if "betas" in live_keys(group) and group["params"]]
-    if not groups:
-        return False
-    index = groups[0]
-    like = optimizer.param_groups[index]["params"][0]
-
-    def traces(symbolic: bool) -> bool:
-        fake_mode = make_fake_mode()
-        with fake_mode:
-            param = torch.zeros(2, dtype=like.dtype)
-            grad = torch.ones(2, dtype=like.dtype)
-            betas = torch.tensor([float(b) for b in optimizer.param_groups[index]["betas"]], dtype=torch.float64)
-        shadow = _shadow(optimizer, index, param)
-        if symbolic:
-            with fake_mode:
-                shadow.param_groups[0]["betas"] = (betas[0].item(), betas[1].item())
+def _class(value):
+    """What of a setting's value decides how ``step()`` may branch on it: a float's sign, else the value itself."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        if isinstance(value, (tuple, list)):
+            return (type(value).__name__, *map(_class, value))
+        if isinstance(value, torch.Tensor):
+            return ("tensor", str(value.dtype), tuple(value.shape))
         try:
-            with fake_mode, torch.no_grad():
+            hash(value)
+            return value
+        except TypeError:
+            return repr(value)
+    return (type(value).__name__, (value > 0) - (value < 0))
+
+
+# per optimizer, per the classes of its groups' settings (``_class``): each group's live settings (``live_modes``)
+_MODES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def live_modes(optimizer: torch.optim.Optimizer) -> list[dict[tuple[str, int | None], str]]:
+    """Per param group: (key, position) -> FREE or SIGNED for each setting its program reads every step.
+
+    Found once per optimizer and per sign of its settings by tracing one ``step()`` of a fake stand-in parameter
+    (``_probe``) with them symbolic: a setting a branch reads fails there (``GuardOnDataDependentSymNode``) and is
+    tried SIGNED, then traced in. A float setting step() makes a Python number of (another package's
+    ``math.sqrt(1 - beta2)``, ``float(beta1)``) is traced in the same way: eager's update is the same at every step.
+    """
+    structure = tuple(tuple((key, _class(value)) for key, value in sorted(group.items()) if key != "params")
+                      + ((len(group["params"]) > 0, str(group["params"][0].dtype) if group["params"] else None),)
+                      for group in optimizer.param_groups)
+    known = _MODES.setdefault(optimizer, {})
+    if structure not in known:
+        if len(known) >= 16:   # a setting that is another int every step (a count) is another structure each time
+            del known[next(iter(known))]
+        known[structure] = [_modes_of_group(optimizer, index) for index in range(len(optimizer.param_groups))]
+    return known[structure]
+
+
+def _modes_of_group(optimizer: torch.optim.Optimizer, index: int) -> dict[tuple[str, int | None], str]:
+    group = optimizer.param_groups[index]
+    candidates = _candidates(group)
+    if isinstance(group["lr"], torch.Tensor) or not candidates or not group["params"]:
+        return {candidate: FREE for candidate in candidates}   # no update reads them: no branch to find
+    if isinstance(group["lr"], bool) or not isinstance(group["lr"], numbers.Real):
+        raise ConfigError(f"param group {index} has lr={group['lr']!r}; zerocc needs a number")
+    modes = {candidate: FREE for candidate in candidates}
+    for _ in range(2 * len(candidates) + 1):
+        error, symbol_of = _probe(optimizer, index, modes)
+        if error is None:
+            break
+        symbols = getattr(error, "cond", None)
+        symbols = symbols.free_symbols if symbols is not None else set()
+        # the learning rate is read every step whatever step() does with it, as it always was (a branch on it
+        # fails naming the line)
+        blamed = [candidate for candidate, symbol in symbol_of.items() if symbol in symbols and candidate != ("lr", None)]
+        if not blamed and ("lr", None) in [c for c, symbol in symbol_of.items() if symbol in symbols]:
+            break
+        if not blamed:   # not a branch on one of them: traced in if that traces; else the real trace says what fails
+            constants = {candidate: FREE if candidate == ("lr", None) else None for candidate in candidates}
+            if modes != constants and _probe(optimizer, index, constants)[0] is None:
+                modes = constants
+            break
+        for candidate in blamed:
+            modes[candidate] = SIGNED if modes[candidate] == FREE else None
+    return {candidate: mode for candidate, mode in modes.items()
+            if mode == FREE or (mode == SIGNED and _value(group, *candidate) != 0)}
+
+
+def _probe(optimizer: torch.optim.Optimizer, index: int, modes: dict) -> tuple[BaseException | None, dict]:
+    """Two ``step()`` calls of group ``index`` on a fake stand-in parameter with its settings symbolic per ``modes``:
+    the error they raise (None if none), and the symbol of each symbolic setting."""
+    with loaded_uninteresting_files():   # the ShapeEnv's source location of each .item() (tracing.py)
+        return _probe_traced(optimizer, index, modes)
+
+
+def _probe_traced(optimizer: torch.optim.Optimizer, index: int, modes: dict) -> tuple[BaseException | None, dict]:
+    """``_probe`` as the step's own trace runs it (``trace_functional``: its decompositions branch too, addmm's
+    ``if beta == 0`` on Muon's coefficients), on the group's shape (Muon's step needs 2-d; fakes cost nothing)."""
+    from .optimizer_init import _shadow
+    group = optimizer.param_groups[index]
+    like = group["params"][0]
+    symbolic = [(candidate, mode) for candidate, mode in modes.items()
+                if mode is not None and not (mode == SIGNED and _value(group, *candidate) == 0)]
+    symbol_of: dict = {}
+
+    def two_steps(param, grad, numbers):
+        settings: dict = {}
+        for ((key, position), mode), tensor in zip(symbolic, numbers):
+            number = tensor.item()
+            if mode == SIGNED and isinstance(number, torch.SymFloat):
+                torch._check(number > 0 if _value(group, key, position) > 0 else number < 0)
+            if isinstance(number, torch.SymFloat):
+                symbol_of[(key, position)] = number.node.expr
+            if position is None:
+                settings[key] = number
+            else:
+                settings[key] = list(settings.get(key, group[key]))
+                settings[key][position] = number
+        shadow = _shadow(optimizer, index, param)
+        for key, value in settings.items():
+            shadow.param_groups[0][key] = type(group[key])(value) if isinstance(group[key], (tuple, list)) else value
+        shadow_group = shadow.param_groups[0]
+        if "foreach" in shadow_group and shadow_group["foreach"] is None and not shadow_group.get("fused"):
+            shadow_group["foreach"] = eager_picks_foreach(shadow_group, group["params"])
+        with torch.no_grad():
+            for _ in range(2):   # the first step and a step with state: either may branch
                 param.grad = grad
                 shadow.step()
-        except GuardOnDataDependentSymNode:
-            return False
-        except Exception:   # anything else: the trace of the step says what it is
-            return True
-        return True
-    return not traces(symbolic=True) and traces(symbolic=False)
+        return param
+
+    fake_mode = make_fake_mode()
+    args = fakeify(fake_mode, (torch.zeros(like.shape, dtype=like.dtype, device="meta"),
+                               torch.zeros(like.shape, dtype=like.dtype, device="meta"),
+                               [torch.zeros((), dtype=torch.float64) for _ in symbolic]))
+    try:
+        trace_functional(two_steps, args, fake_mode)
+    except Exception as error:   # a guard on a setting, or anything else: the caller tells which
+        return error, symbol_of
+    return None, symbol_of
 
 
 def live_layout(optimizer: torch.optim.Optimizer) -> list[tuple[int, str]]:
-    """(param group, name) of each tensor ``live_settings`` returns, in order: ``lr``, ``betas0``, ``betas1``."""
-    layout = []
-    betas_live = reads_betas_live(optimizer)
-    for index, group in enumerate(optimizer.param_groups):
-        for key in live_keys(group, betas_live):
-            layout += [(index, "betas0"), (index, "betas1")] if key == "betas" else [(index, key)]
-    return layout
+    """(param group, name) of each tensor ``live_settings`` returns, in order: ``lr``, then the others by key
+    (an element of a tuple setting named with its position: ``betas0``, ``betas1``)."""
+    return [(index, _name(*candidate)) for index, modes in enumerate(live_modes(optimizer)) for candidate in modes]
 
 
 def hyperparameter_signature(optimizer: torch.optim.Optimizer) -> tuple:
-    """The group settings baked into a traced update; a change means re-capture."""
+    """The group settings baked into a traced update; a change means re-capture. A setting read every step is in
+    it as how it is read (and a SIGNED one's sign), not as its value."""
     signature = []
-    betas_live = reads_betas_live(optimizer)
-    for group in optimizer.param_groups:
-        live = live_keys(group, betas_live)
-        items = [("read every step", live)]
+    for group, modes in zip(optimizer.param_groups, live_modes(optimizer)):
+        items = []
         if isinstance(group["lr"], torch.Tensor):
             items.append(("lr", ("a tensor", str(group["lr"].dtype))))
         for key, value in sorted(group.items()):
-            if key == "params" or key in live:
+            if key == "params" or (key == "lr" and isinstance(value, torch.Tensor)):
                 continue
             if isinstance(value, torch.Tensor):   # a tensor setting (a scheduler's initial_lr of a tensor lr)
                 value = ("tensor", tuple(value.shape), tuple(value.flatten().tolist()))
+            elif isinstance(value, (tuple, list)) and any((key, i) in modes for i in range(len(value))):
+                value = (type(value).__name__, *(_how_read(modes[(key, i)], v) if (key, i) in modes else v
+                                                 for i, v in enumerate(value)))
+            elif (key, None) in modes:
+                value = _how_read(modes[(key, None)], value)
             items.append((key, value))
         signature.append(tuple(items))
     return tuple(signature)
+
+
+def _how_read(mode: str, value) -> tuple:
+    return ("read every step",) if mode == FREE else ("read every step", "positive" if value > 0 else "negative")
 
 
 def live_settings(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     """This step's live settings in ``live_layout`` order: each a float64 scalar (exact as a Python float), but a
     tensor lr, passed as a copy of itself."""
     values = []
-    betas_live = reads_betas_live(optimizer)
-    for index, group in enumerate(optimizer.param_groups):
-        lr = group["lr"]
-        if isinstance(lr, torch.Tensor):   # eager's update computes with the tensor, in its dtype: so does the step's
-            values.append(lr.detach().to("cpu", copy=True).reshape(()))
-            continue
-        if not isinstance(lr, numbers.Real):
-            raise ConfigError(f"param group {index} has lr={lr!r}; zerocc needs a number")
-        values.append(torch.tensor(float(lr), dtype=torch.float64))
-        if "betas" in live_keys(group, betas_live):
-            values += [torch.tensor(float(beta), dtype=torch.float64) for beta in group["betas"]]
+    for index, (group, modes) in enumerate(zip(optimizer.param_groups, live_modes(optimizer))):
+        for key, position in modes:
+            value = _value(group, key, position)
+            if isinstance(value, torch.Tensor):   # eager's update computes with the tensor, in its dtype: so does ours
+                values.append(value.detach().to("cpu", copy=True).reshape(()))
+            elif isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise ConfigError(f"param group {index} has {key}={group[key]!r}; zerocc needs a number")
+            else:
+                values.append(torch.tensor(float(value), dtype=torch.float64))
     return values
 
 
 def _read_settings(optimizer: torch.optim.Optimizer, values: Sequence[torch.Tensor]) -> list[dict]:
-    """Per param group, its live settings as its optimizer reads them, from ``live_settings``' tensors."""
+    """Per param group, its live settings as its optimizer reads them, from ``live_settings``' tensors: Python
+    numbers the trace keeps symbolic, a SIGNED one known to have its sign (so ``if momentum != 0`` is decided)."""
     read: list[dict] = [{} for _ in optimizer.param_groups]
-    for (index, name), value in zip(live_layout(optimizer), values, strict=True):
-        if name == "lr":
-            read[index]["lr"] = value if isinstance(optimizer.param_groups[index]["lr"], torch.Tensor) else value.item()
-        else:   # betas0, betas1
-            read[index]["betas"] = (*read[index].get("betas", ()), value.item())
+    flat = [(index, candidate, mode) for index, modes in enumerate(live_modes(optimizer))
+            for candidate, mode in modes.items()]
+    for (index, (key, position), mode), value in zip(flat, values, strict=True):
+        group = optimizer.param_groups[index]
+        original = _value(group, key, position)
+        if isinstance(original, torch.Tensor):
+            read[index][key] = value
+            continue
+        number = value.item()
+        if mode == SIGNED and isinstance(number, torch.SymFloat):
+            torch._check(number > 0 if original > 0 else number < 0)
+        if position is None:
+            read[index][key] = number
+        else:
+            items = list(read[index].get(key, group[key]))
+            items[position] = number
+            read[index][key] = type(group[key])(items)
     return read
 
 
@@ -701,6 +803,8 @@ def initial_state_layout(optimizer: torch.optim.Optimizer, params: Sequence[torc
         with fake_mode:
             fake_params = [torch.empty(shape, dtype=p.dtype, device=p.device) for p, shape in zip(params, shapes)]
             fakes = (fake_params, [torch.zeros_like(p) for p in fake_params])
+
+    live_modes(optimizer)   # found now, by a trace of its own, not inside this one's
 
     def first_step(fake_params, fake_grads):
         _, states = optimizer_update(optimizer, fake_params, fake_grads, [{} for _ in params], group_of,
