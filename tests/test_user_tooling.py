@@ -326,6 +326,20 @@ def test_global_module_hooks_sit_out_the_trace_and_stay_registered():
         handle.remove()
 
 
+def test_global_optimizer_hooks_sit_out_every_trace_of_the_optimizer():
+    """The probe that finds which param-group settings the update reads every step (optimizer_step.live_modes)
+    traces the optimizer's step() on a stand-in: a global optimizer hook was called with that stand-in, three times
+    in the first call, and a counting dispatch mode saw the probe's ops."""
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+    calls = []
+    handle = register_optimizer_step_pre_hook(lambda optimizer, args, kwargs: calls.append(type(optimizer).__name__))
+    try:
+        train_both(mlp(), steps=2)
+        assert calls == ["AdamW", "AdamW"]   # the eager reference's two steps, no more
+    finally:
+        handle.remove()
+
+
 @pytest.mark.parametrize("kind", ["forward", "forward_pre"])
 def test_a_module_hook_that_changes_the_output_is_traced(kind):
     model = mlp()

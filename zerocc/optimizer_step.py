@@ -27,6 +27,7 @@ from . import graph as g
 from .tracing import empty_fake, fakeify, loaded_uninteresting_files, make_fake_mode, record_source_lines_of, trace_functional
 from .errors import ConfigError, UnsupportedOptimizerError, innermost_frame, user_line_of_node
 from .optimizer_init import _has_train_and_eval, shadow_of
+from .user_tooling import suspended_user_tooling
 
 aten = torch.ops.aten
 
@@ -142,7 +143,9 @@ def _modes_of_group(optimizer: torch.optim.Optimizer, index: int) -> dict[tuple[
 def _probe(optimizer: torch.optim.Optimizer, index: int, modes: dict) -> tuple[BaseException | None, dict]:
     """Two ``step()`` calls of group ``index`` on a fake stand-in parameter with its settings symbolic per ``modes``:
     the error they raise (None if none), and the symbol of each symbolic setting."""
-    with loaded_uninteresting_files():   # the ShapeEnv's source location of each .item() (tracing.py)
+    # the ShapeEnv's source location of each .item() (tracing.py); the user's dispatch modes and global optimizer
+    # hooks sit out, as they do the step's own trace (a counting mode saw the probe's ops in the first call)
+    with loaded_uninteresting_files(), suspended_user_tooling():
         return _probe_traced(optimizer, index, modes)
 
 
