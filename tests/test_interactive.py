@@ -208,7 +208,9 @@ def test_a_load_that_fails_after_it_began_to_write_refuses_every_call_until_a_lo
     monkeypatch.undo()
     half = r"an earlier zerocc.load_checkpoint\(step, .*ckpt'\) failed after it began to write"
     for call in (lambda: step(*data[2]), step.full_state_dict, lambda: step.eval_forward(data[2][0]),
-                 lambda: zerocc.save_checkpoint(step, tmp_path / "other")):
+                 lambda: zerocc.save_checkpoint(step, tmp_path / "other"),
+                 step.close,   # it handed the mix back to the model and optimizer
+                 lambda: zerocc.compile(step.model, step.optimizer, stage=stage, loss_fn=loss_fn)):   # closes it
         with pytest.raises(zerocc.ConfigError, match=half):
             call()
     assert "failed: calls refused" in repr(step)

@@ -1204,6 +1204,10 @@ class CompiledStep:
         if self.closed:
             return
         user_views.refuse_inside_full_model(self, "step.close")
+        if self.state.half_loaded is not None:
+            # handing back would give the model and optimizer part of a checkpoint and part of the step's own
+            # training, silently (``zerocc.compile`` over them closes this step: it refuses too)
+            self._check_open()
         if self.state.started:
             if self.ranks.world_size > 1 and (self.stage > 0 or self._gathers):
                 failures.meet(self.ranks, "step.close", self.steps, self.timeout)
