@@ -96,7 +96,7 @@ def shadow_of(optimizer: torch.optim.Optimizer, param_groups: list[dict]) -> tor
     return shadow
 
 
-def _shadow(optimizer: torch.optim.Optimizer, group: int, param: torch.Tensor) -> torch.optim.Optimizer:
+def shadow_of_group(optimizer: torch.optim.Optimizer, group: int, param: torch.Tensor) -> torch.optim.Optimizer:
     """A copy of ``optimizer`` holding only ``param`` in a copy of group ``group``, with no state.
 
     Tensor settings are copied too: a ``step()`` that writes into one in place leaves the user's untouched.
@@ -117,7 +117,7 @@ def _stand_in(shape, dtype, device, seed: int) -> list[torch.Tensor]:
 
 def _two_steps(optimizer, group, shape, dtype, device, seed, state=None):
     param, *grads = _stand_in(shape, dtype, device, seed)
-    shadow = _shadow(optimizer, group, param)
+    shadow = shadow_of_group(optimizer, group, param)
     if state is not None:
         shadow.state[param].update({key: value.make(shape, device) for key, value in state.items()})
     with torch.no_grad():
@@ -130,7 +130,7 @@ def _two_steps(optimizer, group, shape, dtype, device, seed, state=None):
 def _learned(optimizer, group, shape, dtype, device) -> dict[str, InitialValue] | None:
     """The state one step of group ``group`` creates for a parameter like ``shape``, ``dtype``; None if unsure."""
     param, grad, _ = _stand_in(shape, dtype, device, seed=0)
-    shadow = _shadow(optimizer, group, param)
+    shadow = shadow_of_group(optimizer, group, param)
     param.grad = grad
     creations = _Creations()
     try:
@@ -236,7 +236,7 @@ _SCHEDULE_FREE_HINT = (
     "called inside `with step.full_optimizer():` (zerocc's docs/guide/training-loops.md, Schedule-Free).")
 
 
-def _has_train_and_eval(optimizer: torch.optim.Optimizer) -> bool:
+def has_train_and_eval(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer`` has ``train()`` and ``eval()`` methods, as Schedule-Free's optimizers do."""
     return callable(getattr(optimizer, "train", None)) and callable(getattr(optimizer, "eval", None))
 
@@ -263,7 +263,7 @@ def refuse_python_state(optimizer: torch.optim.Optimizer, params: Sequence[tuple
             python_values, written = {}, {}
             try:
                 param, *grads = _stand_in(shape, tensor.dtype, "cpu", seed=0)
-                shadow = _shadow(optimizer, group, param)
+                shadow = shadow_of_group(optimizer, group, param)
                 shadow.param_groups[0] = settings = _RecordedWrites(shadow.param_groups[0])
                 before_settings, before_attributes = _snapshot(settings), _snapshot(vars(shadow))
                 with torch.no_grad():
@@ -298,7 +298,7 @@ def refuse_python_state(optimizer: torch.optim.Optimizer, params: Sequence[tuple
                 "  fix: keep what changes from step to step as a tensor in the per-parameter state "
                 "(self.state[p]['step'] = torch.tensor(0.0), as torch.optim's optimizers keep their step count); a "
                 "statistic over all parameters (D-Adaptation's and Prodigy's d) cannot be kept per parameter: "
-                "such an optimizer trains with eager PyTorch only." + _SCHEDULE_FREE_HINT * _has_train_and_eval(optimizer))
+                "such an optimizer trains with eager PyTorch only." + _SCHEDULE_FREE_HINT * has_train_and_eval(optimizer))
         if dropped and not same:
             described = ", ".join(f"{key!r} (a Python {type(value).__name__}, {value!r} after the first step)"
                                   for key, value in dropped.items())

@@ -26,7 +26,7 @@ from torch._prims_common import make_contiguous_strides_for
 from . import graph as g
 from .tracing import empty_fake, fakeify, loaded_uninteresting_files, make_fake_mode, record_source_lines_of, trace_functional
 from .errors import ConfigError, UnsupportedOptimizerError, innermost_frame, user_line_of_node
-from .optimizer_init import _has_train_and_eval, shadow_of
+from .optimizer_init import has_train_and_eval, shadow_of, shadow_of_group
 from .user_tooling import suspended_user_tooling
 
 aten = torch.ops.aten
@@ -152,7 +152,6 @@ def _probe(optimizer: torch.optim.Optimizer, index: int, modes: dict) -> tuple[B
 def _probe_traced(optimizer: torch.optim.Optimizer, index: int, modes: dict) -> tuple[BaseException | None, dict]:
     """``_probe`` as the step's own trace runs it (``trace_functional``: its decompositions branch too, addmm's
     ``if beta == 0`` on Muon's coefficients), on the group's shape (Muon's step needs 2-d; fakes cost nothing)."""
-    from .optimizer_init import _shadow
     group = optimizer.param_groups[index]
     like = group["params"][0]
     symbolic = [(candidate, mode) for candidate, mode in modes.items()
@@ -172,7 +171,7 @@ def _probe_traced(optimizer: torch.optim.Optimizer, index: int, modes: dict) -> 
             else:
                 settings[key] = list(settings.get(key, group[key]))
                 settings[key][position] = number
-        shadow = _shadow(optimizer, index, param)
+        shadow = shadow_of_group(optimizer, index, param)
         for key, value in settings.items():
             shadow.param_groups[0][key] = type(group[key])(value) if isinstance(group[key], (tuple, list)) else value
         shadow_group = shadow.param_groups[0]
@@ -346,7 +345,7 @@ def optimizer_update(
                 "on the devices it names only; eager's optimizer.step() raises the same on these parameters.\n"
                 "  fix: build the optimizer with capturable=False (the default)."
             ) from error
-        if _has_train_and_eval(optimizer) and "train" in str(error).lower():
+        if has_train_and_eval(optimizer) and "train" in str(error).lower():
             where = _optimizer_frame(error, type(optimizer))
             raise UnsupportedOptimizerError(
                 f"{name}.step() raised{f' at {where}' if where else ''}: {type(error).__name__}: "
@@ -794,7 +793,7 @@ def initial_state_layout(optimizer: torch.optim.Optimizer, params: Sequence[torc
     """
     group_of_id = {id(p): index for index, group in enumerate(optimizer.param_groups) for p in group["params"]}
     group_of = [group_of_id[id(p)] for p in params]
-    if _has_train_and_eval(optimizer) and any(group.get("train_mode") is False for group in optimizer.param_groups):
+    if has_train_and_eval(optimizer) and any(group.get("train_mode") is False for group in optimizer.param_groups):
         # Schedule-Free's step() raises in eval mode, and a checkpoint saved after optimizer.eval() loads into a
         # step before its first call in eval mode: the state its first step creates is the same in either mode
         optimizer = shadow_of(optimizer, [{**group, "train_mode": True} if "train_mode" in group else group
