@@ -679,7 +679,8 @@ class CompiledStep:
         before = values_read(self._python_sources)
         self._progress = CompileProgress(self.options.progress, self.ranks.rank)
         # the user's MemTracker, profilers, global hooks (zerocc/user_tooling.py)
-        with suspended_user_tooling(), fewer_collections(), outside_autocast():
+        # the placeholders are zerocc's own while it compiles (user_views.HeldParameter refuses the user's reads)
+        with suspended_user_tooling(), fewer_collections(), outside_autocast(), user_views.placeholders_as_parameters():
             found = self._compile(batch, layout, autocast=key.autocast, key=key)
         self.compile_seconds += time.perf_counter() - started
         self._progress(f"compiled the step's program for {describe_signature(key.signature)}")

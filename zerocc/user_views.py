@@ -23,6 +23,9 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import math
+import sys
+import types
 import weakref
 
 import torch
@@ -64,12 +67,17 @@ class _StepHook:
 
     def __reduce__(self):
         if _released(self._zerocc_step):
-            raise ConfigError(
-                f"copying or pickling the model after compile (copy.deepcopy(model), torch.save(model)): its parameters "
-                f"are sharded across the compiled step (stage {self._zerocc_step.stage}), the module holds empty placeholders. "
-                "Copy it inside `with step.full_model(writeback=False): copy.deepcopy(model)` (every rank: a "
-                "collective), or save step.full_state_dict() / zerocc.save_checkpoint(step, path)")
+            raise copy_refusal(self._zerocc_step.stage)
         return _Detached, ()
+
+
+def copy_refusal(stage: int) -> ConfigError:
+    """A copy or pickle of the model (its hooks) or of one of its placeholders (``HeldParameter``)."""
+    return ConfigError(
+        f"copying or pickling the model after compile (copy.deepcopy(model), torch.save(model)): its parameters "
+        f"are sharded across the compiled step (stage {stage}), the module holds empty placeholders. "
+        "Copy it inside `with step.full_model(writeback=False): copy.deepcopy(model)` (every rank: a "
+        "collective), or save step.full_state_dict() / zerocc.save_checkpoint(step, path)")
 
 
 class _Detached:
@@ -88,7 +96,7 @@ def _released(step) -> bool:
     *path, leaf = name.split(".")
     for part in path:
         module = getattr(module, part)
-    return getattr(module, leaf).numel() == 0   # while capture traces, the module holds the traced tensor
+    return held_numel(getattr(module, leaf)) == 0   # while capture traces, the module holds the traced tensor
 
 
 def _refuse_released_forward(step) -> None:
@@ -197,7 +205,7 @@ def full_model(step, writeback: bool = True):
     buckets = slot_store.full_buckets(plan, step.state.slots, step.ranks.group)
     views = slot_store.parameter_views(plan, captured, buckets)
     params = step.state.tensors("param")
-    kept = {name: tensor.data for name, tensor in params.items()}
+    kept = {name: held_data(tensor) for name, tensor in params.items()}
     for index, view in views.items():
         set_data(params[captured.params[index].name], view.clone())
     step.state.full_model_depth += 1
@@ -374,6 +382,8 @@ def release_model_parameters(step) -> None:
         info = state.captured.params[index]
         param = tensors[info.name]
         state.released_shapes[info.name] = info.shape
+        if math.prod(info.shape) and type(param) is HeldParameter:
+            param.__dict__["_zerocc_watch"].placeholders[id(param)] = (info.name, torch.Size(info.shape))
         set_data(param, torch.empty(0, dtype=param.dtype, device=param.device))
     state.pointed_at.clear()
     point_module_at_slots(step)
@@ -383,7 +393,10 @@ def release_model_parameters(step) -> None:
 class ParameterWatch:
     """What was done to the step's parameters through ``.data`` since the last check (``HeldParameter``)."""
 
-    def __init__(self):
+    def __init__(self, stage: int = 3):
+        self.stage = stage
+        # id of each released parameter -> (its name, its whole shape): what a placeholder reports and names
+        self.placeholders: dict[int, tuple[str, torch.Size]] = {}
         self.reads: list[tuple[torch.nn.Parameter, torch.Tensor]] = []   # each ``.data`` taken of a placeholder
         # each parameter whose ``.data`` was set to another tensor, with the tensor it held before
         self.replaced: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
@@ -406,15 +419,48 @@ class HeldParameter(torch.nn.Parameter):
       (``check_parameters_unreplaced``). A ``.to`` that changes nothing (``model.float()`` of a float model) sets
       the parameter to itself and is not a change.
 
+    A read of a released placeholder's values (stage 3; stages 1-2 under ``param_dtype``) ran on no values,
+    silently: an EMA taken after compile (``[p.clone() for p in model.parameters()]``) and its ``lerp_`` stayed
+    empty, ``p.norm()`` logged 0, ``sum(p.numel() ...)`` counted 0 parameters, ``clip_grad_norm_`` returned 0.
+    ``__torch_function__`` (torch calls it for every op given one of these parameters) refuses such an op, naming
+    the user's line, ``step.full_model()`` and ``step.full_state_dict()``; the shape queries (``p.shape``,
+    ``numel()``, ``size()``, ``dim()``, ``len(p)``) report the whole parameter's, as FSDP2's DTensor does; what
+    reads no values (``requires_grad``, ``dtype``, ``.grad``, ``.data``, a ``.to`` that changes nothing, the
+    ``detach`` of ``model.state_dict()``, whose hook puts the whole values in) runs as a ``Parameter``'s. A
+    parameter holding values (stages 0-2, inside ``full_model``) runs every op as a ``Parameter`` does: the
+    compiled step reads its slots, never these objects.
+
     Set on the parameter objects themselves (``p.__class__``): the user's references stay the same objects and
     ``isinstance(p, nn.Parameter)`` holds; the step's own moves of ``.data`` go through ``set_data``. A parameter
     of a subclass of the user's own keeps its class (and is not watched)."""
 
+    @classmethod
+    def __torch_function__(cls, func, types_=(), args=(), kwargs=None):
+        kwargs = kwargs or {}
+        key = func.__self__ if type(func) is types.MethodWrapperType else func   # a property's getter or setter
+        if key not in _READS_NO_VALUES:
+            placeholder = _first_placeholder(args, kwargs)
+            if placeholder is not None:
+                return _on_placeholder(func, key, placeholder, args, kwargs)
+        with torch._C.DisableTorchFunctionSubclass():   # as nn.Parameter's: plain tensors out
+            return func(*args, **kwargs)
+
+    def __repr__(self):
+        placeholder = placeholder_of(self)
+        if placeholder is None:
+            return super().__repr__()
+        name, shape = placeholder
+        return (f"Parameter {name!r} of shape {tuple(shape)}, {self.dtype}: held by the compiled step (this placeholder "
+                "holds no values; read them inside `with step.full_model():`)")
+
     @property
     def data(self):
-        data = torch._C.TensorBase.data.__get__(self)
+        data = held_data(self)
         watch = self.__dict__.get("_zerocc_watch")
-        if watch is not None and data.numel() == 0:
+        if watch is not None and held_numel(data) == 0:
+            if placeholder_of(self) is not None:   # reads through it refused, writes in place seen at the next call
+                data = data.as_subclass(PlaceholderData)
+                data._zerocc_parameter = self
             watch.reads.append((self, data))
         return data
 
@@ -427,13 +473,178 @@ class HeldParameter(torch.nn.Parameter):
 
     # a copy or a pickle (copy.deepcopy(model) for an EMA, torch.save(model)) is a plain Parameter, without the watch
     def __deepcopy__(self, memo):
-        if id(self) not in memo:
+        if id(self) not in memo:   # a placeholder copies empty, as pickled (copy.deepcopy(optimizer) holds them)
             data = torch._C.TensorBase.data.__get__(self)
             memo[id(self)] = torch.nn.Parameter(data.clone(memory_format=torch.preserve_format), self.requires_grad)
         return memo[id(self)]
 
+    def __reduce_ex__(self, protocol):
+        if placeholder_of(self) is None:
+            return super().__reduce_ex__(protocol)
+        # torch.save(optimizer), its param_groups: the empty placeholder, as before (a model pickled is refused by
+        # its hooks, _StepHook); not through PlaceholderData, which refuses a read
+        state, hooks = self.__getstate__(), collections.OrderedDict()
+        if state:
+            return torch._utils._rebuild_parameter_with_state, (held_data(self), self.requires_grad, hooks, state)
+        return torch._utils._rebuild_parameter, (held_data(self), self.requires_grad, hooks)
+
     def __getstate__(self):
         return {key: value for key, value in self.__dict__.items() if key != "_zerocc_watch"}
+
+
+class PlaceholderData(torch.Tensor):
+    """``p.data`` of a released placeholder: ``p.data.mean()`` read no values (NaN), silently. A read of it giving
+    values (a reduction, ``tolist``, an op with a whole tensor) is refused as one on the parameter is
+    (``HeldParameter``); an in-place write into it (WGAN's ``p.data.clamp_(-c, c)``) runs, and an out-of-place op
+    gives an empty tensor marked the same way (``p.data = p.data.clamp(-c, c)``, set back): the next call refuses
+    both (``check_placeholders_unwritten``, ``check_parameters_unreplaced``)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types_=(), args=(), kwargs=None):
+        kwargs = kwargs or {}
+        key = func.__self__ if type(func) is types.MethodWrapperType else func
+        held = None if key in _READS_NO_VALUES else next(
+            (value for value in (*args, *kwargs.values())
+             if type(value) is PlaceholderData and placeholder_of(value._zerocc_parameter) is not None), None)
+        with torch._C.DisableTorchFunctionSubclass():
+            if held is None:
+                return func(*args, **kwargs)
+            parameter = held._zerocc_parameter
+            if key in _SHAPE_QUERIES and args and args[0] is held:
+                return _SHAPE_QUERIES[key](placeholder_of(parameter)[1], *args[1:], **kwargs)
+            name = getattr(key, "__name__", None) or str(func)
+            derived = held.__dict__.get("_zerocc_derived", False)
+            if name.endswith("_") and not name.endswith("__") and args and args[0] is held and not derived:
+                return func(*args, **kwargs)   # a write into the placeholder: refused at the next call
+            result = func(*args, **kwargs) if not name.endswith("_") else None
+        if isinstance(result, torch.Tensor) and held_numel(result) == 0 and type(result) is torch.Tensor:
+            result = result.as_subclass(PlaceholderData)
+            result._zerocc_parameter, result._zerocc_derived = parameter, True
+            return result
+        _refuse_placeholder_read(parameter, f".data.{name}" if args and args[0] is held else name)
+
+
+def _getter(name: str):
+    return getattr(torch.Tensor, name)
+
+
+# what reads none of a parameter's values: runs on a placeholder as on a Parameter (properties by their descriptor)
+_READS_NO_VALUES = frozenset([
+    *(_getter(name) for name in ("data", "_version", "requires_grad", "grad", "is_leaf", "dtype", "device", "layout",
+                                 "is_cuda", "is_cpu", "is_meta", "is_sparse", "is_quantized", "is_mkldnn", "is_nested",
+                                 "grad_fn", "_base", "itemsize", "_backward_hooks", "_post_accumulate_grad_hooks",
+                                 "_grad", "_grad_fn", "output_nr", "_cdata", "retains_grad", "is_sparse_csr")),
+    torch.Tensor.requires_grad_, torch.Tensor.retain_grad, torch.Tensor.register_hook,
+    torch.Tensor.register_post_accumulate_grad_hook, torch.Tensor.is_floating_point, torch.Tensor.is_complex,
+    torch.Tensor.element_size, torch.Tensor.get_device, torch.Tensor._is_view, torch.Tensor.__format__,
+    torch._has_compatible_shallow_copy_type, torch.is_floating_point, torch.is_complex,
+])
+# what a placeholder answers with the whole parameter's shape
+_SHAPE_QUERIES = {
+    _getter("shape"): lambda shape: shape, _getter("ndim"): len,
+    torch.Tensor.size: lambda shape, dim=None: shape if dim is None else shape[dim],
+    torch.Tensor.numel: math.prod, torch.Tensor.nelement: math.prod, torch.numel: math.prod,
+    torch.Tensor.dim: len, torch.Tensor.__len__: lambda shape: shape[0],
+}
+# conversions that give the parameter itself back when they change nothing (model.to(device), model.float())
+_CONVERSIONS = frozenset([torch.Tensor.to, torch.Tensor.cpu, torch.Tensor.cuda, torch.Tensor.float, torch.Tensor.double,
+                          torch.Tensor.half, torch.Tensor.bfloat16, torch.Tensor.type_as])
+
+
+def placeholder_of(tensor) -> tuple[str, torch.Size] | None:
+    """(name, whole shape) where ``tensor`` is a released placeholder now (outside ``full_model``), else None."""
+    watch = tensor.__dict__.get("_zerocc_watch")
+    placeholder = watch.placeholders.get(id(tensor)) if watch is not None and not _AS_PARAMETERS[0] else None
+    return placeholder if placeholder is not None and held_numel(tensor) == 0 else None
+
+
+def held_data(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor.data`` as torch gives it (a plain tensor; no note of a read, no ``PlaceholderData``)."""
+    with torch._C.DisableTorchFunctionSubclass():
+        return torch._C.TensorBase.data.__get__(tensor)
+
+
+def held_numel(tensor: torch.Tensor) -> int:
+    """The number of values ``tensor`` holds (a placeholder reports its whole parameter's ``numel()``)."""
+    with torch._C.DisableTorchFunctionSubclass():
+        return tensor.numel()
+
+
+_AS_PARAMETERS = [0]   # depth of placeholders_as_parameters()
+
+
+@contextlib.contextmanager
+def placeholders_as_parameters():
+    """While zerocc itself works on the module (compiling again: capture reads each tensor's memory): a placeholder
+    is a plain (0,)-shaped ``Parameter``, its reads not refused."""
+    _AS_PARAMETERS[0] += 1
+    try:
+        yield
+    finally:
+        _AS_PARAMETERS[0] -= 1
+
+
+def _first_placeholder(args, kwargs):
+    if _AS_PARAMETERS[0]:
+        return None
+    for value in (*args, *kwargs.values()):
+        if type(value) is HeldParameter:
+            if placeholder_of(value) is not None:
+                return value
+        elif type(value) in (list, tuple):   # torch._foreach_lerp_(ema, params, w), torch.cat(params)
+            for item in value:
+                if type(item) is HeldParameter and placeholder_of(item) is not None:
+                    return item
+    return None
+
+
+def _on_placeholder(func, key, placeholder, args, kwargs):
+    """``func`` given a placeholder: a shape query answered whole, a conversion that changes nothing, the
+    ``detach`` of ``model.state_dict()`` (its post-hook puts the whole values in, or refuses), or refused."""
+    if key in _SHAPE_QUERIES and args and args[0] is placeholder:
+        return _SHAPE_QUERIES[key](placeholder_of(placeholder)[1], *args[1:], **kwargs)
+    name = getattr(key, "__name__", None) or getattr(func, "__name__", repr(func))
+    if (name.endswith("_") and not name.endswith("__") and args and args[0] is placeholder
+            and _first_placeholder(args[1:], kwargs) is None):
+        with torch._C.DisableTorchFunctionSubclass():   # a write into it (nn.init.zeros_): the next call refuses it
+            return func(*args, **kwargs)
+    # model.half(), model.to(dtype) (nn.Module._apply): the next call refuses the new tensor (``.data`` set)
+    by_torch = ((key in _CONVERSIONS and _called_by("_apply"))
+                or (key is torch.Tensor.detach and _called_by("_save_to_state_dict")))
+    if key in _CONVERSIONS or by_torch:
+        with torch._C.DisableTorchFunctionSubclass():
+            result = func(*args, **kwargs)
+        if result is placeholder or by_torch:
+            return result
+    _refuse_placeholder_read(placeholder, name)
+
+
+def _called_by(function: str) -> bool:
+    """Whether torch's ``function`` (``nn.Module._apply``, ``_save_to_state_dict``) called the op, within a frame
+    or three (a module's own override that calls it, a lambda ``_apply`` calls)."""
+    frame = sys._getframe(3)
+    for _ in range(3):
+        if frame is None:
+            return False
+        if frame.f_code.co_name == function:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _refuse_placeholder_read(placeholder, what: str):
+    from .errors import user_frame_here
+    name, shape = placeholder_of(placeholder)
+    watch = placeholder.__dict__["_zerocc_watch"]
+    why = "" if watch.stage == 3 else " under param_dtype (the fp32 masters are sharded)"
+    raise ConfigError(
+        f"{what} of parameter {name!r} at {user_frame_here() or '(no user frame found)'}: after the compiled step's "
+        f"first call at stage {watch.stage}{why} the model holds an empty placeholder there (the step holds the "
+        f"parameter, sharded), so this would compute on no values where eager reads the whole {tuple(shape)} weight "
+        "(an EMA or a copy taken now would stay empty, a norm would be 0). Read or copy the parameters inside "
+        "`with step.full_model(writeback=False): ...` (every rank enters it: a gather), or take "
+        "step.full_state_dict(); edits inside `with step.full_model(): ...` go into the step on exit. "
+        "p.shape, p.numel() and p.requires_grad work outside it")
 
 
 def set_data(tensor: torch.Tensor, value: torch.Tensor) -> None:
@@ -443,7 +654,7 @@ def set_data(tensor: torch.Tensor, value: torch.Tensor) -> None:
 
 def watch_parameters(step) -> None:
     """At the first call: every parameter the step holds becomes a ``HeldParameter`` reporting to ``step.state.watch``."""
-    step.state.watch = watch = ParameterWatch()
+    step.state.watch = watch = ParameterWatch(step.stage)
     for _, tensor in step.state.module_tensors["param"]:
         if type(tensor) in (torch.nn.Parameter, HeldParameter):   # HeldParameter: a step dropped without close()
             tensor.__class__ = HeldParameter
