@@ -36,6 +36,7 @@ moment leaves ``<path>`` pointing at the previous, complete checkpoint.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import json
@@ -293,9 +294,21 @@ SCHEDULER_GROUP_KEYS = frozenset({"initial_lr", "max_lr", "min_lr", "max_momentu
 
 
 def _load_param_groups(step, saved: list[dict]) -> None:
-    """Set every group's hyper-parameters to the saved ones, as ``Optimizer.load_state_dict`` does."""
+    """Set every group's hyper-parameters to the saved ones, as ``Optimizer.load_state_dict`` does, then let the
+    optimizer type's ``__setstate__`` see them, as that load ends: it fills settings an older checkpoint lacks and
+    overrides some. Without it an Adam checkpoint loaded into AdamW kept Adam's ``decoupled_weight_decay=False``
+    and trained Adam's coupled weight decay, where eager's ``AdamW.__setstate__`` sets it back to True."""
     for group, settings in zip(step.optimizer.param_groups, saved):
         group.update({k: v for k, v in settings.items() if k != "params"})
+    _as_setstate_leaves(step.optimizer)
+
+
+def _as_setstate_leaves(optimizer) -> None:
+    """Run ``type(optimizer).__setstate__`` over the optimizer's own group dicts (edited in place) on a stand-in
+    with no state: the step holds the state, and the user's optimizer object is left as it is otherwise."""
+    stand_in = object.__new__(type(optimizer))
+    stand_in.__dict__.update({k: v for k, v in optimizer.__dict__.items() if k not in ("state", "param_groups")})
+    stand_in.__setstate__({"state": collections.defaultdict(dict), "param_groups": optimizer.param_groups})
 
 
 def _check_param_groups(step, saved: list[dict]) -> None:
