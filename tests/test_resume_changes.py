@@ -9,6 +9,7 @@ with changes").
 """
 from __future__ import annotations
 
+import os
 import pytest
 import torch
 import torch.nn as nn
@@ -278,3 +279,71 @@ def test_resharding_with_other_options_and_batch_sizes_on_each_resume_matches_ea
         torch.testing.assert_close(global_losses, expected, rtol=1e-5, atol=1e-5)
         for name, tensor in model.state_dict().items():
             torch.testing.assert_close(got[0][1][name], tensor, rtol=1e-4, atol=1e-5)
+
+
+# -- a Hugging Face model: zerocc -> export -> eager fine-tuning (from_pretrained, save_pretrained) -> zerocc ---------
+def _llama():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=128, max_position_embeddings=64,
+                                      tie_word_embeddings=True)
+    return transformers.LlamaForCausalLM(config)
+
+
+def _tokens():
+    generator = torch.Generator().manual_seed(1)
+    return [torch.randint(0, 128, (2, 16), generator=generator) for _ in range(3 * K)]
+
+
+def _eager_hf(model, optimizer, batches):
+    losses = []
+    for ids in batches:
+        optimizer.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.detach())
+    return losses
+
+
+def _hf_phase(rank, world_size, phase, folder):
+    from transformers import LlamaForCausalLM
+    tokens = _tokens()
+    if phase == "zerocc":
+        model = _llama()
+        step = zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-3), stage=3)
+        for ids in tokens[:K]:
+            step(input_ids=ids, labels=ids)
+        zerocc.save_checkpoint(step, f"{folder}/ckpt")
+        with pytest.raises(zerocc.ConfigError, match="does not exist; create it first"):   # a FileNotFoundError on .partial
+            zerocc.export_full_state_dict(f"{folder}/ckpt", f"{folder}/hf/model.safetensors")
+        os.makedirs(f"{folder}/hf")
+        zerocc.export_full_state_dict(f"{folder}/ckpt", f"{folder}/hf/model.safetensors")
+        model.config.save_pretrained(f"{folder}/hf")
+        return None
+    if phase == "eager":   # Trainer-style: from_pretrained, a fresh optimizer, save_pretrained
+        model = LlamaForCausalLM.from_pretrained(f"{folder}/hf")
+        model.train()
+        losses = _eager_hf(model, torch.optim.AdamW(model.parameters(), lr=5e-4), tokens[K:2 * K])
+        model.save_pretrained(f"{folder}/hf2")
+        return losses
+    model = LlamaForCausalLM.from_pretrained(f"{folder}/hf2")   # and back into zerocc
+    model.train()
+    step = zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-3), stage=2)
+    return [step(input_ids=ids, labels=ids) for ids in tokens[2 * K:]], step.full_state_dict()
+
+
+@pytest.mark.slow   # three processes that each import transformers: about 90 s on a busy 2-core machine
+def test_a_hf_model_from_zerocc_to_eager_fine_tuning_and_back_equals_eager_throughout(tmp_path):
+    distributed.run(_hf_phase, 1, "zerocc", str(tmp_path))
+    fine_tuned = distributed.run(_hf_phase, 1, "eager", str(tmp_path))[0]
+    losses, weights = distributed.run(_hf_phase, 1, "back", str(tmp_path))[0]
+    model = _llama()
+    tokens = _tokens()
+    _eager_hf(model, torch.optim.AdamW(model.parameters(), lr=1e-3), tokens[:K])
+    assert all(torch.equal(a, b) for a, b in zip(fine_tuned, _eager_hf(model, torch.optim.AdamW(model.parameters(), lr=5e-4),
+                                                                         tokens[K:2 * K])))
+    expected = _eager_hf(model, torch.optim.AdamW(model.parameters(), lr=1e-3), tokens[2 * K:])
+    assert all(torch.equal(a, b) for a, b in zip(losses, expected)), (losses, expected)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in weights.items())

@@ -1000,6 +1000,10 @@ def export_full_state_dict(checkpoint_dir: str, out_path: str) -> dict:
     encoded += b" " * (-len(encoded) % 8)
     largest = 0
     partial = f"{out_path}.partial"
+    folder = os.path.dirname(os.path.abspath(out_path))
+    if not os.path.isdir(folder):   # it raised FileNotFoundError naming the .partial file, not the missing folder
+        raise ConfigError(f"export_full_state_dict: the folder of {out_path} ({folder}) does not exist; "
+                          "create it first (os.makedirs), as torch.save needs")
     try:
         with open(partial, "wb") as out:
             out.write(struct.pack("<Q", len(encoded)) + encoded)
