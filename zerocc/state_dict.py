@@ -36,6 +36,7 @@ moment leaves ``<path>`` pointing at the previous, complete checkpoint.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import json
@@ -292,10 +293,30 @@ def _param_groups(step) -> list[dict]:
 SCHEDULER_GROUP_KEYS = frozenset({"initial_lr", "max_lr", "min_lr", "max_momentum", "base_momentum", "swa_lr"})
 
 
+# the way out where a checkpoint is refused for another model or optimizer: what a fine-tuning run means to do
+WEIGHTS_ONLY = ("to start another model or optimizer from its weights (a new head, one more layer, a resized vocabulary, "
+                "an optimizer over fewer parameters), load them into the model before zerocc.compile: "
+                "zerocc.export_full_state_dict(path, 'model.safetensors'); "
+                "model.load_state_dict(zerocc.state_dict.read_safetensors('model.safetensors'), strict=False) "
+                "(docs/guide/checkpoints.md, 'Resuming with changes')")
+
+
 def _load_param_groups(step, saved: list[dict]) -> None:
-    """Set every group's hyper-parameters to the saved ones, as ``Optimizer.load_state_dict`` does."""
+    """Set every group's hyper-parameters to the saved ones, as ``Optimizer.load_state_dict`` does, then let the
+    optimizer type's ``__setstate__`` see them, as that load ends: it fills settings an older checkpoint lacks and
+    overrides some. Without it an Adam checkpoint loaded into AdamW kept Adam's ``decoupled_weight_decay=False``
+    and trained Adam's coupled weight decay, where eager's ``AdamW.__setstate__`` sets it back to True."""
     for group, settings in zip(step.optimizer.param_groups, saved):
         group.update({k: v for k, v in settings.items() if k != "params"})
+    _as_setstate_leaves(step.optimizer)
+
+
+def _as_setstate_leaves(optimizer) -> None:
+    """Run ``type(optimizer).__setstate__`` over the optimizer's own group dicts (edited in place) on a stand-in
+    with no state: the step holds the state, and the user's optimizer object is left as it is otherwise."""
+    stand_in = object.__new__(type(optimizer))
+    stand_in.__dict__.update({k: v for k, v in optimizer.__dict__.items() if k not in ("state", "param_groups")})
+    stand_in.__setstate__({"state": collections.defaultdict(dict), "param_groups": optimizer.param_groups})
 
 
 def _check_param_groups(step, saved: list[dict]) -> None:
@@ -313,7 +334,7 @@ def _check_param_groups(step, saved: list[dict]) -> None:
         raise ConfigError(
             f"the checkpoint's optimizer has {len(saved)} param group(s) over parameters "
             f"{[g['params'][:3] for g in saved]}, this one {len(own)} over {[g['params'][:3] for g in own]}{differ}; "
-            "build the optimizer with the same param groups, in the same order, as the run that saved it")
+            "build the optimizer with the same param groups, in the same order, as the run that saved it; " + WEIGHTS_ONLY)
     # a setting this optimizer does not have (AdamW's betas in an SGD): saved with another optimizer type, whose
     # state and settings would otherwise go in silently before the first call (lr and weight decay included).
     # What LR schedulers and SWA add to the groups is no optimizer's: a resume loads the checkpoint, then makes
@@ -736,7 +757,7 @@ def _check_shapes(step, path: str) -> None:
               for key, _, shape, _ in saved if key in own and tuple(shape) != own[key][1]]
     if differ:
         raise ConfigError(f"{path} holds {len(differ)} tensor(s) of other shapes than this model's: "
-                          + "; ".join(differ[:5]) + "; it was saved from a different model")
+                          + "; ".join(differ[:5]) + "; it was saved from a different model; " + WEIGHTS_ONLY)
 
 
 def _keyed_shapes(step) -> dict[str, tuple[str, tuple[int, ...], str]]:
@@ -844,7 +865,8 @@ def _load(step, path: str) -> None:
     absent = sorted(k for k in state if k not in saved and k != PARAM_GROUPS_KEY)
     if absent:
         raise ConfigError(f"{path} lacks {len(absent)} entr{'y' if len(absent) == 1 else 'ies'} this step needs: "
-                          f"{', '.join(absent[:5])}; it was saved from a different model or optimizer")
+                          f"{', '.join(absent[:5])}; it was saved from a different model or optimizer"
+                          + ("; " + WEIGHTS_ONLY if any(k.startswith("model/") for k in absent) else ""))
     try:
         with _in_one_process():
             if groups_saved:   # refused before the load writes into the step's buckets (views at stages 1-3)
@@ -978,6 +1000,10 @@ def export_full_state_dict(checkpoint_dir: str, out_path: str) -> dict:
     encoded += b" " * (-len(encoded) % 8)
     largest = 0
     partial = f"{out_path}.partial"
+    folder = os.path.dirname(os.path.abspath(out_path))
+    if not os.path.isdir(folder):   # it raised FileNotFoundError naming the .partial file, not the missing folder
+        raise ConfigError(f"export_full_state_dict: the folder of {out_path} ({folder}) does not exist; "
+                          "create it first (os.makedirs), as torch.save needs")
     try:
         with open(partial, "wb") as out:
             out.write(struct.pack("<Q", len(encoded)) + encoded)
