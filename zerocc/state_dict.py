@@ -298,7 +298,7 @@ WEIGHTS_ONLY = ("to start another model or optimizer from its weights (a new hea
                 "an optimizer over fewer parameters), load them into the model before zerocc.compile: "
                 "zerocc.export_full_state_dict(path, 'model.safetensors'); "
                 "model.load_state_dict(zerocc.state_dict.read_safetensors('model.safetensors'), strict=False) "
-                "(docs/guide/checkpoints.md, 'Resuming with changes')")
+                "(zerocc's docs/guide/checkpoints.md, 'Resuming with changes')")
 
 
 def _load_param_groups(step, saved: list[dict]) -> None:
