@@ -72,7 +72,7 @@ def output_node(gm: fx.GraphModule) -> fx.Node:
 _ALL_GATHERS = (c10d.all_gather_into_tensor.default, c10d.all_gather_into_tensor_out.default,
                 torch.ops.zerocc.all_gather_by_send_recv.default)
 _REDUCE_SCATTERS = (c10d.reduce_scatter_tensor.default, c10d.reduce_scatter_tensor_out.default,
-                    c10d.all_to_all_single.default)
+                    c10d.all_to_all_single.default, torch.ops.zerocc.all_to_all_single_out.default)
 _ALL_REDUCE = c10d.all_reduce.default
 _BROADCAST = c10d.broadcast.default
 _WAIT = c10d.wait_tensor.default

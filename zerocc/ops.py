@@ -145,6 +145,40 @@ def _all_gather_by_send_recv_fake(shard, group_size, group_name, tag):
 all_gather_by_send_recv = torch.ops.zerocc.all_gather_by_send_recv.default
 
 
+# passes/place_buffers.py puts this in place of all_to_all_single (passes/scatter_by_all_to_all.py) under
+# memory_pools: _c10d_functional's all-to-all has no out= form, so its full bucket was left to the allocator,
+# beside the arena, on top of the arena's peak (analysis/kernels.py, COLLECTIVE_OUT).
+
+_lib.define("all_to_all_single_out(Tensor input, SymInt[] output_split_sizes, SymInt[] input_split_sizes, "
+            "str group_name, *, Tensor(a!) out) -> Tensor(a!)")
+
+
+def _all_to_all_single_out(input, output_split_sizes, input_split_sizes, group_name, *, out):
+    """``_c10d_functional.all_to_all_single``'s exchange, received into ``out`` (a view of the arena).
+
+    The same ``ProcessGroup.alltoall_base`` call the functional op makes, given
+    the output instead of allocating it: the same bytes arrive in the same
+    places. Returns at once; the work is registered against ``out``, so
+    ``_c10d_functional.wait_tensor`` on it waits, as for ``all_gather_into_tensor_out``.
+    """
+    from torch.distributed.distributed_c10d import _resolve_process_group
+    group = _resolve_process_group(group_name)
+    work = group.alltoall_base(out, input.contiguous(), list(output_split_sizes), list(input_split_sizes))
+    torch._C._distributed_c10d._register_work(out, work)
+    return out
+
+
+_lib.impl("all_to_all_single_out", _all_to_all_single_out, "CPU")
+
+
+@torch.library.register_fake("zerocc::all_to_all_single_out")
+def _all_to_all_single_out_fake(input, output_split_sizes, input_split_sizes, group_name, *, out):
+    return out
+
+
+all_to_all_single_out = torch.ops.zerocc.all_to_all_single_out.default
+
+
 # Gradient buckets written in place ----------------------------------------------
 # passes/gradients_into_buckets.py allocates a bucket, has each gradient's op write
 # its slice (out=), and reads the bucket through this op, which names the writes.

@@ -10,12 +10,15 @@ import functools
 
 import torch
 
+from .. import ops
+
 c10d = torch.ops._c10d_functional
 
 # Collectives whose functional form has a twin writing into a given tensor (the one inductor uses).
 COLLECTIVE_OUT = {
     c10d.all_gather_into_tensor.default: c10d.all_gather_into_tensor_out.default,
     c10d.reduce_scatter_tensor.default: c10d.reduce_scatter_tensor_out.default,
+    c10d.all_to_all_single.default: ops.all_to_all_single_out,   # zerocc's own (gloo: passes/scatter_by_all_to_all.py)
 }
 
 _BACKEND_KEY = {"cpu": "CPU", "cuda": "CUDA"}

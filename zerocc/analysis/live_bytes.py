@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from .. import graph as g
+from ..memory_plan import POOL_OF_ROLE
 from ..context import CompileContext
 from .lifetimes import Storages, buffer_lifetimes
 from .releases import mark_releases
@@ -45,15 +46,17 @@ def live_peaks_and_bytes(gm: fx.GraphModule, ctx: CompileContext,
     return peaks, _by_position(kept, len(gm.graph.nodes))
 
 
-def live_bytes(gm: fx.GraphModule) -> list[int]:
+def live_bytes(gm: fx.GraphModule, *, persistent: bool = True) -> list[int]:
     """Bytes of planned buffers alive at each position of ``gm``'s current order (old slot values kept to the end).
 
     Passes that weigh several rewrites against the peak (scatter_by_all_to_all,
     gradients_into_buckets) take this once and add each chosen rewrite's
     change to it, instead of analysing lifetimes again per rewrite.
+    ``persistent=False``: the buffers of the other pools only (``memory_plan.POOLS``), what ``place_buffers``'
+    arena holds at most (storages with no ``out=`` form are among them, left to the allocator).
     """
-    return _by_position([(size, start, end) for _, _, size, start, end, _ in buffer_lifetimes(gm)],
-                        len(gm.graph.nodes))
+    return _by_position([(size, start, end) for _, role, size, start, end, _ in buffer_lifetimes(gm)
+                         if persistent or POOL_OF_ROLE[role] != "persistent"], len(gm.graph.nodes))
 
 
 def _by_position(lifetimes, length: int) -> list[int]:

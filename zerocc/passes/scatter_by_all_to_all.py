@@ -32,17 +32,24 @@ bucket (the all-to-all's output), the same size as the buffer gloo's
 all-reduce works in; plan_memory counts it. A reduce-scatter stays one if
 that could raise the planned live peak: decided in issue order on one
 lifetime analysis with an upper bound of each replacement's change
-(``_kept``), and on several ranks a bucket any rank keeps is kept by all
+(``_kept``; under memory pools, the arena's peak: below), and on several ranks a bucket any rank keeps is kept by all
 (``_kept_on_any_rank``): the choice depends on a rank's own peak, and
 every rank must issue the same collectives.
 
-Under ``memory_pools`` (the default) the pass runs too: the all-to-all has
-no ``out=`` form, so its full bucket is left to the allocator, beside the
-arena, while the shard it stands in for would have had an arena slot. The
-choice above is made against the live peak, not against the arena plus what
-lies outside it, so there it can raise the pooled plan's peak: the examples'
-5M GPT on 2 CPU ranks at stage 2 plans 74.2 MB (72.6 with this pass
-disabled; stage 1: 72.0), pinned by a strict xfail in
+Under ``memory_pools`` (the default) the pass runs too, and ``place_buffers``
+has the all-to-all receive into the arena through
+``zerocc::all_to_all_single_out`` (``zerocc/ops.py``: the same
+``ProcessGroup.alltoall_base`` call, given the output; _c10d_functional's
+all-to-all has no ``out=`` form, and its full bucket, left to the allocator
+beside the arena, was added on top of the arena's peak: the examples' 5M GPT
+on 2 CPU ranks planned 74.2 MB at stage 2 against 72.0 at stage 1, issue 19).
+There the planned peak is the arena plus the most bytes alive outside it at
+once, which the bucket does not touch, so the choice is made against the
+bytes of the non-persistent pools (``live_bytes(gm, persistent=False)``, an
+upper bound of the arena's), not the live peak: the 5M GPT's live peak comes
+in the optimizer (old and new state alive), where no bucket is in flight,
+and a bucket in flight at backward's peak grew the arena by half a bucket
+while the live peak allowed it. Checked in
 ``tests/test_planning.py::test_stage_2_plans_no_more_than_stage_1``.
 
 Not done: on CUDA tensors (NCCL has a real reduce-scatter) and for
@@ -56,21 +63,26 @@ import torch.fx as fx
 from .. import graph as g
 from ..context import CompileContext
 from ..memory_plan import align
-from ..analysis.live_bytes import live_peaks_and_bytes
+from ..analysis.live_bytes import live_bytes, live_peaks_and_bytes
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 
 
-def scatter_by_all_to_all(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
+def scatter_by_all_to_all(gm: fx.GraphModule, ctx: CompileContext, *, memory_pools: bool = False) -> fx.GraphModule:
     """Replace each CPU reduce_scatter_tensor + wait by all_to_all_single + wait + the sum of the chunks."""
     graph = gm.graph
     scatters = _cpu_reduce_scatters(gm)
     if not scatters:
         ctx.notes["scatter_by_all_to_all"] = "no reduce-scatter of CPU tensors"
         return gm
-    peaks, live = live_peaks_and_bytes(gm, ctx)
-    anywhere = _kept_on_any_rank(_kept(gm, scatters, min(peaks), live), ctx)
+    if memory_pools:   # the bucket goes into the arena (place_buffers): weighed against the arena's bytes alone
+        live = live_bytes(gm, persistent=False)
+        peak = max(live, default=0)
+    else:
+        peaks, live = live_peaks_and_bytes(gm, ctx)
+        peak = min(peaks)
+    anywhere = _kept_on_any_rank(_kept(gm, scatters, peak, live), ctx)
     kept = [scatter.meta.get(g.BUCKET) for scatter in scatters if scatter.meta.get(g.BUCKET) in anywhere]
     chosen = [scatter for scatter in scatters if scatter.meta.get(g.BUCKET) not in anywhere]
     for scatter in chosen:
@@ -81,7 +93,7 @@ def scatter_by_all_to_all(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphMo
     note = f"{replaced} reduce_scatter -> all_to_all_single + sum of {ctx.world_size} chunks"
     if kept:
         note += (f"; {len(kept)} kept (bucket {', '.join(map(str, kept))}): its full-size output could raise "
-                 f"the planned live peak (of this rank or another)")
+                 f"the planned {'arena' if memory_pools else 'live peak'} (of this rank or another)")
     ctx.notes["scatter_by_all_to_all"] = note
     return gm
 

@@ -26,6 +26,7 @@ COLLECTIVE_OPS = {
     "all_to_all_single": ("reduce_scatter", 0),   # zerocc's reduce-scatter on gloo (passes/scatter_by_all_to_all.py)
     # zerocc (zerocc/ops.py)
     "all_gather_by_send_recv": ("all_gather", None),   # zerocc's all-gather on gloo (passes/gather_by_send_recv.py)
+    "all_to_all_single_out": ("reduce_scatter", 0),    # all_to_all_single into an arena (passes/place_buffers.py)
     # c10d, in place (torch.distributed, DDP, FSDP2, DeepSpeed)
     "_allgather_base_": ("all_gather", 0), "allgather_into_tensor_coalesced_": ("all_gather", 0),
     "allgather_": ("all_gather", 0), "_reduce_scatter_base_": ("reduce_scatter", 1),

@@ -41,7 +41,8 @@ _c10d = torch.ops._c10d_functional
 # broadcast clones its input when called)
 _READ_UNTIL_WAIT = {_c10d.all_to_all_single.default, _c10d.reduce_scatter_tensor.default,
                     _c10d.reduce_scatter_tensor_out.default, _c10d.all_gather_into_tensor.default,
-                    _c10d.all_gather_into_tensor_out.default, torch.ops.zerocc.all_gather_by_send_recv.default}
+                    _c10d.all_gather_into_tensor_out.default, torch.ops.zerocc.all_gather_by_send_recv.default,
+                    torch.ops.zerocc.all_to_all_single_out.default}
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
 _RELEASE_WAIT = 1e-3
 
