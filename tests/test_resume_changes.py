@@ -139,6 +139,7 @@ def assert_equal_to_eager(result):
     assert all(torch.equal(v, eager_weights[k]) for k, v in weights.items())
 
 
+@pytest.mark.multirank   # a new process per phase (tests/distributed.py)
 @pytest.mark.parametrize("change,saved_with,resumed_with,stage", [
     ("lr and weight decay", "adamw", "adamw", 3),
     ("betas and eps", "adamw", "adamw", 1),
@@ -172,6 +173,7 @@ def _resume_with_options(rank, world_size, stage, options, folder):
     return losses, [reference(*batch) for batch in batches], step.full_state_dict(), reference.full_state_dict()
 
 
+@pytest.mark.multirank   # a new process per phase (tests/distributed.py)
 @pytest.mark.parametrize("saved_options,stage,options", [
     ({}, 2, {"param_dtype": torch.bfloat16, "grad_accumulation": 2, "clip_grad_norm": 0.5}),
     ({"param_dtype": torch.bfloat16}, 3, {"memory_budget": 10 ** 6, "memory_pools": False}),
@@ -202,6 +204,7 @@ def _frozen_backbone():
     return model
 
 
+@pytest.mark.multirank   # a new process per phase (tests/distributed.py)
 @pytest.mark.parametrize("changed,names", [
     (lambda: LM(head=3), ["model/cls.bias", "model/cls.weight"]),
     (lambda: LM(layers=3), ["model/blocks.2.0.bias"]),
@@ -246,6 +249,7 @@ def _fine_tune(rank, world_size, folder):
         return results[0], losses, results[1], model.state_dict()
 
 
+@pytest.mark.multirank   # a new process per phase (tests/distributed.py)
 def test_fine_tuning_a_new_head_from_the_exported_weights_equals_eager(tmp_path):
     distributed.run(_save, 1, "adamw", 3, str(tmp_path))
     assert_equal_to_eager(distributed.run(_fine_tune, 1, str(tmp_path))[0])
@@ -334,6 +338,7 @@ def _hf_phase(rank, world_size, phase, folder):
     return [step(input_ids=ids, labels=ids) for ids in tokens[2 * K:]], step.full_state_dict()
 
 
+@pytest.mark.multirank   # a new process per phase (tests/distributed.py)
 @pytest.mark.slow   # three processes that each import transformers: about 90 s on a busy 2-core machine
 def test_a_hf_model_from_zerocc_to_eager_fine_tuning_and_back_equals_eager_throughout(tmp_path):
     distributed.run(_hf_phase, 1, "zerocc", str(tmp_path))
