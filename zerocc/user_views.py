@@ -437,7 +437,7 @@ class HeldParameter(torch.nn.Parameter):
     @classmethod
     def __torch_function__(cls, func, types_=(), args=(), kwargs=None):
         kwargs = kwargs or {}
-        key = func.__self__ if type(func) is types.MethodWrapperType else func   # a property's getter or setter
+        key = _op_key(func)
         if key not in _READS_NO_VALUES:
             placeholder = _first_placeholder(args, kwargs)
             if placeholder is not None:
@@ -502,7 +502,7 @@ class PlaceholderData(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func, types_=(), args=(), kwargs=None):
         kwargs = kwargs or {}
-        key = func.__self__ if type(func) is types.MethodWrapperType else func
+        key = _op_key(func)
         held = None if key in _READS_NO_VALUES else next(
             (value for value in (*args, *kwargs.values())
              if type(value) is PlaceholderData and placeholder_of(value._zerocc_parameter) is not None), None)
@@ -510,18 +510,52 @@ class PlaceholderData(torch.Tensor):
             if held is None:
                 return func(*args, **kwargs)
             parameter = held._zerocc_parameter
-            if key in _SHAPE_QUERIES and args and args[0] is held:
-                return _SHAPE_QUERIES[key](placeholder_of(parameter)[1], *args[1:], **kwargs)
-            name = getattr(key, "__name__", None) or str(func)
-            derived = held.__dict__.get("_zerocc_derived", False)
-            if name.endswith("_") and not name.endswith("__") and args and args[0] is held and not derived:
+            shape = _whole_shape(key, held, parameter, args, kwargs)
+            if shape is not None:
+                return shape
+            name = _op_name(func, key)
+            if _writes_into(name, held, args) and not held.__dict__.get("_zerocc_derived", False):
                 return func(*args, **kwargs)   # a write into the placeholder: refused at the next call
+            # an out-of-place op runs on the empty placeholder (its empty result marked below); any other in-place op
+            # (into another tensor, into a result derived from the placeholder) or dunder is refused
             result = func(*args, **kwargs) if not name.endswith("_") else None
         if isinstance(result, torch.Tensor) and held_numel(result) == 0 and type(result) is torch.Tensor:
             result = result.as_subclass(PlaceholderData)
             result._zerocc_parameter, result._zerocc_derived = parameter, True
             return result
         _refuse_placeholder_read(parameter, f".data.{name}" if args and args[0] is held else name)
+
+
+def _op_key(func):
+    """What stands for ``func`` in the tables below (``_READS_NO_VALUES``, ``_SHAPE_QUERIES``, ``_CONVERSIONS``).
+
+    torch hands ``__torch_function__`` a property's getter or setter (``p.shape``, ``p.data = x``) as a
+    method-wrapper bound anew at each access, never the same object twice; its descriptor is."""
+    return func.__self__ if type(func) is types.MethodWrapperType else func
+
+
+def _op_name(func, key) -> str:
+    """The op's name as the user wrote it (``clamp_``, ``norm``): what tells an in-place op apart, and what a refusal
+    names."""
+    return getattr(key, "__name__", None) or getattr(func, "__name__", None) or repr(func)
+
+
+def _writes_into(name: str, subject, args) -> bool:
+    """The op ``name`` writes into ``subject`` in place, by torch's naming rule (a trailing underscore, a dunder's
+    excepted: ``clamp_``, ``normal_``, not ``__add__``), ``subject`` being its first argument (``p.clamp_(-c, c)``,
+    ``nn.init.zeros_(p)``, ``torch._foreach_lerp_`` given a list is not). A write into an empty placeholder runs (the
+    placeholder holds nothing to lose) and is refused at the step's next call (``check_placeholders_unwritten``),
+    where the user's write of the whole parameter is lost."""
+    return name.endswith("_") and not name.endswith("__") and bool(args) and args[0] is subject
+
+
+def _whole_shape(key, subject, parameter, args, kwargs):
+    """The whole parameter's answer (as FSDP2's DTensor gives) where ``key`` asks ``subject`` (a placeholder, or a
+    ``.data`` of one) its shape: ``p.shape``, ``p.size(1)``, ``p.numel()``, ``len(p)``; None where it asks no shape
+    (no shape query answers None). ``parameter`` is the placeholder whose whole shape it is."""
+    if key not in _SHAPE_QUERIES or not args or args[0] is not subject:
+        return None
+    return _SHAPE_QUERIES[key](placeholder_of(parameter)[1], *args[1:], **kwargs)
 
 
 def _getter(name: str):
@@ -601,12 +635,12 @@ def _first_placeholder(args, kwargs):
 def _on_placeholder(func, key, placeholder, args, kwargs):
     """``func`` given a placeholder: a shape query answered whole, a conversion that changes nothing, the
     ``detach`` of ``model.state_dict()`` (its post-hook puts the whole values in, or refuses), or refused."""
-    if key in _SHAPE_QUERIES and args and args[0] is placeholder:
-        return _SHAPE_QUERIES[key](placeholder_of(placeholder)[1], *args[1:], **kwargs)
-    name = getattr(key, "__name__", None) or getattr(func, "__name__", repr(func))
-    if (name.endswith("_") and not name.endswith("__") and args and args[0] is placeholder
-            and _first_placeholder(args[1:], kwargs) is None):
-        with torch._C.DisableTorchFunctionSubclass():   # a write into it (nn.init.zeros_): the next call refuses it
+    shape = _whole_shape(key, placeholder, placeholder, args, kwargs)
+    if shape is not None:
+        return shape
+    name = _op_name(func, key)
+    if _writes_into(name, placeholder, args) and _first_placeholder(args[1:], kwargs) is None:
+        with torch._C.DisableTorchFunctionSubclass():   # nn.init.zeros_(p), from no other placeholder's values
             return func(*args, **kwargs)
     # model.half(), model.to(dtype) (nn.Module._apply): the next call refuses the new tensor (``.data`` set)
     by_torch = ((key in _CONVERSIONS and _called_by("_apply"))
