@@ -39,6 +39,7 @@ def install(step) -> list:
     """Hook the user's model and optimizer to ``step``; returns the hook handles (removed if the first call fails)."""
     return [
         step.model.register_forward_pre_hook(_StepHook(step, lambda module, args: _refuse_released_forward(step))),
+        step.model.register_state_dict_pre_hook(_StepHook(step, lambda module, prefix, keep_vars: _saving(step, True))),
         step.model.register_state_dict_post_hook(_StepHook(
             step, lambda module, state, prefix, metadata: _current_model_state(step, state, prefix))),
         step.model.register_load_state_dict_pre_hook(_StepHook(step, lambda module, *args: _refuse_released_load(step))),
@@ -118,7 +119,18 @@ def _refuse_released_load(step) -> None:
             "or load a checkpoint with zerocc.load_checkpoint / step.load_state_dict")
 
 
+def _saving(step, saving: bool) -> None:
+    """``model.state_dict()`` of the step's model is running (its pre-hook) or done (its post-hook): while it runs,
+    torch's ``_save_to_state_dict`` takes ``p.detach()`` of each placeholder, which the post-hook
+    (``_current_model_state``) replaces by the whole values or refuses. A submodule's ``state_dict()``
+    (``model.fc.state_dict()``) runs no hook of the model's: its ``detach`` is refused, naming the user's line (it
+    gave empty tensors, silently, while a look at the calling frames let any ``_save_to_state_dict`` through)."""
+    if step.state.watch is not None:
+        step.state.watch.saving_state_dict = saving
+
+
 def _current_model_state(step, state: dict, prefix: str) -> None:
+    _saving(step, False)
     if not _released(step) or step.state.reading_model_keys:
         return
     plan = step.state.plan
@@ -395,6 +407,7 @@ class ParameterWatch:
 
     def __init__(self, stage: int = 3):
         self.stage = stage
+        self.saving_state_dict = False   # the model's state_dict() is running (``_saving``)
         # id of each released parameter -> (its name, its whole shape): what a placeholder reports and names
         self.placeholders: dict[int, tuple[str, torch.Size]] = {}
         self.reads: list[tuple[torch.nn.Parameter, torch.Tensor]] = []   # each ``.data`` taken of a placeholder
@@ -644,7 +657,7 @@ def _on_placeholder(func, key, placeholder, args, kwargs):
             return func(*args, **kwargs)
     # model.half(), model.to(dtype) (nn.Module._apply): the next call refuses the new tensor (``.data`` set)
     by_torch = ((key in _CONVERSIONS and _called_by("_apply"))
-                or (key is torch.Tensor.detach and _called_by("_save_to_state_dict")))
+                or (key is torch.Tensor.detach and placeholder.__dict__["_zerocc_watch"].saving_state_dict))
     if key in _CONVERSIONS or by_torch:
         with torch._C.DisableTorchFunctionSubclass():
             result = func(*args, **kwargs)
@@ -654,8 +667,17 @@ def _on_placeholder(func, key, placeholder, args, kwargs):
 
 
 def _called_by(function: str) -> bool:
-    """Whether torch's ``function`` (``nn.Module._apply``, ``_save_to_state_dict``) called the op, within a frame
-    or three (a module's own override that calls it, a lambda ``_apply`` calls)."""
+    """Whether torch's ``function`` (``nn.Module._apply``) called the op, within a frame or three (a module's own
+    override that calls it, a lambda ``_apply`` calls): ``model.half()``, ``model.to(dtype)``, ``model[0].float()``
+    convert each parameter in ``_apply`` and set its ``.data``, which the next call refuses, naming it
+    (``check_parameters_unreplaced``); the same ``p.half()`` of the user's own is a read, refused on its line.
+
+    Frames, as nothing of torch's marks a conversion: ``_apply`` runs no hook, and wrapping it would patch
+    ``nn.Module`` for every module of the process or put a bound method in each module's ``__dict__`` (which a
+    ``copy.deepcopy(model)`` carries to the copy). The depth counts ``_on_placeholder`` and ``__torch_function__``
+    (frame 3 is the op's caller); a function of the user's named ``_apply`` converting a placeholder is let through,
+    its ``.data`` set refused at the next call as torch's is (``model.state_dict()``'s ``detach`` is marked by the
+    model's own state-dict hooks instead: ``_saving``)."""
     frame = sys._getframe(3)
     for _ in range(3):
         if frame is None:
