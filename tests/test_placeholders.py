@@ -56,3 +56,29 @@ def test_reading_placeholders_outside_full_model_is_refused_and_inside_is_eagers
         assert torch.equal(averaged.state_dict()[key], value), key
     step.close()
     assert torch.equal(model[0].weight.norm(), reference[0].weight.norm())   # handed back: a plain Parameter
+
+
+def test_a_submodules_state_dict_is_refused_and_the_models_is_whole_and_conversions_are_refused_at_the_next_call():
+    """``model[0].state_dict()`` runs none of the model's state-dict hooks: it gave ``(0,)`` tensors, silently, where
+    eager gives the layer's weights (a look at the calling frames let any ``_save_to_state_dict``'s ``detach``
+    through). Refused now, naming the line; ``model.state_dict()`` is whole, and a ``p.detach()`` after it is refused
+    again (the model's hooks mark its own run only). A submodule's ``.half()`` goes through, and the next call refuses
+    the new tensor, naming the parameter."""
+    model, reference = _mlp(), _mlp()
+    optimizer, reference_optimizer = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference))
+    step = zerocc.compile(model, optimizer, stage=3, loss_fn=F.cross_entropy)
+    torch.manual_seed(1)
+    x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+    assert torch.equal(step(x, y), eager_step(reference, reference_optimizer, F.cross_entropy, (x, y)))
+    with pytest.raises(zerocc.ConfigError, match=r"detach of parameter '0.weight' at .*test_placeholders.py:\d+: .*full_model"):
+        model[0].state_dict()
+    whole = model.state_dict()
+    assert all(torch.equal(whole[key], value) for key, value in reference.state_dict().items())
+    with pytest.raises(zerocc.ConfigError, match=r"detach of parameter '0.weight'"):
+        model[0].weight.detach()
+    with step.full_model(writeback=False):
+        assert all(torch.equal(value, reference[0].state_dict()[key]) for key, value in model[0].state_dict().items())
+    model[2].half()
+    with pytest.raises(zerocc.ConfigError, match=r"\.data of parameter\(s\) '2.weight', '2.bias' was set"):
+        step(x, y)
+    assert torch.equal(step(x, y), eager_step(reference, reference_optimizer, F.cross_entropy, (x, y)))

@@ -35,7 +35,7 @@ from .errors import (CaptureError, CompileCacheWarning, ConfigError, MemoryBudge
                      user_stacklevel)
 from .hardware import measure_hardware, profile_of
 from .memory_plan import MemoryPlan, memory_plan_entries
-from .optimizer_step import hyperparameter_signature, live_layout, live_settings
+from .optimizer_step import Modes, hyperparameter_signature, live_layout, live_modes, live_settings
 from .options import (DEFAULT_BUCKET_BYTES, DEFAULT_MAX_PROGRAMS, CompileOptions, check_model_and_optimizer,
                       check_not_meta, check_stage, check_timeout)
 from .passes.clip_gradients import GRAD_NORM_SLOT
@@ -503,7 +503,8 @@ class CompiledStep:
         try:
             with self._undone_if_first_call_fails(), \
                     failures.collective_failures(self.ranks, state.steps + 1, self.options.timeout):
-                key = self._cache_key(batch, layout)
+                modes = live_modes(self.optimizer)   # the settings' lookup, once per call (optimizer_step.Modes)
+                key = self._cache_key(batch, layout, modes)
                 entry = self.cache.lookup(key, batch)   # checks the program's data guards on this rank's batch
                 # every call: a rank whose batch changed shape, or took another side of a branch on batch values
                 # (zerocc/data_guards.py), would compile while the others run a cached program; one all-reduce checks
@@ -516,7 +517,7 @@ class CompiledStep:
                     state.param_groups = param_groups_of(self.optimizer)   # what the buckets are laid out for
                     state.requires_grad = requires_grad_of(self.model)   # what is trained, what is kept frozen
                     state.first_batch = FirstBatch.of(batch, layout)   # what later batches are checked against
-                for (group_index, name), value in zip(live_layout(self.optimizer), live_settings(self.optimizer)):
+                for (group_index, name), value in zip(live_layout(self.optimizer, modes), live_settings(self.optimizer, modes)):
                     state.slots[decisions.setting_slot(group_index, name)] = value
                 if entry.measured_peak_bytes is not None:
                     loss = entry.program.run(state.slots, batch, held.hold)
@@ -634,10 +635,11 @@ class CompiledStep:
             for slot, value in values.items():
                 slots[slot].fill_(value)
 
-    def _cache_key(self, batch, layout: BatchLayout) -> CacheKey:
+    def _cache_key(self, batch, layout: BatchLayout, modes: Modes | None = None) -> CacheKey:
+        """``modes``: the optimizer's ``live_modes`` where the call found them (else found here)."""
         python, tensors = self.values_read()
         return CacheKey(input_signature(batch, layout), self.state.state_key(),
-                        hyperparameter_signature(self.optimizer), autocast_state(), training_modes(self._modules),
+                        hyperparameter_signature(self.optimizer, modes), autocast_state(), training_modes(self._modules),
                         self.hook_ids(), python, saved_tensors_hooks_state(), torch.get_default_dtype(), tensors,
                         attention_backends())
 

@@ -74,6 +74,8 @@ def _name(key: str, position: int | None) -> str:
 
 def _class(value):
     """What of a setting's value decides how ``step()`` may branch on it: a float's sign, else the value itself."""
+    if type(value) is float or type(value) is int:   # most settings: skips numbers.Real's ABC check, every step
+        return (type(value).__name__, (value > 0) - (value < 0))
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         if isinstance(value, (tuple, list)):
             return (type(value).__name__, *map(_class, value))
@@ -89,9 +91,13 @@ def _class(value):
 
 # per optimizer, per the classes of its groups' settings (``_class``): each group's live settings (``live_modes``)
 _MODES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# What ``live_modes`` gives: per param group, (key, position) -> FREE or SIGNED. The step's call finds them once and
+# hands them to ``hyperparameter_signature``, ``live_layout`` and ``live_settings``: the lookup's key (every setting's
+# ``_class``, over every group) was the most of the call's Python time with layer-wise groups, found three times
+Modes = list[dict[tuple[str, int | None], str]]
 
 
-def live_modes(optimizer: torch.optim.Optimizer) -> list[dict[tuple[str, int | None], str]]:
+def live_modes(optimizer: torch.optim.Optimizer) -> Modes:
     """Per param group: (key, position) -> FREE or SIGNED for each setting its program reads every step.
 
     Found once per optimizer and per sign of its settings by tracing one ``step()`` of a fake stand-in parameter
@@ -225,17 +231,19 @@ def _probe_traced(optimizer: torch.optim.Optimizer, index: int, modes: dict) -> 
     return None, symbol_of
 
 
-def live_layout(optimizer: torch.optim.Optimizer) -> list[tuple[int, str]]:
+def live_layout(optimizer: torch.optim.Optimizer, modes: Modes | None = None) -> list[tuple[int, str]]:
     """(param group, name) of each tensor ``live_settings`` returns, in order: ``lr``, then the others by key
-    (an element of a tuple setting named with its position: ``betas0``, ``betas1``)."""
-    return [(index, _name(*candidate)) for index, modes in enumerate(live_modes(optimizer)) for candidate in modes]
+    (an element of a tuple setting named with its position: ``betas0``, ``betas1``). ``modes``: the optimizer's
+    ``live_modes`` where the caller found them for this step, else found here."""
+    modes = live_modes(optimizer) if modes is None else modes
+    return [(index, _name(*candidate)) for index, of_group in enumerate(modes) for candidate in of_group]
 
 
-def hyperparameter_signature(optimizer: torch.optim.Optimizer) -> tuple:
+def hyperparameter_signature(optimizer: torch.optim.Optimizer, modes: Modes | None = None) -> tuple:
     """The group settings baked into a traced update; a change means re-capture. A setting read every step is in
-    it as how it is read (and a SIGNED one's sign), not as its value."""
+    it as how it is read (and a SIGNED one's sign), not as its value. ``modes`` as ``live_layout``'s."""
     signature = []
-    for group, modes in zip(optimizer.param_groups, live_modes(optimizer)):
+    for group, of_group in zip(optimizer.param_groups, live_modes(optimizer) if modes is None else modes):
         items = []
         if isinstance(group["lr"], torch.Tensor):
             items.append(("lr", ("a tensor", str(group["lr"].dtype))))
@@ -244,11 +252,11 @@ def hyperparameter_signature(optimizer: torch.optim.Optimizer) -> tuple:
                 continue
             if isinstance(value, torch.Tensor):   # a tensor setting (a scheduler's initial_lr of a tensor lr)
                 value = ("tensor", tuple(value.shape), tuple(value.flatten().tolist()))
-            elif isinstance(value, (tuple, list)) and any((key, i) in modes for i in range(len(value))):
-                value = (type(value).__name__, *(_how_read(modes[(key, i)], v) if (key, i) in modes else v
+            elif isinstance(value, (tuple, list)) and any((key, i) in of_group for i in range(len(value))):
+                value = (type(value).__name__, *(_how_read(of_group[(key, i)], v) if (key, i) in of_group else v
                                                  for i, v in enumerate(value)))
-            elif (key, None) in modes:
-                value = _how_read(modes[(key, None)], value)
+            elif (key, None) in of_group:
+                value = _how_read(of_group[(key, None)], value)
             items.append((key, value))
         signature.append(tuple(items))
     return tuple(signature)
@@ -258,12 +266,12 @@ def _how_read(mode: str, value) -> tuple:
     return ("read every step",) if mode == FREE else ("read every step", "positive" if value > 0 else "negative")
 
 
-def live_settings(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+def live_settings(optimizer: torch.optim.Optimizer, modes: Modes | None = None) -> list[torch.Tensor]:
     """This step's live settings in ``live_layout`` order: each a float64 scalar (exact as a Python float), but a
-    tensor lr, passed as a copy of itself."""
+    tensor lr, passed as a copy of itself. ``modes`` as ``live_layout``'s."""
     values = []
-    for index, (group, modes) in enumerate(zip(optimizer.param_groups, live_modes(optimizer))):
-        for key, position in modes:
+    for index, (group, of_group) in enumerate(zip(optimizer.param_groups, live_modes(optimizer) if modes is None else modes)):
+        for key, position in of_group:
             value = _value(group, key, position)
             if isinstance(value, torch.Tensor):   # eager's update computes with the tensor, in its dtype: so does ours
                 values.append(value.detach().to("cpu", copy=True).reshape(()))

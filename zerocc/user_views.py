@@ -39,6 +39,7 @@ def install(step) -> list:
     """Hook the user's model and optimizer to ``step``; returns the hook handles (removed if the first call fails)."""
     return [
         step.model.register_forward_pre_hook(_StepHook(step, lambda module, args: _refuse_released_forward(step))),
+        step.model.register_state_dict_pre_hook(_StepHook(step, lambda module, prefix, keep_vars: _saving(step, True))),
         step.model.register_state_dict_post_hook(_StepHook(
             step, lambda module, state, prefix, metadata: _current_model_state(step, state, prefix))),
         step.model.register_load_state_dict_pre_hook(_StepHook(step, lambda module, *args: _refuse_released_load(step))),
@@ -118,7 +119,18 @@ def _refuse_released_load(step) -> None:
             "or load a checkpoint with zerocc.load_checkpoint / step.load_state_dict")
 
 
+def _saving(step, saving: bool) -> None:
+    """``model.state_dict()`` of the step's model is running (its pre-hook) or done (its post-hook): while it runs,
+    torch's ``_save_to_state_dict`` takes ``p.detach()`` of each placeholder, which the post-hook
+    (``_current_model_state``) replaces by the whole values or refuses. A submodule's ``state_dict()``
+    (``model.fc.state_dict()``) runs no hook of the model's: its ``detach`` is refused, naming the user's line (it
+    gave empty tensors, silently, while a look at the calling frames let any ``_save_to_state_dict`` through)."""
+    if step.state.watch is not None:
+        step.state.watch.saving_state_dict = saving
+
+
 def _current_model_state(step, state: dict, prefix: str) -> None:
+    _saving(step, False)
     if not _released(step) or step.state.reading_model_keys:
         return
     plan = step.state.plan
@@ -395,6 +407,7 @@ class ParameterWatch:
 
     def __init__(self, stage: int = 3):
         self.stage = stage
+        self.saving_state_dict = False   # the model's state_dict() is running (``_saving``)
         # id of each released parameter -> (its name, its whole shape): what a placeholder reports and names
         self.placeholders: dict[int, tuple[str, torch.Size]] = {}
         self.reads: list[tuple[torch.nn.Parameter, torch.Tensor]] = []   # each ``.data`` taken of a placeholder
@@ -437,7 +450,7 @@ class HeldParameter(torch.nn.Parameter):
     @classmethod
     def __torch_function__(cls, func, types_=(), args=(), kwargs=None):
         kwargs = kwargs or {}
-        key = func.__self__ if type(func) is types.MethodWrapperType else func   # a property's getter or setter
+        key = _op_key(func)
         if key not in _READS_NO_VALUES:
             placeholder = _first_placeholder(args, kwargs)
             if placeholder is not None:
@@ -502,7 +515,7 @@ class PlaceholderData(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func, types_=(), args=(), kwargs=None):
         kwargs = kwargs or {}
-        key = func.__self__ if type(func) is types.MethodWrapperType else func
+        key = _op_key(func)
         held = None if key in _READS_NO_VALUES else next(
             (value for value in (*args, *kwargs.values())
              if type(value) is PlaceholderData and placeholder_of(value._zerocc_parameter) is not None), None)
@@ -510,18 +523,52 @@ class PlaceholderData(torch.Tensor):
             if held is None:
                 return func(*args, **kwargs)
             parameter = held._zerocc_parameter
-            if key in _SHAPE_QUERIES and args and args[0] is held:
-                return _SHAPE_QUERIES[key](placeholder_of(parameter)[1], *args[1:], **kwargs)
-            name = getattr(key, "__name__", None) or str(func)
-            derived = held.__dict__.get("_zerocc_derived", False)
-            if name.endswith("_") and not name.endswith("__") and args and args[0] is held and not derived:
+            shape = _whole_shape(key, held, parameter, args, kwargs)
+            if shape is not None:
+                return shape
+            name = _op_name(func, key)
+            if _writes_into(name, held, args) and not held.__dict__.get("_zerocc_derived", False):
                 return func(*args, **kwargs)   # a write into the placeholder: refused at the next call
+            # an out-of-place op runs on the empty placeholder (its empty result marked below); any other in-place op
+            # (into another tensor, into a result derived from the placeholder) or dunder is refused
             result = func(*args, **kwargs) if not name.endswith("_") else None
         if isinstance(result, torch.Tensor) and held_numel(result) == 0 and type(result) is torch.Tensor:
             result = result.as_subclass(PlaceholderData)
             result._zerocc_parameter, result._zerocc_derived = parameter, True
             return result
         _refuse_placeholder_read(parameter, f".data.{name}" if args and args[0] is held else name)
+
+
+def _op_key(func):
+    """What stands for ``func`` in the tables below (``_READS_NO_VALUES``, ``_SHAPE_QUERIES``, ``_CONVERSIONS``).
+
+    torch hands ``__torch_function__`` a property's getter or setter (``p.shape``, ``p.data = x``) as a
+    method-wrapper bound anew at each access, never the same object twice; its descriptor is."""
+    return func.__self__ if type(func) is types.MethodWrapperType else func
+
+
+def _op_name(func, key) -> str:
+    """The op's name as the user wrote it (``clamp_``, ``norm``): what tells an in-place op apart, and what a refusal
+    names."""
+    return getattr(key, "__name__", None) or getattr(func, "__name__", None) or repr(func)
+
+
+def _writes_into(name: str, subject, args) -> bool:
+    """The op ``name`` writes into ``subject`` in place, by torch's naming rule (a trailing underscore, a dunder's
+    excepted: ``clamp_``, ``normal_``, not ``__add__``), ``subject`` being its first argument (``p.clamp_(-c, c)``,
+    ``nn.init.zeros_(p)``, ``torch._foreach_lerp_`` given a list is not). A write into an empty placeholder runs (the
+    placeholder holds nothing to lose) and is refused at the step's next call (``check_placeholders_unwritten``),
+    where the user's write of the whole parameter is lost."""
+    return name.endswith("_") and not name.endswith("__") and bool(args) and args[0] is subject
+
+
+def _whole_shape(key, subject, parameter, args, kwargs):
+    """The whole parameter's answer (as FSDP2's DTensor gives) where ``key`` asks ``subject`` (a placeholder, or a
+    ``.data`` of one) its shape: ``p.shape``, ``p.size(1)``, ``p.numel()``, ``len(p)``; None where it asks no shape
+    (no shape query answers None). ``parameter`` is the placeholder whose whole shape it is."""
+    if key not in _SHAPE_QUERIES or not args or args[0] is not subject:
+        return None
+    return _SHAPE_QUERIES[key](placeholder_of(parameter)[1], *args[1:], **kwargs)
 
 
 def _getter(name: str):
@@ -601,16 +648,16 @@ def _first_placeholder(args, kwargs):
 def _on_placeholder(func, key, placeholder, args, kwargs):
     """``func`` given a placeholder: a shape query answered whole, a conversion that changes nothing, the
     ``detach`` of ``model.state_dict()`` (its post-hook puts the whole values in, or refuses), or refused."""
-    if key in _SHAPE_QUERIES and args and args[0] is placeholder:
-        return _SHAPE_QUERIES[key](placeholder_of(placeholder)[1], *args[1:], **kwargs)
-    name = getattr(key, "__name__", None) or getattr(func, "__name__", repr(func))
-    if (name.endswith("_") and not name.endswith("__") and args and args[0] is placeholder
-            and _first_placeholder(args[1:], kwargs) is None):
-        with torch._C.DisableTorchFunctionSubclass():   # a write into it (nn.init.zeros_): the next call refuses it
+    shape = _whole_shape(key, placeholder, placeholder, args, kwargs)
+    if shape is not None:
+        return shape
+    name = _op_name(func, key)
+    if _writes_into(name, placeholder, args) and _first_placeholder(args[1:], kwargs) is None:
+        with torch._C.DisableTorchFunctionSubclass():   # nn.init.zeros_(p), from no other placeholder's values
             return func(*args, **kwargs)
     # model.half(), model.to(dtype) (nn.Module._apply): the next call refuses the new tensor (``.data`` set)
     by_torch = ((key in _CONVERSIONS and _called_by("_apply"))
-                or (key is torch.Tensor.detach and _called_by("_save_to_state_dict")))
+                or (key is torch.Tensor.detach and placeholder.__dict__["_zerocc_watch"].saving_state_dict))
     if key in _CONVERSIONS or by_torch:
         with torch._C.DisableTorchFunctionSubclass():
             result = func(*args, **kwargs)
@@ -620,8 +667,17 @@ def _on_placeholder(func, key, placeholder, args, kwargs):
 
 
 def _called_by(function: str) -> bool:
-    """Whether torch's ``function`` (``nn.Module._apply``, ``_save_to_state_dict``) called the op, within a frame
-    or three (a module's own override that calls it, a lambda ``_apply`` calls)."""
+    """Whether torch's ``function`` (``nn.Module._apply``) called the op, within a frame or three (a module's own
+    override that calls it, a lambda ``_apply`` calls): ``model.half()``, ``model.to(dtype)``, ``model[0].float()``
+    convert each parameter in ``_apply`` and set its ``.data``, which the next call refuses, naming it
+    (``check_parameters_unreplaced``); the same ``p.half()`` of the user's own is a read, refused on its line.
+
+    Frames, as nothing of torch's marks a conversion: ``_apply`` runs no hook, and wrapping it would patch
+    ``nn.Module`` for every module of the process or put a bound method in each module's ``__dict__`` (which a
+    ``copy.deepcopy(model)`` carries to the copy). The depth counts ``_on_placeholder`` and ``__torch_function__``
+    (frame 3 is the op's caller); a function of the user's named ``_apply`` converting a placeholder is let through,
+    its ``.data`` set refused at the next call as torch's is (``model.state_dict()``'s ``detach`` is marked by the
+    model's own state-dict hooks instead: ``_saving``)."""
     frame = sys._getframe(3)
     for _ in range(3):
         if frame is None:
