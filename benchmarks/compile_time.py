@@ -11,7 +11,10 @@ of d_model 256, 5.03M parameters; 98m: 12 layers of d_model 768, vocabulary
 ``--world-size`` gloo processes on this machine. Rank 0 prints the first,
 second and third step's seconds (the first two compile the first-step and
 the steady-state programs) and a table per compiled program of seconds per
-phase (``step.compile_stats``, ``zerocc/compile_stats.py``).
+phase (``step.compile_stats``, ``zerocc/compile_stats.py``). ``--groups
+layerwise``: the param groups of layer-wise learning-rate decay (a group
+per block and per decayed or undecayed parameters, and the embeddings':
+26 for the 98m), as fine-tuning scripts build them.
 
 ``cache``: the compile cache on disk (``cache_dir``, zerocc/disk_cache.py):
 ``step`` twice, each in new processes, over one new cache folder: the
@@ -70,14 +73,26 @@ def phase_table(records) -> str:
     return "\n".join(lines)
 
 
+def layerwise(model, lr=1e-4, decay=0.8) -> list[dict]:
+    """A param group per block and per decayed (weights) or undecayed (biases, norms) parameters, the deeper
+    blocks' lr larger: layer-wise learning-rate decay."""
+    groups: dict = {}
+    for name, param in model.named_parameters():
+        layer = int(name.split(".")[1]) if name.startswith("blocks.") else -1
+        groups.setdefault((layer, param.dim() > 1), []).append(param)
+    layers = max(layer for layer, _ in groups) + 1
+    return [{"params": params, "lr": lr * decay ** (layers - layer), "weight_decay": 0.1 if decayed else 0.0}
+            for (layer, decayed), params in groups.items()]
+
+
 def train(rank: int, world_size: int, model_name: str, stage: int, port: int, cache_dir: str | None = None,
-          results: str | None = None) -> None:
+          results: str | None = None, groups: str = "one") -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     torch.manual_seed(0)
     model = GPT(**MODELS[model_name])
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    optimizer = torch.optim.AdamW(model.parameters() if groups == "one" else layerwise(model), lr=1e-4)
     step = zerocc.compile(model, optimizer, stage=stage, **({"cache_dir": cache_dir} if cache_dir else {}))
     generator = torch.Generator().manual_seed(rank)
     seq, vocab = model.wpe.num_embeddings, model.wte.num_embeddings
@@ -91,7 +106,7 @@ def train(rank: int, world_size: int, model_name: str, stage: int, port: int, ca
     if rank == 0:
         params = sum(p.numel() for p in model.parameters()) if stage == 0 else step.report()["param_count"]
         print(f"GPT {model_name} ({params / 1e6:.1f}M parameters), stage {stage}, {world_size} gloo ranks, "
-              f"{SEQUENCES_PER_RANK} x {seq} tokens per rank")
+              f"{SEQUENCES_PER_RANK} x {seq} tokens per rank, {len(optimizer.param_groups)} param group(s)")
         print(f"first step {seconds[0]:.2f} s, second {seconds[1]:.2f} s, third (steady) {seconds[2]:.2f} s; "
               f"compile_seconds {step.compile_seconds:.2f}\n")
         if cache_dir:
@@ -167,10 +182,11 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=36)
     parser.add_argument("--port", type=int, default=29517)
     parser.add_argument("--fraction", type=float, default=0.85)
+    parser.add_argument("--groups", choices=("one", "layerwise"), default="one")
     args = parser.parse_args()
     if args.part == "step":
         world_size = args.world_size or 2
-        mp.spawn(train, args=(world_size, args.model, args.stage, args.port), nprocs=world_size)
+        mp.spawn(train, args=(world_size, args.model, args.stage, args.port, None, None, args.groups), nprocs=world_size)
     elif args.part == "cache":
         cache(args.model, args.stage, args.world_size or 2, args.port)
     elif args.part == "budget":
