@@ -73,12 +73,15 @@ def has_backend_kernel(op: torch._ops.OpOverload, device: torch.device) -> bool:
     return key is not None and torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), key)
 
 
+@functools.cache
 def out_variant(op: torch._ops.OpOverload) -> tuple[torch._ops.OpOverload, tuple[str, ...]] | None:
     """The overload of ``op`` that writes its results into given tensors, and the names of those arguments.
 
     It must take the same arguments as ``op`` (names and types) plus one
     ``out`` argument per result, as ``aten.mm.out`` does for ``aten.mm``;
     ops in ``SCRATCH_OUT`` and ``STORAGE_COMPARING_OUT`` have none to use.
+    A fact of the op, kept: ``place_buffers`` asks it about every placed node, two or three times (each answer
+    reads the schemas of every overload: a tenth of the pass on the 98M GPT).
     """
     if op in COLLECTIVE_OUT:
         return COLLECTIVE_OUT[op], ("out",)

@@ -1,0 +1,120 @@
+"""graph.call makes the fake values of views and flat concatenations without the fake mode's dispatch
+(graph._plain_fake_value, issue 21): each value, and every program built with them, is the one dispatching makes.
+
+The reference is the dispatching path itself (``_plain_fake_value`` patched to decline every call)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import zerocc
+from tests.models import batches, build
+from zerocc import graph as g
+from zerocc.fake_kernels import ZeroccFakeTensorMode
+
+aten = torch.ops.aten
+
+
+def _layout(value, source):
+    return (type(value).__name__, tuple(value.shape), value.stride(), value.storage_offset(), value.dtype,
+            value.device, value.requires_grad,
+            value.untyped_storage()._cdata == source.untyped_storage()._cdata)
+
+
+def _dispatched(mode, target, args):
+    with mode:
+        return target(*args)
+
+
+def _cases(mode):
+    with mode:
+        flat = torch.empty(10_000)
+        square = torch.empty(96, 96, dtype=torch.bfloat16)
+        scalar = torch.empty(())
+        halves = torch.empty(64, dtype=torch.float16)
+    transposed = _dispatched(mode, aten.t.default, (square,))
+    offset = _dispatched(mode, aten.slice.Tensor, (flat, 0, 17, 9233))
+    return [
+        (aten.slice.Tensor, (flat, 0, 10, 1000)),
+        (aten.slice.Tensor, (offset, 0, 5, 6)),
+        (aten.slice.Tensor, (square, 1, 3, 50)),
+        (aten.slice.Tensor, (flat, 0, 9000, 20000)),          # clamped end
+        (aten.view.default, (offset, [96, 96])),
+        (aten.view.default, (scalar, [1])),
+        (aten.view.default, (_dispatched(mode, aten.slice.Tensor, (flat, 0, 3, 4)), [])),
+        (aten.reshape.default, (square, [-1])),
+        (aten.reshape.default, (transposed, [-1])),          # copies: a storage of its own
+        (aten.reshape.default, (offset, [4, -1])),
+        (aten.cat.default, ([flat, offset],)),
+        (aten.cat.default, ([halves],)),
+        (aten.cat.default, ([_dispatched(mode, aten.slice.Tensor, (halves, 0, 0, 0)), halves, halves],)),
+    ]
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_plain_values_are_the_dispatched_values(device):
+    mode = ZeroccFakeTensorMode()
+    with torch.device(device):
+        cases = _cases(mode)
+    for target, args in cases:
+        plain = g._plain_fake_value(mode, target, args, {})
+        assert plain is not None, target   # every case takes the plain path
+        source = args[0][0] if target is aten.cat.default else args[0]
+        assert _layout(plain, source) == _layout(_dispatched(mode, target, args), source), (target, args)
+
+
+def test_calls_the_plain_path_does_not_know_dispatch():
+    mode = ZeroccFakeTensorMode()
+    with mode:
+        flat = torch.empty(16)
+        trained = torch.empty(16, requires_grad=True)
+        square = torch.empty(4, 4)
+    other = ZeroccFakeTensorMode()
+    with other:
+        foreign = torch.empty(16)
+    declined = [
+        (aten.slice.Tensor, (trained, 0, 0, 4), {}),        # autograd would record it
+        (aten.slice.Tensor, (foreign, 0, 0, 4), {}),        # another fake mode's tensor
+        (aten.slice.Tensor, (torch.empty(16), 0, 0, 4), {}),   # a real tensor
+        (aten.cat.default, ([square, square],), {}),       # not flat
+        (aten.cat.default, ([flat, flat.to(torch.float64)],), {}),   # dtypes promoted
+        (aten.cat.default, ([flat, flat],), {"dim": 0}),   # keyword arguments
+        (aten.add.Tensor, (flat, flat), {}),               # not one of the ops
+    ]
+    for target, args, kwargs in declined:
+        assert g._plain_fake_value(mode, target, args, kwargs) is None, (target, args)
+
+
+def _program(planned):
+    """Every node of every pass's graph and of the final one, with its value's layout and storage (numbered)."""
+    def described(graph):
+        storages, rows = {}, []
+        for node in graph.nodes:
+            value = node.meta.get(g.VAL)
+            layout = None
+            if isinstance(value, torch.Tensor):
+                layout = (tuple(value.shape), value.stride(), value.storage_offset(), value.dtype, str(value.device),
+                          storages.setdefault(value.untyped_storage()._cdata, len(storages)))
+            target = getattr(node.target, "__qualname__", str(node.target))
+            rows.append((node.name, node.op, target, str(node.args), str(node.kwargs), layout))
+        return rows
+    return ([described(shot.graph) for shot in planned.history], described(planned.gm.graph), planned.gm.code,
+            planned.memory_plan.to_dict() if planned.memory_plan is not None else None)
+
+
+@pytest.mark.parametrize("name, stage, world_size, device", [
+    ("gpt", 3, 1, "cpu"), ("gpt", 1, 2, "meta"), ("gpt", 3, 4, "meta"), ("cnn", 2, 1, "cpu"), ("cnn", 0, 2, "meta"),
+])
+def test_programs_are_the_ones_dispatching_makes(monkeypatch, name, stage, world_size, device):
+    with torch.device(device):
+        model, _, loss_fn = build(name)
+    inputs = tuple(t.to(device) for t in batches(name, 1, 4)[0])
+    programs = []
+    for dispatching in (False, True):
+        with monkeypatch.context() as patch:
+            if dispatching:
+                patch.setattr(g, "_plain_fake_value", lambda *args: None)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            programs.append(_program(zerocc.plan(model, optimizer, stage=stage, world_size=world_size,
+                                                 example_inputs=inputs, loss_fn=loss_fn)))
+    assert programs[0] == programs[1]
