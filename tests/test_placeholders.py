@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import io
+import pickle
 
 import pytest
 import torch
@@ -92,7 +93,8 @@ def test_a_copy_of_the_model_or_its_parameters_is_eagers_or_refused_naming_the_l
     if stage == 3:
         for copying in (lambda: copy.deepcopy(list(model.parameters())), lambda: copy.deepcopy(model[0].weight),
                         lambda: copy.deepcopy(model), lambda: _saved(list(model.parameters())), lambda: _saved(model),
-                        lambda: copy.deepcopy({"ema": dict(model.named_parameters())})):
+                        lambda: copy.deepcopy({"ema": dict(model.named_parameters())}),
+                        lambda: pickle.dumps(list(model.parameters()))):
             with pytest.raises(zerocc.ConfigError, match=_COPY_REFUSED):
                 copying()
     for copied in (copy.deepcopy(optimizer), _saved(optimizer)):

@@ -73,7 +73,7 @@ class _StepHook:
         return _Detached, ()
 
 
-def copy_refusal(stage: int, parameter: str | None = None) -> ConfigError:
+def copy_refusal(stage: int, parameter: str | None = None, note: str = "") -> ConfigError:
     """A copy or pickle of the model (its hooks) or of one of its placeholders (``HeldParameter``), naming the
     user's line (the copy's own frames, ``copy.py`` and pickle's, are not the user's)."""
     what = f" (parameter {parameter!r})" if parameter else ""
@@ -83,7 +83,7 @@ def copy_refusal(stage: int, parameter: str | None = None) -> ConfigError:
         f"(stage {stage}), and a copy (an EMA or teacher model, a 'best model' snapshot) would be empty: the module "
         "holds empty placeholders. Copy it inside `with step.full_model(writeback=False): snapshot = "
         "copy.deepcopy(model)` (every rank enters it: a gather), or save step.full_state_dict() / "
-        "zerocc.save_checkpoint(step, path)")
+        f"zerocc.save_checkpoint(step, path){note}")
 
 
 def user_line() -> str | None:
@@ -514,8 +514,12 @@ class HeldParameter(torch.nn.Parameter):
             return super().__reduce_ex__(protocol)
         # torch.save(optimizer), its param_groups: the empty placeholder, as before; anything else (torch.save(model),
         # torch.save(list(model.parameters()))) is refused; not through PlaceholderData, which refuses a read
-        if not _pickling_within(self.__dict__["_zerocc_watch"].optimizer()):
-            raise copy_refusal(self.__dict__["_zerocc_watch"].stage, placeholder_of(self)[0])
+        within = _pickling_within(self.__dict__["_zerocc_watch"].optimizer())
+        if not within:
+            raise copy_refusal(self.__dict__["_zerocc_watch"].stage, placeholder_of(self)[0], "" if within is False else
+                               ". A pickle of the optimizer, whose param_groups hold the parameters, is refused so "
+                               "outside torch.save (pickle.dumps(optimizer)): torch.save(optimizer) and "
+                               "copy.deepcopy(optimizer) copy them empty")
         state, hooks = self.__getstate__(), collections.OrderedDict()
         if state:
             return torch._utils._rebuild_parameter_with_state, (held_data(self), self.requires_grad, hooks, state)
@@ -560,17 +564,17 @@ def _stack_here():
     return traceback.extract_stack()
 
 
-def _pickling_within(optimizer) -> bool:
+def _pickling_within(optimizer) -> bool | None:
     """Whether ``torch.save`` is pickling ``optimizer`` now, the object being pickled a part of it: the pickler
     memoizes an object before its state (the optimizer's ``param_groups``), as ``copy.deepcopy`` does. Another
-    pickler (``pickle.dumps``) shows no frame of its own: not within."""
+    pickler (``pickle.dumps``) shows no frame of its own, nor its memo: None, not known."""
     frame = sys._getframe(2)
     while frame is not None:
         if frame.f_code.co_name == "_save" and frame.f_globals.get("__name__") == "torch.serialization":
             pickler = frame.f_locals.get("pickler")
             return optimizer is not None and pickler is not None and id(optimizer) in pickler.memo.copy()
         frame = frame.f_back
-    return False
+    return None
 
 
 class PlaceholderData(torch.Tensor):
