@@ -24,7 +24,9 @@ from __future__ import annotations
 import collections
 import contextlib
 import math
+import os
 import sys
+import sysconfig
 import types
 import weakref
 
@@ -72,13 +74,29 @@ class _StepHook:
         return _Detached, ()
 
 
-def copy_refusal(stage: int) -> ConfigError:
-    """A copy or pickle of the model (its hooks) or of one of its placeholders (``HeldParameter``)."""
+def copy_refusal(stage: int, parameter: str | None = None, note: str = "") -> ConfigError:
+    """A copy or pickle of the model (its hooks) or of one of its placeholders (``HeldParameter``), naming the
+    user's line (the copy's own frames, ``copy.py`` and pickle's, are not the user's)."""
+    what = f" (parameter {parameter!r})" if parameter else ""
     return ConfigError(
-        f"copying or pickling the model after compile (copy.deepcopy(model), torch.save(model)): its parameters "
-        f"are sharded across the compiled step (stage {stage}), the module holds empty placeholders. "
-        "Copy it inside `with step.full_model(writeback=False): copy.deepcopy(model)` (every rank: a "
-        "collective), or save step.full_state_dict() / zerocc.save_checkpoint(step, path)")
+        f"copying or pickling the model after compile (copy.deepcopy(model), torch.save(model)) or its parameters"
+        f"{what} at {user_line() or '(no user frame found)'}: the parameters are sharded across the compiled step "
+        f"(stage {stage}), and a copy (an EMA or teacher model, a 'best model' snapshot) would be empty: the module "
+        "holds empty placeholders. Copy it inside `with step.full_model(writeback=False): snapshot = "
+        "copy.deepcopy(model)` (every rank enters it: a gather), or save step.full_state_dict() / "
+        f"zerocc.save_checkpoint(step, path){note}")
+
+
+def user_line() -> str | None:
+    """The innermost frame of the user's code (not zerocc's, torch's, the standard library's or an installed
+    package's): the line that called ``copy.deepcopy``, ``torch.save`` or ``clip_grad_norm_``."""
+    import traceback
+    from .errors import innermost_frame, is_users
+    return innermost_frame(traceback.extract_stack(), lambda path: is_users(path) and not path.startswith(_NOT_USERS))
+
+
+_NOT_USERS = tuple(dict.fromkeys(os.path.abspath(sysconfig.get_paths()[key]) + os.sep
+                                 for key in ("stdlib", "platstdlib", "purelib", "platlib")))
 
 
 class _Detached:
@@ -408,6 +426,9 @@ class ParameterWatch:
     def __init__(self, stage: int = 3):
         self.stage = stage
         self.saving_state_dict = False   # the model's state_dict() is running (``_saving``)
+        # the step and its optimizer, weakly: a copy or pickle of the optimizer copies its placeholders empty; a
+        # clip_grad_norm_ between the step's calls is refused
+        self.step = self.optimizer = lambda: None
         # id of each released parameter -> (its name, its whole shape): what a placeholder reports and names
         self.placeholders: dict[int, tuple[str, torch.Size]] = {}
         self.reads: list[tuple[torch.nn.Parameter, torch.Tensor]] = []   # each ``.data`` taken of a placeholder
@@ -456,7 +477,10 @@ class HeldParameter(torch.nn.Parameter):
             if placeholder is not None:
                 return _on_placeholder(func, key, placeholder, args, kwargs)
         with torch._C.DisableTorchFunctionSubclass():   # as nn.Parameter's: plain tensors out
-            return func(*args, **kwargs)
+            result = func(*args, **kwargs)
+        if key is _GRAD and result is None and sys._getframe(1).f_globals.get("__name__") == _CLIPPING:
+            _refuse_clipping_between_steps(args[0])
+        return result
 
     def __repr__(self):
         placeholder = placeholder_of(self)
@@ -484,9 +508,16 @@ class HeldParameter(torch.nn.Parameter):
             watch.replaced.append((self, torch._C.TensorBase.data.__get__(self)))
         torch._C.TensorBase.data.__set__(self, value)
 
-    # a copy or a pickle (copy.deepcopy(model) for an EMA, torch.save(model)) is a plain Parameter, without the watch
+    # A copy or a pickle (copy.deepcopy(model) for an EMA, torch.save(model)) is a plain Parameter, without the watch.
+    # A placeholder's would be empty: `ema = copy.deepcopy(list(model.parameters()))` (an EMA, a teacher, a "best
+    # model" snapshot) stayed empty, silently, and its lerp_ ran on nothing. Refused, naming the user's line, unless
+    # the copy is the optimizer's (its param_groups hold the parameters: copy.deepcopy(optimizer) and
+    # torch.save(optimizer) copy them empty, as before; the step holds what the optimizer trains). Gathering the
+    # whole values here instead would be a collective no other rank knows to join: a copy on rank 0 alone would hang.
     def __deepcopy__(self, memo):
-        if id(self) not in memo:   # a placeholder copies empty, as pickled (copy.deepcopy(optimizer) holds them)
+        if id(self) not in memo:
+            if placeholder_of(self) is not None and id(self.__dict__["_zerocc_watch"].optimizer()) not in memo:
+                raise copy_refusal(self.__dict__["_zerocc_watch"].stage, placeholder_of(self)[0])
             data = torch._C.TensorBase.data.__get__(self)
             memo[id(self)] = torch.nn.Parameter(data.clone(memory_format=torch.preserve_format), self.requires_grad)
         return memo[id(self)]
@@ -494,8 +525,14 @@ class HeldParameter(torch.nn.Parameter):
     def __reduce_ex__(self, protocol):
         if placeholder_of(self) is None:
             return super().__reduce_ex__(protocol)
-        # torch.save(optimizer), its param_groups: the empty placeholder, as before (a model pickled is refused by
-        # its hooks, _StepHook); not through PlaceholderData, which refuses a read
+        # torch.save(optimizer), its param_groups: the empty placeholder, as before; anything else (torch.save(model),
+        # torch.save(list(model.parameters()))) is refused; not through PlaceholderData, which refuses a read
+        within = _pickling_within(self.__dict__["_zerocc_watch"].optimizer())
+        if not within:
+            raise copy_refusal(self.__dict__["_zerocc_watch"].stage, placeholder_of(self)[0], "" if within is False else
+                               ". A pickle of the optimizer, whose param_groups hold the parameters, is refused so "
+                               "outside torch.save (pickle.dumps(optimizer)): torch.save(optimizer) and "
+                               "copy.deepcopy(optimizer) copy them empty")
         state, hooks = self.__getstate__(), collections.OrderedDict()
         if state:
             return torch._utils._rebuild_parameter_with_state, (held_data(self), self.requires_grad, hooks, state)
@@ -503,6 +540,54 @@ class HeldParameter(torch.nn.Parameter):
 
     def __getstate__(self):
         return {key: value for key, value in self.__dict__.items() if key != "_zerocc_watch"}
+
+
+_GRAD = torch.Tensor.grad
+_CLIPPING = torch.nn.utils.clip_grad.__name__   # clip_grad_norm_, clip_grad_value_, clip_grads_with_norm_
+
+
+def _refuse_clipping_between_steps(param) -> None:
+    """``torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)`` between the step's calls, where an eager loop
+    clips between ``backward()`` and ``optimizer.step()``: the step ran both inside its program and left every
+    trained parameter's ``.grad`` None, so it returned 0 and clipped nothing, silently (the Hugging Face Trainer's
+    default ``max_grad_norm=1.0`` logged a grad_norm of 0). Refused, naming the user's line and ``clip_grad_norm=``,
+    which clips inside the step. Only while the step holds the parameters (not inside ``full_model``, where eager
+    code runs its own backward)."""
+    watch = param.__dict__.get("_zerocc_watch")
+    step = watch.step() if watch is not None else None
+    if step is None or step.closed or step.state.full_model_depth or not param.requires_grad:
+        return
+    by_value = any(frame.name == "clip_grad_value_" for frame in _stack_here())
+    how = ("zerocc compiles global-norm clipping only (clip_grad_norm=); to clamp each gradient, clamp p.grad in "
+           "place in the optimizer's step() (a subclass of it), which the step traces" if by_value else
+           "compile with zerocc.compile(..., clip_grad_norm=max_norm) (clip_norm_type= for another norm), which "
+           "clips between the gradients' reduction and the update as clip_grad_norm_ does between backward() and "
+           "optimizer.step(), and read the norm it returned from step.last_grad_norm (clip_grad_norm=float('inf') "
+           "measures it without clipping). Hugging Face Trainer: max_grad_norm=0.0")
+    raise ConfigError(
+        f"torch.nn.utils.{'clip_grad_value_' if by_value else 'clip_grad_norm_'} at "
+        f"{user_line() or '(no user frame found)'} between the compiled step's calls: the step runs backward and "
+        f"the optimizer's update inside its program (stage {step.stage}) and leaves every trained parameter's .grad "
+        "None, so this would clip nothing (clip_grad_norm_ would return 0) where eager clips before the update. "
+        f"Remove the call and {how}")
+
+
+def _stack_here():
+    import traceback
+    return traceback.extract_stack()
+
+
+def _pickling_within(optimizer) -> bool | None:
+    """Whether ``torch.save`` is pickling ``optimizer`` now, the object being pickled a part of it: the pickler
+    memoizes an object before its state (the optimizer's ``param_groups``), as ``copy.deepcopy`` does. Another
+    pickler (``pickle.dumps``) shows no frame of its own, nor its memo: None, not known."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_name == "_save" and frame.f_globals.get("__name__") == "torch.serialization":
+            pickler = frame.f_locals.get("pickler")
+            return optimizer is not None and pickler is not None and id(optimizer) in pickler.memo.copy()
+        frame = frame.f_back
+    return None
 
 
 class PlaceholderData(torch.Tensor):
@@ -711,6 +796,7 @@ def set_data(tensor: torch.Tensor, value: torch.Tensor) -> None:
 def watch_parameters(step) -> None:
     """At the first call: every parameter the step holds becomes a ``HeldParameter`` reporting to ``step.state.watch``."""
     step.state.watch = watch = ParameterWatch(step.stage)
+    watch.step, watch.optimizer = weakref.ref(step), weakref.ref(step.optimizer)
     for _, tensor in step.state.module_tensors["param"]:
         if type(tensor) in (torch.nn.Parameter, HeldParameter):   # HeldParameter: a step dropped without close()
             tensor.__class__ = HeldParameter
