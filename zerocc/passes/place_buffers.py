@@ -119,6 +119,49 @@ def arena_layout(gm: fx.GraphModule, plan: MemoryPlan) -> ArenaLayout:
 
     ``place_remat`` reads ``layout.plan.planned_peak_bytes`` to check a budget with memory pools on.
     """
+    members = arena_members(gm, plan)
+    placed, unplanned, in_place, devices = members.placed, list(members.unplanned), members.in_place, members.devices
+    last = len(plan.positions) - 1
+    pools, offsets = [], {}
+    for pool in plan.pools:
+        if pool.name == PERSISTENT_POOL:
+            # a slot written in place holds the new value to the end, even if release_slots released the old one
+            written = {old.name for old in in_place.values()}
+            kept = [dataclasses.replace(b, end=last) if b.name in written else b
+                    for b in pool.buffers if b.name not in in_place]
+            lifetimes = [Lifetime(b.name, b.bytes, b.start, b.end) for b in kept]
+            persistent_offsets, size, order = place(lifetimes)
+            pools.append(Pool(pool.name, size, lower_bound(lifetimes), order,
+                              tuple(dataclasses.replace(b, offset=persistent_offsets[b.name]) for b in kept)))
+    for arena in dict.fromkeys(ARENA_OF_POOL.get(p.name, p.name) for p in plan.pools if p.name != PERSISTENT_POOL):
+        in_arena = [b for buffers in placed.values() for b in buffers if b.pool == arena]
+        if not in_arena:
+            continue
+        lifetimes = [Lifetime(b.name, b.bytes, b.start, b.end) for b in in_arena]
+        arena_offsets, size, order = place(lifetimes)
+        offsets.update(arena_offsets)
+        pools.append(Pool(arena, size, lower_bound(lifetimes), order,
+                          tuple(dataclasses.replace(b, offset=arena_offsets[b.name]) for b in in_arena)))
+    arenas = tuple(p.name for p in pools if p.name != PERSISTENT_POOL)
+    unplanned.sort(key=lambda u: (u.start, u.name))
+    new = dataclasses.replace(plan, pools=tuple(pools), unplanned=tuple(unplanned), arenas=arenas,
+                              placed=True)
+    return ArenaLayout(new, placed, offsets, in_place, devices)
+
+
+@dataclasses.dataclass(frozen=True)
+class ArenaMembers:
+    """What ``place_buffers`` decides before laying anything out: which buffers go to which arena, which
+    storages stay outside them, and which updates are written into the slots (or created state) they replace."""
+    placed: dict[str, list[Buffer]]   # node name -> its buffers, one per tensor output, in output order
+    unplanned: tuple[Unplanned, ...]  # every storage outside the arenas but the persistent pool's, ends as planned
+    in_place: dict[str, fx.Node]      # root node name -> the slot (or created tensor) it is written into
+    devices: dict[str, torch.device]  # arena -> its device
+
+
+def arena_members(gm: fx.GraphModule, plan: MemoryPlan) -> ArenaMembers:
+    """``arena_layout`` without the layout: cheap enough for a pass that weighs a reordering against the peak
+    (``overlap_updates``: the in-place writes decide where the optimizer's peak is)."""
     nodes = {node.name: node for node in gm.graph.nodes}
     last = len(plan.positions) - 1
     by_node: dict[str, list[Buffer]] = {}
@@ -156,31 +199,7 @@ def arena_layout(gm: fx.GraphModule, plan: MemoryPlan) -> ArenaLayout:
     if created:
         kept = {old.name for old in created.values()}
         unplanned = [dataclasses.replace(u, end=last) if u.name in kept else u for u in unplanned]
-    pools, offsets = [], {}
-    for pool in plan.pools:
-        if pool.name == PERSISTENT_POOL:
-            # a slot written in place holds the new value to the end, even if release_slots released the old one
-            written = {old.name for old in in_place.values()}
-            members = [dataclasses.replace(b, end=last) if b.name in written else b
-                       for b in pool.buffers if b.name not in in_place]
-            lifetimes = [Lifetime(b.name, b.bytes, b.start, b.end) for b in members]
-            persistent_offsets, size, order = place(lifetimes)
-            pools.append(Pool(pool.name, size, lower_bound(lifetimes), order,
-                              tuple(dataclasses.replace(b, offset=persistent_offsets[b.name]) for b in members)))
-    for arena in dict.fromkeys(ARENA_OF_POOL.get(p.name, p.name) for p in plan.pools if p.name != PERSISTENT_POOL):
-        members = [b for buffers in placed.values() for b in buffers if b.pool == arena]
-        if not members:
-            continue
-        lifetimes = [Lifetime(b.name, b.bytes, b.start, b.end) for b in members]
-        arena_offsets, size, order = place(lifetimes)
-        offsets.update(arena_offsets)
-        pools.append(Pool(arena, size, lower_bound(lifetimes), order,
-                          tuple(dataclasses.replace(b, offset=arena_offsets[b.name]) for b in members)))
-    arenas = tuple(p.name for p in pools if p.name != PERSISTENT_POOL)
-    unplanned.sort(key=lambda u: (u.start, u.name))
-    new = dataclasses.replace(plan, pools=tuple(pools), unplanned=tuple(unplanned), arenas=arenas,
-                              placed=True)
-    return ArenaLayout(new, placed, offsets, in_place, devices)
+    return ArenaMembers(placed, tuple(unplanned), in_place, devices)
 
 
 def _updates_in_place(gm: fx.GraphModule, plan: MemoryPlan, nodes: dict[str, fx.Node]) -> dict[str, fx.Node]:

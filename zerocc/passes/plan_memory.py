@@ -37,7 +37,7 @@ import collections
 import torch.fx as fx
 
 from .. import graph as g
-from ..analysis.lifetimes import lifetimes_and_unplanned
+from ..analysis.lifetimes import Storages, lifetimes_and_unplanned
 from ..context import CompileContext
 from ..memory_plan import ALIGNMENT_BYTES, POOL_OF_ROLE, POOLS, Buffer, Lifetime, MemoryPlan, Pool, lower_bound, megabytes, place
 
@@ -60,13 +60,14 @@ def plan_memory(gm: fx.GraphModule, ctx: CompileContext, *, placed: bool = True)
     return gm
 
 
-def memory_plan_of(gm: fx.GraphModule, *, placed: bool = True) -> MemoryPlan:
+def memory_plan_of(gm: fx.GraphModule, *, placed: bool = True, storages: Storages | None = None) -> MemoryPlan:
     """The plan for ``gm`` in its current node order (any FX graph with ``val`` meta; zerocc's tags refine roles).
 
     ``placed=False`` skips the layout (every offset 0, each pool at its lower bound): the lifetimes only.
+    ``storages``: ``lifetimes.storages_of(gm)`` taken before a reordering (a pass weighing orders reuses it).
     """
     nodes = list(gm.graph.nodes)
-    buffers, unplanned = lifetimes_and_unplanned(gm)
+    buffers, unplanned = lifetimes_and_unplanned(gm, storages)
     pools = []
     for pool_name in POOLS:
         members = [b for b in buffers if POOL_OF_ROLE[b[1]] == pool_name]
