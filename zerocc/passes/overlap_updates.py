@@ -54,15 +54,14 @@ import torch.fx as fx
 from .. import graph as g
 from ..context import CompileContext
 from ..decisions import UpdateOrder
-from ..analysis.lifetimes import Storages, storages_of
+from ..analysis.arena import PERSISTENT_POOL, arena_members, output_values, placeable_outputs
+from ..analysis.lifetimes import Storages, memory_plan_of, storages_of
 from ..analysis.live_bytes import live_peaks, peak_bytes
 from ..analysis.releases import mark_releases, releasable
 from ..graph import wait_of
 from ..analysis.aliasing import is_view
 from ..analysis.kernels import has_backend
 from ..memory_plan import POOL_OF_ROLE, Buffer
-from .place_buffers import PERSISTENT_POOL, _placeable_outputs, _values, arena_members
-from .plan_memory import memory_plan_of
 
 
 def overlap_updates(gm: fx.GraphModule, ctx: CompileContext, *, memory_pools: bool = False) -> fx.GraphModule:
@@ -175,7 +174,8 @@ class _Orders:
     storage's name, role, bytes, the nodes that hold it and the positions that end its life (a reader, or the
     wait of a collective reading it; ``lifetimes_and_unplanned``), the release point's candidates
     (``releases.release_point``), and ``place_buffers``' checks on each update it might write in place but
-    where it runs and where the old value is last read (``_updates_in_place``, ``_created_state_in_place``).
+    where it runs and where the old value is last read (``analysis/arena.py``'s ``_updates_in_place``,
+    ``_created_state_in_place``).
     Each order then costs those positions. Where a rule's outcome could depend on the order in another way (an
     alias of two updated storages, arenas on several devices), every order is weighed by ``_peaks`` itself.
     """
@@ -234,7 +234,7 @@ class _Orders:
             self._in_place_rules(gm, nodes, holders, aliases, done)
 
     def _in_place_rules(self, gm, nodes, holders, aliases, done) -> None:
-        """``place_buffers._updates_in_place`` and ``_created_state_in_place``, less what depends on the order."""
+        """``analysis/arena.py``'s ``_updates_in_place`` and ``_created_state_in_place``, less what depends on the order."""
         by_name = {node.name: node for node in nodes}
         roles = {name: (role, size) for name, role, size, *_ in self.keys}
         persistent = {name for name, (role, _) in roles.items() if POOL_OF_ROLE[role] == PERSISTENT_POOL}
@@ -243,7 +243,7 @@ class _Orders:
             for alias in (name, *aliases[name]):
                 if root_of.setdefault(alias, name) != name:
                     self.fast = False   # which storage an alias names follows the order: weigh each one whole
-        devices = {v.device for name in roles if name not in persistent for v in _values(by_name[name.split("[")[0]])[:1]}
+        devices = {v.device for name in roles if name not in persistent for v in output_values(by_name[name.split("[")[0]])[:1]}
         if len(devices) > 1:
             self.fast = False   # the first node's device names an arena's (arena_members): the order decides
         last = self.last
@@ -251,10 +251,10 @@ class _Orders:
 
         known: dict[str, bool] = {}
 
-        def placeable(node: fx.Node, names: list[str]) -> bool:   # _placeable_outputs but for a value's end
+        def placeable(node: fx.Node, names: list[str]) -> bool:   # placeable_outputs but for a value's end
             if node.name not in known:
                 found = [Buffer(n, roles[n][0], "", sizes[n], 0, 0, 0, ()) for n in names]
-                known[node.name] = isinstance(_placeable_outputs(node, found, last + 1), list)
+                known[node.name] = isinstance(placeable_outputs(node, found, last + 1), list)
             return known[node.name]
 
         slots = {n.meta.get(g.SLOT): n for n in g.placeholders(gm) if n.meta.get(g.SLOT)}
