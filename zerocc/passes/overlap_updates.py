@@ -243,7 +243,9 @@ class _Orders:
             for alias in (name, *aliases[name]):
                 if root_of.setdefault(alias, name) != name:
                     self.fast = False   # which storage an alias names follows the order: weigh each one whole
-        devices = {v.device for name in roles if name not in persistent for v in output_values(by_name[name.split("[")[0]])[:1]}
+        devices = {v.device for name in roles if name not in persistent
+                   for v in output_values(by_name[name.split("[")[0]])[:1] if isinstance(v, torch.Tensor)}
+        # (a node whose first output is None, a backward's unneeded gradient, is never placed: placeable_outputs)
         if len(devices) > 1:
             self.fast = False   # the first node's device names an arena's (arena_members): the order decides
         last = self.last
