@@ -4,7 +4,8 @@ Run as ``torchrun ... tests/launched.py OUT_DIR [CRASH_AT]``. zerocc.compile cre
 process group from torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR,
 MASTER_PORT); each rank trains on its own slice of a global batch (chosen by
 RANK) and saves its losses, its full state dict and the environment torchrun
-gave it to OUT_DIR/rank<RANK>.pt.
+gave it to OUT_DIR/rank<RANK>.pt. The script never calls destroy_process_group:
+OUT_DIR/exit<RANK>.txt says whether zerocc destroyed the group it made at exit.
 
 With CRASH_AT, the script checkpoints after every step (OUT_DIR/ckpt) and
 resumes from that checkpoint when there is one; in torchrun's first attempt
@@ -13,6 +14,7 @@ crashed worker does, for ``torchrun --max-restarts 1`` to restart the job.
 """
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 
@@ -29,6 +31,8 @@ def main(out: str, crash_at: int | None = None) -> None:
     from tests.models import batches, build
     torch.set_num_threads(1)
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    # registered before zerocc.compile, so it runs after zerocc's own exit handler (atexit runs the last first)
+    atexit.register(_record_group_at_exit, os.path.join(out, f"exit{rank}.txt"))
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     model, _, loss_fn = build("mlp")
     step = zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-2), stage=3, loss_fn=loss_fn,
@@ -48,6 +52,12 @@ def main(out: str, crash_at: int | None = None) -> None:
     torch.save({"losses": losses, "state": step.full_state_dict(),
                 "environment": {key: os.environ.get(key) for key in ENVIRONMENT}},
                os.path.join(out, f"rank{rank}.pt"))
+
+
+def _record_group_at_exit(path: str) -> None:
+    """Whether the default process group (zerocc.compile made it) is still there as the interpreter exits."""
+    with open(path, "w") as file:
+        file.write("initialized" if torch.distributed.is_initialized() else "destroyed")
 
 
 if __name__ == "__main__":

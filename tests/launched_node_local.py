@@ -3,10 +3,12 @@
 Run as ``torchrun ... tests/launched_node_local.py OUT_DIR``, node 1 in its own mount namespace where
 OUT_DIR/local is another folder (a node-local disk at the same path, as /scratch on a cluster). Each rank
 saves to the node-local path, saves again where node 1 holds a stale folder of the version's name, saves to
-OUT_DIR/shared, and loads a copy only node 0 holds; what each call raised goes to OUT_DIR/rank<RANK>.pt.
+OUT_DIR/shared, and loads a copy only node 0 holds; what each call raised goes to OUT_DIR/rank<RANK>.pt. The script never calls
+destroy_process_group: OUT_DIR/exit<RANK>.txt says whether zerocc destroyed the group it made, at exit.
 """
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import sys
@@ -20,6 +22,8 @@ def main(out: str) -> None:
     from tests.models import batches, build
     torch.set_num_threads(1)
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    # registered before zerocc.compile, so it runs after zerocc's own exit handler (atexit runs the last first)
+    atexit.register(_record_group_at_exit, os.path.join(out, f"exit{rank}.txt"))
     model, _, loss_fn = build("mlp")
     step = zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-2), stage=3, loss_fn=loss_fn, timeout=60)
     for batch in batches("mlp", 1, 4 * world_size):
@@ -44,6 +48,12 @@ def main(out: str) -> None:
     results["listing"] = sorted(os.listdir(local))
     torch.save({name: str(value) for name, value in results.items()} | {"listing": results["listing"]},
                os.path.join(out, f"rank{rank}.pt"))
+
+
+def _record_group_at_exit(path: str) -> None:
+    """Whether the default process group (zerocc.compile made it) is still there as the interpreter exits."""
+    with open(path, "w") as file:
+        file.write("initialized" if torch.distributed.is_initialized() else "destroyed")
 
 
 if __name__ == "__main__":

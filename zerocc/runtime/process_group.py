@@ -1,8 +1,10 @@
 """Which ranks take part: the default process group, one given by the user, or none (world size 1)."""
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -29,6 +31,7 @@ def resolve(group=None, device: torch.device | None = None) -> Ranks:
                 torch.cuda.set_device(_cuda_device(device))
             try:
                 dist.init_process_group(backend=backend)
+                atexit.register(_destroy_at_exit)
             except ValueError as error:   # env:// without MASTER_ADDR/MASTER_PORT/RANK: WORLD_SIZE set by hand
                 raise ConfigError(
                     f"zerocc.compile: WORLD_SIZE={os.environ['WORLD_SIZE']} is set, so it initialized the default "
@@ -55,6 +58,20 @@ def resolve(group=None, device: torch.device | None = None) -> Ranks:
     world_size = dist.get_world_size(group)
     rank = dist.get_rank(group)
     return Ranks(world_size, rank, group, group.group_name)
+
+
+def _destroy_at_exit() -> None:
+    """Destroy the default process group zerocc created, at a normal exit, while the interpreter is still whole.
+
+    A script that leaves the group to zerocc never calls ``dist.destroy_process_group()``: gloo's worker
+    threads then outlived the interpreter's teardown, and a rank could abort at exit ("terminate called
+    without an active exception", exit -6, a failed job to torchrun) after training well (seen once in this
+    project's launch tests; pytorch/pytorch#190489). Not after an uncaught exception (``sys.last_value``):
+    a rank leaving a failed step may have collectives in flight that a peer never completes, and
+    destroying the group would wait for them.
+    """
+    if getattr(sys, "last_value", None) is None and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _restarted_on_the_agents_store() -> bool:
