@@ -24,7 +24,7 @@ import torch.utils._pytree as pytree
 from torch._prims_common import make_contiguous_strides_for
 
 from . import graph as g
-from .tracing import empty_fake, fakeify, loaded_uninteresting_files, make_fake_mode, record_source_lines_of, trace_functional
+from .tracing import fakeify, loaded_uninteresting_files, make_fake_mode, record_source_lines_of, trace_functional
 from .errors import ConfigError, UnsupportedOptimizerError, innermost_frame, user_line_of_node
 from .optimizer_init import has_train_and_eval, shadow_of, shadow_of_group
 from .user_tooling import suspended_user_tooling
@@ -740,7 +740,7 @@ def splice_update(
 
     def fresh(node):
         value = node.meta[g.VAL]
-        return empty_fake(fake_mode, value.shape, value.stride(), value.dtype, value.device)
+        return g.empty_fake(fake_mode, value.shape, value.stride(), value.dtype, value.device)
 
     def family(i):
         """A class's key without the shapes: classes in one family differ only in the parameter's shape."""
@@ -892,10 +892,10 @@ def _propagate_fake(node: fx.Node, fake_mode, broadcast: bool = False) -> None:
         shapes = [a.meta[g.VAL].shape for a in node.all_input_nodes if isinstance(a.meta.get(g.VAL), torch.Tensor)]
         shape = tuple(shapes[0] if shapes and all(s == shapes[0] for s in shapes) else
                       torch.broadcast_shapes(*shapes) if shapes else value.shape)
-        node.meta[g.VAL] = empty_fake(fake_mode, shape, make_contiguous_strides_for(shape), value.dtype,
+        node.meta[g.VAL] = g.empty_fake(fake_mode, shape, make_contiguous_strides_for(shape), value.dtype,
                                       value.device)
         return
-    node.meta[g.VAL] = empty_fake(fake_mode, value.shape, value.stride(), value.dtype, value.device)
+    node.meta[g.VAL] = g.empty_fake(fake_mode, value.shape, value.stride(), value.dtype, value.device)
 
 
 def initial_state_layout(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor],
