@@ -92,6 +92,34 @@ def test_a_submodules_state_dict_is_refused_and_the_models_is_whole_and_conversi
     assert torch.equal(step(x, y), eager_step(reference, reference_optimizer, F.cross_entropy, (x, y)))
 
 
+def test_a_state_dict_interrupted_by_the_users_own_hook_leaves_a_submodules_refused():
+    """The model's state-dict pre-hook marks its ``state_dict()`` running and its post-hook unmarks it: a post-hook of
+    the user's, registered before compile (so running before the step's), that raised skipped the unmarking, and a
+    later ``model[0].state_dict()`` gave ``(0,)`` tensors, silently. The mark holds only while that call runs."""
+    model, reference = _mlp(), _mlp()
+    raised = []
+
+    def flaky_hook(module, state, prefix, metadata):
+        if not raised:
+            raised.append(True)
+            raise RuntimeError("the user's hook failed")
+
+    model.register_state_dict_post_hook(flaky_hook)
+    optimizer, reference_optimizer = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference))
+    step = zerocc.compile(model, optimizer, stage=3, loss_fn=F.cross_entropy)
+    torch.manual_seed(1)
+    x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+    assert torch.equal(step(x, y), eager_step(reference, reference_optimizer, F.cross_entropy, (x, y)))
+    with pytest.raises(RuntimeError, match="the user's hook failed"):
+        model.state_dict()
+    with pytest.raises(zerocc.ConfigError, match=r"detach of parameter '0.weight' at .*test_placeholders.py:\d+: .*full_model"):
+        model[0].state_dict()
+    whole = model.state_dict()
+    assert all(torch.equal(whole[key], value) for key, value in reference.state_dict().items())
+    with pytest.raises(zerocc.ConfigError, match=r"detach of parameter '0.weight'"):
+        model[0].state_dict()
+
+
 _COPY_REFUSED = (r"copying or pickling the model after compile .* at .*test_placeholders.py:\d+: .*empty placeholders. "
                  r"Copy it inside `with step.full_model\(writeback=False\): snapshot = copy.deepcopy\(model\)`")
 
@@ -139,6 +167,32 @@ def test_a_copy_of_the_model_or_its_parameters_is_eagers_or_refused_naming_the_l
     for (key, value), (expected_key, expected) in zip(snapshot.state_dict().items(), expected_snapshot.state_dict().items()):
         assert key == expected_key and torch.equal(value, expected), key   # taken then, not moved by later steps
     assert torch.equal(snapshot(data[0][0]), expected_snapshot(data[0][0]))   # a plain model: no step's hooks
+
+
+class _MemoHidingPickle:
+    """A ``pickle_module=`` for ``torch.save`` whose pickler shows no ``memo`` (as a later torch's ``_save``, or a
+    pickler that is not ``pickle.Pickler``, might): which objects it pickled cannot be read."""
+    class Pickler(pickle.Pickler):
+        @property
+        def memo(self):
+            raise AttributeError("memo")
+
+    def __getattr__(self, name):
+        return getattr(pickle, name)
+
+
+def test_saving_with_a_pickler_showing_no_memo_refuses_the_optimizers_placeholders_as_any_copy():
+    """``torch.save(optimizer)`` lets the optimizer's empty placeholders through by reading its pickler's memo; a
+    pickler showing none failed inside that check with an AttributeError. Refused now as any other copy of them is,
+    naming the line; ``torch.save`` with pickle's own pickler saves them empty, as before."""
+    model = _mlp()
+    optimizer = adamw(model)
+    step = zerocc.compile(model, optimizer, stage=3, loss_fn=F.cross_entropy)
+    torch.manual_seed(1)
+    step(torch.randn(8, 6), torch.randint(0, 3, (8,)))
+    with pytest.raises(zerocc.ConfigError, match=_COPY_REFUSED):
+        torch.save(optimizer, io.BytesIO(), pickle_module=_MemoHidingPickle())
+    assert [p.shape for p in _saved(optimizer).param_groups[0]["params"]] == [(0,)] * 4
 
 
 @pytest.mark.parametrize("stage", [0, 3])

@@ -10,6 +10,7 @@ from typing import Iterable
 
 import torch
 import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from . import ops  # noqa: F401  registers torch.ops.zerocc, whose gather the predicates below name
@@ -243,8 +244,6 @@ def _plain_fake_value(fake_mode, target, args: tuple, kwargs: dict):
     inputs of this fake mode that neither require grad nor hold a constant (the fake mode's own business);
     ``tests/test_plain_fake_values.py`` checks the values against the dispatched ones.
     """
-    from torch._subclasses.fake_tensor import FakeTensor
-
     def plain(tensor) -> bool:
         return (type(tensor) is FakeTensor and tensor.fake_mode is fake_mode and tensor.constant is None
                 and not tensor.requires_grad and type(tensor.storage_offset()) is int
@@ -266,9 +265,22 @@ def _plain_fake_value(fake_mode, target, args: tuple, kwargs: dict):
         if not all(plain(t) and t.dim() == 1 and t.dtype == first.dtype and t.fake_device == first.fake_device
                    for t in tensors):
             return None
-        meta = torch.empty_strided((sum(t.shape[0] for t in tensors),), (1,), dtype=first.dtype, device="meta")
-        return FakeTensor(fake_mode, meta, first.fake_device)
+        return empty_fake(fake_mode, (sum(t.shape[0] for t in tensors),), (1,), first.dtype, first.fake_device)
     return None
+
+
+def empty_fake(fake_mode: FakeTensorMode, shape, stride, dtype: torch.dtype, device) -> FakeTensor:
+    """A new fake tensor of this layout: what ``torch.empty_strided`` under ``fake_mode`` makes, at a tenth of its cost.
+
+    The meta tensor is made by the C++ meta kernel and wrapped, instead of dispatching through the fake mode's
+    Python (about 9 against 76 us here); the passes make one for each node they copy. Symbolic sizes go the
+    dispatching way.
+    """
+    if not all(isinstance(n, int) for n in (*shape, *stride)):
+        with fake_mode:
+            return torch.empty_strided(shape, stride, dtype=dtype, device=device)
+    meta = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
+    return FakeTensor(fake_mode, meta, torch.device(device))
 
 
 def topological_index(gm: fx.GraphModule) -> dict[fx.Node, int]:

@@ -488,20 +488,6 @@ def module_conversions_as_eager():
         torch.nn.Module._apply = apply
 
 
-def empty_fake(fake_mode: FakeTensorMode, shape, stride, dtype: torch.dtype, device) -> FakeTensor:
-    """A new fake tensor of this layout: what ``torch.empty_strided`` under ``fake_mode`` makes, at a tenth of its cost.
-
-    The meta tensor is made by the C++ meta kernel and wrapped, instead of dispatching through the fake mode's
-    Python (about 9 against 76 us here); the passes make one for each node they copy. Symbolic sizes go the
-    dispatching way.
-    """
-    if not all(isinstance(n, int) for n in (*shape, *stride)):
-        with fake_mode:
-            return torch.empty_strided(shape, stride, dtype=dtype, device=device)
-    meta = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
-    return FakeTensor(fake_mode, meta, torch.device(device))
-
-
 def fakeify(fake_mode: FakeTensorMode, tree: Any) -> Any:
     """Fake copies of every tensor in a pytree (requires_grad kept, shapes static)."""
     def convert(value):

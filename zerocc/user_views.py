@@ -27,6 +27,7 @@ import math
 import os
 import sys
 import sysconfig
+import traceback
 import types
 import weakref
 
@@ -87,12 +88,13 @@ def copy_refusal(stage: int, parameter: str | None = None, note: str = "") -> Co
         f"zerocc.save_checkpoint(step, path){note}")
 
 
-def user_line() -> str | None:
+def user_line(stack: traceback.StackSummary | None = None) -> str | None:
     """The innermost frame of the user's code (not zerocc's, torch's, the standard library's or an installed
-    package's): the line that called ``copy.deepcopy``, ``torch.save`` or ``clip_grad_norm_``."""
-    import traceback
+    package's) in ``stack`` (the calling frames, extracted here unless given): the line that called
+    ``copy.deepcopy``, ``torch.save`` or ``clip_grad_norm_``."""
     from .errors import innermost_frame, is_users
-    return innermost_frame(traceback.extract_stack(), lambda path: is_users(path) and not path.startswith(_NOT_USERS))
+    return innermost_frame(traceback.extract_stack() if stack is None else stack,
+                           lambda path: is_users(path) and not path.startswith(_NOT_USERS))
 
 
 _NOT_USERS = tuple(dict.fromkeys(os.path.abspath(sysconfig.get_paths()[key]) + os.sep
@@ -142,9 +144,26 @@ def _saving(step, saving: bool) -> None:
     torch's ``_save_to_state_dict`` takes ``p.detach()`` of each placeholder, which the post-hook
     (``_current_model_state``) replaces by the whole values or refuses. A submodule's ``state_dict()``
     (``model.fc.state_dict()``) runs no hook of the model's: its ``detach`` is refused, naming the user's line (it
-    gave empty tensors, silently, while a look at the calling frames let any ``_save_to_state_dict`` through)."""
+    gave empty tensors, silently, while a look at the calling frames let any ``_save_to_state_dict`` through).
+
+    The mark is the frame of the model's running ``state_dict()`` (the pre-hook's caller: frame 3 past this one, the
+    hook's lambda and ``_StepHook.__call__``), not a flag: a hook of the user's raising between the two hooks (a
+    post-hook registered before compile runs before the step's) skips the post-hook, and a flag left set let a later
+    submodule's ``detach`` through, empty; the frame marks only while it is on the stack (``_saving_now``)."""
     if step.state.watch is not None:
-        step.state.watch.saving_state_dict = saving
+        step.state.watch.saving_state_dict = sys._getframe(3) if saving else None
+
+
+def _saving_now(watch) -> bool:
+    """Whether the model's ``state_dict()`` marked by ``_saving`` is running: its frame is on the stack here."""
+    saving = watch.saving_state_dict
+    frame = sys._getframe(1) if saving is not None else None
+    while frame is not None:
+        if frame is saving:
+            return True
+        frame = frame.f_back
+    watch.saving_state_dict = None   # left by a state_dict() an exception ended, or none
+    return False
 
 
 def _current_model_state(step, state: dict, prefix: str) -> None:
@@ -425,7 +444,7 @@ class ParameterWatch:
 
     def __init__(self, stage: int = 3):
         self.stage = stage
-        self.saving_state_dict = False   # the model's state_dict() is running (``_saving``)
+        self.saving_state_dict = None   # the frame of the model's running state_dict() (``_saving``)
         # the step and its optimizer, weakly: a copy or pickle of the optimizer copies its placeholders empty; a
         # clip_grad_norm_ between the step's calls is refused
         self.step = self.optimizer = lambda: None
@@ -557,7 +576,8 @@ def _refuse_clipping_between_steps(param) -> None:
     step = watch.step() if watch is not None else None
     if step is None or step.closed or step.state.full_model_depth or not param.requires_grad:
         return
-    by_value = any(frame.name == "clip_grad_value_" for frame in _stack_here())
+    stack = traceback.extract_stack()
+    by_value = any(frame.name == "clip_grad_value_" for frame in stack)
     how = ("zerocc compiles global-norm clipping only (clip_grad_norm=); to clamp each gradient, clamp p.grad in "
            "place in the optimizer's step() (a subclass of it), which the step traces" if by_value else
            "compile with zerocc.compile(..., clip_grad_norm=max_norm) (clip_norm_type= for another norm), which "
@@ -566,26 +586,28 @@ def _refuse_clipping_between_steps(param) -> None:
            "measures it without clipping). Hugging Face Trainer: max_grad_norm=0.0")
     raise ConfigError(
         f"torch.nn.utils.{'clip_grad_value_' if by_value else 'clip_grad_norm_'} at "
-        f"{user_line() or '(no user frame found)'} between the compiled step's calls: the step runs backward and "
+        f"{user_line(stack) or '(no user frame found)'} between the compiled step's calls: the step runs backward and "
         f"the optimizer's update inside its program (stage {step.stage}) and leaves every trained parameter's .grad "
         "None, so this would clip nothing (clip_grad_norm_ would return 0) where eager clips before the update. "
         f"Remove the call and {how}")
 
 
-def _stack_here():
-    import traceback
-    return traceback.extract_stack()
-
-
 def _pickling_within(optimizer) -> bool | None:
     """Whether ``torch.save`` is pickling ``optimizer`` now, the object being pickled a part of it: the pickler
     memoizes an object before its state (the optimizer's ``param_groups``), as ``copy.deepcopy`` does. Another
-    pickler (``pickle.dumps``) shows no frame of its own, nor its memo: None, not known."""
+    pickler (``pickle.dumps``) shows no frame of its own, nor its memo: None, not known.
+
+    The pickler is ``_save``'s local ``pickler``, torch's private name: where it is not found or shows no memo (a
+    later torch's ``_save``, a ``pickle_module=`` whose pickler hides it), False, refused as any other copy is,
+    rather than failing inside this check."""
     frame = sys._getframe(2)
     while frame is not None:
         if frame.f_code.co_name == "_save" and frame.f_globals.get("__name__") == "torch.serialization":
-            pickler = frame.f_locals.get("pickler")
-            return optimizer is not None and pickler is not None and id(optimizer) in pickler.memo.copy()
+            try:
+                memo = frame.f_locals["pickler"].memo.copy()   # {id: (index, object)} of what it has pickled so far
+            except (KeyError, AttributeError, TypeError):
+                return False
+            return optimizer is not None and id(optimizer) in memo
         frame = frame.f_back
     return None
 
@@ -742,7 +764,7 @@ def _on_placeholder(func, key, placeholder, args, kwargs):
             return func(*args, **kwargs)
     # model.half(), model.to(dtype) (nn.Module._apply): the next call refuses the new tensor (``.data`` set)
     by_torch = ((key in _CONVERSIONS and _called_by("_apply"))
-                or (key is torch.Tensor.detach and placeholder.__dict__["_zerocc_watch"].saving_state_dict))
+                or (key is torch.Tensor.detach and _saving_now(placeholder.__dict__["_zerocc_watch"])))
     if key in _CONVERSIONS or by_torch:
         with torch._C.DisableTorchFunctionSubclass():
             result = func(*args, **kwargs)

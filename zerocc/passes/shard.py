@@ -30,7 +30,6 @@ from .. import graph as g
 from .. import ops, decisions
 from ..context import CompileContext
 from ..optimizer_step import elementwise_offenders, splice_update
-from ..tracing import empty_fake
 
 aten = torch.ops.aten
 
@@ -301,7 +300,7 @@ def _update_shape(ctx: CompileContext, piece: decisions.Piece, shaped: bool) -> 
 
 
 def _empty(ctx: CompileContext, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
-    return empty_fake(ctx.fake_mode, (numel,), (1,), dtype, device)   # torch.empty's under the fake mode, for less
+    return g.empty_fake(ctx.fake_mode, (numel,), (1,), dtype, device)   # torch.empty's under the fake mode, for less
 
 
 def _zeros(graph: fx.Graph, ctx: CompileContext, numel: int, dtype, device) -> fx.Node:
@@ -327,7 +326,7 @@ def _last_placeholder(gm: fx.GraphModule) -> fx.Node:
 def _state_placeholder(gm, ctx, last, slot, key, shape, dtype, device) -> fx.Node:
     with gm.graph.inserting_after(last):
         node = gm.graph.placeholder(slot.replace(":", "_").replace(".", "_"))
-    value = empty_fake(ctx.fake_mode, shape, (1,) if shape else (), dtype, device)
+    value = g.empty_fake(ctx.fake_mode, shape, (1,) if shape else (), dtype, device)
     node.meta.update({g.ROLE: g.ROLE_STATE, g.SLOT: slot, g.STATE_KEY: key, g.VAL: value})
     return node
 
