@@ -433,14 +433,6 @@ def test_a_new_shape_under_static_shapes():
         step(*batches("mlp", 1, 3)[0])
 
 
-def test_eval_forward_before_the_step_is_compiled():
-    model = MLP()
-    step = zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=F.mse_loss)
-    with pytest.raises(zerocc.ConfigError, match=r"eval_forward needs the training step compiled first: the "
-                       r"parameters live in the step's buckets"):
-        step.eval_forward(batches("mlp", 1, 4)[0][0])
-
-
 class ScalesItsWeight(nn.Module):
     def __init__(self):
         super().__init__()

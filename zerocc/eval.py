@@ -34,7 +34,7 @@ from .autocast import autocast_as, autocast_state, outside_autocast
 from .batch import BatchLayout, check_batch, with_arrays_copied
 from .data_guards import GuardRecorder, all_hold, recording
 from .program_cache import attention_backends, input_signature
-from .errors import CaptureError, ConfigError, RecompileWarning, ZeroccError, note_failing_node, user_frame, user_stacklevel
+from .errors import CaptureError, RecompileWarning, ZeroccError, note_failing_node, user_frame, user_stacklevel
 from .runtime import failures
 from .runtime.program import forget_source_when_freed
 from .tracing import fakeify, make_fake_mode, module_conversions_as_eager, no_traced_values_left, trace_functional
@@ -76,10 +76,7 @@ def eval_forward(step, inputs: tuple, keyword_inputs: dict | None = None) -> Any
     layout = BatchLayout.of(inputs, keyword_inputs)
     batch = layout.flatten(inputs, keyword_inputs)
     if not step.state.started:
-        raise ConfigError(
-            "eval_forward needs the training step compiled first: the parameters live in the step's buckets, "
-            "whose layout the first step(*batch) decides; call the step once (or, before training, evaluate "
-            "the model itself: its parameters are intact until then)")
+        return _eager_before_training(step.model, inputs, keyword_inputs)
     check_batch(batch, layout, step.state.first_batch, where="eval_forward")
     autocast = autocast_state()   # the casts are traced into the program: its own program per state
     # the Python values and tensors forward reads are traced as constants (program_cache.values_read), so are
@@ -112,6 +109,34 @@ def eval_forward(step, inputs: tuple, keyword_inputs: dict | None = None) -> Any
                       stacklevel=user_stacklevel())
     with torch.no_grad(), failures.collective_failures(step.ranks, step.steps, step.timeout, call="step.eval_forward"):
         return program.run(step.state.slots, batch)
+
+
+def _eager_before_training(model, inputs: tuple, keyword_inputs: dict) -> Any:
+    """Before the step's first call: the model's own forward, in eval mode, without gradients.
+
+    Training scripts evaluate before they train (nanoGPT's ``estimate_loss()`` at iteration 0, a baseline
+    validation loss): the buckets do not exist until the first ``step(*batch)`` lays them out, but the module
+    still holds its whole parameters then, so its forward is the evaluation eager computes (on this rank alone:
+    no gather). Training modes are restored; a generation cache comes back as ``None``, as from a program.
+    """
+    modes = {module: module.training for module in model.modules()}
+    model.eval()
+    try:
+        with torch.no_grad():
+            output = model(*inputs, **keyword_inputs)
+    finally:
+        for module, training in modes.items():
+            module.training = training
+    return _without_generation_cache(output)
+
+
+def _without_generation_cache(output):
+    if any(_is_generation_cache(leaf) for leaf in pytree.tree_leaves(output)):
+        output = pytree.tree_map(lambda leaf: None if _is_generation_cache(leaf) else leaf, output)
+        warnings.warn("zerocc: eval_forward returns the model's generation cache (past_key_values) as None: "
+                      "a compiled forward returns tensors only. A Hugging Face model in eval mode makes one "
+                      "by default; pass use_cache=False to leave it out", UserWarning, stacklevel=user_stacklevel())
+    return output
 
 
 def _trained(tensor: torch.Tensor) -> torch.Tensor:
@@ -155,11 +180,7 @@ def _compile(step, batch: list, layout: BatchLayout, autocast: tuple = ()) -> Ev
         with torch.no_grad(), autocast_as(autocast):
             args, kwargs = layout.split(batch)
             output = torch.func.functional_call(model, by_name, tuple(args), kwargs, tie_weights=True, strict=False)
-        if any(_is_generation_cache(leaf) for leaf in pytree.tree_leaves(output)):
-            output = pytree.tree_map(lambda leaf: None if _is_generation_cache(leaf) else leaf, output)
-            warnings.warn("zerocc: eval_forward returns the model's generation cache (past_key_values) as None: "
-                          "a compiled forward returns tensors only. A Hugging Face model in eval mode makes one "
-                          "by default; pass use_cache=False to leave it out", UserWarning, stacklevel=user_stacklevel())
+        output = _without_generation_cache(output)
         opaque = {type(leaf).__name__ for leaf in pytree.tree_leaves(output)
                   if not isinstance(leaf, (torch.Tensor, int, float, bool, type(None)))}
         if opaque:

@@ -174,9 +174,10 @@ def _current_model_state(step, state: dict, prefix: str) -> None:
     if any(plan.holds_shard(b) for b in plan.buckets) and step.ranks.world_size > 1:
         why = "" if step.stage == 3 else " under param_dtype (the fp32 masters are sharded)"
         raise ConfigError(
-            f"model.state_dict() after compile at stage {step.stage}{why} over {step.ranks.world_size} ranks: each "
-            "rank holds a shard of the parameters. Call step.full_state_dict() on every rank (a collective), use `with step.full_model(): "
-            "model.state_dict()` on every rank, or save with zerocc.save_checkpoint")
+            f"model.state_dict() at {user_line() or '(no user frame found)'}, after compile at stage {step.stage}{why} "
+            f"over {step.ranks.world_size} ranks: each rank holds a shard of the parameters. Call step.full_state_dict() "
+            "on every rank (a collective), use `with step.full_model(): model.state_dict()` on every rank, or save "
+            "with zerocc.save_checkpoint")
     full = step.full_state_dict()
     for key in state:
         if key.startswith(prefix) and key[len(prefix):] in full:
@@ -188,9 +189,10 @@ def _current_optimizer_state(step, state: dict) -> dict:
         return state
     if step.ranks.world_size > 1 and step.stage > 0:
         raise ConfigError(
-            f"optimizer.state_dict() after compile at stage {step.stage} over {step.ranks.world_size} ranks: each "
-            "rank holds a shard of the optimizer state. Save it with step.state_dict() and "
-            "torch.distributed.checkpoint (or zerocc.save_checkpoint), which reshards it on load")
+            f"optimizer.state_dict() at {user_line() or '(no user frame found)'}, after compile at stage {step.stage} "
+            f"over {step.ranks.world_size} ranks: each rank holds a shard of the optimizer state, and a checkpoint "
+            "saved by one rank cannot hold the others'. Save with zerocc.save_checkpoint(step, path) on every rank "
+            "(or step.state_dict() and torch.distributed.checkpoint), which reshards it on load")
     from .state_dict import whole_optimizer_state
     position = {id(p): i for i, p in enumerate(p for g in step.optimizer.param_groups for p in g["params"])}
     params = step.state.tensors("param")
