@@ -105,36 +105,52 @@ def overlap_updates(gm: fx.GraphModule, ctx: CompileContext, *, memory_pools: bo
     # the move changes the order only: which storages each node keeps alive is found once, for every order weighed
     storages = storages_of(gm)
     weigh = _Orders(gm, ctx, storages, position[anchor] + 1, memory_pools)
-    peaks_before = weigh.peaks(gm)
-    best = None
-    for later in range(early):   # updates left to run after the last one's, fewest first (see the docstring)
-        order = [*groups[:early - later], *groups[early:], *groups[early - later:early]]
-        _place(anchor, [node for group in order for node in group])
-        peaks = weigh.peaks(gm)
-        if best is not None and not peaks[0] < best[1][0]:
-            break   # leaving one more update after the last one's no longer lowers the peak
-        best = later, peaks
-        if not last_moves or later == 0 and all(after <= before for before, after in zip(peaks_before, peaks)):
-            break   # every update before the last wait, at no cost in peak: the most overlap
-    later, peaks_after = best
-    order = [*groups[:early - later], *groups[early:], *groups[early - later:early]]
-    _place(anchor, [node for group in order for node in group])
-    graph.lint()
-    if any(after > before for before, after in zip(peaks_before, peaks_after)):
+    live_before, pooled_before = weigh.peaks(gm)
+    # the reduction order (every update before the last wait) where the live peaks do not grow, else none moved
+    _place(anchor, [node for group in groups[:early] for node in group])
+    live_moved, pooled = weigh.peaks(gm)
+    later, best = (0, (live_moved, pooled)) if _no_higher(live_moved, live_before) else (None, (live_before, pooled_before))
+    if memory_pools and last_moves:
+        # updates left to run after the last one's, fewest first, while the pooled count falls (see the docstring);
+        # taken only where it is strictly lower than the choice above, and the live peaks not higher
+        previous = pooled
+        for more in range(1, early):
+            order = [*groups[:early - more], *groups[early:], *groups[early - more:early]]
+            _place(anchor, [node for group in order for node in group])
+            live, pooled = weigh.peaks(gm)
+            if not pooled[0] < previous[0]:
+                break   # leaving one more update after the last one's no longer lowers the peak
+            previous = pooled
+            if _no_higher(live, best[0]) and _no_higher(pooled, best[1]) and pooled != best[1]:
+                later, best = more, (live, pooled)
+    if later is None:
         _restore(graph, nodes)
         ctx.update_order = UpdateOrder((), 0)
-        ctx.notes["overlap_updates"] = (f"not moved: the planned live peak would grow from {peaks_before[0]:,} to "
-                                        f"{peaks_after[0]:,} bytes (old state kept to the end) or from "
-                                        f"{peaks_before[1]:,} to {peaks_after[1]:,} (released by release_slots)")
+        ctx.notes["overlap_updates"] = (f"not moved: the planned live peak would grow from {live_before[0]:,} to "
+                                        f"{live_moved[0]:,} bytes (old state kept to the end) or from "
+                                        f"{live_before[1]:,} to {live_moved[1]:,} (released by release_slots)")
         return gm
+    _restore(graph, nodes)   # the chosen order from the original one: the nodes of no group stay in their order
+    if later == 0:
+        _place(anchor, [node for group in groups[:early] for node in group])
+    else:
+        order = [*groups[:early - later], *groups[early:], *groups[early - later:early]]
+        _place(anchor, [node for group in order for node in group])
+    graph.lint()
     gm.recompile()
     moved = [node for group in groups[:early - later] for node in group]
     ctx.update_order = UpdateOrder(tuple(buckets[:early - later]), len(moved))
     after_last = f", {later} after the last one's" if later else ""
     ctx.notes["overlap_updates"] = (f"{early - later} bucket updates ({len(moved)} nodes) moved before the wait "
                                     f"of the last reduction, in reduction issue order{after_last}; planned live peak "
-                                    f"{peaks_before[0]:,} -> {peaks_after[0]:,} bytes")
+                                    f"{live_before[0]:,} -> {best[0][0]:,} bytes"
+                                    + (f", counted as place_buffers lays it out {pooled_before[0]:,} -> {best[1][0]:,}"
+                                       if memory_pools else ""))
     return gm
+
+
+def _no_higher(peaks: tuple[int, int], than: tuple[int, int]) -> bool:
+    return all(a <= b for a, b in zip(peaks, than))
 
 
 def _peaks(gm: fx.GraphModule, ctx: CompileContext, storages: Storages, memory_pools: bool) -> tuple[int, int]:
@@ -292,10 +308,11 @@ class _Orders:
                 args = [(arg, self.backend and placeable(arg, outputs_of[arg.name])) for arg in args]
                 self.created.append((name, node, args, torch.Tag.pointwise in getattr(node.target, "tags", ())))
 
-    def peaks(self, gm: fx.GraphModule) -> tuple[int, int]:
-        """``_peaks(gm, ...)`` of ``gm``'s current order."""
+    def peaks(self, gm: fx.GraphModule) -> tuple[tuple[int, int], tuple[int, int]]:
+        """``live_peaks(gm, ...)`` and ``_peaks(gm, ...)`` of ``gm``'s current order (the same without memory pools)."""
         if not self.fast:
-            return _peaks(gm, self.ctx, self.storages, self.memory_pools)
+            live = live_peaks(gm, self.ctx, self.storages)
+            return live, _peaks(gm, self.ctx, self.storages, True) if self.memory_pools else live
         position = {node: i for i, node in enumerate(gm.graph.nodes)}
 
         def latest(found: tuple[int, list[fx.Node]]) -> int:
@@ -303,6 +320,7 @@ class _Orders:
 
         last_wait, last_computed = latest(self.waits), latest(self.computed)
         release = max(last_wait, last_computed) if self.released and max(last_wait, last_computed) >= 0 else None
+        released = self.released if release is not None else set()
         ends, alive = {}, []
         for name, role, size, start, moving_start, fixed_end, moving_end, released_slot in self.keys:
             if moving_start:
@@ -312,13 +330,16 @@ class _Orders:
                 end = max(end, self.last if release is None else release)
             ends[name] = end
             alive.append((name, size, start, end))
-        written: set[str] = set()
-        if self.memory_pools:
-            in_place = self._in_place(position, ends, last_computed)
-            written = set(in_place.values())
-            alive = [(name, size, start, self.last if name in written else end)
-                     for name, size, start, end in alive if name not in in_place]
-        released = self.released if release is not None else set()
+        live = self._counted(alive, released)
+        if not self.memory_pools:
+            return live, live
+        in_place = self._in_place(position, ends, last_computed)
+        written = set(in_place.values())
+        return live, self._counted([(name, size, start, self.last if name in written else end)
+                                    for name, size, start, end in alive if name not in in_place], released)
+
+    def _counted(self, alive: list[tuple[str, int, int, int]], released: set[str]) -> tuple[int, int]:
+        """The peaks with old slot values kept to the end, and with ``release_slots``' releases."""
         return (peak_bytes((size, start, self.last if name in released else end) for name, size, start, end in alive),
                 peak_bytes((size, start, end) for _, size, start, end in alive))
 
