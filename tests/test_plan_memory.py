@@ -19,7 +19,7 @@ from zerocc.memory_plan import (ALIGNMENT_BYTES, ORDERS, Buffer, Lifetime, _best
                                 overlapping_pairs, place)
 from zerocc.analysis import aliasing
 from zerocc.graph import VAL
-from zerocc.passes.plan_memory import memory_plan_of
+from zerocc.analysis.lifetimes import memory_plan_of
 
 # the target: every pool within 5% of the most bytes its buffers hold at once
 WITHIN_LOWER_BOUND = 1.05

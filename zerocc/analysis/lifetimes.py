@@ -2,7 +2,10 @@
 
 An analysis that passes read (``plan_memory`` places these lifetimes in
 pools; ``analysis/live_bytes.py`` sums them per position for the passes
-that weigh a rewrite against the peak); it changes no graph.
+that weigh a rewrite against the peak); it changes no graph. ``memory_plan_of``
+groups them into the pools by role (``memory_plan.POOLS``), laid out or not:
+the plan ``plan_memory`` records, and the one ``overlap_updates`` reads, unlaid,
+to weigh an order as ``place_buffers`` will lay it out (``analysis/arena.py``).
 
 A *buffer* is one storage: a node whose value is a fresh tensor (or output
 ``i`` of a multi-output op). Views do not allocate; they keep their base's
@@ -18,6 +21,7 @@ data are listed apart, as ``memory_plan.Unplanned``.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import operator
 
@@ -26,7 +30,8 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from .. import graph as g
-from ..memory_plan import Unplanned, align
+from ..memory_plan import (ALIGNMENT_BYTES, POOL_OF_ROLE, POOLS, Buffer, Lifetime, MemoryPlan, Pool, Unplanned, align,
+                           lower_bound, place)
 from .aliasing import aliased_input, is_view, returns_alias
 from .kernels import SCRATCH_OUT, reduces_in_its_scratch
 
@@ -135,6 +140,31 @@ def lifetimes_and_unplanned(gm: fx.GraphModule, storages: Storages | None = None
             continue
         buffers.append((name, role, size, start[key], end[key], tuple(aliases.get(key, ()))))
     return buffers, unplanned
+
+
+def memory_plan_of(gm: fx.GraphModule, *, placed: bool = True, storages: Storages | None = None) -> MemoryPlan:
+    """The plan for ``gm`` in its current node order (any FX graph with ``val`` meta; zerocc's tags refine roles).
+
+    ``placed=False`` skips the layout (every offset 0, each pool at its lower bound): the lifetimes only.
+    ``storages``: ``lifetimes.storages_of(gm)`` taken before a reordering (a pass weighing orders reuses it).
+    """
+    nodes = list(gm.graph.nodes)
+    buffers, unplanned = lifetimes_and_unplanned(gm, storages)
+    pools = []
+    for pool_name in POOLS:
+        members = [b for b in buffers if POOL_OF_ROLE[b[1]] == pool_name]
+        if not members:
+            continue
+        lifetimes = [Lifetime(name, size, s, e) for name, _, size, s, e, _ in members]
+        if placed:
+            offsets, size, order = place(lifetimes)
+        else:
+            offsets, size, order = collections.defaultdict(int), lower_bound(lifetimes), "not placed"
+        laid_out = tuple(Buffer(name, role, pool_name, nbytes, offsets[name], s, e, names)
+                         for name, role, nbytes, s, e, names in members)
+        pools.append(Pool(pool_name, size, lower_bound(lifetimes), order, laid_out))
+    phases = tuple(str(node.meta.get(g.PHASE, "")) for node in nodes)
+    return MemoryPlan(tuple(pools), tuple(node.name for node in nodes), phases, ALIGNMENT_BYTES, tuple(unplanned))
 
 
 def _released_at(user: fx.Node, position: dict[fx.Node, int]) -> int:

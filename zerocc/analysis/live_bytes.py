@@ -42,7 +42,7 @@ def live_peaks_and_bytes(gm: fx.GraphModule, ctx: CompileContext,
     # one analysis for both: without the marks, a released slot lives to the end like every other slot
     names, last = {node.name for node in released}, len(gm.graph.nodes) - 1
     kept = [(size, start, last if name in names else end) for name, _, size, start, end, _ in lifetimes]
-    peaks = _peak(kept), _peak((size, start, end) for _, _, size, start, end, _ in lifetimes)
+    peaks = peak_bytes(kept), peak_bytes((size, start, end) for _, _, size, start, end, _ in lifetimes)
     return peaks, _by_position(kept, len(gm.graph.nodes))
 
 
@@ -72,7 +72,7 @@ def _by_position(lifetimes, length: int) -> list[int]:
     return live
 
 
-def _peak(lifetimes) -> int:
+def peak_bytes(lifetimes) -> int:
     """The most bytes alive at one position, of (bytes, start, end) lifetimes."""
     change: dict[int, int] = {}
     for size, start, end in lifetimes:

@@ -26,18 +26,24 @@ def mark_releases(gm: fx.GraphModule, ctx: CompileContext) -> tuple[list[fx.Node
     for node in nodes:
         node.meta.pop(g.RELEASED, None)
         node.meta.pop(g.RELEASE_POINT, None)
-    replaced = set(gm.meta.get(g.OUTPUT_SLOTS, ()))
-    sharded = _buckets_only_the_step_holds(ctx)
-    released = [node for node in g.placeholders(gm) if node.meta.get(g.SLOT) in replaced and (
-                node.meta.get(g.ROLE) == g.ROLE_STATE or node.meta.get(g.ROLE) == g.ROLE_PARAM
-                and node.meta.get(g.SLOT) in sharded)]
-    point = release_point(nodes)
+    released = releasable(gm, ctx)
+    point = release_point(nodes) if released else None
     if not released or point is None:
         return [], None
     for node in released:
         node.meta[g.RELEASED] = True
     point.meta[g.RELEASE_POINT] = True
     return released, point
+
+
+def releasable(gm: fx.GraphModule, ctx: CompileContext) -> list[fx.Node]:
+    """The placeholders ``mark_releases`` tags, where there is a release point: they do not depend on the node order
+    (``overlap_updates`` weighs orders and finds them once)."""
+    replaced = set(gm.meta.get(g.OUTPUT_SLOTS, ()))
+    sharded = _buckets_only_the_step_holds(ctx)
+    return [node for node in g.placeholders(gm) if node.meta.get(g.SLOT) in replaced and (
+            node.meta.get(g.ROLE) == g.ROLE_STATE or node.meta.get(g.ROLE) == g.ROLE_PARAM
+            and node.meta.get(g.SLOT) in sharded)]
 
 
 def release_point(nodes: list[fx.Node]) -> fx.Node | None:

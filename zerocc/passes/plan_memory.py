@@ -5,7 +5,8 @@ the graph has when it runs; any pass that moves nodes must come before it).
 Establishes: ``ctx.memory_plan`` (a ``memory_plan.MemoryPlan``). The graph
 is not changed: the plan is read off it.
 
-Lifetimes come from ``analysis/lifetimes.py``. A *buffer* is one storage: a
+Lifetimes, and the plan made of them (``memory_plan_of``), come from
+``analysis/lifetimes.py``. A *buffer* is one storage: a
 node whose value is a fresh tensor (or output ``i`` of a multi-output op). Views do not allocate; they keep their base's
 storage alive, so a buffer lives from the node that allocates it to the last
 use of any view of it (alias analysis: ops whose schema returns an alias,
@@ -32,14 +33,11 @@ nobody reads (at the 98M GPT, 1.2 s of a 16 s compile).
 """
 from __future__ import annotations
 
-import collections
-
 import torch.fx as fx
 
-from .. import graph as g
-from ..analysis.lifetimes import lifetimes_and_unplanned
+from ..analysis.lifetimes import memory_plan_of
 from ..context import CompileContext
-from ..memory_plan import ALIGNMENT_BYTES, POOL_OF_ROLE, POOLS, Buffer, Lifetime, MemoryPlan, Pool, lower_bound, megabytes, place
+from ..memory_plan import megabytes
 
 
 def plan_memory(gm: fx.GraphModule, ctx: CompileContext, *, placed: bool = True) -> fx.GraphModule:
@@ -58,29 +56,3 @@ def plan_memory(gm: fx.GraphModule, ctx: CompileContext, *, placed: bool = True)
     ctx.notes["plan_memory"] = (f"{count}: {megabytes(plan.planned_bytes)} planned, lower bound "
                                 f"{megabytes(plan.lower_bound_bytes)} ({ratio:.3f}x)")
     return gm
-
-
-def memory_plan_of(gm: fx.GraphModule, *, placed: bool = True) -> MemoryPlan:
-    """The plan for ``gm`` in its current node order (any FX graph with ``val`` meta; zerocc's tags refine roles).
-
-    ``placed=False`` skips the layout (every offset 0, each pool at its lower bound): the lifetimes only.
-    """
-    nodes = list(gm.graph.nodes)
-    buffers, unplanned = lifetimes_and_unplanned(gm)
-    pools = []
-    for pool_name in POOLS:
-        members = [b for b in buffers if POOL_OF_ROLE[b[1]] == pool_name]
-        if not members:
-            continue
-        lifetimes = [Lifetime(name, size, s, e) for name, _, size, s, e, _ in members]
-        if placed:
-            offsets, size, order = place(lifetimes)
-        else:
-            offsets, size, order = collections.defaultdict(int), lower_bound(lifetimes), "not placed"
-        laid_out = tuple(Buffer(name, role, pool_name, nbytes, offsets[name], s, e, names)
-                         for name, role, nbytes, s, e, names in members)
-        pools.append(Pool(pool_name, size, lower_bound(lifetimes), order, laid_out))
-    phases = tuple(str(node.meta.get(g.PHASE, "")) for node in nodes)
-    return MemoryPlan(tuple(pools), tuple(node.name for node in nodes), phases, ALIGNMENT_BYTES, tuple(unplanned))
-
-
