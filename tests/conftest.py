@@ -46,6 +46,8 @@ SLOW_REPEATS = {
        "the same comparison on gpt-3-4-meta and cnn-2-1-cpu" for case in ("gpt-3-1-cpu", "gpt-1-2-meta", "cnn-0-2-meta")},
     "tests/test_budget_choice.py::test_the_budget_search_chooses_the_plan_it_chose_on_main[1-True]":
         "the same test at stage 3 with pools (the default)",
+    "tests/test_overlap_updates.py::test_an_update_left_after_the_last_ones_lowers_the_planned_peak_as_counted":
+        "tests/test_planning.py's stage-2-under-stage-1 case of the same 98M plan",
     "tests/test_resume_changes.py::test_a_resume_with_other_options_equals_loading_the_eager_state_before_compile"
     "[saved_options0-2-options0]": "the same test's stage 3 case",
 }
