@@ -13,6 +13,7 @@ from zerocc import graph as g
 from zerocc.fake_kernels import ZeroccFakeTensorMode
 
 aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
 
 
 def _layout(value, source):
@@ -48,6 +49,18 @@ def _cases(mode):
         (aten.cat.default, ([flat, offset],)),
         (aten.cat.default, ([halves],)),
         (aten.cat.default, ([_dispatched(mode, aten.slice.Tensor, (halves, 0, 0, 0)), halves, halves],)),
+        # new tensors from sizes alone: the collectives, waits and chunk sums of insert_collectives and
+        # scatter_by_all_to_all
+        (c10d.all_to_all_single.default, (flat, [5000, 5000], [5000, 5000], "0")),
+        (c10d.all_to_all_single.default, (square, [24] * 4, [24] * 4, "0")),
+        (c10d.wait_tensor.default, (flat,)),
+        (c10d.wait_tensor.default, (transposed,)),           # keeps the input's strides
+        (c10d.reduce_scatter_tensor.default, (flat, "sum", 2, "0")),
+        (c10d.reduce_scatter_tensor.default, (square, "sum", 4, "0")),
+        (c10d.all_gather_into_tensor.default, (offset, 3, "0")),
+        (aten.sum.dim_IntList, (_dispatched(mode, aten.view.default, (flat, [2, 5000])), [0])),
+        (aten.sum.dim_IntList, (transposed, [1])),
+        (aten.sum.dim_IntList, (_dispatched(mode, aten.view.default, (square, [4, 24, 96])), [0])),
     ]
 
 
@@ -80,6 +93,9 @@ def test_calls_the_plain_path_does_not_know_dispatch():
         (aten.cat.default, ([flat, flat.to(torch.float64)],), {}),   # dtypes promoted
         (aten.cat.default, ([flat, flat],), {"dim": 0}),   # keyword arguments
         (aten.add.Tensor, (flat, flat), {}),               # not one of the ops
+        (aten.sum.dim_IntList, (square, [0], True), {}),   # keepdim: a bool
+        (aten.sum.dim_IntList, (square, [0]), {"dtype": torch.float64}),
+        (c10d.wait_tensor.default, (trained,), {}),
     ]
     for target, args, kwargs in declined:
         assert g._plain_fake_value(mode, target, args, kwargs) is None, (target, args)
@@ -104,6 +120,7 @@ def _program(planned):
 
 @pytest.mark.parametrize("name, stage, world_size, device", [
     ("gpt", 3, 1, "cpu"), ("gpt", 1, 2, "meta"), ("gpt", 3, 4, "meta"), ("cnn", 2, 1, "cpu"), ("cnn", 0, 2, "meta"),
+    ("gpt", 3, 2, "cpu"),   # CPU at 2 ranks: scatter_by_all_to_all's all-to-alls, waits and sums
 ])
 def test_programs_are_the_ones_dispatching_makes(monkeypatch, name, stage, world_size, device):
     with torch.device(device):
