@@ -73,7 +73,18 @@ def test_plain_values_are_the_dispatched_values(device):
         plain = g._plain_fake_value(mode, target, args, {})
         assert plain is not None, target   # every case takes the plain path
         source = args[0][0] if target is aten.cat.default else args[0]
-        assert _layout(plain, source) == _layout(_dispatched(mode, target, args), source), (target, args)
+        dispatched = _dispatched(mode, target, args)
+        assert _layout(plain, source) == _layout(dispatched, source), (target, args)
+        assert _sharing(plain, args) == _sharing(dispatched, args), (target, args)
+
+
+def _sharing(value, args):
+    """Which of the call's tensor inputs the value is, and which it shares a storage with: what aliasing.py and
+    lifetimes.py read (a wait's value is a new tensor of its own, dispatched or not; the analyses know a wait by
+    its target)."""
+    import torch.utils._pytree as pytree
+    inputs = [a for a in pytree.tree_leaves(args) if isinstance(a, torch.Tensor)]
+    return [(value is a, value.untyped_storage()._cdata == a.untyped_storage()._cdata) for a in inputs]
 
 
 def test_calls_the_plain_path_does_not_know_dispatch():
