@@ -522,6 +522,7 @@ class CompiledStep:
                 if entry.measured_peak_bytes is not None:
                     loss = entry.program.run(state.slots, batch, held.hold)
                 else:   # the first run of a program also measures its peak of live tensor bytes
+                    entry.program.make_arena_views()   # not through the tracker's dispatch: no bytes, much time
                     tensors = [t for t in [*state.slots.values(), *self.arenas.tensors(), *entry.program.constants()]
                                if isinstance(t, torch.Tensor)]
                     inputs = [t for t in batch if isinstance(t, torch.Tensor)]

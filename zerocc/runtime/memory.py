@@ -83,14 +83,14 @@ class LiveBytesTracker(TorchDispatchMode):
 
     def _add(self, tensor: torch.Tensor) -> None:
         storage = tensor.untyped_storage()
-        reference = StorageWeakRef(storage)
-        known = self._live.get(reference.cdata)
+        key = storage._cdata   # what StorageWeakRef(storage).cdata is: a storage already counted makes no weak reference
+        known = self._live.get(key)
         if known is not None and not known[0].expired():
             return
         if known is not None:
             self.live_bytes -= known[1]
         size = storage.nbytes()
-        self._live[reference.cdata] = (reference, size)
+        self._live[key] = (StorageWeakRef(storage), size)
         self.live_bytes += size
 
     def _sweep(self) -> None:
@@ -98,8 +98,14 @@ class LiveBytesTracker(TorchDispatchMode):
             self.live_bytes -= self._live.pop(key)[1]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        with autocast_as(users_op_autocast()):   # a user's op the program runs under autocast (zerocc/ops.py)
-            result = func(*args, **(kwargs or {}))
+        # every op of the first run passes here (thousands: a 12-layer GPT's first step ran ~0.2 s longer than the
+        # next): the common cases (no user's op under autocast, one tensor out) skip the context and the pytree walk
+        autocast = users_op_autocast()
+        if autocast:   # a user's op the program runs under autocast (zerocc/ops.py)
+            with autocast_as(autocast):
+                result = func(*args, **(kwargs or {}))
+        else:
+            result = func(*args, **kwargs) if kwargs else func(*args)
         if func in _READ_UNTIL_WAIT and StorageWeakRef(args[0].untyped_storage()).cdata not in self._given:
             self._in_flight[result.data_ptr()] = args[0]   # read until the wait, as planned: held until then
         elif func is _WAIT and (held := self._in_flight.pop(result.data_ptr(), None)) is not None:
@@ -108,9 +114,12 @@ class LiveBytesTracker(TorchDispatchMode):
             deadline = time.perf_counter() + _RELEASE_WAIT
             while not reference.expired() and time.perf_counter() < deadline:
                 time.sleep(0)   # the worker thread needs the GIL to drop the input
-        for value in pytree.tree_leaves(result):
-            if isinstance(value, torch.Tensor):
-                self._add(value)
+        if isinstance(result, torch.Tensor):
+            self._add(result)
+        else:
+            for value in pytree.tree_leaves(result):
+                if isinstance(value, torch.Tensor):
+                    self._add(value)
         if self.live_bytes > self.peak_bytes:   # counting released storages too: maybe a new peak
             self._sweep()                        # (sweeping only lowers the count, so skip it otherwise)
             self.peak_bytes = max(self.peak_bytes, self.live_bytes)
