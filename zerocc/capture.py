@@ -325,6 +325,33 @@ def _memory_span(tensor: torch.Tensor) -> tuple[int, int, int] | None:
     return storage.data_ptr(), first * tensor.element_size(), (first + reach + 1) * tensor.element_size()
 
 
+def _reassigned_buffers(buffer_infos, buffers, tensors: dict) -> list:
+    """The buffers after one micro-batch's forward, a buffer forward reassigned (``self.center = self.center * m +
+    c * (1 - m)``, DINO's loss; eager's ``Module.__setattr__`` puts the new tensor in ``_buffers``) as its new value.
+
+    ``_reparametrize_module`` writes what the module holds on leaving it back into ``tensors``: without reading it
+    there, the step returned the buffer it was given and the new value was silently dropped at every step. The
+    program's buffer slot keeps its shape and dtype, so a new value of another is refused.
+    """
+    new = list(buffers)
+    for position, info in enumerate(buffer_infos):
+        value = tensors.get(info.name, new[position])
+        if value is new[position]:
+            continue
+        if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(info.shape) or value.dtype != info.dtype:
+            found = (f"a {type(value).__name__}" if not isinstance(value, torch.Tensor)
+                     else f"shape {tuple(value.shape)}, {value.dtype}")
+            raise ConfigError(
+                f"forward assigns buffer {info.name!r} a new value of {found}; it was registered with shape "
+                f"{tuple(info.shape)}, {info.dtype}\n"
+                "  why: the compiled step carries each buffer from one step to the next in a slot of its registered shape "
+                "and dtype\n"
+                "  fix: assign a tensor of the buffer's shape and dtype (e.g. .to(self.buffer.dtype)), or write into it in "
+                "place (self.buffer.copy_(new))")
+        new[position] = value.detach()
+    return new
+
+
 def refuse_shared_memory(params: Sequence, buffers: Sequence, trained_ids: set[int]) -> None:
     """Refuse a trained parameter whose memory another parameter or buffer of the model also reads.
 
@@ -549,6 +576,7 @@ def trace_step(
                     differentiated = loss * loss_scale[0] if loss_scale else loss
                     micro_grads = torch.autograd.grad(differentiated, computed, allow_unused=True)
                     micro_grads = _plus_gradients_written_into_grad(micro_grads, computed, params, param_infos, precision)
+                buffers = _reassigned_buffers(buffer_infos, buffers, tensors)
                 if precision is not None:
                     micro_grads = mixed.master_grads(micro_grads, params)
                 # as AccumulateGrad does into .grad: the running sum, then this micro-batch's gradient
