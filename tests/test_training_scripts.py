@@ -7,6 +7,7 @@ import copy
 import numpy as np
 import pytest
 import torch
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
 import zerocc
@@ -82,7 +83,11 @@ class _CenteredLoss(torch.nn.Module):
         out = self.lin(x)
         loss = torch.sum(-F.softmax(out - self.center, -1).detach() * F.log_softmax(out, -1), -1).mean()
         with torch.no_grad():
-            center = self.center * 0.9 + out.mean(0, keepdim=True) * 0.1
+            batch_center = out.mean(0, keepdim=True)
+            if torch.distributed.is_initialized():   # DINO all-reduces it; the traceable collective (an eager one is refused)
+                total = funcol.all_reduce(out.sum(0, keepdim=True), "sum", torch.distributed.group.WORLD)
+                batch_center = total / (len(out) * torch.distributed.get_world_size())
+            center = self.center * 0.9 + batch_center * 0.1
             self.center = center if self.new_shape is None else center.expand(self.new_shape)
         return loss
 
@@ -112,6 +117,36 @@ def test_a_buffer_forward_reassigns_is_carried_to_the_next_step_as_in_eager(stag
         assert torch.equal(model.center, reference.center)
     for name, value in step.full_state_dict().items():
         assert torch.equal(value, reference.state_dict()[name]), name
+
+
+def _reassigned_center_on_ranks(rank, world_size):
+    torch.manual_seed(0)
+    model = _CenteredLoss()
+    step = zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.5), stage=3)
+    generator = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(3):
+        x = torch.randn(4 * world_size, 4, generator=generator)
+        losses.append(step(x[rank * 4:(rank + 1) * 4]))
+    return losses, model.center.clone(), step.full_state_dict()
+
+
+@pytest.mark.multirank
+def test_a_reassigned_all_reduced_center_on_two_ranks_matches_eager_on_the_global_batch():
+    """DINO's center over ranks: each rank's forward all-reduces its batch's sum and reassigns the buffer; the new
+    value reaches the next step on every rank, as single-process eager training on the global batch has it."""
+    torch.manual_seed(0)
+    reference = _CenteredLoss()
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
+    generator = torch.Generator().manual_seed(1)
+    expected = [eager_step(reference, optimizer, None, (torch.randn(8, 4, generator=generator),)) for _ in range(3)]
+    results = distributed.run(_reassigned_center_on_ranks, 2)
+    mean_loss = sum(torch.stack(losses) for losses, _, _ in results) / 2   # each rank returns its own batch's loss
+    torch.testing.assert_close(mean_loss, torch.stack(expected), rtol=1e-5, atol=1e-6)
+    for _, center, state in results:
+        torch.testing.assert_close(center, reference.center, rtol=1e-5, atol=1e-6)
+        for name, value in state.items():
+            torch.testing.assert_close(value, reference.state_dict()[name], rtol=1e-5, atol=1e-6)
 
 
 def test_a_buffer_reassigned_another_shape_is_refused_naming_it():
