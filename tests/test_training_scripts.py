@@ -149,6 +149,32 @@ def test_a_reassigned_all_reduced_center_on_two_ranks_matches_eager_on_the_globa
             torch.testing.assert_close(value, reference.state_dict()[name], rtol=1e-5, atol=1e-6)
 
 
+class _CenterAttribute(torch.nn.Module):
+    """The same center as a plain tensor attribute (no ``register_buffer``), reassigned in forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.center = torch.zeros(1, 4)
+
+    def forward(self, x):
+        out = self.lin(x)
+        with torch.no_grad():
+            self.center = self.center * 0.9 + out.mean(0, keepdim=True) * 0.1
+        return ((out - self.center) ** 2).mean()
+
+
+def test_a_tensor_attribute_read_and_reassigned_in_forward_is_refused_naming_it():
+    """Eager's next call reads the new tensor; the step kept the one it was traced with as a constant and trained on
+    it at every step, without a word (its second loss already differed from eager's). Refused, pointing to a buffer,
+    which the step carries; the module keeps its attribute as it was."""
+    model = _CenterAttribute()
+    step = zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.5), stage=0)
+    with pytest.raises(zerocc.CaptureError, match=r"(?s)'center' and assigns them a new tensor.*register_buffer\('center'"):
+        step(torch.randn(2, 4))
+    assert torch.equal(model.center, torch.zeros(1, 4))
+
+
 def test_a_buffer_reassigned_another_shape_is_refused_naming_it():
     model = _CenteredLoss(new_shape=(2, 4))
     step = zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.5), stage=0)

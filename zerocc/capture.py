@@ -49,8 +49,8 @@ from .optimizer_step import REPLICATE_IF_ELEMENTWISE, check_elementwise, check_s
 from . import precision as mixed
 from .host_random import EXTREMES, HostDraws, same_program
 from .model_recomputation import generators_reached, traced_recomputation
-from .tracing import (fakeify, module_conversions_as_eager, no_traced_values_left, record_source_lines_of,
-                      trace_functional)
+from .tracing import (fakeify, module_conversions_as_eager, no_traced_values_left, reassigned_state_read,
+                      record_source_lines_of, trace_functional)
 from .sync_batch_norm import synchronized_batch_norm_traceable
 from .user_tooling import suspended_user_tooling
 
@@ -615,10 +615,13 @@ def trace_step(
     generators = generators_reached(model, loss_fn, inputs)   # torch.Generator objects the step may draw from
 
     def traced(recorder, fake_args, stats=stats):
-        with recording(fake_mode, recorder), _restored(attributes), no_traced_values_left(model, loss_fn), \
+        with recording(fake_mode, recorder), _restored(attributes), \
+                no_traced_values_left(model, loss_fn) as reassigned, \
                 module_conversions_as_eager(), synchronized_batch_norm_traceable():
-            return trace_functional(whole_step, fake_args, fake_mode, stats,
-                                    lambda written: _refuse_writes_to_constants(written, attributes))
+            found = trace_functional(whole_step, fake_args, fake_mode, stats,
+                                     lambda written: _refuse_writes_to_constants(written, attributes))
+        reassigned_state_read(found[0], reassigned)
+        return found
 
     try:
         try:
