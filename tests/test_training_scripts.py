@@ -1,5 +1,6 @@
 """Well-known training scripts ported as their users port them (nanoGPT's ``train.py``, minGPT's ``Trainer``, a
-hand-written Hugging Face loop): the pieces of them that zerocc first met wrongly, each against eager or DDP."""
+hand-written Hugging Face loop, DINO's ``main_dino.py``): the pieces of them that zerocc first met wrongly, each against
+eager or DDP."""
 from __future__ import annotations
 
 import copy
