@@ -49,8 +49,8 @@ from .optimizer_step import REPLICATE_IF_ELEMENTWISE, check_elementwise, check_s
 from . import precision as mixed
 from .host_random import EXTREMES, HostDraws, same_program
 from .model_recomputation import generators_reached, traced_recomputation
-from .tracing import (fakeify, module_conversions_as_eager, no_traced_values_left, record_source_lines_of,
-                      trace_functional)
+from .tracing import (fakeify, module_conversions_as_eager, no_traced_values_left, reassigned_state_read,
+                      record_source_lines_of, trace_functional)
 from .sync_batch_norm import synchronized_batch_norm_traceable
 from .user_tooling import suspended_user_tooling
 
@@ -325,6 +325,33 @@ def _memory_span(tensor: torch.Tensor) -> tuple[int, int, int] | None:
     return storage.data_ptr(), first * tensor.element_size(), (first + reach + 1) * tensor.element_size()
 
 
+def _reassigned_buffers(buffer_infos, buffers, tensors: dict) -> list:
+    """The buffers after one micro-batch's forward, a buffer forward reassigned (``self.center = self.center * m +
+    c * (1 - m)``, DINO's loss; eager's ``Module.__setattr__`` puts the new tensor in ``_buffers``) as its new value.
+
+    ``_reparametrize_module`` writes what the module holds on leaving it back into ``tensors``: without reading it
+    there, the step returned the buffer it was given and the new value was silently dropped at every step. The
+    program's buffer slot keeps its shape and dtype, so a new value of another is refused.
+    """
+    new = list(buffers)
+    for position, info in enumerate(buffer_infos):
+        value = tensors.get(info.name, new[position])
+        if value is new[position]:
+            continue
+        if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(info.shape) or value.dtype != info.dtype:
+            found = (f"a {type(value).__name__}" if not isinstance(value, torch.Tensor)
+                     else f"shape {tuple(value.shape)}, {value.dtype}")
+            raise ConfigError(
+                f"forward assigns buffer {info.name!r} a new value of {found}; it was registered with shape "
+                f"{tuple(info.shape)}, {info.dtype}\n"
+                "  why: the compiled step carries each buffer from one step to the next in a slot of its registered shape "
+                "and dtype\n"
+                "  fix: assign a tensor of the buffer's shape and dtype (e.g. .to(self.buffer.dtype)), or write into it in "
+                "place (self.buffer.copy_(new))")
+        new[position] = value.detach()
+    return new
+
+
 def refuse_shared_memory(params: Sequence, buffers: Sequence, trained_ids: set[int]) -> None:
     """Refuse a trained parameter whose memory another parameter or buffer of the model also reads.
 
@@ -549,6 +576,7 @@ def trace_step(
                     differentiated = loss * loss_scale[0] if loss_scale else loss
                     micro_grads = torch.autograd.grad(differentiated, computed, allow_unused=True)
                     micro_grads = _plus_gradients_written_into_grad(micro_grads, computed, params, param_infos, precision)
+                buffers = _reassigned_buffers(buffer_infos, buffers, tensors)
                 if precision is not None:
                     micro_grads = mixed.master_grads(micro_grads, params)
                 # as AccumulateGrad does into .grad: the running sum, then this micro-batch's gradient
@@ -587,10 +615,13 @@ def trace_step(
     generators = generators_reached(model, loss_fn, inputs)   # torch.Generator objects the step may draw from
 
     def traced(recorder, fake_args, stats=stats):
-        with recording(fake_mode, recorder), _restored(attributes), no_traced_values_left(model, loss_fn), \
+        with recording(fake_mode, recorder), _restored(attributes), \
+                no_traced_values_left(model, loss_fn) as reassigned, \
                 module_conversions_as_eager(), synchronized_batch_norm_traceable():
-            return trace_functional(whole_step, fake_args, fake_mode, stats,
-                                    lambda written: _refuse_writes_to_constants(written, attributes))
+            found = trace_functional(whole_step, fake_args, fake_mode, stats,
+                                     lambda written: _refuse_writes_to_constants(written, attributes))
+        reassigned_state_read(found[0], reassigned)
+        return found
 
     try:
         try:

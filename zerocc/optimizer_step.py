@@ -86,7 +86,9 @@ def _class(value):
             return value
         except TypeError:
             return repr(value)
-    return (type(value).__name__, (value > 0) - (value < 0))
+    # numpy's scalars (``np.float64`` from a schedule array: DINO's ``param_group["lr"] = lr_schedule[it]``) compare
+    # to ``np.bool_``, which refuses ``-``
+    return (type(value).__name__, int(value > 0) - int(value < 0))
 
 
 # per optimizer, per the classes of its groups' settings (``_class``): each group's live settings (``live_modes``)

@@ -238,5 +238,7 @@ def check_requires_grad_unchanged(compiled_for: tuple[tuple[torch.nn.Parameter, 
         f"{', '.join(changed[:4])}{', ...' if len(changed) > 4 else ''}. The step trains the parameters that "
         "required grad at its first call and would go on training them (eager would skip a frozen one). To "
         "freeze a parameter for a while, put it in its own param group from the start and set that group's lr "
-        "to 0; to change which parameters train, compile the model and optimizer again (after add_param_group for "
-        "newly trained ones): zerocc.compile(model, optimizer, ...) takes them over from this step, trained as they are")
+        "to 0 (it then stays as it is, but a stateful optimizer's moments go on taking its gradients, which eager's "
+        "would not); to change which parameters train as eager does, compile the model and optimizer again (after "
+        "add_param_group for newly trained ones): zerocc.compile(model, optimizer, ...) takes them over from this step, "
+        "trained as they are")

@@ -338,8 +338,11 @@ def no_traced_values_left(model: torch.nn.Module, *functions: Callable | None):
     containers = _containers_reached(model, functions)
     snapshots = [(where, _snapshot(container)) for where, container in containers]
     traced = False
+    # (qualified name, the real tensor it held) of each attribute the trace set to another tensor: the caller
+    # refuses those the program read (``reassigned_state_read``), state that eager carries to the next call
+    reassigned: list[tuple[str, torch.Tensor]] = []
     try:
-        yield
+        yield reassigned
         traced = True
     finally:
         written = []
@@ -347,6 +350,8 @@ def no_traced_values_left(model: torch.nn.Module, *functions: Callable | None):
             old, old_parameters, old_buffers = before.get(id(module), ({}, {}, {}))
             for name, value in list(vars(module).items()):
                 if _holds_fake(value) and value is not old.get(name, _ABSENT):   # not named: most are caches
+                    if isinstance(old.get(name), torch.Tensor) and not isinstance(old[name], FakeTensor):
+                        reassigned.append((f"{module_name}.{name}" if module_name else name, old[name]))
                     if name in old:
                         setattr(module, name, old[name])
                     else:
@@ -568,6 +573,25 @@ def written_inputs(gm: fx.GraphModule) -> dict[int, fx.Node]:
     """Placeholders (by position) that an op writes in place, directly or through a view of them."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     return written_values(gm, {node: position for position, node in enumerate(placeholders)})
+
+
+def reassigned_state_read(gm: fx.GraphModule, reassigned: list[tuple[str, torch.Tensor]]) -> None:
+    """Refuse a plain tensor attribute forward reads and then sets to a new tensor (``self.center = self.center * m
+    + c * (1 - m)`` on an attribute that is no buffer): eager carries the new tensor to the next call, the program
+    keeps the one it read as a constant and would compute with it at every step (DINO's center, silently wrong).
+    A cache forward rebuilds without reading the old one (a position table made longer) is left alone."""
+    constants = {id(getattr(gm, node.target)) for node in gm.graph.nodes
+                 if node.op == "get_attr" and isinstance(getattr(gm, node.target, None), torch.Tensor)}
+    read = [name for name, tensor in reassigned if id(tensor) in constants]
+    if read:
+        short = read[0].rsplit(".", 1)[-1]
+        raise CaptureError(
+            f"forward reads the tensor attribute(s) {', '.join(map(repr, read))} and assigns them a new tensor, "
+            "which is neither a parameter nor a buffer\n"
+            "  why: eager's next call reads the new tensor; the compiled step carries only parameters, buffers and "
+            "optimizer state from one step to the next, so it would read the value it was compiled with at every step\n"
+            f"  fix: register it as a buffer in the module's __init__ (self.register_buffer({short!r}, tensor), "
+            "persistent=False keeps it out of state_dict): the step carries a buffer forward assigns")
 
 
 def written_constants(gm: fx.GraphModule) -> dict[int, fx.Node]:
