@@ -19,6 +19,7 @@ waiting gets a ``RankFailureError`` that says so).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import warnings
 from typing import Any
@@ -119,15 +120,21 @@ def _eager_before_training(model, inputs: tuple, keyword_inputs: dict) -> Any:
     still holds its whole parameters then, so its forward is the evaluation eager computes (on this rank alone:
     no gather). Training modes are restored; a generation cache comes back as ``None``, as from a program.
     """
+    with _in_eval_mode(model), torch.no_grad():
+        output = model(*inputs, **keyword_inputs)
+    return _without_generation_cache(output)
+
+
+@contextlib.contextmanager
+def _in_eval_mode(model: torch.nn.Module):
+    """``model.eval()`` inside, every module's own training flag as it was after (an eval module stays one)."""
     modes = {module: module.training for module in model.modules()}
     model.eval()
     try:
-        with torch.no_grad():
-            output = model(*inputs, **keyword_inputs)
+        yield
     finally:
         for module, training in modes.items():
             module.training = training
-    return _without_generation_cache(output)
 
 
 def _without_generation_cache(output):
@@ -193,8 +200,6 @@ def _compile(step, batch: list, layout: BatchLayout, autocast: tuple = ()) -> Ev
     fake_mode = make_fake_mode()
     values = [step.state.slots[slot] for slot in slots]
     arguments = fakeify(fake_mode, (values[:len(plan.buckets)], values[len(plan.buckets):], list(batch)))
-    modes = {module: module.training for module in model.modules()}
-    model.eval()
     # branches on batch values (transformers' all-ones attention mask) are decided on the real batch, as the
     # training step decides them, and kept as the program's guards
     positions = {len(slots) + index: index for index in range(len(batch))}
@@ -206,22 +211,20 @@ def _compile(step, batch: list, layout: BatchLayout, autocast: tuple = ()) -> Ev
                 # data_guards, and module.to as eager
             return trace_functional(forward, arguments, fake_mode)
 
-    try:
+    with _in_eval_mode(model):
         try:
-            gm, spec = traced(recorder)
-        except Exception:
-            if not recorder.unread_batch_values:
-                raise
-            recorder = GuardRecorder(batch, positions, read_values=True)   # as capture.trace_step does
-            gm, spec = traced(recorder)
-    except ZeroccError:
-        raise
-    except Exception as error:
-        where = user_frame(error.__traceback__) or "(no user frame found)"
-        raise CaptureError(f"tracing eval_forward failed at {where}: {type(error).__name__}: {error}") from error
-    finally:
-        for module, training in modes.items():
-            module.training = training
+            try:
+                gm, spec = traced(recorder)
+            except Exception:
+                if not recorder.unread_batch_values:
+                    raise
+                recorder = GuardRecorder(batch, positions, read_values=True)   # as capture.trace_step does
+                gm, spec = traced(recorder)
+        except ZeroccError:
+            raise
+        except Exception as error:
+            where = user_frame(error.__traceback__) or "(no user frame found)"
+            raise CaptureError(f"tracing eval_forward failed at {where}: {type(error).__name__}: {error}") from error
     batch_leaves = len(pytree.tree_leaves(list(batch)))
     first_buffer = len(slots) - len(captured.buffers)
     written = tuple((slots[position], position - first_buffer) for position in sorted(gm.meta.get(g.WRITTEN_INPUTS, {}))
