@@ -150,6 +150,63 @@ def test_a_reassigned_all_reduced_center_on_two_ranks_matches_eager_on_the_globa
             torch.testing.assert_close(value, reference.state_dict()[name], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_buffer_forward_reassigns_in_eval_forward_is_carried_to_training_as_in_eager(stage):
+    """DINO evaluates with the same head: eager's ``model.eval(); model(x)`` reassigns the center there too, and the
+    next training step reads it. ``eval_forward`` returned the output but dropped the new center (the program only
+    copied back buffers written in place), so the next step trained on the old one."""
+    torch.manual_seed(0)
+    model = _CenteredLoss()
+    reference = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
+    step = zerocc.compile(model, optimizer, stage=stage)
+    generator = torch.Generator().manual_seed(1)
+    data = [torch.randn(4, 4, generator=generator) for _ in range(4)]
+    for x in data[:2]:
+        assert torch.equal(step(x), eager_step(reference, reference_optimizer, None, (x,)))
+    assert torch.equal(step.eval_forward(data[2]), _eager_eval(reference, data[2]))
+    assert torch.equal(model.center, reference.center)
+    assert torch.equal(step(data[3]), eager_step(reference, reference_optimizer, None, (data[3],)))
+    for name, value in step.full_state_dict().items():
+        assert torch.equal(value, reference.state_dict()[name]), name
+    with step.full_model():
+        assert torch.equal(model.center, reference.center) and torch.equal(model.lin.weight, reference.lin.weight)
+
+
+def _reassigned_center_evaluated_on_ranks(rank, world_size):
+    torch.manual_seed(0)
+    model = _CenteredLoss()
+    step = zerocc.compile(model, torch.optim.SGD(model.parameters(), lr=0.5), stage=3)
+    generator = torch.Generator().manual_seed(1)
+    data = [torch.randn(4 * world_size, 4, generator=generator)[rank * 4:(rank + 1) * 4] for _ in range(4)]
+    losses = [step(x) for x in data[:2]]
+    evaluated = step.eval_forward(data[2])
+    losses.append(step(data[3]))
+    return losses, evaluated, step.full_state_dict()
+
+
+@pytest.mark.multirank
+def test_a_reassigned_center_in_eval_forward_on_two_ranks_matches_eager_on_the_global_batch():
+    """The center all-reduced and reassigned by ``eval_forward`` on every rank reaches the next training step, as
+    eager's evaluation of the global batch between its training steps."""
+    torch.manual_seed(0)
+    reference = _CenteredLoss()
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
+    generator = torch.Generator().manual_seed(1)
+    data = [torch.randn(8, 4, generator=generator) for _ in range(4)]
+    expected = [eager_step(reference, optimizer, None, (x,)) for x in data[:2]]
+    evaluated = _eager_eval(reference, data[2])
+    expected.append(eager_step(reference, optimizer, None, (data[3],)))
+    results = distributed.run(_reassigned_center_evaluated_on_ranks, 2)
+    mean = sum(torch.stack(losses) for losses, _, _ in results) / 2
+    torch.testing.assert_close(mean, torch.stack(expected), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(sum(value for _, value, _ in results) / 2, evaluated, rtol=1e-5, atol=1e-6)
+    for _, _, state in results:
+        for name, value in state.items():
+            torch.testing.assert_close(value, reference.state_dict()[name], rtol=1e-5, atol=1e-6)
+
+
 class _CenterAttribute(torch.nn.Module):
     """The same center as a plain tensor attribute (no ``register_buffer``), reassigned in forward."""
 

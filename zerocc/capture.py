@@ -325,7 +325,7 @@ def _memory_span(tensor: torch.Tensor) -> tuple[int, int, int] | None:
     return storage.data_ptr(), first * tensor.element_size(), (first + reach + 1) * tensor.element_size()
 
 
-def _reassigned_buffers(buffer_infos, buffers, tensors: dict) -> list:
+def reassigned_buffers(buffer_infos, buffers, tensors: dict) -> list:
     """The buffers after one micro-batch's forward, a buffer forward reassigned (``self.center = self.center * m +
     c * (1 - m)``, DINO's loss; eager's ``Module.__setattr__`` puts the new tensor in ``_buffers``) as its new value.
 
@@ -576,7 +576,7 @@ def trace_step(
                     differentiated = loss * loss_scale[0] if loss_scale else loss
                     micro_grads = torch.autograd.grad(differentiated, computed, allow_unused=True)
                     micro_grads = _plus_gradients_written_into_grad(micro_grads, computed, params, param_infos, precision)
-                buffers = _reassigned_buffers(buffer_infos, buffers, tensors)
+                buffers = reassigned_buffers(buffer_infos, buffers, tensors)
                 if precision is not None:
                     micro_grads = mixed.master_grads(micro_grads, params)
                 # as AccumulateGrad does into .grad: the running sum, then this micro-batch's gradient

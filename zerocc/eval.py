@@ -8,10 +8,11 @@ gathers), frozen parameters, buffers, then the batch. Parameters are views of
 the buckets, exactly as in the training step. Programs are cached by the
 batch's shapes, apart from the training step's, at most ``max_programs``.
 A buffer the forward writes in eval mode (a count of the tokens each expert
-received, as torchtitan's MoE keeps it) is written as eager writes it: the
-program returns its new value, copied into the buffer's slot, which the
-user's module holds (BatchNorm's statistics, written in training mode only,
-stay as they were).
+received, as torchtitan's MoE keeps it) or assigns a new tensor (DINO's
+``self.center = ...``) is written as eager writes it: the program returns its
+new value, copied into the buffer's slot, which the user's module holds and
+the next training step reads (BatchNorm's statistics, written in training
+mode only, stay as they were).
 
 At stage 3 over several ranks the gathers are collectives: every rank must
 call ``eval_forward`` at the same point, as it calls the step (a rank left
@@ -30,7 +31,7 @@ import torch.utils._pytree as pytree
 
 from . import decisions
 from . import graph as g
-from .capture import laid_out
+from .capture import laid_out, reassigned_buffers
 from .autocast import autocast_as, autocast_state, outside_autocast
 from .batch import BatchLayout, check_batch, with_arrays_copied
 from .data_guards import GuardRecorder, all_hold, recording
@@ -170,8 +171,11 @@ def _compile(step, batch: list, layout: BatchLayout, autocast: tuple = ()) -> Ev
              + [decisions.frozen_slot(i.name) for i in captured.frozen] + [decisions.buffer_slot(i.name) for i in captured.buffers])
     gathered = [plan.holds_shard(b) and plan.world_size > 1 for b in plan.buckets]   # masters sharded
 
+    reassigned = []   # positions among the buffers of those forward assigns a new tensor (the last trace's)
+
     def forward(buckets, tensors, batch):
         by_name = dict(zip([i.name for i in loose + captured.frozen + captured.buffers], tensors))
+        given = [by_name[info.name] for info in captured.buffers]
         for info in loose:
             by_name[info.name] = _trained(by_name[info.name])
         for bucket, flat, gather in zip(plan.buckets, buckets, gathered):
@@ -195,7 +199,10 @@ def _compile(step, batch: list, layout: BatchLayout, autocast: tuple = ()) -> Ev
                 f"eval_forward's output holds objects of type {', '.join(sorted(opaque))}, which a traced program "
                 "cannot return (only tensors and Python numbers); return tensors from the model (for a Hugging "
                 "Face model pass use_cache=False)")
-        return output, [by_name[info.name] for info in captured.buffers]   # their values after forward
+        # their values after forward: functional_call writes a buffer forward reassigned back into by_name
+        after = reassigned_buffers(captured.buffers, given, by_name)
+        reassigned[:] = [position for position, (old, new) in enumerate(zip(given, after)) if new is not old]
+        return output, after
 
     fake_mode = make_fake_mode()
     values = [step.state.slots[slot] for slot in slots]
@@ -227,6 +234,6 @@ def _compile(step, batch: list, layout: BatchLayout, autocast: tuple = ()) -> Ev
             raise CaptureError(f"tracing eval_forward failed at {where}: {type(error).__name__}: {error}") from error
     batch_leaves = len(pytree.tree_leaves(list(batch)))
     first_buffer = len(slots) - len(captured.buffers)
-    written = tuple((slots[position], position - first_buffer) for position in sorted(gm.meta.get(g.WRITTEN_INPUTS, {}))
-                    if first_buffer <= position < len(slots))
+    written = {position - first_buffer for position in gm.meta.get(g.WRITTEN_INPUTS, {}) if first_buffer <= position < len(slots)}
+    written = tuple((slots[first_buffer + position], position) for position in sorted(written | set(reassigned)))
     return EvalProgram(gm, slots + [None] * batch_leaves, spec, tuple(recorder.guards), written)
