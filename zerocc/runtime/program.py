@@ -88,11 +88,12 @@ class Program:
             if node.meta[g.ROLE] == g.ROLE_ARENA:
                 value = node.meta[g.VAL]
                 arenas = arenas if arenas is not None else Arenas()
-                arenas.fit(node.meta[g.SLOT], value.numel(), value.device)
                 sizes.append((node.meta[g.SLOT], value.numel(), value.device))
         released = tuple(n.meta[g.SLOT] for n in g.placeholders(gm) if n.meta.get(g.RELEASED)) \
             if releases_slots(gm) else ()
-        return cls(gm, slots, positions, list(gm.meta[g.OUTPUT_SLOTS]), arenas, released, tuple(sizes))
+        program = cls(gm, slots, positions, list(gm.meta[g.OUTPUT_SLOTS]), arenas, released, tuple(sizes))
+        program.fit_arenas()
+        return program
 
     def constants(self) -> list[torch.Tensor]:
         """The tensors the program reads as constants (``get_attr``: a table the model holds that is no buffer):
@@ -100,6 +101,12 @@ class Program:
         the start, not from their first use."""
         return [value for node in self.gm.graph.nodes if node.op == "get_attr"
                 and isinstance(value := operator.attrgetter(node.target)(self.gm), torch.Tensor)]
+
+    def fit_arenas(self) -> None:
+        """Size each arena this program writes into as it needs it: the step's programs share the arenas, and
+        another one may have run (and resized them) since this one last did."""
+        for slot, nbytes, device in self.arena_sizes:
+            self.arenas.fit(slot, nbytes, device)
 
     def make_arena_views(self) -> None:
         """Fit the arenas to this program and make every view of them it places outputs in (``arena_view``), as its
@@ -110,8 +117,7 @@ class Program:
         GPT's first step ran ~0.5 s longer than the next, mostly the tracker). Views only, of memory the arenas
         hold: nothing the measurement counts, no value of the step's.
         """
-        for slot, nbytes, device in self.arena_sizes:
-            self.arenas.fit(slot, nbytes, device)
+        self.fit_arenas()
         arena_of = {node: node.meta[g.SLOT] for node in g.placeholders(self.gm) if node.meta[g.ROLE] == g.ROLE_ARENA}
         for node in self.gm.graph.nodes:
             if node.op == "call_function" and node.target is arena_view and node.args[0] in arena_of:
@@ -128,8 +134,7 @@ class Program:
             raise
 
     def _run(self, slots: dict[str, torch.Tensor], batch: list, on_release) -> torch.Tensor:
-        for slot, nbytes, device in self.arena_sizes:   # another program may have run since
-            self.arenas.fit(slot, nbytes, device)
+        self.fit_arenas()   # another program may have run since
         addresses = self.arenas.addresses()
         arguments = [batch[key] if source is _BATCH else self.arenas[key] if source is _ARENA else slots[key]
                      for source, key in self._argument_sources]
