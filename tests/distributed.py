@@ -214,3 +214,10 @@ def run_tolerant(fn, world_size, *args, limit=180):
             file = os.path.join(folder, f"rank{rank}.pt")
             results.append(torch.load(file, weights_only=False) if os.path.exists(file) else None)
         return results, [p.exitcode for p in processes]
+
+
+def record_group_at_exit(path: str) -> None:
+    """Whether the default process group (zerocc.compile made it) is still there as the interpreter exits: what the
+    torchrun-launched scripts (tests/launched*.py, which never destroy it) register with ``atexit``."""
+    with open(path, "w") as file:
+        file.write("initialized" if dist.is_initialized() else "destroyed")

@@ -28,11 +28,12 @@ STEPS = 3
 def main(out: str, crash_at: int | None = None) -> None:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import zerocc
+    from tests.distributed import record_group_at_exit
     from tests.models import batches, build
     torch.set_num_threads(1)
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     # registered before zerocc.compile, so it runs after zerocc's own exit handler (atexit runs the last first)
-    atexit.register(_record_group_at_exit, os.path.join(out, f"exit{rank}.txt"))
+    atexit.register(record_group_at_exit, os.path.join(out, f"exit{rank}.txt"))
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     model, _, loss_fn = build("mlp")
     step = zerocc.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-2), stage=3, loss_fn=loss_fn,
@@ -52,12 +53,6 @@ def main(out: str, crash_at: int | None = None) -> None:
     torch.save({"losses": losses, "state": step.full_state_dict(),
                 "environment": {key: os.environ.get(key) for key in ENVIRONMENT}},
                os.path.join(out, f"rank{rank}.pt"))
-
-
-def _record_group_at_exit(path: str) -> None:
-    """Whether the default process group (zerocc.compile made it) is still there as the interpreter exits."""
-    with open(path, "w") as file:
-        file.write("initialized" if torch.distributed.is_initialized() else "destroyed")
 
 
 if __name__ == "__main__":
