@@ -120,6 +120,30 @@ def test_a_state_dict_interrupted_by_the_users_own_hook_leaves_a_submodules_refu
         model[0].state_dict()
 
 
+def test_the_models_state_dict_is_whole_when_its_hooks_are_called_through_another_frame():
+    """The step marked the model's running ``state_dict()`` as the frame a fixed depth past its pre-hook: a tool
+    that wraps module hooks (one more frame between) moved the mark onto the wrapper, gone before the parameters'
+    ``detach``, and the model's own ``state_dict()`` was refused. The mark is ``nn.Module.state_dict``'s frame."""
+    model, reference = _mlp(), _mlp()
+    optimizer, reference_optimizer = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference))
+    step = zerocc.compile(model, optimizer, stage=3, loss_fn=F.cross_entropy)
+    torch.manual_seed(1)
+    x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+    assert torch.equal(step(x, y), eager_step(reference, reference_optimizer, F.cross_entropy, (x, y)))
+
+    def wrapped(hook):
+        def instrumented(*args):   # a profiler's or debugger's wrapper: one more Python frame
+            return hook(*args)
+        return instrumented
+
+    for key, hook in list(model._state_dict_pre_hooks.items()):
+        model._state_dict_pre_hooks[key] = wrapped(hook)
+    whole = model.state_dict()
+    assert all(torch.equal(whole[key], value) for key, value in reference.state_dict().items())
+    with pytest.raises(zerocc.ConfigError, match=r"detach of parameter '0.weight' at .*test_placeholders.py:\d+: .*full_model"):
+        model[0].state_dict()
+
+
 _COPY_REFUSED = (r"copying or pickling the model after compile .* at .*test_placeholders.py:\d+: .*empty placeholders. "
                  r"Copy it inside `with step.full_model\(writeback=False\): snapshot = copy.deepcopy\(model\)`")
 

@@ -146,12 +146,27 @@ def _saving(step, saving: bool) -> None:
     (``model.fc.state_dict()``) runs no hook of the model's: its ``detach`` is refused, naming the user's line (it
     gave empty tensors, silently, while a look at the calling frames let any ``_save_to_state_dict`` through).
 
-    The mark is the frame of the model's running ``state_dict()`` (the pre-hook's caller: frame 3 past this one, the
-    hook's lambda and ``_StepHook.__call__``), not a flag: a hook of the user's raising between the two hooks (a
-    post-hook registered before compile runs before the step's) skips the post-hook, and a flag left set let a later
-    submodule's ``detach`` through, empty; the frame marks only while it is on the stack (``_saving_now``)."""
+    The mark is the frame of the model's running ``state_dict()`` (``_state_dict_frame``), not a flag: a hook of the
+    user's raising between the two hooks (a post-hook registered before compile runs before the step's) skips the
+    post-hook, and a flag left set let a later submodule's ``detach`` through, empty; the frame marks only while it
+    is on the stack (``_saving_now``)."""
     if step.state.watch is not None:
-        step.state.watch.saving_state_dict = sys._getframe(3) if saving else None
+        step.state.watch.saving_state_dict = _state_dict_frame() if saving else None
+
+
+def _state_dict_frame():
+    """The frame of the ``nn.Module.state_dict`` that runs the model's pre-hook: the nearest one up the stack (the
+    model's own, not an enclosing module's), found by its code, not at a fixed depth past the hook, which a frame
+    between them (a tool that wraps module hooks, a torch that calls them through a helper) would have moved onto
+    the wrapper's frame, gone before ``_save_to_state_dict`` runs. None where there is none: a placeholder's
+    ``detach`` is then refused, never let through empty."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code is not _MODULE_STATE_DICT:
+        frame = frame.f_back
+    return frame
+
+
+_MODULE_STATE_DICT = torch.nn.Module.state_dict.__code__   # where torch runs a module's state-dict pre-hooks
 
 
 def _saving_now(watch) -> bool:
