@@ -66,6 +66,17 @@ def test_reading_placeholders_outside_full_model_is_refused_and_inside_is_eagers
     assert torch.equal(model[0].weight.norm(), reference[0].weight.norm())   # handed back: a plain Parameter
 
 
+def _one_step_at_stage_3(model, reference):
+    """``model`` compiled at stage 3 and trained one step, ``reference`` by eager alongside: (step, the reference's
+    optimizer, the batch)."""
+    optimizer, reference_optimizer = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference))
+    step = zerocc.compile(model, optimizer, stage=3, loss_fn=F.cross_entropy)
+    torch.manual_seed(1)
+    x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+    assert torch.equal(step(x, y), eager_step(reference, reference_optimizer, F.cross_entropy, (x, y)))
+    return step, reference_optimizer, (x, y)
+
+
 def test_a_submodules_state_dict_is_refused_and_the_models_is_whole_and_conversions_are_refused_at_the_next_call():
     """``model[0].state_dict()`` runs none of the model's state-dict hooks: it gave ``(0,)`` tensors, silently, where
     eager gives the layer's weights (a look at the calling frames let any ``_save_to_state_dict``'s ``detach``
@@ -73,11 +84,7 @@ def test_a_submodules_state_dict_is_refused_and_the_models_is_whole_and_conversi
     again (the model's hooks mark its own run only). A submodule's ``.half()`` goes through, and the next call refuses
     the new tensor, naming the parameter."""
     model, reference = _mlp(), _mlp()
-    optimizer, reference_optimizer = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference))
-    step = zerocc.compile(model, optimizer, stage=3, loss_fn=F.cross_entropy)
-    torch.manual_seed(1)
-    x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
-    assert torch.equal(step(x, y), eager_step(reference, reference_optimizer, F.cross_entropy, (x, y)))
+    step, reference_optimizer, (x, y) = _one_step_at_stage_3(model, reference)
     with pytest.raises(zerocc.ConfigError, match=r"detach of parameter '0.weight' at .*test_placeholders.py:\d+: .*full_model"):
         model[0].state_dict()
     whole = model.state_dict()
@@ -105,11 +112,7 @@ def test_a_state_dict_interrupted_by_the_users_own_hook_leaves_a_submodules_refu
             raise RuntimeError("the user's hook failed")
 
     model.register_state_dict_post_hook(flaky_hook)
-    optimizer, reference_optimizer = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference))
-    step = zerocc.compile(model, optimizer, stage=3, loss_fn=F.cross_entropy)
-    torch.manual_seed(1)
-    x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
-    assert torch.equal(step(x, y), eager_step(reference, reference_optimizer, F.cross_entropy, (x, y)))
+    step, _, _ = _one_step_at_stage_3(model, reference)
     with pytest.raises(RuntimeError, match="the user's hook failed"):
         model.state_dict()
     with pytest.raises(zerocc.ConfigError, match=r"detach of parameter '0.weight' at .*test_placeholders.py:\d+: .*full_model"):
@@ -125,11 +128,7 @@ def test_the_models_state_dict_is_whole_when_its_hooks_are_called_through_anothe
     that wraps module hooks (one more frame between) moved the mark onto the wrapper, gone before the parameters'
     ``detach``, and the model's own ``state_dict()`` was refused. The mark is ``nn.Module.state_dict``'s frame."""
     model, reference = _mlp(), _mlp()
-    optimizer, reference_optimizer = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference))
-    step = zerocc.compile(model, optimizer, stage=3, loss_fn=F.cross_entropy)
-    torch.manual_seed(1)
-    x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
-    assert torch.equal(step(x, y), eager_step(reference, reference_optimizer, F.cross_entropy, (x, y)))
+    step, _, _ = _one_step_at_stage_3(model, reference)
 
     def wrapped(hook):
         def instrumented(*args):   # a profiler's or debugger's wrapper: one more Python frame
