@@ -343,10 +343,24 @@ def _say_if_replaced_shards(step: "CompiledStep", captured: Captured) -> None:
         ReplicaWarning, stacklevel=user_stacklevel())
 
 
+# elements summed at a time by ``_float64_sum``: a float64 copy of 2 MiB, reused from chunk to chunk
+_SUM_CHUNK = 1 << 18
+
+
 def _float64_sum(tensor: torch.Tensor) -> torch.Tensor:
-    """The sum of ``tensor``'s values (real and imaginary parts alike) in float64: a parameter's fingerprint."""
+    """The sum of ``tensor``'s values (real and imaginary parts alike) in float64: a parameter's fingerprint.
+
+    Summed a chunk at a time: ``sum(dtype=torch.float64)`` on the CPU makes a float64 copy of its whole input
+    first, so fingerprinting the model wrote a float64 copy of every parameter at compile (a 98M GPT, one
+    process: 17k page faults and 0.16-0.20 s of CPU, against 600 faults and 0.13-0.14 s a chunk at a time; how
+    much of it a 2-rank run saves depends on whether the allocator keeps those pages for the slots made next).
+    Every rank sums the same shapes the same way, so equal parameters still give equal sums.
+    """
     values = tensor.detach()
-    return (torch.view_as_real(values) if values.is_complex() else values).sum(dtype=torch.float64)
+    values = (torch.view_as_real(values) if values.is_complex() else values).reshape(-1)
+    if values.numel() <= _SUM_CHUNK:
+        return values.sum(dtype=torch.float64)
+    return torch.stack([chunk.sum(dtype=torch.float64) for chunk in values.split(_SUM_CHUNK)]).sum()
 
 
 def _refuse_tensors_another_step_trains(step: "CompiledStep", captured: Captured | None = None) -> None:
