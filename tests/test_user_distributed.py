@@ -241,3 +241,36 @@ def test_collectives_in_forward_are_refused_with_the_fix_for_each():
     assert "dist.all_reduce(count)" in all_reduce and "_functional_collectives.all_reduce(x, 'sum', group)" in all_reduce
     for difference in distributed.run(_normalized, 2, "functional"):
         assert difference < 1e-6
+
+
+def test_parameter_fingerprint_sees_a_change_in_any_chunk_of_a_large_parameter():
+    """The replicas check's per-parameter float64 sum is taken a chunk at a time (``api._float64_sum``): a
+    parameter larger than a chunk still sums to its float64 sum's value, and a change in its last chunk shows."""
+    from zerocc.api import _SUM_CHUNK, _float64_sum
+    generator = torch.Generator().manual_seed(0)
+    large = torch.randn(3 * _SUM_CHUNK + 5, generator=generator)
+    assert torch.allclose(_float64_sum(large), large.sum(dtype=torch.float64), rtol=1e-12, atol=1e-9)
+    assert torch.equal(_float64_sum(large), _float64_sum(large.clone()))
+    changed = large.clone()
+    changed[-1] += 1.0
+    assert not torch.equal(_float64_sum(changed), _float64_sum(large))
+    as_complex = torch.randn(_SUM_CHUNK + 3, dtype=torch.complex64, generator=generator)
+    assert torch.allclose(_float64_sum(as_complex), torch.view_as_real(as_complex).sum(dtype=torch.float64),
+                          rtol=1e-12, atol=1e-9)
+
+
+@pytest.mark.skipif(not hasattr(__import__("resource"), "getrusage") or not __import__("sys").platform.startswith("linux"),
+                    reason="page faults counted through getrusage on Linux")
+def test_parameter_fingerprint_makes_no_float64_copy_of_the_parameter():
+    """``sum(dtype=torch.float64)`` on the CPU copies its whole input to float64 first: fingerprinting the
+    parameters at compile wrote a float64 copy of each (twice the model's size). A chunk at a time, the copy is
+    a chunk's, reused."""
+    import resource
+
+    from zerocc.api import _float64_sum
+    large = torch.randn(16 * 2**20)   # 64 MiB: a float64 copy is 32k new 4 KiB pages
+    _float64_sum(torch.randn(2 * 2**20))   # the allocator's first chunks, outside the count
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    _float64_sum(large)
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    assert faults < large.numel() * 8 // 4096 // 4, f"{faults} page faults: a float64 copy of the whole parameter"
