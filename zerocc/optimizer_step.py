@@ -833,7 +833,7 @@ def splice_update(
                     copy = graph.get_attr(attributes[node.target])
                     copy.meta.update(node.meta)
                 else:
-                    copy = graph.node_copy(node, lambda n: env[n])
+                    copy = g.copy_node(graph, node, env.__getitem__)
                     if reshaped:
                         _propagate_fake(copy, fake_mode, broadcast=True)
                     elif not first_copy:
@@ -892,11 +892,7 @@ def _propagate_fake(node: fx.Node, fake_mode, broadcast: bool = False) -> None:
         return   # symbolic scalars (.item() of a step count) keep the traced copy's symbol
     returns = node.target._schema.returns if isinstance(node.target, torch._ops.OpOverload) else ()
     if returns and returns[0].alias_info is not None:
-        import torch.utils._pytree as pytree
-
-        def value_of(arg):
-            return arg.meta[g.VAL] if isinstance(arg, fx.Node) else arg
-        args, kwargs = pytree.tree_map(value_of, (node.args, node.kwargs))
+        args, kwargs = g.fake_arguments(node.args, node.kwargs)
         with fake_mode:
             node.meta[g.VAL] = node.target(*args, **kwargs)
         return

@@ -221,7 +221,7 @@ def _lower_parameter_gather(gm, ctx, marker, segments: dict[fx.Node, tuple[int, 
             if node not in copies:
                 for source in node.all_input_nodes:
                     copy_of(source)
-                copied = graph.node_copy(node, copy_of)
+                copied = g.copy_node(graph, node, copy_of)
                 copied.meta[g.PHASE] = phase
                 copies[node] = copied
             return copies[node]

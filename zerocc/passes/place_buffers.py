@@ -67,9 +67,9 @@ def place_buffers(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
         views = []
         with gm.graph.inserting_before(node):
             for buffer, value in zip(buffers, output_values(node)):
-                view = gm.graph.call_function(arena_view, (arena_nodes[buffer.pool], offsets[buffer.name],
-                                                           tuple(int(s) for s in value.shape),
-                                                           tuple(int(s) for s in value.stride()), value.dtype))
+                view = g.add_node(gm.graph, "call_function", arena_view,
+                                  (arena_nodes[buffer.pool], offsets[buffer.name], tuple(int(s) for s in value.shape),
+                                   tuple(int(s) for s in value.stride()), value.dtype))
                 view.meta.update({g.VAL: value, g.PHASE: node.meta.get(g.PHASE)})
                 views.append(view)
         node.target = out_op

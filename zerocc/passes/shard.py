@@ -308,7 +308,7 @@ def _zeros(graph: fx.Graph, ctx: CompileContext, numel: int, dtype, device) -> f
 
 
 def _bucket_placeholder(gm, ctx, bucket, numel, device) -> fx.Node:
-    first = g.placeholders(gm)[0]
+    first = next(n for n in gm.graph.nodes if n.op == "placeholder")   # placeholders lead: no walk over the graph
     with gm.graph.inserting_before(first):
         node = gm.graph.placeholder(f"bucket{bucket.index}")
     node.meta.update({g.ROLE: g.ROLE_PARAM, g.INDEX: bucket.index, g.BUCKET: bucket.index,
