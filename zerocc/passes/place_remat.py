@@ -71,14 +71,24 @@ large, while that floor falls (``driver.run_passes``): gathered and gradient
 buckets are part of it.
 
 Without ``memory_budget``, the budget is what the device offers
-(``device_budget``, ``zerocc/device_budget.py``; None on CPU, and then this
-pass does nothing). A device is usually roomy beside the plan, so nothing is
+(``device_budget``, ``zerocc/device_budget.py``). A device is usually roomy beside the plan, so nothing is
 measured first: at stage 3 across ranks the schedule is unbounded (every
 forward gather kept for backward, as in candidate 1) and nothing is recomputed;
 the driver checks the final plan's peak against the device and, when it
 does not fit, compiles again with the device's bytes as ``memory_budget``
 (candidates 1-4). A device budget costs an ordinary compile when the fastest plan
 fits, and the measured search only where the default plan would not.
+
+On CPU the budget is the default plan's peak (``device_budget.DEFAULT_PLAN_PEAK``,
+bytes None), known only once measured: at stage 3 across ranks the default
+schedule is measured first and its peak (the highest over ranks) becomes the
+budget; then candidate 1, not laid out when its live peak is already over;
+then, when it could still be chosen (``could_win``), candidate 2 with at most
+``AT_DEFAULT_PEAK_PLANS`` plans measured. Candidates 3 and 4 are not tried
+(nothing is to be recomputed on the default schedule, whose peak is the
+budget). Elsewhere (one rank, stages 0-2) the default plan is the fastest and
+nothing is measured. The compile takes the default plan's recorded run when it
+is chosen, so the cost is the plans measured besides it (docs/guide/memory-budget.md).
 """
 from __future__ import annotations
 
