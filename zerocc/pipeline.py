@@ -118,7 +118,7 @@ def default_pipeline(stage: int, *, prefetch_bytes: int = DEFAULT_PREFETCH_BYTES
 
     ``clip`` is ``(max_norm, norm_type)`` when ``compile(clip_grad_norm=...)`` asked for clipping;
     ``place_remat`` plans against ``memory_budget`` or, without one, what the device offers (``device_budget``,
-    ``zerocc/device_budget.py``; None on CPU: then it does nothing), choosing among the plans that fit by
+    ``zerocc/device_budget.py``; on CPU the default plan's peak), choosing among the plans that fit by
     their step time on ``hardware`` (a ``HardwareProfile``, or a function that measures one when first needed;
     None: ``place_remat.DEFAULT_HARDWARE``);
     ``mixed_precision`` (compile's ``param_dtype``/``reduce_dtype``/``loss_scale``) adds its pass after shard;

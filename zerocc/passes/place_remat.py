@@ -71,14 +71,24 @@ large, while that floor falls (``driver.run_passes``): gathered and gradient
 buckets are part of it.
 
 Without ``memory_budget``, the budget is what the device offers
-(``device_budget``, ``zerocc/device_budget.py``; None on CPU, and then this
-pass does nothing). A device is usually roomy beside the plan, so nothing is
+(``device_budget``, ``zerocc/device_budget.py``). A device is usually roomy beside the plan, so nothing is
 measured first: at stage 3 across ranks the schedule is unbounded (every
 forward gather kept for backward, as in candidate 1) and nothing is recomputed;
 the driver checks the final plan's peak against the device and, when it
 does not fit, compiles again with the device's bytes as ``memory_budget``
 (candidates 1-4). A device budget costs an ordinary compile when the fastest plan
 fits, and the measured search only where the default plan would not.
+
+On CPU the budget is the default plan's peak (``device_budget.DEFAULT_PLAN_PEAK``,
+bytes None), known only once measured: at stage 3 across ranks the default
+schedule is measured first and its peak (the highest over ranks) becomes the
+budget; then candidate 1, not laid out when its live peak is already over;
+then, when it could still be chosen (``could_win``), candidate 2 with at most
+``AT_DEFAULT_PEAK_PLANS`` plans measured. Candidates 3 and 4 are not tried
+(nothing is to be recomputed on the default schedule, whose peak is the
+budget). Elsewhere (one rank, stages 0-2) the default plan is the fastest and
+nothing is measured. The compile takes the default plan's recorded run when it
+is chosen, so the cost is the plans measured besides it (docs/guide/memory-budget.md).
 """
 from __future__ import annotations
 
@@ -106,7 +116,13 @@ def place_remat(gm: fx.GraphModule, ctx: CompileContext, *, memory_budget: int |
                 device_budget: DeviceBudget | None = None, memory_pools: bool = False,
                 hardware: HardwareProfile | Callable[[], HardwareProfile] | None = None) -> fx.GraphModule:
     """Among the plans that fit the budget, the one the cost model predicts fastest (module docstring)."""
-    if memory_budget is None and device_budget is not None and _gathers_in_backward(ctx):
+    at_default_peak = memory_budget is None and device_budget is not None and device_budget.bytes is None
+    if at_default_peak and not _gathers_in_backward(ctx):
+        # one rank or stages 0-2: nothing is gathered twice, recomputation only adds work: the default plan
+        ctx.notes["place_remat"] = (f"budget: the default plan's peak ({device_budget.source}); nothing gathered "
+                                    "in backward, so the default plan is the fastest: every forward value kept")
+        return gm
+    if memory_budget is None and device_budget is not None and not at_default_peak and _gathers_in_backward(ctx):
         # the fastest plan, unmeasured: the driver checks the final peak against the device (module docstring)
         ctx.remat_plan = RematPlan(
             budget_bytes=device_budget.bytes, peak_before_bytes=0, peak_bytes=0, recomputed=(), saved_bytes=0,
@@ -115,7 +131,7 @@ def place_remat(gm: fx.GraphModule, ctx: CompileContext, *, memory_budget: int |
         ctx.notes["place_remat"] = (f"device budget {megabytes(device_budget.bytes)} ({device_budget.source}): "
                                     "schedule unbounded, every forward gather kept for backward; nothing recomputed")
         return gm
-    if memory_budget is None:
+    if memory_budget is None and not at_default_peak:
         ctx.notes["place_remat"] = "no memory budget: every forward value backward reads is kept" + (
             f" (device budget {megabytes(device_budget.bytes)}: the final plan is checked against it)"
             if device_budget is not None else "")
@@ -132,15 +148,17 @@ def place_remat(gm: fx.GraphModule, ctx: CompileContext, *, memory_budget: int |
     runs: dict[tuple[frozenset | None, int], object] = {}   # the later passes' recorded run of each plan that fits
     considered: dict[tuple[frozenset | None, int], ConsideredPlan] = {}   # in the order measured
 
-    def peak_of(recompute: frozenset | None, keep: int = DEFAULT, laid_out: bool = False) -> _Peak:
+    def peak_of(recompute: frozenset | None, keep: int = DEFAULT, laid_out: bool = False,
+                live_when_over: bool = False) -> _Peak:
         """The step's peak and predicted time (the highest over ranks) with ``recompute`` recomputed (None:
         nothing) and forward's gathers kept for backward as ``keep`` says (DEFAULT, EVERY, or extra bytes).
-        ``laid_out``: the pooled layout's peak even where the live peak is over the budget (``_measure``)."""
+        ``laid_out``: the pooled layout's peak even where the live peak is over the budget (``_measure``);
+        ``live_when_over``: not even for a plan recomputing nothing (at the default plan's peak)."""
         recompute = recompute or None
         # plans recomputing nothing are laid out whatever their live peak: they bound the searches (could_fit, the
         # keep ladder's line), and the arenas' fragmentation differs most between schedules (the 5M GPT's plan
         # keeping every gather: 79.2 MB live, 102.7 MB laid out)
-        laid_out = laid_out or recompute is None
+        laid_out = laid_out or (recompute is None and not live_when_over)
         if (recompute, keep) in peaks and laid_out and not peaks[recompute, keep].laid_out:
             del peaks[recompute, keep]
         if (recompute, keep) not in peaks:
@@ -197,11 +215,37 @@ def place_remat(gm: fx.GraphModule, ctx: CompileContext, *, memory_budget: int |
         return kept[frozenset()] - kept[recompute or frozenset()]
 
     plans: list[frozenset] = []
-    if multi:
+    if at_default_peak:
+        # the default plan's peak is the budget (CPU, device_budget.DEFAULT_PLAN_PEAK): the default plan measured
+        # first, the highest over ranks; the compile takes its run of the later passes when it is chosen
+        memory_budget = UNBOUNDED   # while the default plan is measured: it fits its own peak
+        before = peak_of(None)
+        memory_budget = before.bytes
+        consider(None, DEFAULT)
+        # every gather kept, nothing recomputed: its live peak is usually over the budget, and then it is not laid
+        # out (it bounds the search below only through its time and its peak less what a plan saves)
+        every = peak_of(None, EVERY, live_when_over=True)
+        if every.bytes <= memory_budget:
+            consider(None, EVERY)
+        elif could_win(every):
+            # every gather kept, paid for by cheap recomputation (family 2 below), at most AT_DEFAULT_PEAK_PLANS
+            # measured: every default compile pays for them (the default schedule's own run is reused)
+            plans = analysis.plans()
+            cheap = [None, *(plan for plan in plans if not any(analysis.is_expensive(n) for n in plan))]
+            if every.bytes - max(saved(plan) for plan in cheap) <= memory_budget:
+                start, done = len(peaks), settled(cheap, EVERY, every)
+                first = _first_fitting(len(cheap), lambda i: len(peaks) - start < AT_DEFAULT_PEAK_PLANS
+                                       and could_fit(every, cheap, i) and peak_of(cheap[i], EVERY).bytes <= memory_budget,
+                                       lambda below, first: len(peaks) - start >= AT_DEFAULT_PEAK_PLANS
+                                       or done(below, first))
+                if first is not None:
+                    consider(cheap[first], EVERY)
+    elif multi:
         # 1. every forward gather kept, nothing recomputed: the fastest plan there is; when it fits, nothing
         # else is measured
         consider(None, EVERY)
-    before = peaks[None, EVERY] if fitting else peak_of(None)
+    if not at_default_peak:
+        before = peaks[None, EVERY] if fitting else peak_of(None)
     if not fitting:
         consider(None, DEFAULT)
         # Each family below is searched only when one of its plans could still be chosen (could_win): its plans
@@ -263,7 +307,8 @@ def place_remat(gm: fx.GraphModule, ctx: CompileContext, *, memory_budget: int |
                                         and not is_alias(node) else 0,
                                         analysis.flops(node), user_line_of_node(node) or "") for node in cloned)
     ctx.remat_plan = RematPlan(
-        budget_bytes=memory_budget, peak_before_bytes=before.bytes, peak_bytes=peak.bytes, recomputed=recomputed,
+        budget_bytes=memory_budget, budget_source=device_budget.source if at_default_peak else "memory_budget",
+        peak_before_bytes=before.bytes, peak_bytes=peak.bytes, recomputed=recomputed,
         saved_bytes=saved(recompute),
         extra_flops=sum(r.flops for r in recomputed), forward_flops=analysis.forward_flops,
         candidates=len(analysis.candidates), evaluations=len(peaks), unbounded_schedule=keep == EVERY,
@@ -285,6 +330,10 @@ DEFAULT, EVERY = 0, -1
 DEFAULT_HARDWARE = "h100-sxm-bf16"
 # plans predicted within this share of the fastest count as fast as it (_choose)
 NEAR = 0.02
+# with the default plan's peak as the budget (CPU), at most this many plans keeping every gather and recomputing cheap
+# ops are measured, besides the default plan and every gather kept: the first that may fit and one step of the search
+AT_DEFAULT_PEAK_PLANS = 2
+UNBOUNDED = 2 ** 62
 # at most this many steps in the ladder of bytes kept (each step a measurement in the binary search)
 LADDER_STEPS = 16
 
