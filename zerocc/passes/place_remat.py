@@ -107,6 +107,7 @@ from ..analysis.step_time import HardwareProfile, predict
 from ..context import CompileContext
 from ..errors import MemoryBudgetError, user_line_of_node
 from ..hardware import named_profile
+from ..analysis.lifetimes import memory_plan_of
 from ..memory_plan import POOL_OF_ROLE
 from ..decisions import ConsideredPlan, RecomputedTensor, RematPlan
 from ..device_budget import DeviceBudget
@@ -149,11 +150,12 @@ def place_remat(gm: fx.GraphModule, ctx: CompileContext, *, memory_budget: int |
     considered: dict[tuple[frozenset | None, int], ConsideredPlan] = {}   # in the order measured
 
     def peak_of(recompute: frozenset | None, keep: int = DEFAULT, laid_out: bool = False,
-                live_when_over: bool = False) -> _Peak:
+                live_when_over: bool = False, record: bool = True) -> _Peak:
         """The step's peak and predicted time (the highest over ranks) with ``recompute`` recomputed (None:
         nothing) and forward's gathers kept for backward as ``keep`` says (DEFAULT, EVERY, or extra bytes).
         ``laid_out``: the pooled layout's peak even where the live peak is over the budget (``_measure``);
-        ``live_when_over``: not even for a plan recomputing nothing (at the default plan's peak)."""
+        ``live_when_over``: not even for a plan recomputing nothing (at the default plan's peak); ``record``
+        False: measured only, its run not kept to be taken (the compile runs the later passes itself if chosen)."""
         recompute = recompute or None
         # plans recomputing nothing are laid out whatever their live peak: they bound the searches (could_fit, the
         # keep ladder's line), and the arenas' fragmentation differs most between schedules (the 5M GPT's plan
@@ -163,7 +165,7 @@ def place_remat(gm: fx.GraphModule, ctx: CompileContext, *, memory_budget: int |
             del peaks[recompute, keep]
         if (recompute, keep) not in peaks:
             measured, run = _measure(gm, ctx, recompute, memory_pools, keep, profile,
-                                     None if laid_out else memory_budget)
+                                     None if laid_out else memory_budget, record)
             peak = _highest_over_ranks(measured, ctx)
             peaks[recompute, keep] = peak
             if peak.bytes <= memory_budget and run is not None:
@@ -222,24 +224,7 @@ def place_remat(gm: fx.GraphModule, ctx: CompileContext, *, memory_budget: int |
         before = peak_of(None)
         memory_budget = before.bytes
         consider(None, DEFAULT)
-        # every gather kept, nothing recomputed: its live peak is usually over the budget, and then it is not laid
-        # out (it bounds the search below only through its time and its peak less what a plan saves)
-        every = peak_of(None, EVERY, live_when_over=True)
-        if every.bytes <= memory_budget:
-            consider(None, EVERY)
-        elif could_win(every):
-            # every gather kept, paid for by cheap recomputation (family 2 below), at most AT_DEFAULT_PEAK_PLANS
-            # measured: every default compile pays for them (the default schedule's own run is reused)
-            plans = analysis.plans()
-            cheap = [None, *(plan for plan in plans if not any(analysis.is_expensive(n) for n in plan))]
-            if every.bytes - max(saved(plan) for plan in cheap) <= memory_budget:
-                start, done = len(peaks), settled(cheap, EVERY, every)
-                first = _first_fitting(len(cheap), lambda i: len(peaks) - start < AT_DEFAULT_PEAK_PLANS
-                                       and could_fit(every, cheap, i) and peak_of(cheap[i], EVERY).bytes <= memory_budget,
-                                       lambda below, first: len(peaks) - start >= AT_DEFAULT_PEAK_PLANS
-                                       or done(below, first))
-                if first is not None:
-                    consider(cheap[first], EVERY)
+        _search_at_default_peak(gm, analysis, before, memory_budget, peak_of, consider, saved)
     elif multi:
         # 1. every forward gather kept, nothing recomputed: the fastest plan there is; when it fits, nothing
         # else is measured
@@ -338,6 +323,42 @@ UNBOUNDED = 2 ** 62
 LADDER_STEPS = 16
 
 
+def _search_at_default_peak(gm: fx.GraphModule, analysis: Recomputation, default: _Peak, budget: int,
+                            peak_of, consider, saved) -> None:
+    """Under the default plan's peak (measured as ``default``), a plan keeping every forward gather for backward
+    (module docstring). Every default compile pays for what is measured here, so at most one plan is, unless its
+    prediction was wrong: the one predicted to fit with the least recomputation, every gather kept and cheap
+    ops recomputed (family 2), measured through the later passes and taken by the compile when chosen.
+
+    The prediction is not measured: a plan keeping every gather peaks where backward starts, where each value it
+    recomputes is no longer alive, so its live peak is the unbounded schedule's less the bytes it saves (exact on
+    the 5M GPT), and the unbounded schedule's live peak is the step's as this pass sees it (the shard pass's
+    gathers each read in forward and backward: what that schedule keeps; 108.13 MB on the 5M GPT, as measured
+    through the later passes, in 0.02 s instead of 0.2). The arenas' layout adds about what it added to the
+    default plan. A plan that does not fit corrects the prediction with its own live peak, and the next is
+    measured (``AT_DEFAULT_PEAK_PLANS`` in all); then the default plan, its run kept. Nothing is searched where
+    the persistent state and every gathered bucket, alive at once where backward starts, are over the budget
+    (the 98M GPT: 980 MB, budget 817 MB), nor where no cheap plan is predicted to fit."""
+    persistent = sum(nbytes for role, nbytes in default.by_role if role in ("parameters", "optimizer state", "inputs"))
+    floor = persistent + _gathered_bytes(gm)
+    if floor > budget:
+        return
+    plans = [frozenset(), *analysis.cheap_plans()]
+    live = max(memory_plan_of(gm, placed=False).live_peak_bytes, floor + analysis.kept_bytes(frozenset()))
+    layout, last = max(default.bytes - default.live_bytes, 0), -1
+    for _ in range(AT_DEFAULT_PEAK_PLANS):
+        index = next((i for i in range(last + 1, len(plans)) if live - saved(plans[i]) + layout <= budget), None)
+        if index is None:
+            return
+        peak = peak_of(plans[index] or None, EVERY, live_when_over=True)
+        if peak.bytes <= budget:
+            consider(plans[index] or None, EVERY)
+            return
+        last, live = index, max(live, peak.live_bytes + saved(plans[index]))
+        if peak.laid_out:
+            layout = max(layout, peak.bytes - peak.live_bytes)
+
+
 def _choose(fitting: list[tuple[float, float, frozenset, int]]) -> tuple[float, float, frozenset, int]:
     """The plan predicted fastest; of those within ``NEAR`` of it, the one moving the fewest bytes (then the
     fastest): the model's error is larger than that (``benchmarks/predict.py``), mostly in how much of a
@@ -419,6 +440,7 @@ class _Peak:
     seconds: float = 0.0   # the final graph's predicted step time
     moved_bytes: float = 0.0   # bytes this rank sends or receives per step
     laid_out: bool = True   # False: the live peak of a plan over the budget, not laid out in arenas (_measure)
+    live_bytes: int = 0   # the live peak (bytes alive at once), below ``bytes`` by the arenas' fragmentation
 
 
 class _Unemitted(fx.GraphModule):
@@ -429,13 +451,14 @@ class _Unemitted(fx.GraphModule):
 
 
 def _measure(gm: fx.GraphModule, ctx: CompileContext, recompute: set[fx.Node] | None, memory_pools: bool,
-             keep: int, profile: HardwareProfile, budget: int | None) -> tuple[_Peak, object]:
+             keep: int, profile: HardwareProfile, budget: int | None, record: bool = True) -> tuple[_Peak, object]:
     """The peak the final memory plan reports once ``recompute`` is recomputed (None: as it is) with forward's
     gathers kept as ``keep`` says, and the final graph's step time on ``profile``; and the later passes' recorded
     run (``pipeline.LaterRun``; None where a registered pass is among them), which the compile takes if this plan
     is chosen. With memory pools, a plan whose live peak is already over ``budget`` (None: laid out whatever
     its peak) is not laid out in arenas (a layout only adds fragmentation: it cannot fit); its peak is then
-    the live peak, ``laid_out`` False.
+    the live peak, ``laid_out`` False. ``record`` False: a run measured only (no program kept after each pass,
+    none to take).
 
     The passes after this one in the pipeline being built (``ctx.rest_of_pipeline``, handed over by the
     runner: the registered ones in, the disabled ones out) run on a copy with a scratch context; the peak
@@ -445,10 +468,9 @@ def _measure(gm: fx.GraphModule, ctx: CompileContext, recompute: set[fx.Node] | 
     if ctx.rest_of_pipeline is None:
         raise RuntimeError("place_remat measures a plan by running the passes after it: run it through "
                            "pipeline.run_pipeline, which hands them over as ctx.rest_of_pipeline")
-    graph = fx.Graph()
+    from ..pipeline import NodeRecord   # the pipeline imports this pass
     env: dict[fx.Node, fx.Node] = {}
-    for node in gm.graph.nodes:
-        env[node] = graph.node_copy(node, lambda n: env[n])
+    graph = NodeRecord(gm.graph).build(env)   # the compile's own copy (driver.copy_graph_module), not node_copy's
     copy = _Unemitted(gm, graph, class_name=type(gm).__name__)
     copy.meta = dict(gm.meta)
     if recompute is not None:
@@ -462,11 +484,12 @@ def _measure(gm: fx.GraphModule, ctx: CompileContext, recompute: set[fx.Node] | 
                                   memory_plan=None)
     run = ctx.rest_of_pipeline.recorded(copy, scratch,
                                         over=lambda done: memory_pools and budget is not None
-                                        and done.memory_plan.live_peak_bytes > budget)
+                                        and done.memory_plan.live_peak_bytes > budget, record=record)
     plan = scratch.memory_plan
     peak = plan.planned_peak_bytes if memory_pools and run.stopped_before is None else plan.live_peak_bytes
     step = predict(run.gm, ctx.world_size, profile)
-    return (_Peak(peak, plan.alive_at_live_peak(), step.seconds, step.moved_bytes, run.stopped_before is None),
+    return (_Peak(peak, plan.alive_at_live_peak(), step.seconds, step.moved_bytes, run.stopped_before is None,
+                  plan.live_peak_bytes),
             run if run.shots is not None else None)
 
 
@@ -485,7 +508,7 @@ def _highest_over_ranks(peak: _Peak, ctx: CompileContext) -> _Peak:
     it) and fit the budget."""
     every = ctx.from_every_rank(peak)
     highest = max(every, key=lambda p: p.bytes)
-    return dataclasses.replace(highest, seconds=max(p.seconds for p in every),
+    return dataclasses.replace(highest, seconds=max(p.seconds for p in every), live_bytes=max(p.live_bytes for p in every),
                                moved_bytes=max(p.moved_bytes for p in every), laid_out=all(p.laid_out for p in every))
 
 
