@@ -76,12 +76,31 @@ def test_without_device_memory_a_plan_is_searched_under_the_default_plans_peak()
     assert remat.budget_bytes == remat.peak_before_bytes == remat.considered[0].peak_bytes
     assert chosen.memory_plan.planned_peak_bytes <= remat.budget_bytes
     assert abs(remat.budget_bytes - default.memory_plan.planned_peak_bytes) <= 0.01 * remat.budget_bytes
-    # at most the default plan, every gather kept, and AT_DEFAULT_PEAK_PLANS of the search are measured
+    # at most the default plan and AT_DEFAULT_PEAK_PLANS plans keeping every gather are measured
     from zerocc.passes.place_remat import AT_DEFAULT_PEAK_PLANS
-    assert remat.evaluations <= 2 + AT_DEFAULT_PEAK_PLANS
+    assert remat.evaluations <= 1 + AT_DEFAULT_PEAK_PLANS
     gathers = chosen.report()["collectives_per_step"]["all_gather"]
     assert gathers < default.report()["collectives_per_step"]["all_gather"] if remat.unbounded_schedule \
         else gathers == default.report()["collectives_per_step"]["all_gather"]
+
+
+def test_under_the_default_plans_peak_only_the_plan_predicted_to_fit_is_measured():
+    """Every default CPU compile at stage 3 across ranks pays for what place_remat measures beside the default plan
+    (a run of the later passes each): the plan keeping every gather is not measured to learn its live peak, which
+    is read off the step as place_remat sees it (each bucket's gather read in forward and in backward, as that
+    schedule keeps them), and only the plan predicted to fit is measured (it was 3 plans, and 1.8x the compile)."""
+    from zerocc.analysis.lifetimes import memory_plan_of
+    chosen = _plan()
+    remat = chosen.remat_plan
+    assert remat.unbounded_schedule and remat.recomputed and remat.evaluations == 2
+    assert [plan.schedule for plan in remat.considered] == ["default", "unbounded"]
+    assert all(plan.fits for plan in remat.considered)
+    # the prediction's ground: the unbounded schedule's live peak, measured through every pass, is the step's
+    # live peak as place_remat is handed it
+    unbounded = _plan(device_memory=10**12)
+    assert unbounded.remat_plan.unbounded_schedule and not unbounded.remat_plan.recomputed
+    handed = memory_plan_of(unbounded.graph("shard").graph_module, placed=False).live_peak_bytes
+    assert handed == unbounded.memory_plan.live_peak_bytes
 
 
 def test_plan_takes_the_fastest_plan_the_device_fits_and_recomputes_when_it_must():

@@ -82,13 +82,17 @@ fits, and the measured search only where the default plan would not.
 On CPU the budget is the default plan's peak (``device_budget.DEFAULT_PLAN_PEAK``,
 bytes None), known only once measured: at stage 3 across ranks the default
 schedule is measured first and its peak (the highest over ranks) becomes the
-budget; then candidate 1, not laid out when its live peak is already over;
-then, when it could still be chosen (``could_win``), candidate 2 with at most
-``AT_DEFAULT_PEAK_PLANS`` plans measured. Candidates 3 and 4 are not tried
-(nothing is to be recomputed on the default schedule, whose peak is the
-budget). Elsewhere (one rank, stages 0-2) the default plan is the fastest and
-nothing is measured. The compile takes the default plan's recorded run when it
-is chosen, so the cost is the plans measured besides it (docs/guide/memory-budget.md).
+budget. Every default compile pays for what is measured after it, so only the
+plan of candidates 1-2 predicted to fit with the least recomputation is
+(``_search_at_default_peak``: its live peak predicted from the step as this
+pass sees it, not measured), and one more where that prediction was wrong;
+the two measured are compared as under any budget (``_choose``). Candidates 3
+and 4 are not tried (nothing is to be recomputed on the default schedule, whose
+peak is the budget). Elsewhere (one rank, stages 0-2) the default plan is the
+fastest and nothing is measured. The compile takes the recorded run of the plan
+it chooses, so the cost is one run of the later passes where a plan keeping every
+gather is measured, and the default plan's copy and analyses where none is
+(docs/guide/memory-budget.md).
 """
 from __future__ import annotations
 
@@ -315,8 +319,8 @@ DEFAULT, EVERY = 0, -1
 DEFAULT_HARDWARE = "h100-sxm-bf16"
 # plans predicted within this share of the fastest count as fast as it (_choose)
 NEAR = 0.02
-# with the default plan's peak as the budget (CPU), at most this many plans keeping every gather and recomputing cheap
-# ops are measured, besides the default plan and every gather kept: the first that may fit and one step of the search
+# with the default plan's peak as the budget (CPU), at most this many plans keeping every gather are measured besides
+# the default plan: the one predicted to fit, and the next where its own live peak corrected the prediction
 AT_DEFAULT_PEAK_PLANS = 2
 UNBOUNDED = 2 ** 62
 # at most this many steps in the ladder of bytes kept (each step a measurement in the binary search)
