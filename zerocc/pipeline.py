@@ -477,28 +477,25 @@ class LaterPasses:
         return gm
 
     def recorded(self, gm: fx.GraphModule, ctx: CompileContext,
-                 over: Callable[[CompileContext], bool] | None = None, record: bool = True) -> LaterRun:
+                 over: Callable[[CompileContext], bool] | None = None) -> LaterRun:
         """Run them as ``__call__`` does, keeping the program after each (not where a registered pass is among
-        them, nor with ``record`` False, for a run that is measured only: a bare run, ``shots`` None). ``over(ctx)``,
-        asked once ``plan_memory`` has run with only ``place_buffers`` left, ends the run there when it says the
-        live peak is over what is wanted: a layout in arenas only adds fragmentation to it, so the candidate cannot
-        fit (``shots`` None: not to be taken)."""
-        record = record and not any(later.users for later in self.passes)
+        them: a bare run, ``shots`` None). ``over(ctx)``, asked once ``plan_memory`` has run with only
+        ``place_buffers`` left, ends the run there when it says the live peak is over what is wanted: a layout in
+        arenas only adds fragmentation to it, so the candidate cannot fit (``shots`` None: not to be taken)."""
+        if any(later.users for later in self.passes):
+            return LaterRun(self(gm, ctx), ctx, None)
         shots: list[GraphSnapshot] = []
-        counts = g.count_targets(gm) if record else None
-        previous = None
+        counts = g.count_targets(gm)
         for index, later in enumerate(self.passes, start=self.first_index):
-            if (over is not None and later is self.passes[-1] and later.name == "place_buffers"
-                    and previous == "plan_memory" and over(ctx)):
+            if (over is not None and later is self.passes[-1] and later.name == "place_buffers" and shots
+                    and shots[-1].name == "plan_memory" and over(ctx)):
                 return LaterRun(gm, ctx, None, stopped_before="place_buffers")
             started = time.perf_counter()
             gm = later.run(gm, ctx)
             elapsed = time.perf_counter() - started
-            previous = later.name
-            if record:
-                shots.append(snapshot(index, later.name, gm, counts, ctx.notes.get(later.name, "")))
-                shots[-1].seconds, counts = elapsed, shots[-1].node_counts
-        return LaterRun(gm, ctx, shots if record else None)
+            shots.append(snapshot(index, later.name, gm, counts, ctx.notes.get(later.name, "")))
+            shots[-1].seconds, counts = elapsed, shots[-1].node_counts
+        return LaterRun(gm, ctx, shots)
 
 
 @dataclasses.dataclass

@@ -154,12 +154,11 @@ def place_remat(gm: fx.GraphModule, ctx: CompileContext, *, memory_budget: int |
     considered: dict[tuple[frozenset | None, int], ConsideredPlan] = {}   # in the order measured
 
     def peak_of(recompute: frozenset | None, keep: int = DEFAULT, laid_out: bool = False,
-                live_when_over: bool = False, record: bool = True) -> _Peak:
+                live_when_over: bool = False) -> _Peak:
         """The step's peak and predicted time (the highest over ranks) with ``recompute`` recomputed (None:
         nothing) and forward's gathers kept for backward as ``keep`` says (DEFAULT, EVERY, or extra bytes).
         ``laid_out``: the pooled layout's peak even where the live peak is over the budget (``_measure``);
-        ``live_when_over``: not even for a plan recomputing nothing (at the default plan's peak); ``record``
-        False: measured only, its run not kept to be taken (the compile runs the later passes itself if chosen)."""
+        ``live_when_over``: not even for a plan recomputing nothing (at the default plan's peak)."""
         recompute = recompute or None
         # plans recomputing nothing are laid out whatever their live peak: they bound the searches (could_fit, the
         # keep ladder's line), and the arenas' fragmentation differs most between schedules (the 5M GPT's plan
@@ -169,7 +168,7 @@ def place_remat(gm: fx.GraphModule, ctx: CompileContext, *, memory_budget: int |
             del peaks[recompute, keep]
         if (recompute, keep) not in peaks:
             measured, run = _measure(gm, ctx, recompute, memory_pools, keep, profile,
-                                     None if laid_out else memory_budget, record)
+                                     None if laid_out else memory_budget)
             peak = _highest_over_ranks(measured, ctx)
             peaks[recompute, keep] = peak
             if peak.bytes <= memory_budget and run is not None:
@@ -455,14 +454,13 @@ class _Unemitted(fx.GraphModule):
 
 
 def _measure(gm: fx.GraphModule, ctx: CompileContext, recompute: set[fx.Node] | None, memory_pools: bool,
-             keep: int, profile: HardwareProfile, budget: int | None, record: bool = True) -> tuple[_Peak, object]:
+             keep: int, profile: HardwareProfile, budget: int | None) -> tuple[_Peak, object]:
     """The peak the final memory plan reports once ``recompute`` is recomputed (None: as it is) with forward's
     gathers kept as ``keep`` says, and the final graph's step time on ``profile``; and the later passes' recorded
     run (``pipeline.LaterRun``; None where a registered pass is among them), which the compile takes if this plan
     is chosen. With memory pools, a plan whose live peak is already over ``budget`` (None: laid out whatever
     its peak) is not laid out in arenas (a layout only adds fragmentation: it cannot fit); its peak is then
-    the live peak, ``laid_out`` False. ``record`` False: a run measured only (no program kept after each pass,
-    none to take).
+    the live peak, ``laid_out`` False.
 
     The passes after this one in the pipeline being built (``ctx.rest_of_pipeline``, handed over by the
     runner: the registered ones in, the disabled ones out) run on a copy with a scratch context; the peak
@@ -488,7 +486,7 @@ def _measure(gm: fx.GraphModule, ctx: CompileContext, recompute: set[fx.Node] | 
                                   memory_plan=None)
     run = ctx.rest_of_pipeline.recorded(copy, scratch,
                                         over=lambda done: memory_pools and budget is not None
-                                        and done.memory_plan.live_peak_bytes > budget, record=record)
+                                        and done.memory_plan.live_peak_bytes > budget)
     plan = scratch.memory_plan
     peak = plan.planned_peak_bytes if memory_pools and run.stopped_before is None else plan.live_peak_bytes
     step = predict(run.gm, ctx.world_size, profile)
