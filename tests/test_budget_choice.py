@@ -29,12 +29,12 @@ EXPECTED = {
 }
 
 
-def _plan(stage, pools, budget):
+def _plan(stage, pools, budget, disable=()):
     model, _, _ = build("gpt")
     data = batches("gpt", 1, 8)[0]
     return zerocc.plan(model, torch.optim.AdamW(model.parameters(), lr=1e-2), stage=stage, world_size=2,
                        example_inputs=tuple(t.chunk(2)[0] for t in data), bucket_bytes=16 * 1024,
-                       prefetch_bytes=16 * 1024, memory_pools=pools, memory_budget=budget)
+                       prefetch_bytes=16 * 1024, memory_pools=pools, memory_budget=budget, disable=disable)
 
 
 def _choice(planned):
@@ -46,7 +46,9 @@ def _choice(planned):
 
 @pytest.mark.parametrize("stage,pools", sorted({(stage, pools) for stage, pools, _ in EXPECTED}))
 def test_the_budget_search_chooses_the_plan_it_chose_on_main(stage, pools):
-    free = _plan(stage, pools, None).memory_plan
+    # the peak the fractions are of: the default plan's, as on main (without a budget zerocc.plan now searches
+    # under it, device_budget.DEFAULT_PLAN_PEAK)
+    free = _plan(stage, pools, None, disable=["place_remat"]).memory_plan
     peak = free.planned_peak_bytes if pools else free.live_peak_bytes
     for (s, p, fraction), expected in EXPECTED.items():
         if (s, p) == (stage, pools):

@@ -24,9 +24,10 @@ BUCKET_BYTES = 16 * 1024   # several buckets for the tiny GPT
 PER_RANK = 8
 
 
-def test_cpu_offers_no_budget_unless_the_environment_says(monkeypatch):
+def test_cpu_offers_the_default_plans_peak_unless_the_environment_says(monkeypatch):
     monkeypatch.delenv(budget_module.ENVIRONMENT, raising=False)
-    assert device_budget(torch.device("cpu"), [torch.zeros(10)]) is None
+    assert device_budget(torch.device("cpu"), [torch.zeros(10)]) == budget_module.DEFAULT_PLAN_PEAK
+    assert budget_module.DEFAULT_PLAN_PEAK.bytes is None
     monkeypatch.setenv(budget_module.ENVIRONMENT, "123456")
     assert device_budget(torch.device("cpu")) == DeviceBudget(123456, "$ZEROCC_DEVICE_MEMORY")
     for bad in ("8GB", "-1", "0"):
@@ -54,9 +55,52 @@ def _plan(**options):
                        example_inputs=data, loss_fn=loss_fn, bucket_bytes=BUCKET_BYTES, prefetch_bytes=0, **options)
 
 
+def _default_schedule():
+    """The plan before budgets: the default schedule, nothing recomputed (place_remat disabled)."""
+    return _plan(disable=["place_remat"])
+
+
 def _peaks():
     """The pooled peaks of the default schedule (backward gathers again) and of the fastest plan (it does not)."""
-    return _plan().memory_plan.planned_peak_bytes, _plan(device_memory=10**12).memory_plan.planned_peak_bytes
+    return _default_schedule().memory_plan.planned_peak_bytes, \
+        _plan(device_memory=10**12).memory_plan.planned_peak_bytes
+
+
+def test_without_device_memory_a_plan_is_searched_under_the_default_plans_peak():
+    """CPU's budget (and zerocc.plan's without device_memory) is the default plan's peak: the default schedule is
+    measured first, and a plan keeping every forward gather is taken only at or under its peak."""
+    default, chosen = _default_schedule(), _plan()
+    remat = chosen.remat_plan
+    assert "the default plan's peak" in remat.budget_source and remat.budget_source in remat.summary()
+    assert remat.considered[0].schedule == "default" and remat.considered[0].fits
+    assert remat.budget_bytes == remat.peak_before_bytes == remat.considered[0].peak_bytes
+    assert chosen.memory_plan.planned_peak_bytes <= remat.budget_bytes
+    assert abs(remat.budget_bytes - default.memory_plan.planned_peak_bytes) <= 0.01 * remat.budget_bytes
+    # at most the default plan and AT_DEFAULT_PEAK_PLANS plans keeping every gather are measured
+    from zerocc.passes.place_remat import AT_DEFAULT_PEAK_PLANS
+    assert remat.evaluations <= 1 + AT_DEFAULT_PEAK_PLANS
+    gathers = chosen.report()["collectives_per_step"]["all_gather"]
+    assert gathers < default.report()["collectives_per_step"]["all_gather"] if remat.unbounded_schedule \
+        else gathers == default.report()["collectives_per_step"]["all_gather"]
+
+
+def test_under_the_default_plans_peak_only_the_plan_predicted_to_fit_is_measured():
+    """Every default CPU compile at stage 3 across ranks pays for what place_remat measures beside the default plan
+    (a run of the later passes each): the plan keeping every gather is not measured to learn its live peak, which
+    is read off the step as place_remat sees it (each bucket's gather read in forward and in backward, as that
+    schedule keeps them), and only the plan predicted to fit is measured (it was 3 plans, and 1.8x the compile)."""
+    from zerocc.analysis.lifetimes import memory_plan_of
+    chosen = _plan()
+    remat = chosen.remat_plan
+    assert remat.unbounded_schedule and remat.recomputed and remat.evaluations == 2
+    assert [plan.schedule for plan in remat.considered] == ["default", "unbounded"]
+    assert all(plan.fits for plan in remat.considered)
+    # the prediction's ground: the unbounded schedule's live peak, measured through every pass, is the step's
+    # live peak as place_remat is handed it
+    unbounded = _plan(device_memory=10**12)
+    assert unbounded.remat_plan.unbounded_schedule and not unbounded.remat_plan.recomputed
+    handed = memory_plan_of(unbounded.graph("shard").graph_module, placed=False).live_peak_bytes
+    assert handed == unbounded.memory_plan.live_peak_bytes
 
 
 def test_plan_takes_the_fastest_plan_the_device_fits_and_recomputes_when_it_must():
@@ -65,7 +109,8 @@ def test_plan_takes_the_fastest_plan_the_device_fits_and_recomputes_when_it_must
     roomy = _plan(device_memory=10**12)
     assert roomy.remat_plan.unbounded_schedule and roomy.remat_plan.evaluations == 0
     assert roomy.remat_plan.budget_source == "device_memory= given to zerocc.plan"
-    assert roomy.report()["collectives_per_step"]["all_gather"] < _plan().report()["collectives_per_step"]["all_gather"]
+    assert roomy.report()["collectives_per_step"]["all_gather"] < \
+        _default_schedule().report()["collectives_per_step"]["all_gather"]
     assert "device budget" in str(roomy.remat_plan)
     # a device between the two: planned against, as a memory_budget of its size is
     between = (bounded + fastest) // 2
@@ -143,8 +188,10 @@ def test_two_ranks_spend_the_device_on_speed_and_train_as_eager_on_the_global_ba
     for per_rank in results:
         cpu, roomy, between, one = per_rank["cpu"], per_rank["roomy"], per_rank["between"], per_rank["rank 0 only"]
         assert one["remat"].unbounded_schedule and one["all_gathers"] == roomy["all_gathers"]
-        assert cpu["remat"] is None   # CPU: no device budget, the default plan
-        assert roomy["remat"].unbounded_schedule and roomy["all_gathers"] < cpu["all_gathers"]
+        # CPU: the default plan's peak is the budget, every rank deciding alike
+        assert "the default plan's peak" in cpu["remat"].budget_source
+        assert cpu["peak"] <= cpu["remat"].budget_bytes == cpu["remat"].peak_before_bytes
+        assert roomy["remat"].unbounded_schedule and roomy["all_gathers"] <= cpu["all_gathers"]
         assert roomy["peak"] <= 10**12 and between["peak"] <= devices["between"]
         assert between["measured"] <= devices["between"]
         for result in (cpu, roomy, between, one):   # the same numbers whatever the plan

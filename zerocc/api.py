@@ -151,8 +151,11 @@ def compile(
     recomputes, ``step.shard_plan.bucket_bytes`` the bucket size it kept.
     Without ``memory_budget`` the budget is what the device offers
     (``zerocc/device_budget.py``: CUDA's free memory less 10%, or
-    ``$ZEROCC_DEVICE_MEMORY``; none on CPU): the fastest plan if it fits,
-    else planned against the device as against a ``memory_budget``.
+    ``$ZEROCC_DEVICE_MEMORY``): the fastest plan if it fits,
+    else planned against the device as against a ``memory_budget``; on CPU
+    the default plan's peak, and at stage 3 across ranks a plan keeping every
+    forward gather for backward is taken under it when the cost model does
+    not predict it slower.
 
     Mixed precision (``zerocc/precision.py``, FSDP2's ``MixedPrecisionPolicy``
     semantics): ``param_dtype`` is the dtype forward and backward compute in
@@ -1039,6 +1042,7 @@ class CompiledStep:
             elif payload is not None and state.started and payload["ctx"].shard_plan != state.plan:
                 payload, why = None, "the step's buckets are laid out otherwise"
             elif payload is not None and device is not None \
+                    and device.bytes is not None \
                     and final_peak(payload["ctx"], self.options.memory_pools) > device.bytes:
                 payload, why = None, f"its peak does not fit what the device offers now ({device.source})"
             elif payload is None:

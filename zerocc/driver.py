@@ -87,7 +87,9 @@ def run_passes(captured: Captured, fake_mode: Any, options: CompileOptions, opti
 
     Without a ``memory_budget``, the device's (``options.device_budget``, ``zerocc/device_budget.py``):
     ``place_remat`` takes the fastest plan unmeasured, and when the final plan's peak (the highest over
-    ranks) does not fit the device, the pipeline runs again with the device's bytes as ``memory_budget``.
+    ranks) does not fit the device, the pipeline runs again with the device's bytes as ``memory_budget``. On CPU
+    the budget is the default plan's peak (``device_budget.DEFAULT_PLAN_PEAK``): ``place_remat`` measures that
+    plan and searches under it in the one run.
     """
     creates_state = any(set(new) - set(old) for old, new in zip(captured.state_keys, captured.new_state_keys))
     stats = CompileStats("plan" if planning else "first step" if creates_state else "steady state",
@@ -97,7 +99,8 @@ def run_passes(captured: Captured, fake_mode: Any, options: CompileOptions, opti
     shrinkable = options.memory_budget is not None and previous_plan is None and world_size > 1
     attempt, refused = options, []
     while True:   # a retry needs the capture as it was, so shrinkable compiles run on copies too
-        retries = shrinkable or (device is not None and attempt.memory_budget is None)
+        # the default plan's peak as the budget (device.bytes None, CPU) is searched in place_remat: no retry
+        retries = shrinkable or (device is not None and device.bytes is not None and attempt.memory_budget is None)
         working = dataclasses.replace(captured, gm=copy_graph_module(captured.gm)) \
             if retries or keep_capture else captured
         ctx = CompileContext(attempt.stage, world_size, rank, group_name, optimizer, working, fake_mode,
@@ -109,7 +112,7 @@ def run_passes(captured: Captured, fake_mode: Any, options: CompileOptions, opti
                                        progress=progress, stats=stats)
             if device is not None and ctx.memory_plan is not None:   # (plan_memory disabled: nothing to check)
                 peak = max(ctx.from_every_rank(final_peak(ctx, attempt.memory_pools)))
-                if attempt.memory_budget is None and peak > device.bytes:
+                if attempt.memory_budget is None and device.bytes is not None and peak > device.bytes:
                     if progress:
                         progress(f"the fastest plan's peak ({peak / 1e6:.2f} MB) does not fit the device "
                                  f"({device.bytes / 1e6:.2f} MB, {device.source}): planning against it")

@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 
 from . import precision as mixed
-from .device_budget import DeviceBudget
+from .device_budget import DEFAULT_PLAN_PEAK, DeviceBudget
 from .disk_cache import cache_dir_of
 from .errors import ConfigError
 from .pipeline import DEFAULT_PREFETCH_BYTES, Pass, build_pipeline, memory_pools_of
@@ -50,7 +50,8 @@ class CompileOptions:
     ``max_programs``, ``cache_dir`` and ``progress`` concern a running step only.
     ``device_budget`` is not a keyword: with no ``memory_budget``, what the
     rank's device offers, read at each compile (``zerocc/device_budget.py``;
-    None where unknown, on CPU). ``hardware`` is not a keyword either: the
+    on CPU, and for ``zerocc.plan`` without ``device_memory``, the default
+    plan's peak; None: no budget at all). ``hardware`` is not a keyword either: the
     profile ``place_remat`` compares the plans that fit a budget by (a
     ``HardwareProfile``, or a function that measures this machine's when first
     needed; None: a named one, ``place_remat.DEFAULT_HARDWARE``).
@@ -129,7 +130,9 @@ class CompileOptions:
         check_folder("dump_dir", dump_dir)
         check_memory_budget(memory_budget)
         check_memory_budget(device_memory, "device_memory")
-        device = None if device_memory is None or memory_budget is not None else \
+        # without device_memory a plan is made as a CPU compile makes it: under the default plan's peak
+        device = None if memory_budget is not None else DEFAULT_PLAN_PEAK._replace(
+            source="zerocc.plan without device_memory: the default plan's peak") if device_memory is None else \
             DeviceBudget(device_memory, "device_memory= given to zerocc.plan")
         options = dataclasses.replace(self, stage=stage, disable=tuple(disable), verify=verify, dump_dir=dump_dir,
                                       memory_pools=memory_pools_of(memory_pools, disable), memory_budget=memory_budget,

@@ -118,7 +118,7 @@ def default_pipeline(stage: int, *, prefetch_bytes: int = DEFAULT_PREFETCH_BYTES
 
     ``clip`` is ``(max_norm, norm_type)`` when ``compile(clip_grad_norm=...)`` asked for clipping;
     ``place_remat`` plans against ``memory_budget`` or, without one, what the device offers (``device_budget``,
-    ``zerocc/device_budget.py``; None on CPU: then it does nothing), choosing among the plans that fit by
+    ``zerocc/device_budget.py``; on CPU the default plan's peak), choosing among the plans that fit by
     their step time on ``hardware`` (a ``HardwareProfile``, or a function that measures one when first needed;
     None: ``place_remat.DEFAULT_HARDWARE``);
     ``mixed_precision`` (compile's ``param_dtype``/``reduce_dtype``/``loss_scale``) adds its pass after shard;
@@ -297,10 +297,12 @@ class NodeRecord:
         self.nodes = [(node, node.op, node.target, node.name, node.type, node._args, node._kwargs, node.meta.copy())
                       for node in graph.nodes]
 
-    def build(self) -> fx.Graph:
+    def build(self, env: dict[fx.Node, fx.Node] | None = None) -> fx.Graph:
+        """The graph; ``env``, when given, is filled with each recorded node's copy (``place_remat`` rewrites
+        the copy of a candidate's nodes)."""
         new = fx.Graph()
         new.set_codegen(self.codegen)
-        env: dict[fx.Node, fx.Node] = {}
+        env = {} if env is None else env
         for node, op, target, name, type_expr, args, kwargs, meta in self.nodes:
             # Graph.node_copy, less create_node's scan of the arguments for raw SymInts (a graph's own
             # arguments passed it when they were made)

@@ -83,7 +83,8 @@ def plan(model: nn.Module, optimizer: torch.optim.Optimizer, stage: int = 3, wor
     ``zerocc.compile`` does; ``Plan.remat_plan`` says what it recomputes.
     ``device_memory`` (bytes per rank) is what the planned job's devices
     offer: without ``memory_budget`` it is planned against as ``compile``
-    plans against a CUDA device's free memory (``zerocc/device_budget.py``).
+    plans against a CUDA device's free memory (``zerocc/device_budget.py``);
+    without it, as ``compile`` plans on CPU: under the default plan's peak.
     ``hardware`` (a name in ``zerocc.hardware.NAMED``, or a ``HardwareProfile``;
     default ``"h100-sxm-bf16"``) is what the plans that fit a budget are compared
     on: the one predicted fastest there is chosen.

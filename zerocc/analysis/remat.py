@@ -273,6 +273,15 @@ class Recomputation:
                 plans.append(cut.recompute)
         return plans
 
+    def cheap_plans(self) -> list[frozenset]:
+        """The plans of ``plans`` recomputing no expensive op (the cheap ops' sweep alone), least recomputation first:
+        what ``place_remat`` searches under the default plan's peak, without solving the expensive ops' sweep."""
+        plans: list[frozenset] = []
+        for cut in self._sweep(lambda price: self.cut(price, None), "cheap_cost"):
+            if cut.cheap_cost and cut.recompute not in plans and not any(self.is_expensive(n) for n in cut.recompute):
+                plans.append(cut.recompute)
+        return plans
+
     @staticmethod
     def _sweep(solve, priced: str) -> list[Cut]:
         """Every plan optimal for some price between PROHIBITIVE and NEGLIGIBLE, by least priced cost."""

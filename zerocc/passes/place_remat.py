@@ -71,14 +71,28 @@ large, while that floor falls (``driver.run_passes``): gathered and gradient
 buckets are part of it.
 
 Without ``memory_budget``, the budget is what the device offers
-(``device_budget``, ``zerocc/device_budget.py``; None on CPU, and then this
-pass does nothing). A device is usually roomy beside the plan, so nothing is
+(``device_budget``, ``zerocc/device_budget.py``). A device is usually roomy beside the plan, so nothing is
 measured first: at stage 3 across ranks the schedule is unbounded (every
 forward gather kept for backward, as in candidate 1) and nothing is recomputed;
 the driver checks the final plan's peak against the device and, when it
 does not fit, compiles again with the device's bytes as ``memory_budget``
 (candidates 1-4). A device budget costs an ordinary compile when the fastest plan
 fits, and the measured search only where the default plan would not.
+
+On CPU the budget is the default plan's peak (``device_budget.DEFAULT_PLAN_PEAK``,
+bytes None), known only once measured: at stage 3 across ranks the default
+schedule is measured first and its peak (the highest over ranks) becomes the
+budget. Every default compile pays for what is measured after it, so only the
+plan of candidates 1-2 predicted to fit with the least recomputation is
+(``_search_at_default_peak``: its live peak predicted from the step as this
+pass sees it, not measured), and one more where that prediction was wrong;
+the two measured are compared as under any budget (``_choose``). Candidates 3
+and 4 are not tried (nothing is to be recomputed on the default schedule, whose
+peak is the budget). Elsewhere (one rank, stages 0-2) the default plan is the
+fastest and nothing is measured. The compile takes the recorded run of the plan
+it chooses, so the cost is one run of the later passes where a plan keeping every
+gather is measured, and the default plan's copy and analyses where none is
+(docs/guide/memory-budget.md).
 """
 from __future__ import annotations
 
@@ -97,6 +111,7 @@ from ..analysis.step_time import HardwareProfile, predict
 from ..context import CompileContext
 from ..errors import MemoryBudgetError, user_line_of_node
 from ..hardware import named_profile
+from ..analysis.lifetimes import memory_plan_of
 from ..memory_plan import POOL_OF_ROLE
 from ..decisions import ConsideredPlan, RecomputedTensor, RematPlan
 from ..device_budget import DeviceBudget
@@ -106,7 +121,13 @@ def place_remat(gm: fx.GraphModule, ctx: CompileContext, *, memory_budget: int |
                 device_budget: DeviceBudget | None = None, memory_pools: bool = False,
                 hardware: HardwareProfile | Callable[[], HardwareProfile] | None = None) -> fx.GraphModule:
     """Among the plans that fit the budget, the one the cost model predicts fastest (module docstring)."""
-    if memory_budget is None and device_budget is not None and _gathers_in_backward(ctx):
+    at_default_peak = memory_budget is None and device_budget is not None and device_budget.bytes is None
+    if at_default_peak and not _gathers_in_backward(ctx):
+        # one rank or stages 0-2: nothing is gathered twice, recomputation only adds work: the default plan
+        ctx.notes["place_remat"] = (f"budget: the default plan's peak ({device_budget.source}); nothing gathered "
+                                    "in backward, so the default plan is the fastest: every forward value kept")
+        return gm
+    if memory_budget is None and device_budget is not None and not at_default_peak and _gathers_in_backward(ctx):
         # the fastest plan, unmeasured: the driver checks the final peak against the device (module docstring)
         ctx.remat_plan = RematPlan(
             budget_bytes=device_budget.bytes, peak_before_bytes=0, peak_bytes=0, recomputed=(), saved_bytes=0,
@@ -115,7 +136,7 @@ def place_remat(gm: fx.GraphModule, ctx: CompileContext, *, memory_budget: int |
         ctx.notes["place_remat"] = (f"device budget {megabytes(device_budget.bytes)} ({device_budget.source}): "
                                     "schedule unbounded, every forward gather kept for backward; nothing recomputed")
         return gm
-    if memory_budget is None:
+    if memory_budget is None and not at_default_peak:
         ctx.notes["place_remat"] = "no memory budget: every forward value backward reads is kept" + (
             f" (device budget {megabytes(device_budget.bytes)}: the final plan is checked against it)"
             if device_budget is not None else "")
@@ -132,15 +153,17 @@ def place_remat(gm: fx.GraphModule, ctx: CompileContext, *, memory_budget: int |
     runs: dict[tuple[frozenset | None, int], object] = {}   # the later passes' recorded run of each plan that fits
     considered: dict[tuple[frozenset | None, int], ConsideredPlan] = {}   # in the order measured
 
-    def peak_of(recompute: frozenset | None, keep: int = DEFAULT, laid_out: bool = False) -> _Peak:
+    def peak_of(recompute: frozenset | None, keep: int = DEFAULT, laid_out: bool = False,
+                live_when_over: bool = False) -> _Peak:
         """The step's peak and predicted time (the highest over ranks) with ``recompute`` recomputed (None:
         nothing) and forward's gathers kept for backward as ``keep`` says (DEFAULT, EVERY, or extra bytes).
-        ``laid_out``: the pooled layout's peak even where the live peak is over the budget (``_measure``)."""
+        ``laid_out``: the pooled layout's peak even where the live peak is over the budget (``_measure``);
+        ``live_when_over``: not even for a plan recomputing nothing (at the default plan's peak)."""
         recompute = recompute or None
         # plans recomputing nothing are laid out whatever their live peak: they bound the searches (could_fit, the
         # keep ladder's line), and the arenas' fragmentation differs most between schedules (the 5M GPT's plan
         # keeping every gather: 79.2 MB live, 102.7 MB laid out)
-        laid_out = laid_out or recompute is None
+        laid_out = laid_out or (recompute is None and not live_when_over)
         if (recompute, keep) in peaks and laid_out and not peaks[recompute, keep].laid_out:
             del peaks[recompute, keep]
         if (recompute, keep) not in peaks:
@@ -197,11 +220,20 @@ def place_remat(gm: fx.GraphModule, ctx: CompileContext, *, memory_budget: int |
         return kept[frozenset()] - kept[recompute or frozenset()]
 
     plans: list[frozenset] = []
-    if multi:
+    if at_default_peak:
+        # the default plan's peak is the budget (CPU, device_budget.DEFAULT_PLAN_PEAK): the default plan measured
+        # first, the highest over ranks; the compile takes its run of the later passes when it is chosen
+        memory_budget = UNBOUNDED   # while the default plan is measured: it fits its own peak
+        before = peak_of(None)
+        memory_budget = before.bytes
+        consider(None, DEFAULT)
+        _search_at_default_peak(gm, analysis, before, memory_budget, peak_of, consider, saved)
+    elif multi:
         # 1. every forward gather kept, nothing recomputed: the fastest plan there is; when it fits, nothing
         # else is measured
         consider(None, EVERY)
-    before = peaks[None, EVERY] if fitting else peak_of(None)
+    if not at_default_peak:
+        before = peaks[None, EVERY] if fitting else peak_of(None)
     if not fitting:
         consider(None, DEFAULT)
         # Each family below is searched only when one of its plans could still be chosen (could_win): its plans
@@ -263,7 +295,8 @@ def place_remat(gm: fx.GraphModule, ctx: CompileContext, *, memory_budget: int |
                                         and not is_alias(node) else 0,
                                         analysis.flops(node), user_line_of_node(node) or "") for node in cloned)
     ctx.remat_plan = RematPlan(
-        budget_bytes=memory_budget, peak_before_bytes=before.bytes, peak_bytes=peak.bytes, recomputed=recomputed,
+        budget_bytes=memory_budget, budget_source=device_budget.source if at_default_peak else "memory_budget",
+        peak_before_bytes=before.bytes, peak_bytes=peak.bytes, recomputed=recomputed,
         saved_bytes=saved(recompute),
         extra_flops=sum(r.flops for r in recomputed), forward_flops=analysis.forward_flops,
         candidates=len(analysis.candidates), evaluations=len(peaks), unbounded_schedule=keep == EVERY,
@@ -285,8 +318,48 @@ DEFAULT, EVERY = 0, -1
 DEFAULT_HARDWARE = "h100-sxm-bf16"
 # plans predicted within this share of the fastest count as fast as it (_choose)
 NEAR = 0.02
+# with the default plan's peak as the budget (CPU), at most this many plans keeping every gather are measured besides
+# the default plan: the one predicted to fit, and the next where its own live peak corrected the prediction
+AT_DEFAULT_PEAK_PLANS = 2
+UNBOUNDED = 2 ** 62
 # at most this many steps in the ladder of bytes kept (each step a measurement in the binary search)
 LADDER_STEPS = 16
+
+
+def _search_at_default_peak(gm: fx.GraphModule, analysis: Recomputation, default: _Peak, budget: int,
+                            peak_of, consider, saved) -> None:
+    """Under the default plan's peak (measured as ``default``), a plan keeping every forward gather for backward
+    (module docstring). Every default compile pays for what is measured here, so at most one plan is, unless its
+    prediction was wrong: the one predicted to fit with the least recomputation, every gather kept and cheap
+    ops recomputed (family 2), measured through the later passes and taken by the compile when chosen.
+
+    The prediction is not measured: a plan keeping every gather peaks where backward starts, where each value it
+    recomputes is no longer alive, so its live peak is the unbounded schedule's less the bytes it saves (exact on
+    the 5M GPT), and the unbounded schedule's live peak is the step's as this pass sees it (the shard pass's
+    gathers each read in forward and backward: what that schedule keeps; 108.13 MB on the 5M GPT, as measured
+    through the later passes, in 0.02 s instead of 0.2). The arenas' layout adds about what it added to the
+    default plan. A plan that does not fit corrects the prediction with its own live peak, and the next is
+    measured (``AT_DEFAULT_PEAK_PLANS`` in all); then the default plan, its run kept. Nothing is searched where
+    the persistent state and every gathered bucket, alive at once where backward starts, are over the budget
+    (the 98M GPT: 980 MB, budget 817 MB), nor where no cheap plan is predicted to fit."""
+    persistent = sum(nbytes for role, nbytes in default.by_role if role in ("parameters", "optimizer state", "inputs"))
+    floor = persistent + _gathered_bytes(gm)
+    if floor > budget:
+        return
+    plans = [frozenset(), *analysis.cheap_plans()]
+    live = max(memory_plan_of(gm, placed=False).live_peak_bytes, floor + analysis.kept_bytes(frozenset()))
+    layout, last = max(default.bytes - default.live_bytes, 0), -1
+    for _ in range(AT_DEFAULT_PEAK_PLANS):
+        index = next((i for i in range(last + 1, len(plans)) if live - saved(plans[i]) + layout <= budget), None)
+        if index is None:
+            return
+        peak = peak_of(plans[index] or None, EVERY, live_when_over=True)
+        if peak.bytes <= budget:
+            consider(plans[index] or None, EVERY)
+            return
+        last, live = index, max(live, peak.live_bytes + saved(plans[index]))
+        if peak.laid_out:
+            layout = max(layout, peak.bytes - peak.live_bytes)
 
 
 def _choose(fitting: list[tuple[float, float, frozenset, int]]) -> tuple[float, float, frozenset, int]:
@@ -370,6 +443,7 @@ class _Peak:
     seconds: float = 0.0   # the final graph's predicted step time
     moved_bytes: float = 0.0   # bytes this rank sends or receives per step
     laid_out: bool = True   # False: the live peak of a plan over the budget, not laid out in arenas (_measure)
+    live_bytes: int = 0   # the live peak (bytes alive at once), below ``bytes`` by the arenas' fragmentation
 
 
 class _Unemitted(fx.GraphModule):
@@ -396,10 +470,9 @@ def _measure(gm: fx.GraphModule, ctx: CompileContext, recompute: set[fx.Node] | 
     if ctx.rest_of_pipeline is None:
         raise RuntimeError("place_remat measures a plan by running the passes after it: run it through "
                            "pipeline.run_pipeline, which hands them over as ctx.rest_of_pipeline")
-    graph = fx.Graph()
+    from ..pipeline import NodeRecord   # the pipeline imports this pass
     env: dict[fx.Node, fx.Node] = {}
-    for node in gm.graph.nodes:
-        env[node] = graph.node_copy(node, lambda n: env[n])
+    graph = NodeRecord(gm.graph).build(env)   # the compile's own copy (driver.copy_graph_module), not node_copy's
     copy = _Unemitted(gm, graph, class_name=type(gm).__name__)
     copy.meta = dict(gm.meta)
     if recompute is not None:
@@ -417,7 +490,8 @@ def _measure(gm: fx.GraphModule, ctx: CompileContext, recompute: set[fx.Node] | 
     plan = scratch.memory_plan
     peak = plan.planned_peak_bytes if memory_pools and run.stopped_before is None else plan.live_peak_bytes
     step = predict(run.gm, ctx.world_size, profile)
-    return (_Peak(peak, plan.alive_at_live_peak(), step.seconds, step.moved_bytes, run.stopped_before is None),
+    return (_Peak(peak, plan.alive_at_live_peak(), step.seconds, step.moved_bytes, run.stopped_before is None,
+                  plan.live_peak_bytes),
             run if run.shots is not None else None)
 
 
@@ -436,7 +510,7 @@ def _highest_over_ranks(peak: _Peak, ctx: CompileContext) -> _Peak:
     it) and fit the budget."""
     every = ctx.from_every_rank(peak)
     highest = max(every, key=lambda p: p.bytes)
-    return dataclasses.replace(highest, seconds=max(p.seconds for p in every),
+    return dataclasses.replace(highest, seconds=max(p.seconds for p in every), live_bytes=max(p.live_bytes for p in every),
                                moved_bytes=max(p.moved_bytes for p in every), laid_out=all(p.laid_out for p in every))
 
 
