@@ -948,7 +948,7 @@ class CompiledStep:
                                 device: DeviceBudget | None = None) -> "_Made":
         state, options = self.state, self.options
 
-        def trace(optimizer_state):
+        def trace(optimizer_state, drop_state_of_unused=False):
             fake_mode = make_fake_mode()
             if callable(optimizer_state):
                 optimizer_state = optimizer_state(fake_mode)
@@ -958,7 +958,7 @@ class CompiledStep:
                 check_update_elementwise=options.stage != 0, parameter_shapes=state.released_shapes,
                 parameter_layouts=self._parameter_layouts,
                 grad_accumulation=options.grad_accumulation, precision=options.precision, autocast=autocast,
-                metrics_fn=options.metrics_fn)
+                metrics_fn=options.metrics_fn, drop_state_of_unused=drop_state_of_unused)
 
         # before the first step the step makes the optimizer's initial state itself, when it can learn it
         # (zerocc/optimizer_init.py): the first step then runs the steady state's program, one compile for both
@@ -969,12 +969,13 @@ class CompiledStep:
                 # a program compiled then, for another batch shape or mode, is a first step again)
                 fake_mode, captured = trace(self._fake_state)
             elif not state.started and (fresh := self._initial_optimizer_state()) is not None:
-                fake_mode, captured = trace(lambda mode: self._fake_initial_state(mode, fresh))
+                # eager makes no state for a parameter the loss does not reach: capture leaves out what was made for
+                # those (tracing the step again without it took as long as the trace)
+                fake_mode, captured = trace(lambda mode: self._fake_initial_state(mode, fresh), drop_state_of_unused=True)
                 unused = [info.name for info, node in zip(captured.params, g.placeholders(captured.gm, g.ROLE_PARAM))
                           if node.meta.get(g.UNUSED) and fresh[info.name]]
-                if unused:   # eager makes no state for a parameter the loss does not reach: none made for those
+                if unused:
                     fresh = {name: {} if name in unused else states for name, states in fresh.items()}
-                    fake_mode, captured = trace(lambda mode: self._fake_initial_state(mode, fresh))
             else:
                 fake_mode, captured = trace(None)
             self._refuse_other_trained_parameters(captured, batch, layout)

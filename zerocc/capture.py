@@ -17,6 +17,7 @@ attribute that forward writes in place is refused: it must be a buffer).
 """
 from __future__ import annotations
 
+import bisect
 import contextlib
 import dataclasses
 import inspect
@@ -471,6 +472,7 @@ def trace_step(
     autocast: tuple = (),
     layout: BatchLayout | None = None,
     metrics_fn: Callable | None = None,
+    drop_state_of_unused: bool = False,
 ) -> Captured:
     """Trace one training step of ``model`` and ``optimizer`` on ``inputs``.
 
@@ -493,7 +495,9 @@ def trace_step(
     ``precision`` (``zerocc/precision.py``) traces forward and backward in its
     ``param_dtype`` and, with loss scaling, adds the scale as a placeholder.
     ``metrics_fn`` (``metrics_of``) adds what it returns on each micro-batch as outputs, each replacing a
-    ``METRIC_PREFIX`` slot.
+    ``METRIC_PREFIX`` slot. ``drop_state_of_unused`` leaves out the ``optimizer_state`` of the parameters the loss
+    turns out not to reach (``_drop_state_of_unused``): the state the step makes before the first step, which eager
+    makes for a parameter only once it has a gradient.
     """
     params_all = named_tensors(model, "param")
     buffers_all = named_tensors(model, "buffer")
@@ -673,6 +677,8 @@ def trace_step(
 
     _refuse_writes_to_parameters(gm, leaves, param_infos, frozen_infos)
     _refuse_writes_to_the_batch(gm, leaves, layout)
+    if drop_state_of_unused:
+        leaves, state_keys = _drop_state_of_unused(gm, out_spec, leaves, state_keys)
     _tag_placeholders(gm, leaves, param_infos, frozen_infos, buffer_infos, state_keys)
     if precision is not None:
         mixed.tag_parameter_casts(gm, precision)
@@ -823,6 +829,35 @@ def _data_dependent_error(where: str | None, why: str, message: str = "", random
         f"planning with meta or fake example inputs).{note}\n"
         "  fix: compute it with tensor ops (torch.where, masking) instead of Python control flow, "
         "or move it out of the model.")
+
+
+def _drop_state_of_unused(gm, out_spec, leaves, state_keys) -> tuple[list, list]:
+    """The placeholders of the optimizer state of the parameters without a gradient, taken out of the traced graph:
+    it is what the trace makes of the same step given no state for them (forward and backward never read the
+    state, and the optimizer's update, spliced in after, skips a parameter without a gradient).
+
+    Which parameters the loss reaches is known only once traced (DeepSeek-V3's gate bias only chooses the
+    experts, through ``topk``'s indices). Tracing the step again without their state took as long as the first
+    trace: half the compile of a model with such a parameter (37 s of a MoE whose experts loop over
+    ``torch.where``). Returns the layout and the state keys without them; ``WRITTEN_INPUTS`` is renumbered.
+    """
+    import torch.utils._pytree as pytree
+    grads = pytree.tree_unflatten(list(g.output_node(gm).args[0]), out_spec)[1]
+    unused = {i for i, grad in enumerate(grads) if grad is None}
+    dropped = [position for position, (role, index, _) in enumerate(leaves) if role == g.ROLE_STATE and index in unused]
+    if not dropped:
+        return leaves, state_keys
+    nodes = g.placeholders(gm)
+    for position in dropped:
+        assert not nodes[position].users, nodes[position]
+        gm.graph.erase_node(nodes[position])
+    shift = [bisect.bisect_left(dropped, position) for position in range(len(leaves))]
+    written = gm.meta.get(g.WRITTEN_INPUTS)
+    if written:
+        gm.meta[g.WRITTEN_INPUTS] = {position - shift[position]: node for position, node in written.items()}
+    gone = set(dropped)
+    return ([leaf for position, leaf in enumerate(leaves) if position not in gone],
+            [() if i in unused else keys for i, keys in enumerate(state_keys)])
 
 
 def _splice_optimizer(gm, fake_mode, optimizer, grad_nodes, group_of):
