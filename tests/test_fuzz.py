@@ -10,9 +10,10 @@ on the same batches and compares them (bit for bit at world size 1, within
 the tolerances stated there across ranks).
 
 The default suite runs a short derandomized slice (5 cases at world size 1,
-2 cases inside one 2-rank run, one Mixtral case, one case of the training-loop dimensions). The long runs also
-draw those (``draw_loop``: eval_forward between steps, changing batch shapes, max_programs=1, a checkpoint
-resumed in new processes at another stage or world size, a shared compile cache). The long run, and the regression cases it
+2 cases inside one 2-rank run, one Mixtral case, one case of the training-loop dimensions, one of round 24's).
+The long runs also draw those (``draw_loop``: eval_forward between steps, changing batch shapes, max_programs=1, a checkpoint
+resumed in new processes at another stage or world size, a shared compile cache; ``draw_recent``: live optimizer
+settings, metrics_fn, the caller's autocast, and two more models). The long run, and the regression cases it
 found, are in ``docs/fuzzing.md``:
 
     ZEROCC_FUZZ_EXAMPLES=200 python -m pytest -m slow tests/test_fuzz.py
@@ -218,6 +219,14 @@ def test_a_training_loop_case_equals_the_eager_reference():
     assert [len(outcome.losses) for _, (outcome,) in runs] == [1, 2]
     for _, (outcome,) in runs:
         compare(outcome)
+
+
+def test_a_recent_features_case_equals_the_eager_reference():
+    """The default suite's one case of what draw_recent adds: DINO's center, which forward reassigns, carried through
+    accumulation and eval_forward (which reassigns it too), OneCycleLR cycling lr and betas between steps,
+    metrics_fn's values stacked per micro-batch, and every step under the caller's bf16 autocast."""
+    compare(run_case(Case(model="centered", stage=3, grad_accumulation=2, eval_between=True, live_settings="one_cycle",
+                          metrics=True, autocast=True)))
 
 
 # -- what the fuzzer found: each failure, as the smallest case that still shows it -------------
