@@ -188,8 +188,10 @@ def make_optimizer(case: Case, model: torch.nn.Module) -> torch.optim.Optimizer:
 
 def make_schedule(case: Case, optimizer: torch.optim.Optimizer):
     """The case's ``live_settings`` schedule on ``optimizer``: a callable run after each step with its number (both
-    sides alike; zerocc reads every float setting each step, docs: tests/test_live_settings.py). Made after the
-    optimizer's state is loaded on a resume, so both sides start it from the same loaded settings."""
+    sides alike; zerocc reads every float setting each step, docs: tests/test_live_settings.py). Made on the new
+    optimizer before anything is planned or loaded, on both sides: OneCycleLR adds float keys to the param groups
+    (``initial_lr``, ``max_lr``, ...) that the plan of the budget's baseline must see, and a resume then loads the
+    saved groups over them (its step count restarts on both sides alike)."""
     if case.live_settings == "one_cycle":
         # cycle_momentum moves momentum (SGD, RMSprop) or betas[0] (Adam); Adagrad has neither
         cycle = "betas" in optimizer.defaults or "momentum" in optimizer.defaults
@@ -535,6 +537,7 @@ def _run_case(case: Case, rank: int, world_size: int, folder: str | None, first_
     reference, loss_fn = make_model(case)
     reference_optimizer = make_optimizer(case, reference)
     scaler = torch.amp.GradScaler("cpu") if PRECISIONS[case.precision][2] else None
+    schedule = make_schedule(case, reference_optimizer)
     if resuming:   # eager's resume: the state dicts rank 0 saved (its BatchNorm statistics, as DDP's users save)
         saved = torch.load(os.path.join(folder, "reference.pt"), weights_only=False)
         reference.load_state_dict(saved["model"])
@@ -542,7 +545,6 @@ def _run_case(case: Case, rank: int, world_size: int, folder: str | None, first_
         if scaler is not None:
             scaler.load_state_dict(saved["scaler"])
     expected, expected_evals = [], []
-    schedule = make_schedule(case, reference_optimizer)
     for number, batch in data.items():
         _seed(number)
         expected.append(reference_step(case, reference, reference_optimizer, loss_fn, batch, scaler, world_size))
@@ -559,19 +561,21 @@ def _run_case(case: Case, rank: int, world_size: int, folder: str | None, first_
                       resumed_from=first_world_size)
     model, _ = make_model(case)
     optimizer = make_optimizer(case, model)
+    schedule = make_schedule(case, optimizer)
     stage = case.resume_stage if resuming and case.resume_stage is not None else case.stage
     try:
         # the budget is planned on the largest batch: with shape_change the larger shape peaks higher, and a budget
-        # of the smaller one's peak is rightly refused when that shape compiles
-        options = compile_options(dataclasses.replace(case, stage=stage), model, optimizer, loss_fn,
-                                  max(data.values(), key=_rows), world_size)
+        # of the smaller one's peak is rightly refused when that shape compiles; under the step's autocast, which
+        # makes another program (bf16 activations)
+        with autocast_of(case):
+            options = compile_options(dataclasses.replace(case, stage=stage), model, optimizer, loss_fn,
+                                      max(data.values(), key=_rows), world_size)
         if case.cache_dir:
             options["cache_dir"] = os.path.join(folder, "cache")
         outcome.budget = options.get("memory_budget")
         step = zerocc.compile(model, optimizer, timeout=TIMEOUT_S if world_size > 1 else None, **options)
         if resuming:
             zerocc.load_checkpoint(step, os.path.join(folder, "checkpoint"))
-        schedule = make_schedule(case, optimizer)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RecompileWarning)   # max_programs=1 with shape_change: the point
             for number, (args, kwargs) in data.items():
