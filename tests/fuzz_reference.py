@@ -562,6 +562,10 @@ def _run_case(case: Case, rank: int, world_size: int, folder: str | None, first_
     model, _ = make_model(case)
     optimizer = make_optimizer(case, model)
     schedule = make_schedule(case, optimizer)
+    if resuming:   # the budget's baseline is planned on the settings the step will load (a weight decay set by hand
+        # from 0 to nonzero before the save is another update, which peaks higher): the saved groups' settings
+        for group, saved_group in zip(optimizer.param_groups, saved["optimizer"]["param_groups"]):
+            group.update({key: value for key, value in saved_group.items() if key != "params"})
     stage = case.resume_stage if resuming and case.resume_stage is not None else case.stage
     try:
         # the budget is planned on the largest batch: with shape_change the larger shape peaks higher, and a budget
