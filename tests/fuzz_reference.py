@@ -48,9 +48,12 @@ from zerocc.errors import MemoryBudgetError, RecompileWarning
 from tests.models import ZOO, build
 
 MODELS = ("mlp", "gpt", "cnn")
+# drawn by the long runs since round 24 (after the others: a seed drawn with recent=False draws what it drew before)
+RECENT_MODELS = ("centered", "moe")   # tests/models.py: a buffer forward reassigns (DINO); routed experts + aux loss
 # real architectures (tests/zoo.py's Hugging Face models, tests/architectures.py's CNNs): the long runs draw them
 ARCHITECTURE_MODELS = ("llama", "gpt2", "bert", "t5", "mixtral", "resnet", "unet")
 ALL_MODELS = MODELS + ARCHITECTURE_MODELS
+EVERY_MODEL = ALL_MODELS + RECENT_MODELS
 
 # parameters a case may freeze, per model: a leading layer (its output still feeds trained ones)
 FREEZABLE = {
@@ -65,7 +68,12 @@ FREEZABLE = {
     "mixtral": ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.gate.weight"),
     "resnet": ("stem.weight", "bn.weight", "bn.bias"),
     "unet": ("enc1.weight", "enc1.bias"),
+    "centered": ("net.0.weight", "net.0.bias"),
+    "moe": ("norm.weight", "router.weight"),
 }
+# models gathering rows by index (x[token], Mixtral's experts): eager's CPU index_put_(accumulate=True) backward sums
+# in a run-dependent order unless deterministic algorithms are on
+DETERMINISTIC = {"llama", "gpt2", "bert", "t5", "mixtral", "resnet", "unet", "moe"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,6 +163,10 @@ class Case:
     resume_stage: int | None = None                # the resumed step's stage (None: the same)
     resume_world_size: int | None = None           # the resumed run's world size (None: the same)
     cache_dir: bool = False                        # a compile cache both runs share (the resumed one loads from it)
+    # drawn since round 24 (draw_recent), after the rest
+    live_settings: str | None = None               # "one_cycle" (OneCycleLR stepped after each step) or "by_hand"
+    metrics: bool = False                          # metrics_fn= (fuzz_metrics); step.last_metrics after each step
+    autocast: bool = False                         # each step called under torch.autocast("cpu", dtype=bfloat16)
 
     @property
     def resumed(self) -> bool:
@@ -172,6 +184,50 @@ def make_optimizer(case: Case, model: torch.nn.Module) -> torch.optim.Optimizer:
     if "weight_decay" in options:
         other["weight_decay"] = 0.0
     return cls([{"params": weights}, {"params": rest, **other}], **options)
+
+
+def make_schedule(case: Case, optimizer: torch.optim.Optimizer):
+    """The case's ``live_settings`` schedule on ``optimizer``: a callable run after each step with its number (both
+    sides alike; zerocc reads every float setting each step, docs: tests/test_live_settings.py). Made on the new
+    optimizer before anything is planned or loaded, on both sides: OneCycleLR adds float keys to the param groups
+    (``initial_lr``, ``max_lr``, ...) that the plan of the budget's baseline must see, and a resume then loads the
+    saved groups over them (its step count restarts on both sides alike)."""
+    if case.live_settings == "one_cycle":
+        # cycle_momentum moves momentum (SGD, RMSprop) or betas[0] (Adam); Adagrad has neither
+        cycle = "betas" in optimizer.defaults or "momentum" in optimizer.defaults
+        schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=OPTIMIZERS[case.optimizer][1]["lr"],
+                                                       total_steps=10, cycle_momentum=cycle)
+        return lambda number: schedule.step()
+    if case.live_settings == "by_hand":
+        return lambda number: set_by_hand(optimizer, number)
+    return lambda number: None
+
+
+def set_by_hand(optimizer: torch.optim.Optimizer, number: int) -> None:
+    """What a loop sets on the param groups itself after step ``number``: lr decayed, weight decay annealed from
+    whatever it was (0 in the second of two groups: it crosses zero, where step() branches), momentum, betas,
+    RMSprop's alpha moved."""
+    for group in optimizer.param_groups:
+        group["lr"] *= 0.8
+        if "weight_decay" in group:
+            group["weight_decay"] = 0.01 * (number + 1)
+        if group.get("momentum"):
+            group["momentum"] = 0.9 - 0.1 * (number + 1)
+        if "betas" in group:
+            group["betas"] = (0.9 - 0.05 * (number + 1), 0.999 - 0.001 * (number + 1))
+        if "alpha" in group:
+            group["alpha"] = 0.99 - 0.01 * (number + 1)
+
+
+def fuzz_metrics(output, *args, **kwargs):
+    """The case's ``metrics_fn``: a statistic of the model's output (the loss, or a Hugging Face output's logits)."""
+    value = output if isinstance(output, torch.Tensor) else output.logits
+    return {"mean_square": value.detach().float().square().mean()}
+
+
+def autocast_of(case: Case):
+    """The caller's autocast around each step (the reference's forward and loss), or none."""
+    return torch.autocast("cpu", dtype=torch.bfloat16) if case.autocast else contextlib.nullcontext()
 
 
 def make_model(case: Case) -> tuple[torch.nn.Module, object]:
@@ -218,6 +274,7 @@ def compile_options(case: Case, model, optimizer, loss_fn, example, world_size) 
     """``zerocc.compile`` keywords of the case; the budget is a fraction of what ``zerocc.plan`` plans without one."""
     param_dtype, reduce_dtype, loss_scale = PRECISIONS[case.precision]
     options = dict(stage=case.stage, loss_fn=loss_fn, grad_accumulation=case.grad_accumulation,
+                   metrics_fn=fuzz_metrics if case.metrics else None,
                    clip_grad_norm=case.clip_grad_norm, clip_norm_type=case.clip_norm_type,
                    param_dtype=param_dtype, reduce_dtype=reduce_dtype, loss_scale=loss_scale,
                    memory_pools=case.memory_pools)
@@ -251,16 +308,22 @@ def _loss(output):
     return output if isinstance(output, torch.Tensor) else output.loss
 
 
-def loss_of(model, loss_fn, batch):
+def loss_of(model, loss_fn, batch, metrics):
+    """The loss of ``batch``; ``metrics`` (a list, or None) gets ``fuzz_metrics`` of the output, computed as the step
+    computes it: without gradient and outside the caller's autocast (docs/guide/training-loops.md)."""
     args, kwargs = batch
-    return _loss(model(*args, **kwargs)) if loss_fn is None else loss_fn(model(*args[:-1], **kwargs), args[-1])
+    output = model(*args, **kwargs) if loss_fn is None else model(*args[:-1], **kwargs)
+    if metrics is not None:
+        with torch.no_grad(), torch.autocast("cpu", enabled=False):
+            metrics.append(fuzz_metrics(output, *args, **kwargs))
+    return _loss(output) if loss_fn is None else loss_fn(output, args[-1])
 
 
 def _cast(value, dtype):
     return value.to(dtype) if isinstance(value, torch.Tensor) and value.is_floating_point() else value
 
 
-def _micro_gradients(case, model, loss_fn, micro, dtype, scale):
+def _micro_gradients(case, model, loss_fn, micro, dtype, scale, metrics):
     """(loss / K, this micro-batch's gradients in fp32 by parameter name) on ``dtype`` copies of the masters."""
     trained = {n: p for n, p in model.named_parameters() if p.requires_grad}
     computed = {n: p.detach().to(dtype).requires_grad_(p.requires_grad) for n, p in model.named_parameters()}
@@ -273,7 +336,12 @@ def _micro_gradients(case, model, loss_fn, micro, dtype, scale):
 
     def forward():
         return torch.func.functional_call(model, computed, tuple(inputs), kwargs, tie_weights=True, strict=False)
-    loss = _loss(forward()) if loss_fn is None else loss_fn(forward(), *targets)
+    with autocast_of(case):
+        output = forward()
+        if metrics is not None:
+            with torch.no_grad(), torch.autocast("cpu", enabled=False):
+                metrics.append(fuzz_metrics(output, *args, **micro[1]))
+        loss = _loss(output) if loss_fn is None else loss_fn(output, *targets)
     loss = loss.float()
     if case.grad_accumulation > 1:
         loss = loss / case.grad_accumulation
@@ -284,16 +352,19 @@ def _micro_gradients(case, model, loss_fn, micro, dtype, scale):
 
 
 def reference_step(case, model, optimizer, loss_fn, batch, scaler, world_size):
-    """One eager step as the case's options define it; returns (loss, norm before clipping or None)."""
+    """One eager step as the case's options define it; returns (loss, norm before clipping or None, metrics or None:
+    each micro-batch's ``fuzz_metrics``, stacked along a new first dimension with accumulation)."""
     param_dtype, reduce_dtype, _ = PRECISIONS[case.precision]
     optimizer.zero_grad(set_to_none=True)
     for buffer in model.buffers() if world_size > 1 else ():   # DDP: every rank starts from rank 0's statistics
         dist.broadcast(buffer, 0)
     micro_batches = chunks(batch, case.grad_accumulation)
+    metrics = [] if case.metrics else None
     total = None
     if param_dtype is None:   # fp32: the documented reference, (loss / K).backward() per micro-batch
         for micro in micro_batches:
-            loss = loss_of(model, loss_fn, micro)
+            with autocast_of(case):
+                loss = loss_of(model, loss_fn, micro, metrics)
             if case.grad_accumulation > 1:
                 loss = loss / case.grad_accumulation
             loss.backward()
@@ -302,7 +373,7 @@ def reference_step(case, model, optimizer, loss_fn, batch, scaler, world_size):
         grads = {}
         for micro in micro_batches:
             scale = scaler.scale(torch.ones(())).reshape(()) if scaler is not None else None   # also creates it
-            loss, micro_grads = _micro_gradients(case, model, loss_fn, micro, param_dtype, scale)
+            loss, micro_grads = _micro_gradients(case, model, loss_fn, micro, param_dtype, scale, metrics)
             for name, grad in micro_grads.items():   # AccumulateGrad's order: the running sum, then the new one
                 old = grads.get(name)
                 grads[name] = grad if old is None else old if grad is None else old + grad
@@ -334,7 +405,10 @@ def reference_step(case, model, optimizer, loss_fn, batch, scaler, world_size):
         scaler.update()
     else:
         optimizer.step()
-    return total.float(), norm
+    if metrics is not None:
+        metrics = metrics[0] if case.grad_accumulation == 1 else \
+            {key: torch.stack([m[key] for m in metrics]) for key in metrics[0]}
+    return total.float(), norm, metrics
 
 
 @dataclasses.dataclass
@@ -346,11 +420,13 @@ class Outcome:
     expected_state: dict
     expected_scale: float | None
     expected_evals: list = dataclasses.field(default_factory=list)   # eval_forward's outputs (eval_between)
+    expected_metrics: list = dataclasses.field(default_factory=list)  # fuzz_metrics per step (metrics)
     losses: list = dataclasses.field(default_factory=list)
     norms: list = dataclasses.field(default_factory=list)
     state: dict = dataclasses.field(default_factory=dict)
     scale: float | None = None
     evals: list = dataclasses.field(default_factory=list)
+    metrics: list = dataclasses.field(default_factory=list)
     budget: int | None = None
     peak_bytes: int | None = None  # what the budget bounds (budgeted_peak)
     refused: str | None = None     # a documented refusal (MemoryBudgetError): not a failure
@@ -367,7 +443,7 @@ def run_case(case: Case, rank: int = 0, world_size: int = 1, folder: str | None 
     with ``zerocc.save_checkpoint``, the reference's state dicts from rank 0); ``resume_case`` trains the rest."""
     if case.resumed and folder is None:
         raise ValueError(f"{case!r} saves a checkpoint: pass a folder (run_whole_case does)")
-    with _deterministic(case.model in ARCHITECTURES):
+    with _deterministic(case.model in DETERMINISTIC):
         return _run_case(case, rank, world_size, folder)
 
 
@@ -375,7 +451,7 @@ def resume_case(rank: int, world_size: int, case: Case, folder: str, first_world
     """The rest of a resumed case, in new processes (``tests/distributed.py``'s ``run`` target): the reference loads
     the saved state dicts, the compiled step is compiled at ``resume_stage`` on fresh objects and loads the
     checkpoint with ``zerocc.load_checkpoint``, as a user's restarted job does."""
-    with _deterministic(case.model in ARCHITECTURES):
+    with _deterministic(case.model in DETERMINISTIC):
         return _run_case(case, rank, world_size, folder, first_world_size)
 
 
@@ -461,6 +537,7 @@ def _run_case(case: Case, rank: int, world_size: int, folder: str | None, first_
     reference, loss_fn = make_model(case)
     reference_optimizer = make_optimizer(case, reference)
     scaler = torch.amp.GradScaler("cpu") if PRECISIONS[case.precision][2] else None
+    schedule = make_schedule(case, reference_optimizer)
     if resuming:   # eager's resume: the state dicts rank 0 saved (its BatchNorm statistics, as DDP's users save)
         saved = torch.load(os.path.join(folder, "reference.pt"), weights_only=False)
         reference.load_state_dict(saved["model"])
@@ -471,23 +548,32 @@ def _run_case(case: Case, rank: int, world_size: int, folder: str | None, first_
     for number, batch in data.items():
         _seed(number)
         expected.append(reference_step(case, reference, reference_optimizer, loss_fn, batch, scaler, world_size))
+        schedule(number)
         if case.eval_between:
             expected_evals.append(reference_eval(reference, loss_fn, batch))
     if case.resumed and not resuming and rank == 0:
         torch.save({"model": reference.state_dict(), "optimizer": reference_optimizer.state_dict(),
                     "scaler": scaler.state_dict() if scaler is not None else None},
                    os.path.join(folder, "reference.pt"))
-    outcome = Outcome(case, [e for e, _ in expected], [n for _, n in expected],
+    outcome = Outcome(case, [e for e, _, _ in expected], [n for _, n, _ in expected],
                       {k: v.clone() for k, v in reference.state_dict().items()},
-                      scaler.get_scale() if scaler is not None else None, expected_evals, resumed_from=first_world_size)
+                      scaler.get_scale() if scaler is not None else None, expected_evals, [m for _, _, m in expected],
+                      resumed_from=first_world_size)
     model, _ = make_model(case)
     optimizer = make_optimizer(case, model)
+    schedule = make_schedule(case, optimizer)
+    if resuming:   # the budget's baseline is planned on the settings the step will load (a weight decay set by hand
+        # from 0 to nonzero before the save is another update, which peaks higher): the saved groups' settings
+        for group, saved_group in zip(optimizer.param_groups, saved["optimizer"]["param_groups"]):
+            group.update({key: value for key, value in saved_group.items() if key != "params"})
     stage = case.resume_stage if resuming and case.resume_stage is not None else case.stage
     try:
         # the budget is planned on the largest batch: with shape_change the larger shape peaks higher, and a budget
-        # of the smaller one's peak is rightly refused when that shape compiles
-        options = compile_options(dataclasses.replace(case, stage=stage), model, optimizer, loss_fn,
-                                  max(data.values(), key=_rows), world_size)
+        # of the smaller one's peak is rightly refused when that shape compiles; under the step's autocast, which
+        # makes another program (bf16 activations)
+        with autocast_of(case):
+            options = compile_options(dataclasses.replace(case, stage=stage), model, optimizer, loss_fn,
+                                      max(data.values(), key=_rows), world_size)
         if case.cache_dir:
             options["cache_dir"] = os.path.join(folder, "cache")
         outcome.budget = options.get("memory_budget")
@@ -498,8 +584,12 @@ def _run_case(case: Case, rank: int, world_size: int, folder: str | None, first_
             warnings.simplefilter("ignore", RecompileWarning)   # max_programs=1 with shape_change: the point
             for number, (args, kwargs) in data.items():
                 _seed(number)
-                outcome.losses.append(step(*args, **kwargs))
+                with autocast_of(case):
+                    outcome.losses.append(step(*args, **kwargs))
                 outcome.norms.append(step.last_grad_norm)
+                if case.metrics:
+                    outcome.metrics.append(step.last_metrics)
+                schedule(number)
                 if case.eval_between:
                     eval_args, eval_kwargs = _eval_inputs(loss_fn, (args, kwargs))
                     outcome.evals.append(_eval_value(step.eval_forward(*eval_args, **eval_kwargs)))
@@ -572,6 +662,12 @@ def compare(outcome: Outcome, world_size: int = 1, where: str = "") -> None:
     assert len(outcome.evals) == len(outcome.expected_evals), where
     for number, (got, expected) in enumerate(zip(outcome.evals, outcome.expected_evals)):
         _close(got, expected, tolerance.state, f"{where} eval_forward after step {number}")
+    if case.metrics:
+        assert len(outcome.metrics) == len(outcome.expected_metrics), where
+        for number, (got, expected) in enumerate(zip(outcome.metrics, outcome.expected_metrics)):
+            assert got.keys() == expected.keys(), f"{where} last_metrics after step {number}: {sorted(got)}"
+            for key, value in expected.items():
+                _close(got[key], value, tolerance.state, f"{where} last_metrics[{key!r}] after step {number}")
     if case.clip_grad_norm is not None:
         _close(torch.stack(outcome.norms), torch.stack(outcome.expected_norms), tolerance.losses, f"{where} norms")
     assert outcome.scale == outcome.expected_scale, f"{where}: loss scale {outcome.scale} != {outcome.expected_scale}"

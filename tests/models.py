@@ -60,6 +60,64 @@ class ConvNet(nn.Module):
         return self.fc(x.flatten(1))
 
 
+class CenteredHead(nn.Module):
+    """DINO's head in small: forward *reassigns* a center buffer under no_grad (``self.center = ...``, which
+    ``Module.__setattr__`` puts in ``_buffers``) rather than writing it in place as BatchNorm does; the model returns
+    its loss. Across ranks the batch center is all-reduced with the traceable collective, as DINO all-reduces it."""
+
+    def __init__(self, width=16, out=8):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(12, width), nn.GELU(), nn.Linear(width, out))
+        self.register_buffer("center", torch.zeros(1, out))
+
+    def forward(self, x):
+        out = self.net(x)
+        loss = torch.sum(-F.softmax((out - self.center) / 0.5, -1).detach() * F.log_softmax(out, -1), -1).mean()
+        with torch.no_grad():
+            total = out.float().sum(0, keepdim=True)
+            rows = len(out)
+            if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+                import torch.distributed._functional_collectives as funcol
+                total = funcol.all_reduce(total, "sum", torch.distributed.group.WORLD)
+                rows *= torch.distributed.get_world_size()
+            self.center = self.center * 0.9 + total / rows * 0.1
+        return loss
+
+
+class RoutedExperts(nn.Module):
+    """A small LM whose feed-forward is a top-2 mixture of four experts, as first MoEs write it: each expert's tokens
+    found with torch.where (a data-dependent count), a Switch-style load-balancing auxiliary loss added to the loss,
+    and a router buffer (tokens per expert) written in forward under no_grad, as torchtitan counts them."""
+
+    def __init__(self, width=16, hidden=32, experts=4, vocab=64):
+        super().__init__()
+        self.embedding = nn.Embedding(vocab, width)
+        self.norm = nn.LayerNorm(width)
+        self.router = nn.Linear(width, experts, bias=False)
+        self.w1 = nn.Parameter(torch.randn(experts, width, hidden) / width ** 0.5)
+        self.w2 = nn.Parameter(torch.randn(experts, hidden, width) / hidden ** 0.5)
+        self.head = nn.Linear(width, vocab)
+        self.experts = experts
+        self.register_buffer("tokens_per_expert", torch.zeros(experts))
+
+    def forward(self, ids, labels):
+        h = self.embedding(ids)
+        x = self.norm(h).flatten(0, 1)
+        scores = self.router(x).float().softmax(-1)
+        gates, chosen = scores.topk(2, dim=-1)
+        gates = (gates / gates.sum(-1, keepdim=True)).to(x.dtype)
+        with torch.no_grad():
+            counts = torch.histc(chosen.float(), bins=self.experts, min=0, max=self.experts - 1)
+            self.tokens_per_expert += counts
+        aux = self.experts * (counts / chosen.numel() * scores.mean(0)).sum()
+        out = torch.zeros_like(x)
+        for e in range(self.experts):
+            token, slot = torch.where(chosen == e)
+            out.index_add_(0, token, F.silu(x[token] @ self.w1[e]) @ self.w2[e] * gates[token, slot, None])
+        h = h + out.view_as(h)
+        return F.cross_entropy(self.head(h).flatten(0, 1), labels.flatten()) + 0.01 * aux
+
+
 def mlp_batch(generator, batch):
     return torch.randn(batch, 12, generator=generator), torch.randn(batch, 5, generator=generator)
 
@@ -67,6 +125,15 @@ def mlp_batch(generator, batch):
 def gpt_batch(generator, batch):
     idx = torch.randint(0, 64, (batch, 16), generator=generator)
     return idx, torch.roll(idx, -1, dims=1)
+
+
+def centered_batch(generator, batch):
+    return (torch.randn(batch, 12, generator=generator),)
+
+
+def token_batch(generator, batch):
+    ids = torch.randint(0, 64, (batch, 8), generator=generator)
+    return ids, ids.roll(1, 1)
 
 
 def conv_batch(generator, batch):
@@ -78,6 +145,8 @@ ZOO = {
     "mlp": (MLP, mlp_batch, F.mse_loss),
     "gpt": (TinyGPT, gpt_batch, None),
     "cnn": (ConvNet, conv_batch, F.cross_entropy),
+    "centered": (CenteredHead, centered_batch, None),   # a buffer forward reassigns (DINO's center)
+    "moe": (RoutedExperts, token_batch, None),          # routed experts, an aux loss, a buffer forward writes
 }
 
 

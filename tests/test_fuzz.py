@@ -10,9 +10,10 @@ on the same batches and compares them (bit for bit at world size 1, within
 the tolerances stated there across ranks).
 
 The default suite runs a short derandomized slice (5 cases at world size 1,
-2 cases inside one 2-rank run, one Mixtral case, one case of the training-loop dimensions). The long runs also
-draw those (``draw_loop``: eval_forward between steps, changing batch shapes, max_programs=1, a checkpoint
-resumed in new processes at another stage or world size, a shared compile cache). The long run, and the regression cases it
+2 cases inside one 2-rank run, one Mixtral case, one case of the training-loop dimensions, one of round 24's).
+The long runs also draw those (``draw_loop``: eval_forward between steps, changing batch shapes, max_programs=1, a checkpoint
+resumed in new processes at another stage or world size, a shared compile cache; ``draw_recent``: live optimizer
+settings, metrics_fn, the caller's autocast, and two more models). The long run, and the regression cases it
 found, are in ``docs/fuzzing.md``:
 
     ZEROCC_FUZZ_EXAMPLES=200 python -m pytest -m slow tests/test_fuzz.py
@@ -38,19 +39,22 @@ from hypothesis import strategies as st
 import zerocc
 from tests import distributed
 from tests.helpers import foreach_as_on_cuda
-from tests.fuzz_reference import (ALL_MODELS, FREEZABLE, OPTIMIZERS, Case, case_batches, compare, compile_options,
-                                  describe, make_model, make_optimizer, precisions_of, run_case, run_resumed,
-                                  run_whole_case)
+from tests.fuzz_reference import (ALL_MODELS, EVERY_MODEL, FREEZABLE, OPTIMIZERS, PRECISIONS, Case, case_batches,
+                                  compare, compile_options, describe, make_model, make_optimizer, precisions_of,
+                                  run_case, run_resumed, run_whole_case)
 
 LONG_EXAMPLES = int(os.environ.get("ZEROCC_FUZZ_EXAMPLES", "200"))
 
 
-def draw_case(choose, models=ALL_MODELS, loop=False, resume_world_sizes=(None, 1, 2)) -> Case:
+def draw_case(choose, models=ALL_MODELS, loop=False, resume_world_sizes=(None, 1, 2), recent=False) -> Case:
     """A case, each field picked by ``choose(options)`` (Hypothesis' draw or a seeded Random's choice).
 
     Options are listed simplest first: Hypothesis shrinks a failure towards them. ``loop`` also draws what a
     training loop does around the step (``draw_loop``), after the rest, so that a seed draws the same options
     as before these existed; ``resume_world_sizes`` are the resumed runs' world sizes it may draw (None: the same).
+    ``recent`` draws what round 24 added (``draw_recent``) after those, the same way: callers pass the models
+    ``fuzz_reference.EVERY_MODEL`` with it (a longer model list changes every draw of a seed, so without ``recent``
+    a seed's cases are the ones it drew before).
     """
     model = choose(models)
     # eager BatchNorm refuses bf16 inputs with fp32 running statistics: the CNN and the ResNet have no mixed
@@ -75,7 +79,23 @@ def draw_case(choose, models=ALL_MODELS, loop=False, resume_world_sizes=(None, 1
         frozen_in_optimizer=choose((True, False)),
         param_groups=choose((False, True)),
     )
-    return draw_loop(choose, case, resume_world_sizes) if loop else case
+    case = draw_loop(choose, case, resume_world_sizes) if loop else case
+    return draw_recent(choose, case) if recent else case
+
+
+def draw_recent(choose, case: Case) -> Case:
+    """What round 24 added, drawn onto ``case``: float settings changed between steps (OneCycleLR with its momentum
+    cycle, or lr, weight decay, momentum, betas, alpha set by hand), ``metrics_fn=`` read from ``step.last_metrics``,
+    and the step called under the caller's ``torch.autocast`` (bf16 on the CPU; with ``param_dtype`` bf16 or none:
+    another ``param_dtype`` fails as eager does, docs/guide/mixed-precision.md). The models with a buffer forward
+    reassigns and with routed experts are in ``EVERY_MODEL``."""
+    autocast_ok = PRECISIONS[case.precision][0] in (None, torch.bfloat16)
+    return dataclasses.replace(
+        case,
+        live_settings=choose((None, "one_cycle", "by_hand")),
+        metrics=choose((False, True)),
+        autocast=choose((False, True)) if autocast_ok else False,
+    )
 
 
 def draw_loop(choose, case: Case, resume_world_sizes) -> Case:
@@ -100,13 +120,13 @@ def draw_loop(choose, case: Case, resume_world_sizes) -> Case:
 
 
 @st.composite
-def cases(draw, models=ALL_MODELS, loop=False, resume_world_sizes=(None,)):
-    return draw_case(lambda options: draw(st.sampled_from(options)), models, loop, resume_world_sizes)
+def cases(draw, models=ALL_MODELS, loop=False, resume_world_sizes=(None,), recent=False):
+    return draw_case(lambda options: draw(st.sampled_from(options)), models, loop, resume_world_sizes, recent)
 
 
-def random_cases(count: int, seed: int, models=ALL_MODELS, loop=False) -> list[Case]:
+def random_cases(count: int, seed: int, models=ALL_MODELS, loop=False, recent=False) -> list[Case]:
     generator = random.Random(seed)
-    return [draw_case(generator.choice, models, loop) for _ in range(count)]
+    return [draw_case(generator.choice, models, loop, recent=recent) for _ in range(count)]
 
 
 # the default suite's slice trains the cheap models (a GPT case compiles for 10-60 s on a loaded 2-core
@@ -129,7 +149,7 @@ def test_world_size_1_equals_the_eager_reference(case):
 
 @pytest.mark.slow
 @settings(max_examples=LONG_EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck))
-@given(cases(loop=True))
+@given(cases(EVERY_MODEL, loop=True, recent=True))
 def test_world_size_1_long(case):
     for _, (outcome,) in run_whole_case(case):   # resumed at world size 1 (in new processes): not multirank
         compare(outcome)
@@ -179,7 +199,7 @@ def test_world_size_2_matches_the_eager_reference():
 @pytest.mark.multirank
 def test_world_size_2_long():
     _check_across_ranks(random_cases(max(1, LONG_EXAMPLES // 4), seed=int(os.environ.get("ZEROCC_FUZZ_SEED", "3")),
-                                     loop=True))
+                                     models=EVERY_MODEL, loop=True, recent=True))
 
 
 def test_a_real_architecture_equals_the_eager_reference():
@@ -199,6 +219,14 @@ def test_a_training_loop_case_equals_the_eager_reference():
     assert [len(outcome.losses) for _, (outcome,) in runs] == [1, 2]
     for _, (outcome,) in runs:
         compare(outcome)
+
+
+def test_a_recent_features_case_equals_the_eager_reference():
+    """The default suite's one case of what draw_recent adds: DINO's center, which forward reassigns, carried through
+    accumulation and eval_forward (which reassigns it too), OneCycleLR cycling lr and betas between steps,
+    metrics_fn's values stacked per micro-batch, and every step under the caller's bf16 autocast."""
+    compare(run_case(Case(model="centered", stage=3, grad_accumulation=2, eval_between=True, live_settings="one_cycle",
+                          metrics=True, autocast=True)))
 
 
 # -- what the fuzzer found: each failure, as the smallest case that still shows it -------------
@@ -278,14 +306,18 @@ def main(argv=None) -> int:
     parser.add_argument("--no-loop", action="store_true",
                         help="draw no training-loop dimensions (eval, shape changes, resume, cache): the cases a seed "
                              "drew before they existed")
-    parser.add_argument("--models", default=",".join(ALL_MODELS),
-                        help=f"comma-separated models to draw from (default: all of {', '.join(ALL_MODELS)})")
+    parser.add_argument("--no-recent", action="store_true",
+                        help="draw nothing round 24 added (live optimizer settings, metrics_fn, autocast, the models "
+                             f"{', '.join(m for m in EVERY_MODEL if m not in ALL_MODELS)}): the cases a seed drew before")
+    parser.add_argument("--models", default=None,
+                        help=f"comma-separated models to draw from (default: all of {', '.join(EVERY_MODEL)}; "
+                             f"with --no-recent {', '.join(ALL_MODELS)})")
     args = parser.parse_args(argv)
-    models = tuple(args.models.split(","))
-    unknown = set(models) - set(ALL_MODELS)
+    models = tuple(args.models.split(",")) if args.models else ALL_MODELS if args.no_recent else EVERY_MODEL
+    unknown = set(models) - set(EVERY_MODEL)
     if unknown:
-        parser.error(f"unknown models {sorted(unknown)}; choose from {', '.join(ALL_MODELS)}")
-    drawn = random_cases(args.examples, args.seed, models, loop=not args.no_loop)
+        parser.error(f"unknown models {sorted(unknown)}; choose from {', '.join(EVERY_MODEL)}")
+    drawn = random_cases(args.examples, args.seed, models, loop=not args.no_loop, recent=not args.no_recent)
     if args.world_size == 1:   # one at a time, logged as it ends (a resumed case: one more run, in a new process)
         def one(case):
             with foreach_as_on_cuda_if(args.foreach_as_on_cuda):
