@@ -227,7 +227,7 @@ def place_remat(gm: fx.GraphModule, ctx: CompileContext, *, memory_budget: int |
         before = peak_of(None)
         memory_budget = before.bytes
         consider(None, DEFAULT)
-        _search_at_default_peak(gm, analysis, before, memory_budget, peak_of, consider, saved)
+        _search_at_default_peak(gm, ctx, analysis, before, memory_budget, peak_of, consider, saved)
     elif multi:
         # 1. every forward gather kept, nothing recomputed: the fastest plan there is; when it fits, nothing
         # else is measured
@@ -326,8 +326,8 @@ UNBOUNDED = 2 ** 62
 LADDER_STEPS = 16
 
 
-def _search_at_default_peak(gm: fx.GraphModule, analysis: Recomputation, default: _Peak, budget: int,
-                            peak_of, consider, saved) -> None:
+def _search_at_default_peak(gm: fx.GraphModule, ctx: CompileContext, analysis: Recomputation, default: _Peak,
+                            budget: int, peak_of, consider, saved) -> None:
     """Under the default plan's peak (measured as ``default``), a plan keeping every forward gather for backward
     (module docstring). Every default compile pays for what is measured here, so at most one plan is, unless its
     prediction was wrong: the one predicted to fit with the least recomputation, every gather kept and cheap
@@ -343,21 +343,30 @@ def _search_at_default_peak(gm: fx.GraphModule, analysis: Recomputation, default
     the persistent state and every gathered bucket, alive at once where backward starts, are over the budget
     (the 98M GPT: 980 MB, budget 817 MB), nor where no cheap plan is predicted to fit."""
     persistent = sum(nbytes for role, nbytes in default.by_role if role in ("parameters", "optimizer state", "inputs"))
+    # every rank must measure the same plans (the later passes exchange with the other ranks) while each predicts
+    # from its own numbers (its optimizer pieces, its shard sizes): the floor, then each plan's predicted live
+    # peak, the highest over ranks; ranks whose plans do not line up search nothing, together
     floor = persistent + _gathered_bytes(gm)
-    if floor > budget:
+    if max(ctx.from_every_rank(floor)) > budget:
         return
     plans = [frozenset(), *analysis.cheap_plans()]
     live = max(memory_plan_of(gm, placed=False).live_peak_bytes, floor + analysis.kept_bytes(frozenset()))
+    every = ctx.from_every_rank([live - saved(plan) for plan in plans])
+    if len({len(predicted) for predicted in every}) != 1:
+        return
+    predicted = [max(values) for values in zip(*every)]
     layout, last = max(default.bytes - default.live_bytes, 0), -1
     for _ in range(AT_DEFAULT_PEAK_PLANS):
-        index = next((i for i in range(last + 1, len(plans)) if live - saved(plans[i]) + layout <= budget), None)
+        index = next((i for i in range(last + 1, len(plans)) if predicted[i] + layout <= budget), None)
         if index is None:
             return
-        peak = peak_of(plans[index] or None, EVERY, live_when_over=True)
+        peak = peak_of(plans[index] or None, EVERY, live_when_over=True)   # the highest over ranks: the same on each
         if peak.bytes <= budget:
             consider(plans[index] or None, EVERY)
             return
-        last, live = index, max(live, peak.live_bytes + saved(plans[index]))
+        # the prediction corrected by the plan's measured live peak, for the plans after it
+        under = max(peak.live_bytes - predicted[index], 0)
+        last, predicted = index, [value + under for value in predicted]
         if peak.laid_out:
             layout = max(layout, peak.bytes - peak.live_bytes)
 
