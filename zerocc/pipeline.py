@@ -383,7 +383,7 @@ def run_pipeline(gm: fx.GraphModule, ctx: CompileContext, passes: list[Pass], *,
         _dump(dump_dir, history[-1])
     for index, step in enumerate(passes, start=1):
         started = time.perf_counter()
-        ctx.rest_of_pipeline = LaterPasses(passes[index:], index + 1)
+        ctx.rest_of_pipeline = LaterPasses(passes[index:], index + 1, passes[:index], verify)
         try:
             result = step.run(gm, ctx)
             if not isinstance(result, fx.GraphModule):
@@ -394,8 +394,8 @@ def run_pipeline(gm: fx.GraphModule, ctx: CompileContext, passes: list[Pass], *,
             if verify:
                 with stats.timed(compile_stats.VERIFY):
                     verify_graph(gm, ctx)
-        except MemoryBudgetError:
-            raise   # the user's budget, not a failing pass: its message says what fits
+        except (MemoryBudgetError, PassError):
+            raise   # the user's budget, not a failing pass: its message says what fits; a later pass's, named
         except (RuntimeError, torch.distributed.DistError) as error:
             if is_collective_failure(error):
                 raise   # a pass that agrees across ranks met a dead peer: the step reports it (RankFailureError)
@@ -470,13 +470,32 @@ class LaterPasses:
     read what the scratch context holds only provisionally.
     """
 
-    def __init__(self, passes: Sequence[Pass], first_index: int):
+    def __init__(self, passes: Sequence[Pass], first_index: int, before: Sequence[Pass] = (), verify: bool = False):
         self.passes, self.first_index = list(passes), first_index
+        self.before, self.verify = list(before), verify   # the passes run before them; check each graph (verify=)
 
     def __call__(self, gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
         for later in self.passes:
-            gm = later.run(gm, ctx)
+            gm = self._run(later, gm, ctx)
         return gm
+
+    def _run(self, later: Pass, gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
+        """``later`` on ``gm``, checked as the runner checks it under ``verify=``; its failure named as the runner
+        names it (a registered pass leaving a broken graph was reported as the measuring pass's own error)."""
+        try:
+            gm = later.run(gm, ctx)
+            if self.verify:
+                from .verify import verify_graph
+                verify_graph(gm, ctx)
+            return gm
+        except (PassError, MemoryBudgetError):
+            raise
+        except (RuntimeError, torch.distributed.DistError) as error:
+            if is_collective_failure(error):
+                raise
+            _raise_pass_error(error, later.name, self.before + self.passes[: self.passes.index(later)], self.verify)
+        except Exception as error:
+            _raise_pass_error(error, later.name, self.before + self.passes[: self.passes.index(later)], self.verify)
 
     def recorded(self, gm: fx.GraphModule, ctx: CompileContext,
                  over: Callable[[CompileContext], bool] | None = None) -> LaterRun:
@@ -493,7 +512,7 @@ class LaterPasses:
                     and shots[-1].name == "plan_memory" and over(ctx)):
                 return LaterRun(gm, ctx, None, stopped_before="place_buffers")
             started = time.perf_counter()
-            gm = later.run(gm, ctx)
+            gm = self._run(later, gm, ctx)
             elapsed = time.perf_counter() - started
             shots.append(snapshot(index, later.name, gm, counts, ctx.notes.get(later.name, "")))
             shots[-1].seconds, counts = elapsed, shots[-1].node_counts
