@@ -250,13 +250,31 @@ class _ScaledSGD(torch.optim.Optimizer):
                 p.add_(p.grad, alpha=-group["lr"] * group["scale"])
 
 
+class _GradScaledSGD(torch.optim.SGD):
+    """A user's subclass of a torch.optim optimizer overriding step(): it may read any key (here ``scale``)."""
+
+    def __init__(self, params, lr):
+        super().__init__(params, lr=lr)
+        for group in self.param_groups:
+            group.setdefault("scale", 1.0)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.grad.mul_(group["scale"])
+        return super().step(closure)
+
+
+@pytest.mark.parametrize("make", [lambda p: _ScaledSGD(p, lr=0.01), lambda p: _GradScaledSGD(p, lr=0.01)],
+                         ids=["own_optimizer", "sgd_subclass_with_its_own_step"])
 @pytest.mark.parametrize("stage", [0, 3])
-def test_a_third_party_optimizer_reads_its_own_key_every_step(stage):
+def test_a_third_party_optimizer_reads_its_own_key_every_step(stage, make):
     """Its own float key, changed between steps, changes the update as eager's does, with no recompile."""
     def rescale(optimizer, step_index):
         for group in optimizer.param_groups:
             group["scale"] = 0.5 * (step_index + 2)
 
-    programs, said = _train(lambda p: _ScaledSGD(p, lr=0.01), rescale, stage)
+    programs, said = _train(make, rescale, stage)
     assert said == []
     assert programs == 1
