@@ -177,3 +177,104 @@ def test_look_alike_param_groups_are_probed_once(make, expected_programs, monkey
     shapes = [tuple(p.shape) for p in build("mlp")[0].parameters()]
     assert len(set(shapes)) < len(shapes)
     assert sorted(set(probes)) == sorted({shapes.index(shape) for shape in shapes}), probes
+
+
+def _hyper_placeholders(plan):
+    from zerocc import graph as g
+    return [node.name for node in g.placeholders(plan.gm, g.ROLE_HYPER)]
+
+
+def test_keys_no_torch_optim_step_reads_are_no_settings_inputs():
+    """OneCycleLR adds five float keys to each group (``initial_lr``, ``max_lr``, ``min_lr``, ``max_momentum``,
+    ``base_momentum``) and a user keeps a layer's scale there for logging: torch.optim's step() reads none of them.
+    Each was a settings input, 64 bytes of the plan per key and group, so a plan made before the scheduler planned
+    less than the step compiled after it, and a memory_budget of that plan's peak was refused. They are no inputs
+    now: the plans agree, and the step under that budget trains as eager while OneCycleLR cycles lr and beta1."""
+    reference, _, loss_fn = build("mlp")
+    model, _, _ = build("mlp")
+    data = batches("mlp", 5, 8)
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=0.01, weight_decay=0.01) for m in (reference, model)]
+    before = zerocc.plan(model, optimizers[1], stage=3, example_inputs=data[0], loss_fn=loss_fn)
+    schedules = [torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.05, total_steps=10) for optimizer in optimizers]
+    for optimizer in optimizers:
+        optimizer.param_groups[0]["layer_scale"] = 0.5
+    after = zerocc.plan(model, optimizers[1], stage=3, example_inputs=data[0], loss_fn=loss_fn)
+    assert _hyper_placeholders(after) == _hyper_placeholders(before)
+    assert not any(name in placeholder for placeholder in _hyper_placeholders(after)
+                   for name in ("initial_lr", "max_lr", "min_lr", "momentum", "layer_scale"))
+    peak = before.report()["planned_peak_bytes"]
+    assert after.report()["planned_peak_bytes"] == peak
+    step = zerocc.compile(model, optimizers[1], stage=3, loss_fn=loss_fn, memory_budget=peak)
+    betas = set()
+    for index, batch in enumerate(data):
+        assert torch.equal(step(*batch), eager_step(reference, optimizers[0], loss_fn, batch)), f"step {index}"
+        for schedule in schedules:
+            schedule.step()
+        betas.add(optimizers[1].param_groups[0]["betas"][0])
+    assert len(betas) == len(data)   # beta1 cycled: read every step
+    assert len(step.compile_stats) == 1
+    for key, value in reference.state_dict().items():
+        assert torch.equal(step.full_state_dict()[key], value), key
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_key_no_torch_optim_step_reads_changes_nothing(stage):
+    """A loop writing its own keys into the groups every step (an int epoch, a float layer scale, a name): SGD's
+    step() reads none of them, so none recompiles (an int key's value was baked into the signature: a program per
+    step, with a warning each time); the training is eager's."""
+    def tag_groups(optimizer, step_index):
+        for group in optimizer.param_groups:
+            group["epoch"] = step_index
+            group["layer_scale"] = 0.5 + step_index
+            group["phase"] = f"warmup {step_index}"
+            group["lr"] *= 0.9
+
+    programs, said = _train(lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9), tag_groups, stage)
+    assert said == []
+    assert programs == 2   # SGD with momentum: its first step's own program, then one
+
+
+class _ScaledSGD(torch.optim.Optimizer):
+    """A third-party optimizer: its step() reads a key of the group its defaults do not name (``scale``, set by the
+    user's loop), which zerocc cannot rule out for an optimizer not torch.optim's own."""
+
+    def __init__(self, params, lr):
+        super().__init__(params, {"lr": lr})
+        for group in self.param_groups:
+            group.setdefault("scale", 1.0)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.add_(p.grad, alpha=-group["lr"] * group["scale"])
+
+
+class _GradScaledSGD(torch.optim.SGD):
+    """A user's subclass of a torch.optim optimizer overriding step(): it may read any key (here ``scale``)."""
+
+    def __init__(self, params, lr):
+        super().__init__(params, lr=lr)
+        for group in self.param_groups:
+            group.setdefault("scale", 1.0)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.grad.mul_(group["scale"])
+        return super().step(closure)
+
+
+@pytest.mark.parametrize("make", [lambda p: _ScaledSGD(p, lr=0.01), lambda p: _GradScaledSGD(p, lr=0.01)],
+                         ids=["own_optimizer", "sgd_subclass_with_its_own_step"])
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_third_party_optimizer_reads_its_own_key_every_step(stage, make):
+    """Its own float key, changed between steps, changes the update as eager's does, with no recompile."""
+    def rescale(optimizer, step_index):
+        for group in optimizer.param_groups:
+            group["scale"] = 0.5 * (step_index + 2)
+
+    programs, said = _train(make, rescale, stage)
+    assert said == []
+    assert programs == 1

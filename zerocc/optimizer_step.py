@@ -33,8 +33,9 @@ aten = torch.ops.aten
 
 # Settings read from the param groups at every step (graph inputs: ``live_settings``), so that a scheduler or a
 # loop changing them needs no recompilation, and the update computes with them in Python doubles as eager's does:
-# every float setting of a group (lr, momentum, dampening, weight_decay, eps, alpha, lr_decay, rho, and each float
-# of betas, etas, step_sizes), each read one of two ways (``live_modes``):
+# every float setting of a group its step() may read (lr, momentum, dampening, weight_decay, eps, alpha, lr_decay,
+# rho, and each float of betas, etas, step_sizes: for torch.optim's optimizers the keys their defaults name, for
+# another any key, ``_keys_read``), each read one of two ways (``live_modes``):
 FREE = "free"       # a symbolic float no branch of step() reads: any value runs the one program
 SIGNED = "signed"   # step() branches on it (``if weight_decay != 0``, ``if momentum > 0``): a symbolic float known to
 #                     be positive (or negative), the sign keyed on (``hyperparameter_signature``); at 0 it is traced
@@ -47,15 +48,37 @@ def _is_float(value) -> bool:
     return isinstance(value, float)   # not a bool, an int (their arithmetic is not a float's), a tensor
 
 
-def _candidates(group: dict) -> list[tuple[str, int | None]]:
+def _keys_read(optimizer: torch.optim.Optimizer) -> frozenset | None:
+    """The keys of a param group its optimizer's ``step()`` may read: ``lr`` and the keys ``optimizer.defaults``
+    names, for an optimizer whose step() reads nothing else of its group (``_reads_only_its_group``); None (any key)
+    for another.
+
+    A scheduler and a user's loop add keys no torch.optim step() reads (``OneCycleLR``'s ``initial_lr``, ``max_lr``,
+    ``min_lr``, ``max_momentum``, ``base_momentum``; a layer's scale kept for logging): made settings inputs, each
+    was a tensor made every step and 64 bytes of the plan per group, so that a plan made before the scheduler
+    existed planned less than the step compiled after it, and a ``memory_budget`` of that plan's peak was refused.
+    Left out of the signature too (``hyperparameter_signature``): a change of one compiles nothing, as it changes
+    nothing eager's step() computes."""
+    if not _reads_only_its_group(type(optimizer)):
+        return None
+    return frozenset(("lr", *optimizer.defaults))
+
+
+def _read_items(group: dict, read: frozenset | None):
+    """``group``'s (key, value) pairs but ``params``, of the keys in ``read`` (``_keys_read``; None: every key)."""
+    return ((key, value) for key, value in group.items() if key != "params" and (read is None or key in read))
+
+
+def _candidates(group: dict, read: frozenset | None = None) -> list[tuple[str, int | None]]:
     """(key, position in a tuple or None) of each setting of ``group`` that may be read every step: ``lr`` first.
+    Only keys in ``read`` (``_keys_read``; None: any key).
 
     With a tensor lr, only it (passed as itself, its dtype eager's): the rest of the group is traced."""
     if isinstance(group["lr"], torch.Tensor):
         return [("lr", None)]
     found = []
-    for key, value in group.items():
-        if key in ("params", "lr"):
+    for key, value in _read_items(group, read):
+        if key == "lr":
             continue
         if _is_float(value):
             found.append((key, None))
@@ -107,7 +130,8 @@ def live_modes(optimizer: torch.optim.Optimizer) -> Modes:
     tried SIGNED, then traced in. A float setting step() makes a Python number of (another package's
     ``math.sqrt(1 - beta2)``, ``float(beta1)``) is traced in the same way: eager's update is the same at every step.
     """
-    structure = tuple(tuple((key, _class(value)) for key, value in sorted(group.items()) if key != "params")
+    read = _keys_read(optimizer)   # a key step() never reads neither is probed nor makes another structure
+    structure = tuple(tuple((key, _class(value)) for key, value in sorted(_read_items(group, read)))
                       + ((len(group["params"]) > 0, str(group["params"][0].dtype) if group["params"] else None),)
                       for group in optimizer.param_groups)
     known = _MODES.setdefault(optimizer, {})
@@ -130,9 +154,10 @@ def _modes_of_groups(optimizer: torch.optim.Optimizer, structure: tuple) -> list
     """
     found: list[dict[tuple[str, int | None], str]] = []
     shared: dict[tuple, dict[tuple[str, int | None], str]] = {}
+    read = _keys_read(optimizer)
     for index, group in enumerate(optimizer.param_groups):
         look_alike = None
-        if group["params"] and not any(isinstance(value, torch.Tensor) for key, value in group.items() if key != "params"):
+        if group["params"] and not any(isinstance(value, torch.Tensor) for key, value in _read_items(group, read)):
             look_alike = (structure[index], tuple(group["params"][0].shape),
                           tuple(sorted({p.device.type for p in group["params"]})))
         if look_alike in shared:
@@ -149,7 +174,7 @@ def _modes_of_group(optimizer: torch.optim.Optimizer, index: int) -> tuple[dict[
     """Group ``index``'s live settings (see ``live_modes``), and whether its last probe traced every candidate
     symbolic: then only the settings' signs decided the outcome (``_modes_of_groups`` shares it)."""
     group = optimizer.param_groups[index]
-    candidates = _candidates(group)
+    candidates = _candidates(group, _keys_read(optimizer))
     if isinstance(group["lr"], torch.Tensor) or not candidates or not group["params"]:
         return {candidate: FREE for candidate in candidates}, True   # no update reads them: no branch to find
     if isinstance(group["lr"], bool) or not isinstance(group["lr"], numbers.Real):
@@ -243,14 +268,16 @@ def live_layout(optimizer: torch.optim.Optimizer, modes: Modes | None = None) ->
 
 def hyperparameter_signature(optimizer: torch.optim.Optimizer, modes: Modes | None = None) -> tuple:
     """The group settings baked into a traced update; a change means re-capture. A setting read every step is in
-    it as how it is read (and a SIGNED one's sign), not as its value. ``modes`` as ``live_layout``'s."""
+    it as how it is read (and a SIGNED one's sign), not as its value; a key the optimizer's step() never reads
+    (``_keys_read``) not at all. ``modes`` as ``live_layout``'s."""
     signature = []
+    read = _keys_read(optimizer)
     for group, of_group in zip(optimizer.param_groups, live_modes(optimizer) if modes is None else modes):
         items = []
         if isinstance(group["lr"], torch.Tensor):
             items.append(("lr", ("a tensor", str(group["lr"].dtype))))
-        for key, value in sorted(group.items()):
-            if key == "params" or (key == "lr" and isinstance(value, torch.Tensor)):
+        for key, value in sorted(_read_items(group, read)):
+            if key == "lr" and isinstance(value, torch.Tensor):
                 continue
             if isinstance(value, torch.Tensor):   # a tensor setting (a scheduler's initial_lr of a tensor lr)
                 value = ("tensor", tuple(value.shape), tuple(value.flatten().tolist()))
@@ -299,9 +326,10 @@ def trace_classes(optimizer: torch.optim.Optimizer) -> list:
     """Per param group, its class: groups of one class trace the same update, each reading its own settings inputs.
 
     The class is the group's ``hyperparameter_signature`` (a setting read every step in it as how it is read, any
-    other by its value) over the settings the optimizer's defaults name (``add_param_group`` fills them into every
-    group; a key of the user's own, a layer's name for logging, ``param_names``, a scheduler's ``initial_lr``, is
-    never read by torch.optim's step()). A group of another optimizer (``_reads_only_its_group``) is its own class.
+    other by its value), which holds only the settings the optimizer's defaults name (``_keys_read``:
+    ``add_param_group`` fills them into every group; a key of the user's own, a layer's name for logging,
+    ``param_names``, a scheduler's ``initial_lr``, is never read by torch.optim's step()). A group of another
+    optimizer (``_reads_only_its_group``) is its own class.
     """
     signature = hyperparameter_signature(optimizer)
     shared = _reads_only_its_group(type(optimizer))
@@ -309,7 +337,7 @@ def trace_classes(optimizer: torch.optim.Optimizer) -> list:
     for index, items in enumerate(signature):
         key = ("group", index)
         if shared:
-            key = ("settings", tuple(item for item in items if item[0] == "lr" or item[0] in optimizer.defaults))
+            key = ("settings", items)
             try:
                 hash(key)
             except TypeError:   # an unhashable setting (a list holding tensors): not compared, its own class
