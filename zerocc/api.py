@@ -28,7 +28,7 @@ from .capture import METRIC_PREFIX, Captured, capture, named_tensors, parameter_
 from .compile_stats import CompileStats
 from .analysis.step_time import HardwareProfile, StepTime, predict
 from .data_guards import all_hold, values_that_differ
-from .device_budget import DeviceBudget, device_budget
+from .device_budget import DEFAULT_PLAN_PEAK, DeviceBudget, device_budget
 from .driver import Compiled, fewer_collections, final_peak, run_passes
 from .errors import (CaptureError, CompileCacheWarning, ConfigError, MemoryBudgetWarning, RecompileWarning, ReplicaWarning,
                      user_line_of_node,
@@ -1022,6 +1022,14 @@ class CompiledStep:
                 *(state.slots.values() if state.slots else ())]
         mine = device_budget(next(self.model.parameters()).device, held)
         smallest = failures.smallest_over_ranks(self.ranks, None if mine is None else mine.bytes)
+        # a rank offering the default plan's peak (CPU) offers less than any number larger than that peak: a
+        # number from another rank ($ZEROCC_DEVICE_MEMORY on some ranks only) must not lift it (that rank planned
+        # against the number, over its own default plan's peak); every rank plans at the default plan's peak,
+        # and under the number as well (zerocc/driver.py)
+        at_default_peak = failures.smallest_over_ranks(self.ranks, 0 if mine is not None and mine.bytes is None else 1)
+        if at_default_peak == 0 and smallest is not None:
+            return DeviceBudget(None, f"{DEFAULT_PLAN_PEAK.source}, a rank's, and at most {smallest / 1e6:.2f} MB, "
+                                      "another rank's", also_under=smallest)
         if smallest is None or (mine is not None and smallest == mine.bytes):
             return mine
         return DeviceBudget(smallest, "the smallest a rank's device offers" + (f"; this rank's: {mine.source}"
@@ -1050,8 +1058,8 @@ class CompiledStep:
             elif payload is not None and state.started and payload["ctx"].shard_plan != state.plan:
                 payload, why = None, "the step's buckets are laid out otherwise"
             elif payload is not None and device is not None \
-                    and device.bytes is not None \
-                    and final_peak(payload["ctx"], self.options.memory_pools) > device.bytes:
+                    and (device.bytes or device.also_under) is not None \
+                    and final_peak(payload["ctx"], self.options.memory_pools) > (device.bytes or device.also_under):
                 payload, why = None, f"its peak does not fit what the device offers now ({device.source})"
             elif payload is None:
                 why = "unreadable entry"

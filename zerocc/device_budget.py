@@ -48,9 +48,13 @@ ENVIRONMENT = "ZEROCC_DEVICE_MEMORY"
 
 class DeviceBudget(NamedTuple):
     """Bytes per rank the step's peak may reach, and where the number comes from (said in reports and errors).
-    ``bytes`` None: the default plan's peak, which only ``place_remat`` measures (CPU)."""
+    ``bytes`` None: the default plan's peak, which only ``place_remat`` measures (CPU); ``also_under``: with it, a
+    number another rank's device offers (``$ZEROCC_DEVICE_MEMORY`` set on some ranks only), which the final plan
+    must meet as well: the smallest of what the ranks offer is the smaller of the two, known only once the default
+    plan's peak is."""
     bytes: int | None
     source: str
+    also_under: int | None = None
 
 
 # CPU's budget: the default plan's peak, measured by place_remat (module docstring)

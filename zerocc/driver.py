@@ -96,11 +96,13 @@ def run_passes(captured: Captured, fake_mode: Any, options: CompileOptions, opti
                          dict(captured.stats.seconds))
     # on one rank nothing is gathered and the floor does not fall with the buckets (the test GPT: equal)
     device = options.device_budget if options.memory_budget is None else None
+    # the bytes the final plan is checked against: the device's, or (at the default plan's peak) another rank's
+    device_bytes = None if device is None else device.bytes if device.bytes is not None else device.also_under
     shrinkable = options.memory_budget is not None and previous_plan is None and world_size > 1
     attempt, refused = options, []
     while True:   # a retry needs the capture as it was, so shrinkable compiles run on copies too
         # the default plan's peak as the budget (device.bytes None, CPU) is searched in place_remat: no retry
-        retries = shrinkable or (device is not None and device.bytes is not None and attempt.memory_budget is None)
+        retries = shrinkable or (device is not None and device_bytes is not None and attempt.memory_budget is None)
         working = dataclasses.replace(captured, gm=copy_graph_module(captured.gm)) \
             if retries or keep_capture else captured
         ctx = CompileContext(attempt.stage, world_size, rank, group_name, optimizer, working, fake_mode,
@@ -112,11 +114,11 @@ def run_passes(captured: Captured, fake_mode: Any, options: CompileOptions, opti
                                        progress=progress, stats=stats)
             if device is not None and ctx.memory_plan is not None:   # (plan_memory disabled: nothing to check)
                 peak = max(ctx.from_every_rank(final_peak(ctx, attempt.memory_pools)))
-                if attempt.memory_budget is None and device.bytes is not None and peak > device.bytes:
+                if attempt.memory_budget is None and device_bytes is not None and peak > device_bytes:
                     if progress:
-                        progress(f"the fastest plan's peak ({peak / 1e6:.2f} MB) does not fit the device "
-                                 f"({device.bytes / 1e6:.2f} MB, {device.source}): planning against it")
-                    attempt = dataclasses.replace(attempt, memory_budget=device.bytes)
+                        progress(f"the plan's peak ({peak / 1e6:.2f} MB) does not fit the device "
+                                 f"({device_bytes / 1e6:.2f} MB, {device.source}): planning against it")
+                    attempt = dataclasses.replace(attempt, memory_budget=device_bytes)
                     shrinkable = previous_plan is None and world_size > 1
                     continue
                 _record_device_budget(ctx, device, peak)
