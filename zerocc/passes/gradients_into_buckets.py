@@ -57,9 +57,6 @@ aten = torch.ops.aten
 
 def gradients_into_buckets(gm: fx.GraphModule, ctx: CompileContext, *, memory_pools: bool = False) -> fx.GraphModule:
     """Rewrite each gradient bucket's ``cat`` into writes into the bucket, where the peak allows."""
-    if memory_pools:
-        ctx.notes["gradients_into_buckets"] = "off under memory_pools (place_buffers puts the cat in its arena)"
-        return gm
     cats = [n for n in gm.graph.nodes if _is_gradient_cat(n)]
     if not cats:
         ctx.notes["gradients_into_buckets"] = "no gradient bucket cat"
