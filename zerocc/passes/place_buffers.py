@@ -23,7 +23,11 @@ that create tensors), outputs sized by the data (already unplanned by
 ``plan_memory``). The persistent pool (slots, and the values that replace
 them) is not an arena: the runtime keeps those tensors between steps; but a
 value that replaces a slot is written into the old slot's storage when
-nothing reads the old value after it.
+nothing reads the old value after it; when that value is a ``cat`` of a
+bucket's updated pieces, each piece's op writes straight into its slice of
+the old slot instead and the ``cat`` is gone (``analysis/arena.py``'s
+``_pieces_into_slots``). An ``empty`` placed in an arena (a gradient
+bucket of ``gradients_into_buckets``) is replaced by its arena view.
 
 Which buffers go into an arena and which updates are written in place is
 decided by ``analysis/arena.py`` (``arena_members``), which ``overlap_updates``
