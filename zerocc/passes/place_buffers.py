@@ -23,7 +23,11 @@ that create tensors), outputs sized by the data (already unplanned by
 ``plan_memory``). The persistent pool (slots, and the values that replace
 them) is not an arena: the runtime keeps those tensors between steps; but a
 value that replaces a slot is written into the old slot's storage when
-nothing reads the old value after it.
+nothing reads the old value after it; when that value is a ``cat`` of a
+bucket's updated pieces, each piece's op writes straight into its slice of
+the old slot instead and the ``cat`` is gone (``analysis/arena.py``'s
+``_pieces_into_slots``). An ``empty`` placed in an arena (a gradient
+bucket of ``gradients_into_buckets``) is replaced by its arena view.
 
 Which buffers go into an arena and which updates are written in place is
 decided by ``analysis/arena.py`` (``arena_members``), which ``overlap_updates``
@@ -42,7 +46,8 @@ import torch
 import torch.fx as fx
 
 from .. import graph as g
-from ..analysis.arena import ARENA_OF_POOL, PERSISTENT_POOL, arena_members, output_values
+from .. import ops
+from ..analysis.arena import ARENA_OF_POOL, PERSISTENT_POOL, arena_members, is_placeable_empty, output_values
 from ..analysis.kernels import out_variant
 from ..context import CompileContext
 from ..memory_plan import Buffer, Lifetime, MemoryPlan, Pool, lower_bound, megabytes, place
@@ -63,7 +68,7 @@ def place_buffers(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     arena_nodes = _add_arena_placeholders(gm, ctx, arenas, layout.devices)
     for name, buffers in placed.items():
         node = nodes[name]
-        out_op, out_names = out_variant(node.target)
+        out_op, out_names = out_variant(node.target) or (None, ("out",))
         views = []
         with gm.graph.inserting_before(node):
             for buffer, value in zip(buffers, output_values(node)):
@@ -72,9 +77,35 @@ def place_buffers(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
                                    tuple(int(s) for s in value.stride()), value.dtype))
                 view.meta.update({g.VAL: value, g.PHASE: node.meta.get(g.PHASE)})
                 views.append(view)
+        if is_placeable_empty(node):   # nothing to compute: its value is the view
+            if node.meta.get(g.RELEASE_POINT):   # the view stands where it stood
+                views[0].meta[g.RELEASE_POINT] = True
+            node.replace_all_uses_with(views[0])
+            gm.graph.erase_node(node)
+            continue
         node.target = out_op
         node.kwargs = {**node.kwargs, **dict(zip(out_names, views))}
+    by_cat: dict[str, list[fx.Node]] = {}
+    for name, (slot, offset) in layout.into_slots.items():
+        node = nodes[name]
+        by_cat.setdefault(next(iter(node.users)).name, []).append(node)
+        with gm.graph.inserting_before(node):
+            part = g.call(gm.graph, ctx.fake_mode, torch.ops.aten.slice.Tensor, slot, 0, offset,
+                          offset + node.meta[g.VAL].numel())
+        part.meta[g.PHASE] = node.meta.get(g.PHASE)
+        out_op, (out_name,) = out_variant(node.target)
+        node.target = out_op
+        node.kwargs = {**node.kwargs, out_name: part}
+    for name, pieces in by_cat.items():   # the cat's value is the slot, once every piece is written into it
+        cat = nodes[name]
+        with gm.graph.inserting_before(cat):
+            written = g.call(gm.graph, ctx.fake_mode, ops.bucket_written, in_place[name], pieces)
+        written.meta.update({**cat.meta, g.VAL: written.meta[g.VAL]})
+        cat.replace_all_uses_with(written)
+        gm.graph.erase_node(cat)
     for name, slot in in_place.items():
+        if name in by_cat:
+            continue
         node = nodes[name]
         out_op, (out_name,) = out_variant(node.target)
         node.target = out_op
@@ -86,7 +117,8 @@ def place_buffers(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     ctx.notes["place_buffers"] = (f"{sum(len(b) for b in placed.values())} buffers placed in {len(arenas)} arenas "
                                   f"({megabytes(new.arena_bytes)}); {len(new.unplanned)} unplanned "
                                   f"({megabytes(new.unplanned_bytes)}); {len(in_place)} updates written into the "
-                                  f"slots they replace; planned peak {megabytes(new.planned_peak_bytes)}")
+                                  f"slots they replace ({len(layout.into_slots)} updated pieces written straight into their slot's slice, "
+                                  f"{len(by_cat)} cats gone); planned peak {megabytes(new.planned_peak_bytes)}")
     return gm
 
 
@@ -98,6 +130,7 @@ class ArenaLayout:
     offsets: dict[str, int]           # buffer name -> offset in its arena
     in_place: dict[str, fx.Node]      # root node name -> the placeholder of the slot it is written into
     devices: dict[str, torch.device]  # arena -> its device
+    into_slots: dict[str, tuple[fx.Node, int]]   # piece node name -> (slot, offset): written into the slot's slice
 
 
 def arena_layout(gm: fx.GraphModule, plan: MemoryPlan) -> ArenaLayout:
@@ -132,7 +165,7 @@ def arena_layout(gm: fx.GraphModule, plan: MemoryPlan) -> ArenaLayout:
     unplanned.sort(key=lambda u: (u.start, u.name))
     new = dataclasses.replace(plan, pools=tuple(pools), unplanned=tuple(unplanned), arenas=arenas,
                               placed=True)
-    return ArenaLayout(new, placed, offsets, in_place, devices)
+    return ArenaLayout(new, placed, offsets, in_place, devices, members.into_slots)
 
 
 def _add_arena_placeholders(gm: fx.GraphModule, ctx: CompileContext, pools: list[Pool],
