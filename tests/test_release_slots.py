@@ -130,3 +130,26 @@ def test_the_release_point_is_a_node_that_computes_not_the_losss_detach():
     note = planned.ctx.notes["place_buffers"]
     written = int(note.split(" updates written into")[0].rsplit(" ", 1)[-1])
     assert written > len(list(model.parameters())), note   # the optimizer state's updates among them
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_the_release_point_comes_after_the_gradients_written_into_their_bucket(stage):
+    """``gradients_into_buckets`` (on under memory pools since 2026-12-08) makes each gradient's op write into its
+    slice of the bucket (``mm.out``, ``copy_``): its result aliases the bucket, and counted as a view it was no node
+    that computes, so the release point fell before the last gradients were computed and a failure there would find
+    the old state already overwritten (one rank: no collective wait after them). An op that writes into an argument
+    computes."""
+    from zerocc.analysis.aliasing import writes_an_argument
+    from tests.models import GPT
+    torch.manual_seed(0)
+    model = GPT()
+    tokens = torch.zeros(4, model.wpe.num_embeddings, dtype=torch.long)
+    planned = zerocc.plan(model, adamw(model), stage=stage, world_size=1, example_inputs=(tokens, tokens))
+    nodes = list(planned.gm.graph.nodes)
+    (point,) = [node for node in nodes if node.meta.get(g.RELEASE_POINT)]
+    pieces = {piece for node in nodes if node.target is torch.ops.zerocc.bucket_written.default
+              for piece in node.args[1]}
+    written = [i for i, node in enumerate(nodes) if node in pieces and node.meta.get(g.PHASE) == g.BACKWARD]
+    assert written, "no gradient written into its bucket: the test no longer sees what it pins"
+    assert all(writes_an_argument(nodes[i]) for i in written)
+    assert nodes.index(point) >= max(written), (point.format_node(), nodes[max(written)].format_node())

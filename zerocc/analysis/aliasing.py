@@ -35,6 +35,21 @@ def returns_alias(node: fx.Node) -> bool:
     return _input_sharing_storage(node) is not None
 
 
+# target -> whether its schema says it writes into one of its arguments (an ``out=`` or in-place op)
+_WRITES: dict[torch._ops.OpOverload, bool] = {}
+
+
+def writes_an_argument(node: fx.Node) -> bool:
+    """Does the node write into one of its arguments (``mm.out``, ``copy_``): it computes, whatever it returns?"""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return False
+    writes = _WRITES.get(node.target)
+    if writes is None:
+        writes = _WRITES[node.target] = any(a.alias_info is not None and a.alias_info.is_write
+                                            for a in node.target._schema.arguments)
+    return writes
+
+
 # target -> whether its schema declares that its first output aliases an input (or it is an undeclared view).
 # A fact of the op, asked for every node of every lifetime analysis (several per pass, per plan place_remat
 # measures): reading ``_schema.returns`` builds new Python objects on each call (issue 19).

@@ -16,7 +16,7 @@ import torch.fx as fx
 
 from .. import graph as g
 from .. import decisions
-from .aliasing import is_view
+from .aliasing import is_view, writes_an_argument
 from ..context import CompileContext
 
 
@@ -62,10 +62,13 @@ def last_computed_on_the_data(nodes: list[fx.Node]) -> fx.Node | None:
     A view (``detach``, ``view``, ``alias``) computes nothing and cannot fail: the loss's ``detach`` that the
     step returns is a forward node the schedule puts at the end of the graph, and counted, it put the release
     point after the optimizer's updates, so every old value lived to the end and ``place_buffers`` wrote no
-    update in place (the 5M benchmark GPT's stage-3 plan on 2 ranks: 106.7 MiB where it was 91.1)."""
+    update in place (the 5M benchmark GPT's stage-3 plan on 2 ranks: 106.7 MiB where it was 91.1). An op that
+    writes into an argument (``mm.out`` into a gradient bucket's slice, ``copy_`` into it) computes, though its
+    result aliases what it wrote: counted as a view, the release point fell before the gradients' writes."""
     last = None
     for node in nodes:
-        if node.op == "call_function" and node.meta.get(g.PHASE) in (g.FORWARD, g.BACKWARD) and not is_view(node):
+        if (node.op == "call_function" and node.meta.get(g.PHASE) in (g.FORWARD, g.BACKWARD)
+                and (not is_view(node) or writes_an_argument(node) and not g.is_wait(node))):
             last = node
     return last
 
