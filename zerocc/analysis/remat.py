@@ -149,7 +149,8 @@ class Recomputation:
         self._flops: dict[fx.Node, int] = {}
         self.forward_flops = sum(self.flops(n) for n in self.forward if n.op == "call_function")
         self.candidates = [n for n in self.read_by_backward if n in self.recomputable and not is_alias(n)]
-        self._cuts = self._build_network()
+        self._cuts: min_cut.Solver | None = None   # built at the first cut: a search under the default plan's peak
+        # that stops at its floor (place_remat) cuts nothing
 
     def _in_forward(self, node: fx.Node) -> bool:
         return node in self.region
@@ -245,6 +246,8 @@ class Recomputation:
         The two sweeps of ``plans`` are the solver's two families: the cheap ops' price rising with expensive
         ops banned, and the expensive ops' price rising with cheap ops at ``NEGLIGIBLE``.
         """
+        if self._cuts is None:
+            self._cuts = self._build_network()
         capacities = {}
         for node, (expensive, cost) in self._costs.items():
             if expensive and expensive_price is None:
