@@ -134,7 +134,7 @@ def test_the_release_point_is_a_node_that_computes_not_the_losss_detach():
 
 @pytest.mark.parametrize("stage", [0, 3])
 def test_the_release_point_comes_after_the_gradients_written_into_their_bucket(stage):
-    """``gradients_into_buckets`` (on under memory pools since 2026-12-08) makes each gradient's op write into its
+    """``gradients_into_buckets`` (without memory pools) makes each gradient's op write into its
     slice of the bucket (``mm.out``, ``copy_``): its result aliases the bucket, and counted as a view it was no node
     that computes, so the release point fell before the last gradients were computed and a failure there would find
     the old state already overwritten (one rank: no collective wait after them). An op that writes into an argument
@@ -144,7 +144,8 @@ def test_the_release_point_comes_after_the_gradients_written_into_their_bucket(s
     torch.manual_seed(0)
     model = GPT()
     tokens = torch.zeros(4, model.wpe.num_embeddings, dtype=torch.long)
-    planned = zerocc.plan(model, adamw(model), stage=stage, world_size=1, example_inputs=(tokens, tokens))
+    planned = zerocc.plan(model, adamw(model), stage=stage, world_size=1, example_inputs=(tokens, tokens),
+                          memory_pools=False)
     nodes = list(planned.gm.graph.nodes)
     (point,) = [node for node in nodes if node.meta.get(g.RELEASE_POINT)]
     pieces = {piece for node in nodes if node.target is torch.ops.zerocc.bucket_written.default

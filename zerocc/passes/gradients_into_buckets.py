@@ -35,9 +35,8 @@ Memory: the bucket is allocated at its first write instead of at the cat,
 while the pieces it holds are no longer separate buffers. A rewrite is made
 only if the planned live peak does not grow (checked before rewriting, on
 one lifetime analysis plus the changes of the rewrites chosen so far); the
-note names the buckets left as ``cat``. Under ``memory_pools`` (the default) ``place_buffers`` makes the
-bucket's ``empty`` a view of its arena (``analysis/arena.py``'s ``is_placeable_empty``), so the bucket is
-no fresh allocation there either; a ``cat`` kept is written into the arena.
+note names the buckets left as ``cat``. Not done under ``memory_pools`` (``place_buffers`` places the
+``cat`` in its arena; the bucket's ``empty`` would be a fresh allocation).
 """
 from __future__ import annotations
 
@@ -57,10 +56,10 @@ from ..analysis.live_bytes import live_peaks_and_bytes
 aten = torch.ops.aten
 
 def gradients_into_buckets(gm: fx.GraphModule, ctx: CompileContext, *, memory_pools: bool = False) -> fx.GraphModule:
-    """Rewrite each gradient bucket's ``cat`` into writes into the bucket, where the peak allows.
-
-    ``memory_pools`` changes nothing here (kept for the pipeline's call): ``place_buffers`` places the bucket.
-    """
+    """Rewrite each gradient bucket's ``cat`` into writes into the bucket, where the peak allows."""
+    if memory_pools:
+        ctx.notes["gradients_into_buckets"] = "off under memory_pools (place_buffers puts the cat in its arena)"
+        return gm
     cats = [n for n in gm.graph.nodes if _is_gradient_cat(n)]
     if not cats:
         ctx.notes["gradients_into_buckets"] = "no gradient bucket cat"
