@@ -440,11 +440,9 @@ def run_pass(step: Pass, gm: fx.GraphModule, ctx: CompileContext, before: Sequen
         return result, elapsed
     except (MemoryBudgetError, PassError):
         raise
-    except (RuntimeError, torch.distributed.DistError) as error:
-        if is_collective_failure(error):
-            raise
-        _raise_pass_error(error, step.name, before, verify)
     except Exception as error:
+        if isinstance(error, (RuntimeError, torch.distributed.DistError)) and is_collective_failure(error):
+            raise
         _raise_pass_error(error, step.name, before, verify)
 
 
@@ -536,9 +534,7 @@ class LaterRun:
             if name not in deciding:
                 setattr(ctx, name, value)
         ctx.notes.update(self.ctx.notes)
-        final = _LazyGraphModule(self.gm, self.gm.graph)
-        final.meta = self.gm.meta
-        return final
+        return deferring_codegen(self.gm)
 
 
 def write_dumps(folder: str, history: Sequence[GraphSnapshot]) -> None:
