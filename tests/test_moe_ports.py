@@ -526,6 +526,9 @@ def test_torchtitans_optimizer_pre_step_hook_is_refused_naming_it_and_the_update
 
 @pytest.mark.parametrize("moe,line", [
     ({"skip_empty": False}, r"counts = torch.bincount\(.*note: torch.bincount's length.*F.one_hot\(x, n\).sum\(0\)"),
+    # as written, model.py also skips the experts without tokens: the note says that goes too (it was the next refusal)
+    ({}, r"counts = torch.bincount\(.*F.one_hot\(x, n\).sum\(0\).*A branch on the counts must go too "
+         r"\(`if counts\[i\] == 0: continue`.*the loop then runs every expert, and one without tokens runs on zero rows"),
     ({"bincount": False}, r"if self.skip_empty and counts\[i\] == 0:.*note: the branch asks whether a size the data "
                           r"decides is 0.*drop the check"),
     pytest.param({"skip_empty": False, "bincount": False, "bias": False},
@@ -534,7 +537,8 @@ def test_torchtitans_optimizer_pre_step_hook_is_refused_naming_it_and_the_update
 ])
 def test_deepseek_v3_reference_lines_that_cannot_train_are_refused_naming_them(moe, line):
     """DeepSeek-V3's model.py as written: its bincount and its skip of the experts without tokens are refused,
-    each naming the line and what to write instead; without a gate bias its ``masked_fill_`` writes the scores'
+    each naming the line and what to write instead (the bincount's note names the skip too, so that one edit
+    does both); without a gate bias its ``masked_fill_`` writes the scores'
     output, which eager's backward refuses, and so does the compile."""
     torch.manual_seed(0)
     model = TinyLM("deepseek", **moe)

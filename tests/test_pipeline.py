@@ -183,6 +183,16 @@ def test_a_pass_must_return_the_graph_module():
         compiled_mlp()
 
 
+def test_a_pass_run_while_place_remat_measures_must_return_the_graph_module_too():
+    """place_remat runs the passes after it on a candidate (``LaterPasses``): a registered one returning None there
+    was named as the next pass's AttributeError on None, not as the pass that returned it."""
+    zerocc.register_pass(lambda gm, ctx: None, after="place_remat", name="forgetful")
+    with pytest.raises(zerocc.PassError, match=r"pass 'forgetful' failed \(passes run before it: capture, shard, "
+                                               r"place_remat\): TypeError: the pass returned NoneType, not the "
+                                               r"torch.fx.GraphModule"):
+        compiled_mlp(memory_budget=10**9)
+
+
 def test_verify_accepts_the_pipeline_and_catches_a_collective_used_before_its_wait():
     plan = planned_gpt(verify=True)
     assert plan.report()["collectives_per_step"]["all_gather"] > 0

@@ -513,7 +513,7 @@ def test_min_cut_plans_go_from_cheap_to_expensive_and_never_recompute_random_ops
     costs = [expensive_flops(plan) for plan in plans]
     assert costs[0] == 0 < costs[-1] and costs == sorted(costs), "cheap ops first, then matmuls by FLOPs per byte"
     # the cheap ops' sweep alone (place_remat's search under the default plan's peak) finds the same cheap plans
-    assert analysis.cheap_plans() == [plan for plan in plans if not any(analysis.is_expensive(n) for n in plan)]
+    assert analysis.plans(cheap_only=True) == [plan for plan in plans if not any(analysis.is_expensive(n) for n in plan)]
     nothing = analysis.kept_bytes(frozenset())
     assert analysis.kept_bytes(plans[-1]) < analysis.kept_bytes(plans[0]) < nothing
     randoms = [n for n in gm.graph.nodes if is_random(n)]

@@ -810,7 +810,9 @@ def _data_dependent_error(where: str | None, why: str, message: str = "", random
     elif "extract specialized integer" in message and where and "bincount(" in where:
         note = ("\n  note: torch.bincount's length is the largest value plus one (at least minlength), which the data "
                 "decides: count with F.one_hot(x, n).sum(0) or torch.histc, whose length is n; one program then "
-                "serves every routing.")
+                "serves every routing. A branch on the counts must go too (`if counts[i] == 0: continue`, the "
+                "experts without tokens skipped: a branch on a size the data decides): the loop then runs every "
+                "expert, and one without tokens runs on zero rows and adds nothing.")
     elif "extract specialized integer" in message and where and re.search(r"\b(int|float)\(", where):
         note = ("\n  note: int() or float() makes a number the data decides (a count read with .tolist() or .item()) "
                 "a Python number: drop it and pass the value to the op itself (`x.split(counts.tolist())`, "

@@ -16,7 +16,9 @@ compile, so the compiler makes the memory/time trade itself:
   within it the trade is still made: at stage 3 across ranks a plan that
   keeps every forward gather for backward and recomputes a few cheap ops
   can peak lower and run faster (the 5M benchmark GPT on 2 gloo ranks: 14
-  instead of 19 collectives, a lower peak, about 5% faster), and
+  instead of 19 collectives, a lower peak, about 7% faster: 0.93x the
+  default's step time in
+  ``benchmarks/results/frontier_cpu-gloo-2rank_2026-12-07.md``), and
   ``place_remat`` takes it when the cost model does not predict it slower.
 - **``$ZEROCC_DEVICE_MEMORY``** (bytes per rank) overrides both: on CPU it
   is how a user gives the compiler room to spend.

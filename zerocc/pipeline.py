@@ -27,6 +27,7 @@ naming the pass.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import json
@@ -371,7 +372,6 @@ def run_pipeline(gm: fx.GraphModule, ctx: CompileContext, passes: list[Pass], *,
 
     ``stats`` gets the seconds of each pass, of the snapshots and of the verifier.
     """
-    from .verify import verify_graph   # the verifier reads graphs only; imported late as it is optional
     stats = stats if stats is not None else CompileStats("passes")
     phases = collections.Counter(n.meta.get(g.PHASE) for n in gm.graph.nodes if n.op == "call_function")
     note = f"{len(gm.graph.nodes)} nodes: " + ", ".join(f"{phases[p]} {p}" for p in (g.FORWARD, g.BACKWARD, g.OPTIMIZER))
@@ -382,26 +382,8 @@ def run_pipeline(gm: fx.GraphModule, ctx: CompileContext, passes: list[Pass], *,
         os.makedirs(dump_dir, exist_ok=True)
         _dump(dump_dir, history[-1])
     for index, step in enumerate(passes, start=1):
-        started = time.perf_counter()
         ctx.rest_of_pipeline = LaterPasses(passes[index:], index + 1, passes[:index], verify)
-        try:
-            result = step.run(gm, ctx)
-            if not isinstance(result, fx.GraphModule):
-                raise TypeError(f"the pass returned {type(result).__name__}, not the torch.fx.GraphModule; "
-                                "a pass returns the graph module it was given (or a new one)")
-            gm = result
-            elapsed = time.perf_counter() - started
-            if verify:
-                with stats.timed(compile_stats.VERIFY):
-                    verify_graph(gm, ctx)
-        except (MemoryBudgetError, PassError):
-            raise   # the user's budget, not a failing pass: its message says what fits; a later pass's, named
-        except (RuntimeError, torch.distributed.DistError) as error:
-            if is_collective_failure(error):
-                raise   # a pass that agrees across ranks met a dead peer: the step reports it (RankFailureError)
-            _raise_pass_error(error, step.name, passes[: index - 1], verify)
-        except Exception as error:
-            _raise_pass_error(error, step.name, passes[: index - 1], verify)
+        gm, elapsed = run_pass(step, gm, ctx, passes[: index - 1], verify, stats)
         stats.add(compile_stats.pass_phase(step.name), elapsed)
         with stats.timed(compile_stats.SNAPSHOTS):
             history.append(snapshot(index, step.name, gm, history[-1].node_counts, ctx.notes.get(step.name, "")))
@@ -431,6 +413,37 @@ def run_pipeline(gm: fx.GraphModule, ctx: CompileContext, passes: list[Pass], *,
     if dump_dir:
         write_memory_plan(dump_dir, ctx)
     return gm, history
+
+
+def run_pass(step: Pass, gm: fx.GraphModule, ctx: CompileContext, before: Sequence[Pass], verify: bool = False,
+             stats: CompileStats | None = None) -> tuple[fx.GraphModule, float]:
+    """``step`` on ``gm``, checked and its failure named: the graph it returned and its seconds (the check aside).
+
+    One for the runner and for ``LaterPasses`` (the passes a measuring pass runs on a candidate), so that a pass
+    is held to the same rules wherever it runs: it returns a graph module, which ``verify=`` checks (the
+    seconds into ``stats``' verify phase, where given), and its failure is named after it and the passes
+    ``before`` it. Passed on unnamed: the user's budget (``MemoryBudgetError``, whose message says what fits),
+    a later pass's failure (``PassError``, named already) and a dead peer met by a pass that agrees across
+    ranks (the step reports it: ``RankFailureError``).
+    """
+    started = time.perf_counter()
+    try:
+        result = step.run(gm, ctx)
+        if not isinstance(result, fx.GraphModule):
+            raise TypeError(f"the pass returned {type(result).__name__}, not the torch.fx.GraphModule; "
+                            "a pass returns the graph module it was given (or a new one)")
+        elapsed = time.perf_counter() - started
+        if verify:
+            from .verify import verify_graph   # the verifier reads graphs only; imported late as it is optional
+            with stats.timed(compile_stats.VERIFY) if stats is not None else contextlib.nullcontext():
+                verify_graph(result, ctx)
+        return result, elapsed
+    except (MemoryBudgetError, PassError):
+        raise
+    except Exception as error:
+        if isinstance(error, (RuntimeError, torch.distributed.DistError)) and is_collective_failure(error):
+            raise
+        _raise_pass_error(error, step.name, before, verify)
 
 
 def write_memory_plan(folder: str, ctx) -> None:
@@ -476,26 +489,13 @@ class LaterPasses:
 
     def __call__(self, gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
         for later in self.passes:
-            gm = self._run(later, gm, ctx)
+            gm, _ = self._run(later, gm, ctx)
         return gm
 
-    def _run(self, later: Pass, gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
-        """``later`` on ``gm``, checked as the runner checks it under ``verify=``; its failure named as the runner
-        names it (a registered pass leaving a broken graph was reported as the measuring pass's own error)."""
-        try:
-            gm = later.run(gm, ctx)
-            if self.verify:
-                from .verify import verify_graph
-                verify_graph(gm, ctx)
-            return gm
-        except (PassError, MemoryBudgetError):
-            raise
-        except (RuntimeError, torch.distributed.DistError) as error:
-            if is_collective_failure(error):
-                raise
-            _raise_pass_error(error, later.name, self.before + self.passes[: self.passes.index(later)], self.verify)
-        except Exception as error:
-            _raise_pass_error(error, later.name, self.before + self.passes[: self.passes.index(later)], self.verify)
+    def _run(self, later: Pass, gm: fx.GraphModule, ctx: CompileContext) -> tuple[fx.GraphModule, float]:
+        """``run_pass`` of ``later``: checked and named as the runner would (a registered pass leaving a broken
+        graph was reported as the measuring pass's own error; one returning None, as the next pass's)."""
+        return run_pass(later, gm, ctx, self.before + self.passes[: self.passes.index(later)], self.verify)
 
     def recorded(self, gm: fx.GraphModule, ctx: CompileContext,
                  over: Callable[[CompileContext], bool] | None = None) -> LaterRun:
@@ -511,9 +511,7 @@ class LaterPasses:
             if (over is not None and later is self.passes[-1] and later.name == "place_buffers" and shots
                     and shots[-1].name == "plan_memory" and over(ctx)):
                 return LaterRun(gm, ctx, None, stopped_before="place_buffers")
-            started = time.perf_counter()
-            gm = self._run(later, gm, ctx)
-            elapsed = time.perf_counter() - started
+            gm, elapsed = self._run(later, gm, ctx)
             shots.append(snapshot(index, later.name, gm, counts, ctx.notes.get(later.name, "")))
             shots[-1].seconds, counts = elapsed, shots[-1].node_counts
         return LaterRun(gm, ctx, shots)
@@ -536,9 +534,7 @@ class LaterRun:
             if name not in deciding:
                 setattr(ctx, name, value)
         ctx.notes.update(self.ctx.notes)
-        final = _LazyGraphModule(self.gm, self.gm.graph)
-        final.meta = self.gm.meta
-        return final
+        return deferring_codegen(self.gm)
 
 
 def write_dumps(folder: str, history: Sequence[GraphSnapshot]) -> None:

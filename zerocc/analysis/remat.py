@@ -266,22 +266,19 @@ class Recomputation:
         expensive = sum(c for n, (e, c) in self._costs.items() if n in recompute and e)
         return Cut(recompute, kept, cheap, expensive)
 
-    def plans(self) -> list[frozenset]:
-        """Plans from least to most recomputation: the breakpoints of the two parametric sweeps."""
-        cheap_sweep = self._sweep(lambda price: self.cut(price, None), "cheap_cost")
-        expensive_sweep = self._sweep(lambda price: self.cut(NEGLIGIBLE, price), "expensive_cost")
-        plans: list[frozenset] = []
-        for cut in [*cheap_sweep, *expensive_sweep[1:]]:
-            if (cut.cheap_cost or cut.expensive_cost) and cut.recompute not in plans:   # not views alone
-                plans.append(cut.recompute)
-        return plans
+    def plans(self, cheap_only: bool = False) -> list[frozenset]:
+        """Plans from least to most recomputation: the breakpoints of the two parametric sweeps.
 
-    def cheap_plans(self) -> list[frozenset]:
-        """The plans of ``plans`` recomputing no expensive op (the cheap ops' sweep alone), least recomputation first:
-        what ``place_remat`` searches under the default plan's peak, without solving the expensive ops' sweep."""
+        ``cheap_only``: the cheap ops' sweep alone, which bans expensive ops, so the plans recomputing none of
+        them: what ``place_remat`` searches under the default plan's peak, without solving the expensive ops'
+        sweep (its first cut is the cheap sweep's last; the rest recompute an expensive op).
+        """
+        cuts = self._sweep(lambda price: self.cut(price, None), "cheap_cost")
+        if not cheap_only:
+            cuts += self._sweep(lambda price: self.cut(NEGLIGIBLE, price), "expensive_cost")[1:]
         plans: list[frozenset] = []
-        for cut in self._sweep(lambda price: self.cut(price, None), "cheap_cost"):
-            if cut.cheap_cost and cut.recompute not in plans and not any(self.is_expensive(n) for n in cut.recompute):
+        for cut in cuts:
+            if (cut.cheap_cost or cut.expensive_cost) and cut.recompute not in plans:   # not views alone
                 plans.append(cut.recompute)
         return plans
 

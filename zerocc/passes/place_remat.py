@@ -346,7 +346,7 @@ def _search_at_default_peak(gm: fx.GraphModule, ctx: CompileContext, analysis: R
     floor = persistent + _gathered_bytes(gm)
     if max(ctx.from_every_rank(floor)) > budget:
         return
-    plans = [frozenset(), *analysis.cheap_plans()]
+    plans = [frozenset(), *analysis.plans(cheap_only=True)]
     live = max(memory_plan_of(gm, placed=False).live_peak_bytes, floor + analysis.kept_bytes(frozenset()))
     every = ctx.from_every_rank([live - saved(plan) for plan in plans])
     if len({len(predicted) for predicted in every}) != 1:
