@@ -527,6 +527,8 @@ class CompiledStep:
         try:
             with self._undone_if_first_call_fails(), \
                     failures.collective_failures(self.ranks, state.steps + 1, self.options.timeout):
+                if self.disk_cache is not None and state.param_groups is None:   # until a first call succeeds
+                    self.disk_cache.restore_settings_modes(self.optimizer)   # stored with an entry: no probe's trace
                 modes = live_modes(self.optimizer)   # the settings' lookup, once per call (optimizer_step.Modes)
                 key = self._cache_key(batch, layout, modes)
                 entry = self.cache.lookup(key, batch)   # checks the program's data guards on this rank's batch
@@ -1092,6 +1094,8 @@ class CompiledStep:
             objects = disk_cache.user_objects(self.model, self.optimizer)
             names = {**disk_cache.held_tensors(self.values_read()[1]), **disk_cache.names_of(objects)}
             outcome = cache.store(fingerprint, disk_cache.source_files(made.captured, self), payload, names)
+            if outcome.startswith("stored"):
+                cache.store_settings_modes(self.optimizer)
         cache.last_outcome = f"{cache.last_outcome}, then {outcome}" if cache.last_outcome.startswith("miss") else outcome
         return outcome.startswith("stored")
 

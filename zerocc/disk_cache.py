@@ -56,7 +56,7 @@ import torch
 import torch.nn as nn
 
 from . import graph as g
-from . import graph_pickle
+from . import graph_pickle, optimizer_step
 from .errors import CompileCacheError, CompileCacheWarning, ConfigError, user_stacklevel
 
 CACHE_DIR_VARIABLE = "ZEROCC_CACHE_DIR"
@@ -340,6 +340,39 @@ def _file_digest(path: str) -> str | None:
         return None
 
 
+def settings_modes_key(optimizer: torch.optim.Optimizer) -> str:
+    """What decides ``optimizer_step.live_modes`` for ``optimizer`` now, as a digest: zerocc's source (how the
+    modes are found), torch's and Python's versions, the optimizer's classes and their files' content (its
+    ``step()``), and per param group what the probe reads (``settings_structure``: each setting's class or sign,
+    the parameters' dtype; the first parameter's shape and the parameters' devices). Another optimizer class, an
+    edited ``step()``, another group structure or a setting crossing zero is another key."""
+    classes = [cls for cls in type(optimizer).__mro__ if cls is not object]
+    groups = [(tuple(group["params"][0].shape) if group["params"] else None,
+               sorted({p.device.type for p in group["params"]})) for group in optimizer.param_groups]
+    text = "\n".join([
+        str(FORMAT), _zerocc_source_digest(), f"{torch.__version__} python {sys.version_info[:3]}",
+        *(f"{_code_name(cls)}:{_file_digest(_source_path(cls))}" for cls in classes),
+        # nested deeper than a fingerprint's values (groups, settings, a tuple setting's classes): no "..." cut
+        _stable(optimizer_step.settings_structure(optimizer), depth=-8), _stable(groups)])
+    return _sha(text)[:24]
+
+
+def _modes_from_json(value, groups: int) -> optimizer_step.Modes | None:
+    """The modes a ``.modes`` file holds (per group, [key, position, mode] rows), or None if it holds no such
+    thing (another format, edited by hand, for another number of groups)."""
+    if not isinstance(value, dict) or not isinstance(value.get("modes"), list) or len(value["modes"]) != groups:
+        return None
+    modes = []
+    for rows in value["modes"]:
+        if not isinstance(rows, list) or not all(
+                isinstance(row, list) and len(row) == 3 and isinstance(row[0], str)
+                and (row[1] is None or type(row[1]) is int) and row[2] in (optimizer_step.FREE, optimizer_step.SIGNED)
+                for row in rows):
+            return None
+        modes.append({(key, position): mode for key, position, mode in rows})
+    return modes
+
+
 class DiskCache:
     """One rank's entries for one model class in the cache folder."""
 
@@ -444,6 +477,33 @@ class DiskCache:
                           "without storing its program", CompileCacheWarning, stacklevel=user_stacklevel())
             return f"not stored: {error}"
         return f"stored ({(len(data) + len(history_data)) / 2**20:.1f} MiB)"
+
+    def restore_settings_modes(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Make ``optimizer_step.live_modes`` know the optimizer's modes from the folder's ``.modes`` file for
+        ``settings_modes_key``, if one is there and readable; returns whether it was.
+
+        The modes' probe traces a fake ``step()`` (two for AdamW): a fifth of a warm-cache first step's CPU time
+        on the 98M GPT, and the program's fingerprint needs its outcome (``CacheKey.hyperparameters``) before an
+        entry can be looked up, so they are kept beside the entries, keyed on what the probe reads. A file that
+        cannot be read, or holds something else, is no error: the probe runs.
+        """
+        try:
+            with open(self._path(settings_modes_key(optimizer), ".modes")) as file:
+                stored = _modes_from_json(json.load(file), len(optimizer.param_groups))
+        except (OSError, ValueError):
+            stored = None
+        if stored is not None:
+            optimizer_step.remember_modes(optimizer, stored)
+        return stored is not None
+
+    def store_settings_modes(self, optimizer: torch.optim.Optimizer) -> None:
+        """Write the optimizer's present modes (``restore_settings_modes``) beside an entry just stored."""
+        rows = [[[key, position, mode] for (key, position), mode in of_group.items()]
+                for of_group in optimizer_step.live_modes(optimizer)]
+        try:
+            _write_atomically(self._path(settings_modes_key(optimizer), ".modes"), json.dumps({"modes": rows}).encode())
+        except OSError:
+            pass   # the next process probes again
 
     def _write_index(self, digest: str, index: dict) -> None:
         _write_atomically(self._path(digest, ".json"), json.dumps(index, indent=1).encode())

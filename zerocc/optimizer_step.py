@@ -130,16 +130,29 @@ def live_modes(optimizer: torch.optim.Optimizer) -> Modes:
     tried SIGNED, then traced in. A float setting step() makes a Python number of (another package's
     ``math.sqrt(1 - beta2)``, ``float(beta1)``) is traced in the same way: eager's update is the same at every step.
     """
-    read = _keys_read(optimizer)   # a key step() never reads neither is probed nor makes another structure
-    structure = tuple(tuple((key, _class(value)) for key, value in sorted(_read_items(group, read)))
-                      + ((len(group["params"]) > 0, str(group["params"][0].dtype) if group["params"] else None),)
-                      for group in optimizer.param_groups)
+    structure = settings_structure(optimizer)
     known = _MODES.setdefault(optimizer, {})
     if structure not in known:
         if len(known) >= 16:   # a setting that is another int every step (a count) is another structure each time
             del known[next(iter(known))]
         known[structure] = _modes_of_groups(optimizer, structure)
     return known[structure]
+
+
+def settings_structure(optimizer: torch.optim.Optimizer) -> tuple:
+    """What of the optimizer's param groups ``live_modes`` finds its modes per (``_MODES``' key): each setting's
+    ``_class``, and whether the group has parameters and of which dtype. A key step() never reads (``_keys_read``)
+    neither is probed nor makes another structure."""
+    read = _keys_read(optimizer)
+    return tuple(tuple((key, _class(value)) for key, value in sorted(_read_items(group, read)))
+                 + ((len(group["params"]) > 0, str(group["params"][0].dtype) if group["params"] else None),)
+                 for group in optimizer.param_groups)
+
+
+def remember_modes(optimizer: torch.optim.Optimizer, modes: Modes) -> None:
+    """``modes`` found earlier for the optimizer's present settings (the compile cache on disk,
+    ``disk_cache.SettingsModes``): ``live_modes`` returns them without probing."""
+    _MODES.setdefault(optimizer, {})[settings_structure(optimizer)] = modes
 
 
 def _modes_of_groups(optimizer: torch.optim.Optimizer, structure: tuple) -> list[dict[tuple[str, int | None], str]]:
