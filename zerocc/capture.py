@@ -40,6 +40,7 @@ from . import compile_stats
 from . import graph as g
 from . import decisions
 from . import optimizer_init
+from . import stamping
 from .compile_stats import CompileStats
 from .autocast import autocast_as, autocast_state, outside_autocast
 from .batch import BatchLayout
@@ -622,8 +623,10 @@ def trace_step(
         with recording(fake_mode, recorder), _restored(attributes), \
                 no_traced_values_left(model, loss_fn) as reassigned, \
                 module_conversions_as_eager(), synchronized_batch_norm_traceable():
+            stamper = stamping.Stamper(model, lambda: (len(recorder.guards), host_draws.drew)) \
+                if stamping.enabled() else None
             found = trace_functional(whole_step, fake_args, fake_mode, stats,
-                                     lambda written: _refuse_writes_to_constants(written, attributes))
+                                     lambda written: _refuse_writes_to_constants(written, attributes), stamper)
         reassigned_state_read(found[0], reassigned)
         return found
 
