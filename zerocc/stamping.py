@@ -59,6 +59,7 @@ class _Template:
     clean: bool = True
 
 
+LAST: list["Stamper"] = []
 _CALLS: dict[int, tuple[_Template, Any, list]] = {}   # index of a stamped call -> its template, x, bound values
 
 
@@ -99,16 +100,39 @@ def _backward(ctx, grad):
 _block.register_autograd(_backward, setup_context=_setup)
 
 
+_MODULE_FIELDS = {"_parameters", "_buffers", "_modules", "training", "forward"}
+_PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.Size)
+
+
+def _attribute(value: Any) -> Any:
+    """A plain attribute as it decides the ops (a number, a flag); anything else by identity (a shared function is
+    the same code, a tensor of its own per block is another constant)."""
+    if isinstance(value, _PLAIN):
+        return (type(value), value)
+    if isinstance(value, (tuple, list)):
+        return (type(value), tuple(_attribute(v) for v in value))
+    return ("id", id(value))
+
+
 def _signature(module: nn.Module) -> tuple | None:
-    """What makes two modules' calls the same ops: class, tensors' layout, modes; None where hooks run."""
+    """What makes two modules' calls the same ops: class, tensors' layout, modes, plain attributes (``layer_idx``,
+    a per-block flag); None where hooks run."""
     for sub in module.modules():
         if (sub._forward_hooks or sub._forward_pre_hooks or sub._backward_hooks or sub._backward_pre_hooks
                 or "forward" in sub.__dict__):
             return None
     tensors = tuple((name, tuple(t.shape), t.stride(), t.dtype, t.requires_grad, isinstance(t, nn.Parameter))
                     for name, t in (*module.named_parameters(), *module.named_buffers()))
-    modes = tuple((type(sub), sub.training) for sub in module.modules())
+    modes = tuple((name, type(sub), sub.training,
+                   tuple(sorted((k, _attribute(v)) for k, v in vars(sub).items()
+                                if k not in _MODULE_FIELDS and not k.startswith("_"))))
+                  for name, sub in module.named_modules())
     return type(module), tensors, modes
+
+
+def _layout(t: torch.Tensor) -> tuple:
+    return (tuple(t.shape), t.stride(), t.storage_offset(), t.untyped_storage().nbytes(), t.dtype, t.device,
+            t.requires_grad)
 
 
 def _global_hooks() -> bool:
@@ -136,10 +160,16 @@ def _node_of(value: torch.Tensor, tracer) -> fx.Node:
 class Stamper:
     """Patches the 2nd+ calls of look-alike blocks inside ``model`` for one trace (``active``), then ``expand``s."""
 
-    def __init__(self, model: nn.Module, watch: Callable[[], Any] = lambda: None):
+    def __init__(self, model: nn.Module, watch: Callable[[], Any] = lambda: None, gradient_hooks: bool = False):
         self.watch = watch
-        self.groups: dict[int, tuple] = {}   # id(module) -> (signature, path)
-        if _global_hooks():
+        self.groups: dict[int, tuple] = {}   # id(module) -> (signature, path, module)
+        self.templates: dict[tuple, _Template] = {}
+        self.used = False
+        self.tracing = False   # the hooks on the template's tensors outlive the trace: they act only inside it
+        self.stamped = 0       # calls replaced by copies in the last trace
+        self.refused = ""      # why the last trace was not stamped (traced again whole)
+        LAST[:] = [self]       # what the last capture did, for tests and benchmarks
+        if _global_hooks() or gradient_hooks:   # a parameter's hook would run in the template's copies and again
             return
         by_signature: dict[tuple, list[tuple[str, nn.Module]]] = {}
         for path, module in model.named_modules():
@@ -152,9 +182,6 @@ class Stamper:
             if len(members) > 1:
                 for path, child in members:
                     self.groups[id(child)] = (signature, path, child)
-        self.templates: dict[tuple, _Template] = {}
-        self.used = False
-        self.tracing = False   # the hooks on the template's tensors outlive the trace: they act only inside it
 
     @contextlib.contextmanager
     def active(self):
@@ -179,9 +206,10 @@ class Stamper:
                     or not args[0].requires_grad or not torch.is_grad_enabled():
                 return original(*args, **kwargs)
             x = args[0]
-            key = (signature, tuple(x.shape), x.stride(), x.dtype, x.device, torch.is_autocast_enabled("cpu"),
-                   torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cpu"), torch.get_autocast_dtype("cuda"))
             bound = [t for _, t in (*module.named_parameters(), *module.named_buffers())]
+            # views read their offsets from the template's storages: the same layouts, offsets and sizes
+            key = (signature, *(_layout(t) for t in (x, *bound)), torch.is_autocast_enabled("cpu"),
+                   torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cpu"), torch.get_autocast_dtype("cuda"))
             template = self.templates.get(key)
             if template is None:
                 return self._record(key, mode.tracer, original, x, bound, path)
@@ -279,6 +307,7 @@ class Stamper:
                         graph.erase_node(user)
                     graph.erase_node(node)
         gm.recompile()
+        self.stamped = len(_CALLS)
         return gm
 
 

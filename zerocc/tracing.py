@@ -14,7 +14,6 @@ are computed in double precision exactly as eager PyTorch does.
 """
 from __future__ import annotations
 
-import os
 import collections
 import contextlib
 import operator
@@ -572,22 +571,12 @@ def trace_functional(fn: Callable[..., Any], args: tuple, fake_mode: FakeTensorM
 
 def _traced_once(flat_fn, flat_args, fake_mode, stamper, out_spec_box) -> fx.GraphModule:
     """make_fx of ``flat_fn``; with a ``stamper`` (zerocc/stamping.py), the 2nd+ calls of look-alike blocks are
-    copies of the first's nodes, or, where that cannot be done exactly, traced again without stamping."""
+    copies of the first's nodes (``NotStampable`` where that cannot be done exactly: capture traces again)."""
     if stamper is None or not stamper.groups:
         return make_fx(flat_fn, record_stack_traces=True)(*flat_args)
-    from .stamping import NotStampable
     with stamper.active():
         first = make_fx(flat_fn, record_stack_traces=True)(*flat_args)
-        try:
-            expanded = stamper.expand(first, fake_mode)
-            if os.environ.get("ZEROCC_STAMP_DEBUG"):
-                print("zerocc: stamped", stamper.used)
-            return expanded
-        except NotStampable as why:
-            if os.environ.get("ZEROCC_STAMP_DEBUG"):
-                print("zerocc: not stamped:", why)
-    out_spec_box.clear()
-    return make_fx(flat_fn, record_stack_traces=True)(*flat_args)
+        return stamper.expand(first, fake_mode)
 
 
 def written_inputs(gm: fx.GraphModule) -> dict[int, fx.Node]:
