@@ -64,12 +64,12 @@ def _batches(steps=3, batch=2, seq=16, vocab=64):
     return [torch.randint(0, vocab, (batch, seq + 1), generator=generator) for _ in range(steps)]
 
 
-def _captured(model, monkeypatch, stamp: bool):
+def _captured(model, monkeypatch, stamp: bool, **options):
     monkeypatch.setenv(stamping.ENV, "1" if stamp else "0")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    tokens = _batches(1)[0]
+    tokens = _batches(1, batch=4)[0]
     return capture(model, optimizer, [tokens[:, :-1], tokens[:, 1:]], loss_fn=None, num_targets=0,
-                   fake_mode=make_fake_mode()).gm
+                   fake_mode=make_fake_mode(), **options).gm
 
 
 def _canonical(gm) -> list:
@@ -86,11 +86,11 @@ def _canonical(gm) -> list:
     return rows
 
 
-def _stamped_equals_traced(build, monkeypatch) -> stamping.Stamper:
+def _stamped_equals_traced(build, monkeypatch, **options) -> stamping.Stamper:
     torch.manual_seed(0)
     model = build()
-    traced = _canonical(_captured(model, monkeypatch, False))
-    stamped = _canonical(_captured(model, monkeypatch, True))
+    traced = _canonical(_captured(model, monkeypatch, False, **options))
+    stamped = _canonical(_captured(model, monkeypatch, True, **options))
     assert len(stamped) == len(traced)
     for row, (a, b) in enumerate(zip(traced, stamped)):
         assert a == b, f"node {row} differs"
@@ -131,3 +131,24 @@ def test_a_block_whose_flag_changes_its_ops_is_not_stamped_from_another(monkeypa
 def test_a_block_that_draws_random_numbers_is_traced_whole(monkeypatch):
     stamper = _stamped_equals_traced(lambda: GPT(layers=3, dropout=0.1), monkeypatch)
     assert stamper.stamped == 0 and "random" in stamper.refused
+
+
+def test_micro_batches_stamp_from_the_first_micro_batchs_block(monkeypatch):
+    # the second micro-batch's first block is a stamped call too, its input the copy of an earlier stamped call's
+    stamper = _stamped_equals_traced(lambda: GPT(layers=4), monkeypatch, grad_accumulation=2)
+    assert stamper.stamped == 7, stamper.refused
+
+
+def test_a_frozen_block_is_stamped_from_its_own_kind(monkeypatch):
+    def build():
+        model = GPT(layers=4)
+        model.blocks[1].requires_grad_(False)
+        return model
+    stamper = _stamped_equals_traced(build, monkeypatch)
+    assert stamper.stamped == 2, stamper.refused
+
+
+def test_blocks_under_autocast_are_stamped(monkeypatch):
+    with torch.autocast("cpu", torch.bfloat16):
+        stamper = _stamped_equals_traced(lambda: GPT(layers=4), monkeypatch)
+    assert stamper.stamped == 3, stamper.refused

@@ -247,8 +247,8 @@ class Stamper:
             template.bwd = _range(graph, template.bwd_start, _tail(graph))
 
         def bound_grad(position):
-            def hook(grad):
-                if not self.tracing:
+            def hook(grad):   # the parameters are the next micro-batch's too: only inside the template's backward
+                if not self.tracing or template.bwd_start is None or template.bwd or position in template.grads:
                     return
                 template.grads[position] = _node_of(grad, tracer)
             return hook
@@ -281,13 +281,12 @@ class Stamper:
                     with graph.inserting_before(node):
                         _copy(graph, template.fwd, env, storages, fake_mode, template.path, path,
                               {template.out: node.meta["val"]})
-                    node.replace_all_uses_with(env[template.out])
-                    graph.erase_node(node)
+                    self._replace(node, env[template.out])
                     forward_env[index] = env
                 elif node.target is torch.ops.zerocc_stamp.block_backward.default:
-                    index, grad, _, bound = node.args
+                    index, grad, x, bound = node.args
                     template, _, _, path = _CALLS[index]
-                    env = {**forward_env[index], template.grad_out: grad}
+                    env = {**forward_env[index], template.x: x, **dict(zip(template.bound, bound)), template.grad_out: grad}
                     getitems = {user.args[1]: user for user in node.users}
                     storages = _bindings(env)
                     outputs = {}
@@ -303,12 +302,22 @@ class Stamper:
                     with graph.inserting_before(node):
                         _copy(graph, template.bwd, env, storages, fake_mode, template.path, path, outputs)
                     for position, user in getitems.items():
-                        user.replace_all_uses_with(env[wanted[position]])
-                        graph.erase_node(user)
+                        self._replace(user, env[wanted[position]])
                     graph.erase_node(node)
         gm.recompile()
         self.stamped = len(_CALLS)
         return gm
+
+
+    def _replace(self, old: fx.Node, new: fx.Node) -> None:
+        """``old``'s uses read ``new``; a template bound to ``old`` (its input or incoming gradient came from a
+        stamped call: the next micro-batch's template is the previous one's) is bound to ``new`` from now on."""
+        old.replace_all_uses_with(new)
+        old.graph.erase_node(old)
+        for template in self.templates.values():
+            template.x = new if template.x is old else template.x
+            template.grad_out = new if template.grad_out is old else template.grad_out
+            template.bound = [new if b is old else b for b in template.bound]
 
 
 def _check(template: _Template) -> None:
