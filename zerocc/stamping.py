@@ -3,9 +3,9 @@
 Capture's trace costs ~0.10 CPU s per GPT block, all of it torch's own dispatch (make_fx, fake tensors, node
 creation). Most models repeat one block: the 2nd+ call of a structurally identical module (same class, same
 parameter and buffer layout, same input metadata, same grad/autocast state, no hooks) computes the same ops on
-other tensors. So the first call is traced as always (the *template*), and each later call is traced as one opaque
-op (``zerocc_stamp::block``, whose autograd formula is ``zerocc_stamp::block_backward``): two nodes instead of
-~450. After make_fx, ``expand`` replaces each opaque node by a copy of the template's node range, its inputs,
+other tensors. So the first call is traced as always (the *template*), and each later call is traced as one node
+(``stamped_block``, emitted by an ``autograd.Function`` whose backward emits ``stamped_block_backward``): two
+nodes instead of ~450, made without dispatching an op. After make_fx, ``expand`` replaces each opaque node by a copy of the template's node range, its inputs,
 parameters, buffers (and for backward the incoming gradient and the copied forward's values) rebound.
 
 Where the template's nodes come from: forward, the nodes make_fx appended during the template's call; backward,
@@ -29,8 +29,9 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 import torch.nn as nn
+from torch.utils._python_dispatch import _disable_current_modes
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
-from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
+from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot, track_tensor_tree
 
 ENV = "ZEROCC_STAMP"
 
@@ -63,41 +64,50 @@ LAST: list["Stamper"] = []
 _CALLS: dict[int, tuple[_Template, Any, list]] = {}   # index of a stamped call -> its template, x, bound values
 
 
-@torch.library.custom_op("zerocc_stamp::block", mutates_args=())
-def _block(index: int, x: torch.Tensor, bound: list[torch.Tensor]) -> torch.Tensor:
-    raise RuntimeError("zerocc_stamp::block only exists inside capture's trace")
+def stamped_block(index: int, x: torch.Tensor, bound: list[torch.Tensor]) -> torch.Tensor:
+    """The node of a stamped call (``expand`` replaces it by a copy of the template's forward)."""
+    raise RuntimeError("a stamped block only exists inside capture's trace")
 
 
-@_block.register_fake
-def _(index, x, bound):
-    val = _CALLS[index][0].out_val
-    return torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device=val.device)
+def stamped_block_backward(index: int, grad: torch.Tensor, x: torch.Tensor, bound: list[torch.Tensor]) -> list:
+    """The node of a stamped call's backward (``expand`` replaces it by a copy of the template's backward)."""
+    raise RuntimeError("a stamped block only exists inside capture's trace")
 
 
-@torch.library.custom_op("zerocc_stamp::block_backward", mutates_args=())
-def _block_backward(index: int, grad: torch.Tensor, x: torch.Tensor, bound: list[torch.Tensor]) -> list[torch.Tensor]:
-    raise RuntimeError("zerocc_stamp::block_backward only exists inside capture's trace")
+def _like(value: torch.Tensor, fake_mode) -> torch.Tensor:
+    with _disable_current_modes():   # a meta tensor made under the trace's modes would be a fake op and a node
+        meta = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
+    return FakeTensor(fake_mode, meta, value.device)
 
 
-@_block_backward.register_fake
-def _(index, grad, x, bound):
-    # the template's own backward runs after every stamped one (autograd goes in reverse): gradients laid out
-    # like their inputs, which ``expand`` checks against what the template's backward made
-    return [torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device) for v in (x, *bound)]
+def _emit(target, args: tuple, outputs):
+    """One node calling ``target`` on ``args``, its value ``outputs``, made without dispatching an op: the op a
+    custom operator would be costs as much in torch's dispatch (its autograd wrapper, fake kernel, arguments'
+    flattening) as a tenth of the block it stands for."""
+    tracer = get_proxy_mode().tracer
+    proxy_args = torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: get_proxy_slot(t, tracer).proxy, args)
+    proxy = tracer.create_proxy("call_function", target, proxy_args, {})
+    track_tensor_tree(outputs, proxy, constant=None, tracer=tracer)
+    proxy.node.meta["val"] = outputs
+    return outputs
 
 
-def _setup(ctx, inputs, output):
-    ctx.index = inputs[0]
-    ctx.save_for_backward(inputs[1], *inputs[2])
+class _Stamped(torch.autograd.Function):
+    """A stamped call as autograd sees it: one node forward, one node backward."""
 
+    @staticmethod
+    def forward(ctx, index, x, *bound):
+        ctx.index = index
+        ctx.save_for_backward(x, *bound)
+        return _emit(stamped_block, (index, x, list(bound)), _like(_CALLS[index][0].out_val, x.fake_mode))
 
-def _backward(ctx, grad):
-    x, *bound = ctx.saved_tensors
-    grads = torch.ops.zerocc_stamp.block_backward(ctx.index, grad, x, bound)
-    return None, grads[0], [g if b.requires_grad else None for g, b in zip(grads[1:], bound)]
-
-
-_block.register_autograd(_backward, setup_context=_setup)
+    @staticmethod
+    def backward(ctx, grad):
+        x, *bound = ctx.saved_tensors
+        # the template's own backward runs after every stamped one (autograd goes in reverse): gradients laid out
+        # like their inputs, which ``expand`` checks against what the template's backward made
+        grads = _emit(stamped_block_backward, (ctx.index, grad, x, bound), [_like(v, x.fake_mode) for v in (x, *bound)])
+        return None, grads[0], *(g if b.requires_grad else None for g, b in zip(grads[1:], bound))
 
 
 _MODULE_FIELDS = {"_parameters", "_buffers", "_modules", "training", "forward"}
@@ -218,7 +228,7 @@ class Stamper:
             index = len(_CALLS)
             _CALLS[index] = (template, x, bound, path)
             self.used = True
-            return torch.ops.zerocc_stamp.block(index, x, bound)
+            return _Stamped.apply(index, x, *bound)
         return stamped
 
     def _record(self, key, tracer, original, x, bound, path):
@@ -272,7 +282,7 @@ class Stamper:
             for node in list(graph.nodes):
                 if node.op != "call_function":
                     continue
-                if node.target is torch.ops.zerocc_stamp.block.default:
+                if node.target is stamped_block:
                     index = node.args[0]
                     template, _, _, path = _CALLS[index]
                     env = {template.x: node.args[1], **dict(zip(template.bound, node.args[2]))}
@@ -283,7 +293,7 @@ class Stamper:
                               {template.out: node.meta["val"]})
                     self._replace(node, env[template.out])
                     forward_env[index] = env
-                elif node.target is torch.ops.zerocc_stamp.block_backward.default:
+                elif node.target is stamped_block_backward:
                     index, grad, x, bound = node.args
                     template, _, _, path = _CALLS[index]
                     env = {**forward_env[index], template.x: x, **dict(zip(template.bound, bound)), template.grad_out: grad}
