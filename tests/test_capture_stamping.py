@@ -79,6 +79,7 @@ def _canonical(gm) -> list:
     for node in gm.graph.nodes:
         value = node.meta.get("val")
         layout = (tuple(value.shape), value.stride(), value.storage_offset(), value.dtype, type(value).__name__,
+                  value.requires_grad, str(value.device),
                   storages.setdefault(value.untyped_storage()._cdata, len(storages))) \
             if isinstance(value, torch.Tensor) else repr(value)
         rows.append((node.op, str(node.target), str(fx.node.map_arg((node.args, node.kwargs), names.get)), layout,

@@ -5,8 +5,9 @@ creation). Most models repeat one block: the 2nd+ call of a structurally identic
 parameter and buffer layout, same input metadata, same grad/autocast state, no hooks) computes the same ops on
 other tensors. So the first call is traced as always (the *template*), and each later call is traced as one node
 (``stamped_block``, emitted by an ``autograd.Function`` whose backward emits ``stamped_block_backward``): two
-nodes instead of ~450, made without dispatching an op. After make_fx, ``expand`` replaces each opaque node by a copy of the template's node range, its inputs,
-parameters, buffers (and for backward the incoming gradient and the copied forward's values) rebound.
+nodes instead of ~450, made without dispatching an op. After make_fx, ``expand`` replaces each such node by a copy
+of the template's node range, its inputs, parameters, buffers (and for backward the incoming gradient and the
+copied forward's values) rebound.
 
 Where the template's nodes come from: forward, the nodes make_fx appended during the template's call; backward,
 the nodes appended between the moment the gradient of the template's output is complete (a hook on the output)
@@ -87,8 +88,7 @@ def _emit(target, args: tuple, outputs):
     tracer = get_proxy_mode().tracer
     proxy_args = torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: get_proxy_slot(t, tracer).proxy, args)
     proxy = tracer.create_proxy("call_function", target, proxy_args, {})
-    track_tensor_tree(outputs, proxy, constant=None, tracer=tracer)
-    proxy.node.meta["val"] = outputs
+    track_tensor_tree(outputs, proxy, constant=None, tracer=tracer)   # sets meta["val"]: detached, as make_fx's
     return outputs
 
 
