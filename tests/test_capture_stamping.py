@@ -153,3 +153,34 @@ def test_blocks_under_autocast_are_stamped(monkeypatch):
     with torch.autocast("cpu", torch.bfloat16):
         stamper = _stamped_equals_traced(lambda: GPT(layers=4), monkeypatch)
     assert stamper.stamped == 3, stamper.refused
+
+
+class Heads(nn.Module):
+    """Look-alike heads inside look-alike layers: only the layers are stamped (a copy holds its heads' nodes)."""
+
+    def __init__(self, d=16, heads=3):
+        super().__init__()
+        self.heads = nn.ModuleList(nn.Sequential(nn.Linear(d, d), nn.Tanh()) for _ in range(heads))
+
+    def forward(self, x):
+        for head in self.heads:
+            x = x + head(x)
+        return x
+
+
+class Nested(nn.Module):
+    def __init__(self, layers=3, d=16):
+        super().__init__()
+        self.layers = nn.ModuleList(Heads(d) for _ in range(layers))
+
+    def forward(self, tokens, targets):
+        x = F.one_hot(tokens % 16, 16).float()
+        for layer in self.layers:
+            x = layer(x)
+        return F.mse_loss(x.mean(-1), targets.float())
+
+
+def test_look_alike_modules_inside_a_stamped_block_are_its_nodes(monkeypatch):
+    stamper = _stamped_equals_traced(Nested, monkeypatch)
+    # the first layer's input needs no gradient (traced as is): the second is the template, the third its copy
+    assert stamper.stamped == 1, stamper.refused

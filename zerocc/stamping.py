@@ -192,6 +192,9 @@ class Stamper:
             if len(members) > 1:
                 for path, child in members:
                     self.groups[id(child)] = (signature, path, child)
+        # a group inside a stamped block (heads in a ModuleList of a layer) would be copied unexpanded: outer only
+        inner = {id(sub) for _, _, member in self.groups.values() for sub in member.modules() if sub is not member}
+        self.groups = {key: value for key, value in self.groups.items() if key not in inner}
 
     @contextlib.contextmanager
     def active(self):
@@ -344,11 +347,22 @@ def _check(template: _Template) -> None:
             target = node.target
             if node.op not in ("call_function", "get_attr"):
                 raise NotStampable(f"{node.op} inside the template")
+            if _symbolic(node.meta.get("val")):
+                raise NotStampable(f"a value of the template has a symbolic size ({node})")
             if _draws(node):
                 raise NotStampable(f"the template draws random numbers ({target})")
             for read in node.all_input_nodes:
                 if read not in allowed and read.op != "get_attr":
                     raise NotStampable(f"the template reads {read} from outside the block")
+
+
+def _symbolic(value: Any) -> bool:
+    """A size or number read from data (``.item()``): its symbol would be shared by the copies."""
+    if isinstance(value, (tuple, list)):
+        return any(_symbolic(v) for v in value)
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return True
+    return isinstance(value, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in (*value.shape, *value.stride()))
 
 
 def _draws(node: fx.Node) -> bool:
