@@ -40,6 +40,7 @@ from . import compile_stats
 from . import graph as g
 from . import decisions
 from . import optimizer_init
+from . import stamping
 from .compile_stats import CompileStats
 from .autocast import autocast_as, autocast_state, outside_autocast
 from .batch import BatchLayout
@@ -276,7 +277,11 @@ def capture(model: nn.Module, optimizer: torch.optim.Optimizer, inputs: Sequence
     autocast = autocast_state() if autocast is None else autocast
     with suspended_user_tooling(), outside_autocast():
         optimizer_init.refuse_python_state(optimizer, trained_parameters(model, optimizer))
-        return trace_step(model, optimizer, inputs, autocast=autocast, **options)
+        try:
+            return trace_step(model, optimizer, inputs, autocast=autocast, stamp=stamping.enabled(), **options)
+        except stamping.NotStampable as why:   # the trace's guards, draws and symbols start again from nothing
+            stamping.LAST[0].refused = str(why)
+            return trace_step(model, optimizer, inputs, autocast=autocast, stamp=False, **options)
 
 
 def _group_of_id(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[int, int]:
@@ -473,6 +478,7 @@ def trace_step(
     layout: BatchLayout | None = None,
     metrics_fn: Callable | None = None,
     drop_state_of_unused: bool = False,
+    stamp: bool = False,
 ) -> Captured:
     """Trace one training step of ``model`` and ``optimizer`` on ``inputs``.
 
@@ -497,7 +503,8 @@ def trace_step(
     ``metrics_fn`` (``metrics_of``) adds what it returns on each micro-batch as outputs, each replacing a
     ``METRIC_PREFIX`` slot. ``drop_state_of_unused`` leaves out the ``optimizer_state`` of the parameters the loss
     turns out not to reach (``_drop_state_of_unused``): the state the step makes before the first step, which eager
-    makes for a parameter only once it has a gradient.
+    makes for a parameter only once it has a gradient. ``stamp`` traces the first call of each kind of look-alike
+    block and copies it for the others (zerocc/stamping.py; ``NotStampable`` where it cannot be exact).
     """
     params_all = named_tensors(model, "param")
     buffers_all = named_tensors(model, "buffer")
@@ -622,8 +629,10 @@ def trace_step(
         with recording(fake_mode, recorder), _restored(attributes), \
                 no_traced_values_left(model, loss_fn) as reassigned, \
                 module_conversions_as_eager(), synchronized_batch_norm_traceable():
+            stamper = stamping.Stamper(model, lambda: (len(recorder.guards), host_draws.drew), any(gradient_hooks)) \
+                if stamp else None
             found = trace_functional(whole_step, fake_args, fake_mode, stats,
-                                     lambda written: _refuse_writes_to_constants(written, attributes))
+                                     lambda written: _refuse_writes_to_constants(written, attributes), stamper)
         reassigned_state_read(found[0], reassigned)
         return found
 
@@ -656,7 +665,7 @@ def trace_step(
                 "represent.\n  fix: give the BatchNorm a momentum (0.1 is PyTorch's default)") from error
         raise _data_dependent_error(user_frame(error.__traceback__), type(error).__name__, str(error),
                                     recorder.random_branch, _in_fake_quantize(error.__traceback__)) from error
-    except ZeroccError:
+    except (ZeroccError, stamping.NotStampable):
         raise
     except Exception as error:
         if recorder.guards and raised_by_user_code(error):   # on a side this batch's values decided: as eager

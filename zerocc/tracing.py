@@ -507,7 +507,7 @@ def fakeify(fake_mode: FakeTensorMode, tree: Any) -> Any:
 def trace_functional(fn: Callable[..., Any], args: tuple, fake_mode: FakeTensorMode,
                      stats: CompileStats | None = None,
                      check_written_constants: Callable[[dict[int, fx.Node]], None] | None = None,
-                     ) -> tuple[fx.GraphModule, pytree.TreeSpec]:
+                     stamper=None) -> tuple[fx.GraphModule, pytree.TreeSpec]:
     """Trace ``fn(*args)`` into a flat functional graph; returns it and the output tree spec.
 
     The graph's placeholders are ``pytree.tree_leaves(args)`` in order; its
@@ -536,7 +536,7 @@ def trace_functional(fn: Callable[..., Any], args: tuple, fake_mode: FakeTensorM
     with stats.timed(compile_stats.TRACE), fake_mode, eager_composites(), fast_paths_as_eager(), \
             _use_lazy_graph_module(True), torch._dynamo.config.patch(error_on_nested_fx_trace=False), \
             loaded_uninteresting_files(), recording_source_files(set()) as files:
-        first = make_fx(flat_fn, record_stack_traces=True)(*flat_args)
+        first = _traced_once(flat_fn, flat_args, fake_mode, stamper, out_spec_box)
     first.meta[g.SOURCE_FILES] = frozenset(files)
     if check_written_constants is not None:
         check_written_constants(written_constants(first))
@@ -567,6 +567,16 @@ def trace_functional(fn: Callable[..., Any], args: tuple, fake_mode: FakeTensorM
     gm.graph.eliminate_dead_code()
     gm.recompile()
     return gm, out_spec_box[0]
+
+
+def _traced_once(flat_fn, flat_args, fake_mode, stamper, out_spec_box) -> fx.GraphModule:
+    """make_fx of ``flat_fn``; with a ``stamper`` (zerocc/stamping.py), the 2nd+ calls of look-alike blocks are
+    copies of the first's nodes (``NotStampable`` where that cannot be done exactly: capture traces again)."""
+    if stamper is None or not stamper.groups:
+        return make_fx(flat_fn, record_stack_traces=True)(*flat_args)
+    with stamper.active():
+        first = make_fx(flat_fn, record_stack_traces=True)(*flat_args)
+        return stamper.expand(first, fake_mode)
 
 
 def written_inputs(gm: fx.GraphModule) -> dict[int, fx.Node]:
